@@ -1,0 +1,3 @@
+from harmonia.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,384 @@
+"""Architecture specs of an MLLM's modules: encoders, projectors and the decoder LLM.
+
+A spec is pure data: layer counts and widths, enough for the cost model to count FLOPs, bytes and
+parameters, for the planner to split layers into stages, and for the reference models to be built.
+Token conversions (item -> encoder tokens -> LLM tokens) live in `harmonia.workload.shapes` and
+read these specs; no size is a constant elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Literal
+
+from harmonia.errors import ConfigError
+
+MODALITIES: tuple[str, ...] = ("image", "video", "audio")
+
+
+def _check_positive(owner: str, **values: int | float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{owner}: {name}={value} is invalid, expected a positive number")
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A stack of pre-norm transformer blocks.
+
+    Attributes:
+        n_layers: number of blocks.
+        hidden: model width ``h``.
+        n_heads: attention heads (queries).
+        n_kv_heads: key/value heads (GQA); None = ``n_heads``.
+        ffn_hidden: MLP inner width ``f``.
+        mlp: ``gelu`` (two matrices) or ``swiglu`` (three matrices).
+        norm: ``layernorm`` (weight + bias) or ``rmsnorm`` (weight).
+        qkv_bias: q, k, v projections have biases.
+        out_bias: attention output projection has a bias.
+        mlp_bias: MLP matrices have biases.
+        qk_norm: per-head norms on q and k (InternViT-6B).
+        layer_scale: per-channel scales on both residual branches (InternViT, EVA).
+        head_dim: per-head width; None = ``hidden // n_heads``.
+    """
+
+    n_layers: int
+    hidden: int
+    n_heads: int
+    ffn_hidden: int
+    n_kv_heads: int | None = None
+    mlp: Literal["gelu", "swiglu"] = "gelu"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    qkv_bias: bool = True
+    out_bias: bool = True
+    mlp_bias: bool = True
+    qk_norm: bool = False
+    layer_scale: bool = False
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            "TransformerSpec", n_layers=self.n_layers, hidden=self.hidden, n_heads=self.n_heads,
+            ffn_hidden=self.ffn_hidden, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+        )
+        if self.head_dim is None and self.hidden % self.n_heads:
+            raise ConfigError(
+                f"TransformerSpec: hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
+                "set head_dim explicitly"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"TransformerSpec: n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}"
+            )
+        if self.mlp not in ("gelu", "swiglu") or self.norm not in ("layernorm", "rmsnorm"):
+            raise ConfigError(
+                f"TransformerSpec: mlp={self.mlp!r} / norm={self.norm!r}: expected mlp in "
+                "('gelu', 'swiglu') and norm in ('layernorm', 'rmsnorm')"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.hidden // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together (``n_heads * head_dim``)."""
+        return self.n_heads * self.dim_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key heads together (``n_kv_heads * head_dim``)."""
+        return self.kv_heads * self.dim_head
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden * (2 if self.norm == "layernorm" else 1)
+
+    def attention_matmul_params(self) -> int:
+        """Weights of q, k, v and output projections (no biases)."""
+        return self.hidden * (self.q_dim + 2 * self.kv_dim) + self.q_dim * self.hidden
+
+    def mlp_matmul_params(self) -> int:
+        """Weights of the MLP matrices (no biases)."""
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden * self.ffn_hidden
+
+    def block_params(self) -> int:
+        """Parameters of one block: matrices, biases, norms, layer scales."""
+        p = self.attention_matmul_params() + self.mlp_matmul_params() + 2 * self.norm_params
+        if self.qkv_bias:
+            p += self.q_dim + 2 * self.kv_dim
+        if self.out_bias:
+            p += self.hidden
+        if self.mlp_bias:
+            p += self.ffn_hidden * (2 if self.mlp == "swiglu" else 1) + self.hidden
+        if self.qk_norm:
+            p += 2 * (self.q_dim if self.norm == "rmsnorm" else 2 * self.q_dim)
+        if self.layer_scale:
+            p += 2 * self.hidden
+        return p
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """A modality encoder: a front end (patch embedding or conv stem) and a transformer.
+
+    Vision (image and video frames): an image of ``image_size`` pixels square becomes
+    ``(image_size // patch_size) ** 2`` patches (plus a class token when ``cls_token``); the
+    projector merges ``token_merge`` patches into one LLM token (pixel shuffle 0.5 -> 4).
+    ``native_resolution`` encoders (Qwen2-VL style) take any pixel size instead of fixed tiles.
+    Video frames are merged ``temporal_merge`` at a time before the LLM.
+
+    Audio (Whisper style): ``sample_rate / hop_length`` mel frames per second, two convolutions
+    (kernel 3, the second with ``conv_stride``), so ``ceil(mel / conv_stride)`` encoder tokens; audio
+    is processed in chunks of ``chunk_seconds`` (padded, as Whisper does) when set.
+    """
+
+    name: str
+    modalities: tuple[str, ...]
+    body: TransformerSpec
+    patch_size: int = 14
+    image_size: int = 448
+    channels: int = 3
+    cls_token: bool = False
+    pre_norm: bool = False
+    post_norm: bool = True
+    pos_embed: Literal["learned", "none"] = "learned"
+    token_merge: int = 1
+    temporal_merge: int = 1
+    native_resolution: bool = False
+    max_tiles: int = 12
+    head_params: int = 0
+    n_mels: int = 128
+    sample_rate: int = 16000
+    hop_length: int = 160
+    conv_stride: int = 2
+    chunk_seconds: float | None = 30.0
+    max_positions: int = 1500
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.modalities if m not in MODALITIES]
+        if not self.modalities or bad:
+            raise ConfigError(
+                f"encoder {self.name!r}: modalities {self.modalities} invalid; expected a non-empty "
+                f"subset of {MODALITIES}"
+            )
+        if "audio" in self.modalities and len(self.modalities) > 1:
+            raise ConfigError(f"encoder {self.name!r}: an audio encoder cannot also encode {self.modalities}")
+        _check_positive(
+            f"encoder {self.name!r}", patch_size=self.patch_size, image_size=self.image_size,
+            token_merge=self.token_merge, temporal_merge=self.temporal_merge, n_mels=self.n_mels,
+            sample_rate=self.sample_rate, hop_length=self.hop_length, conv_stride=self.conv_stride,
+            chunk_seconds=self.chunk_seconds, max_tiles=self.max_tiles,
+        )
+        if self.is_vision and self.image_size % self.patch_size:
+            raise ConfigError(
+                f"encoder {self.name!r}: image_size={self.image_size} is not a multiple of "
+                f"patch_size={self.patch_size}"
+            )
+
+    @property
+    def is_audio(self) -> bool:
+        return "audio" in self.modalities
+
+    @property
+    def is_vision(self) -> bool:
+        return not self.is_audio
+
+    @property
+    def out_dim(self) -> int:
+        return self.body.hidden
+
+    def patches_per_tile(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def frontend_params(self) -> int:
+        """Patch embedding (conv as a matrix) + positions + class token, or Whisper's two convs."""
+        h = self.body.hidden
+        if self.is_audio:
+            conv = self.n_mels * h * 3 + h + h * h * 3 + h
+            return conv + self.max_positions * h
+        p = self.channels * self.patch_size**2 * h + h
+        if self.pos_embed == "learned":
+            p += (self.patches_per_tile() + int(self.cls_token)) * h
+        if self.cls_token:
+            p += h
+        return p
+
+    def n_params(self) -> int:
+        """All parameters of the encoder (front end, blocks, norms, head)."""
+        h = self.body.hidden
+        norms = (int(self.pre_norm) + int(self.post_norm)) * self.body.norm_params
+        return self.frontend_params() + self.body.n_layers * self.body.block_params() + norms + self.head_params
+
+
+@dataclass(frozen=True)
+class ProjectorSpec:
+    """An MLP from encoder width (times the token merge) to LLM width.
+
+    InternVL style: LayerNorm(in) -> Linear(in, hidden) -> GELU -> Linear(hidden, out).
+    """
+
+    name: str
+    in_dim: int
+    out_dim: int
+    hidden: int
+    n_layers: int = 2
+    input_norm: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            f"projector {self.name!r}", in_dim=self.in_dim, out_dim=self.out_dim, hidden=self.hidden,
+            n_layers=self.n_layers,
+        )
+
+    def dims(self) -> list[tuple[int, int]]:
+        """(in, out) of each linear layer."""
+        widths = [self.in_dim] + [self.hidden] * (self.n_layers - 1) + [self.out_dim]
+        return list(zip(widths[:-1], widths[1:]))
+
+    def matmul_params(self) -> int:
+        return sum(i * o for i, o in self.dims())
+
+    def n_params(self) -> int:
+        return self.matmul_params() + sum(o for _, o in self.dims()) + (2 * self.in_dim if self.input_norm else 0)
+
+
+@dataclass(frozen=True)
+class LLMSpec:
+    """A decoder LLM (Llama / Qwen family): embedding, blocks, final norm, LM head."""
+
+    name: str
+    body: TransformerSpec
+    vocab_size: int
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size)
+
+    @property
+    def hidden(self) -> int:
+        return self.body.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden
+
+    def head_params(self) -> int:
+        return 0 if self.tie_embeddings else self.vocab_size * self.hidden
+
+    def n_params(self) -> int:
+        b = self.body
+        return self.embedding_params() + b.n_layers * b.block_params() + b.norm_params + self.head_params()
+
+
+class Trainability(str, Enum):
+    """How a module's parameters train."""
+
+    FULL = "full"
+    FROZEN = "frozen"
+    LORA = "lora"  # frozen base weights with trainable low-rank adapters
+
+
+@dataclass(frozen=True)
+class ModuleTraining:
+    """Training mode of one module; ``lora_rank`` applies to every block linear when LORA."""
+
+    mode: Trainability = Trainability.FULL
+    lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Trainability(self.mode))
+        _check_positive("ModuleTraining", lora_rank=self.lora_rank)
+
+    @property
+    def trains(self) -> bool:
+        return self.mode is not Trainability.FROZEN
+
+
+@dataclass(frozen=True)
+class MLLMSpec:
+    """A whole MLLM: encoders (by module name), one projector per encoder, the LLM, training modes.
+
+    Module names follow the vocabulary: an encoder ``vision`` has projector ``vision_proj``; the
+    decoder is ``llm``. The graph is ``encoder -> projector -> llm`` for every encoder.
+    """
+
+    name: str
+    encoders: dict[str, EncoderSpec]
+    projectors: dict[str, ProjectorSpec]
+    llm: LLMSpec
+    training: dict[str, ModuleTraining] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for enc in self.encoders:
+            if f"{enc}_proj" not in self.projectors:
+                raise ConfigError(
+                    f"MLLM {self.name!r}: encoder {enc!r} has no projector; add projectors[{enc + '_proj'!r}]"
+                )
+        for proj, spec in self.projectors.items():
+            enc = proj.removesuffix("_proj")
+            if enc not in self.encoders:
+                raise ConfigError(f"MLLM {self.name!r}: projector {proj!r} has no encoder {enc!r}")
+            want = self.encoders[enc].out_dim * self.encoders[enc].token_merge
+            if spec.in_dim != want or spec.out_dim != self.llm.hidden:
+                raise ConfigError(
+                    f"MLLM {self.name!r}: projector {proj!r} maps {spec.in_dim}->{spec.out_dim}, expected "
+                    f"{want} (encoder width x token_merge) -> {self.llm.hidden} (LLM width)"
+                )
+        seen: dict[str, str] = {}
+        for name, enc in self.encoders.items():
+            for m in enc.modalities:
+                if m in seen:
+                    raise ConfigError(f"MLLM {self.name!r}: modality {m!r} has two encoders ({seen[m]}, {name})")
+                seen[m] = name
+        unknown = set(self.training) - set(self.module_names)
+        if unknown:
+            raise ConfigError(
+                f"MLLM {self.name!r}: training modes for unknown modules {sorted(unknown)}; "
+                f"modules are {self.module_names}"
+            )
+
+    @property
+    def module_names(self) -> list[str]:
+        """Modules in graph order: encoders, projectors, llm."""
+        return [*self.encoders, *self.projectors, "llm"]
+
+    def encoder_for(self, modality: str) -> str:
+        """Name of the encoder module that handles a modality."""
+        for name, enc in self.encoders.items():
+            if modality in enc.modalities:
+                return name
+        raise ConfigError(
+            f"MLLM {self.name!r} has no encoder for modality {modality!r}; it encodes "
+            f"{sorted(m for e in self.encoders.values() for m in e.modalities)}"
+        )
+
+    def training_of(self, module: str) -> ModuleTraining:
+        return self.training.get(module, ModuleTraining())
+
+    def upstream(self, module: str) -> list[str]:
+        """Modules strictly upstream of ``module`` in the graph."""
+        if module == "llm":
+            return [*self.encoders, *self.projectors]
+        if module in self.projectors:
+            return [module.removesuffix("_proj")]
+        if module in self.encoders:
+            return []
+        raise ConfigError(f"unknown module {module!r}; modules are {self.module_names}")
+
+    def with_training(self, **modes: str | Trainability | ModuleTraining) -> MLLMSpec:
+        """A copy with some modules' training modes changed (``vision="frozen"``)."""
+        training = dict(self.training)
+        for module, mode in modes.items():
+            training[module] = mode if isinstance(mode, ModuleTraining) else ModuleTraining(Trainability(mode))
+        return replace(self, training=training)
+
+    def n_params(self) -> dict[str, int]:
+        out = {name: enc.n_params() for name, enc in self.encoders.items()}
+        out.update({name: p.n_params() for name, p in self.projectors.items()})
+        out["llm"] = self.llm.n_params()
+        return out

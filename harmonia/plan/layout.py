@@ -1,0 +1,137 @@
+"""One module's parallel layout: degrees, stage boundaries, and rank set.
+
+Ranks of a layout are laid out on a grid ``(pp, dp, cp, tp)`` with ``tp`` innermost, so TP peers are
+adjacent ranks (same node) and PP stages are the outermost blocks (as Megatron-LM's default order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from harmonia.errors import LayoutError
+
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+
+
+class Placement(str, Enum):
+    """How modules share ranks."""
+
+    COLOCATED = "colocated"  # modules share ranks and run one after another
+    DISJOINT = "disjoint"  # modules own separate ranks and run concurrently
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A module's parallel degrees, stage split and ranks.
+
+    Attributes:
+        tp: tensor-parallel degree.
+        cp: context-parallel degree.
+        dp: data-parallel degree (replicas; sharded with FSDP when ``fsdp``).
+        pp: pipeline-parallel degree (number of physical stages).
+        rank_offset: first global rank when ``ranks`` is not given.
+        ranks: explicit global ranks in grid order; default ``range(rank_offset, rank_offset + size)``.
+        stage_layers: number of layers per stage chunk (``pp * virtual_stages`` entries); None = even split.
+        virtual_stages: stage chunks per pipeline rank (interleaved schedules).
+        fsdp: shard parameters, gradients and optimizer states over ``dp``.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    rank_offset: int = 0
+    ranks: tuple[int, ...] | None = None
+    stage_layers: tuple[int, ...] | None = None
+    virtual_stages: int = 1
+    fsdp: bool = False
+    _grid: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for axis in (*AXES, "virtual_stages"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"layout {axis}={value!r} is invalid: expected an integer >= 1")
+        if self.rank_offset < 0:
+            raise LayoutError(f"layout rank_offset={self.rank_offset} is negative: expected >= 0")
+        size = self.tp * self.cp * self.dp * self.pp
+        if self.ranks is not None:
+            ranks = tuple(int(r) for r in self.ranks)
+            if len(ranks) != size:
+                raise LayoutError(
+                    f"layout lists {len(ranks)} ranks but tp*cp*dp*pp = {size}: list exactly {size} ranks"
+                )
+            if len(set(ranks)) != size or min(ranks) < 0:
+                raise LayoutError(f"layout ranks {ranks} must be distinct non-negative integers")
+            object.__setattr__(self, "ranks", ranks)
+        if self.stage_layers is not None:
+            chunks = self.pp * self.virtual_stages
+            if len(self.stage_layers) != chunks or any(n < 0 for n in self.stage_layers):
+                raise LayoutError(
+                    f"stage_layers {self.stage_layers} must give a non-negative layer count for each "
+                    f"of the pp*virtual_stages = {chunks} stage chunks"
+                )
+        object.__setattr__(self, "_grid", (self.pp, self.dp, self.cp, self.tp))
+
+    @property
+    def size(self) -> int:
+        """Number of ranks the layout occupies."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Number of stage chunks (``pp * virtual_stages``)."""
+        return self.pp * self.virtual_stages
+
+    def rank_list(self) -> tuple[int, ...]:
+        """Global ranks in grid order ``(pp, dp, cp, tp)``, tp fastest."""
+        if self.ranks is not None:
+            return self.ranks
+        return tuple(range(self.rank_offset, self.rank_offset + self.size))
+
+    def rank_at(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        """Global rank at grid coordinates."""
+        coords = (pp, dp, cp, tp)
+        for axis, c, n in zip(AXES, coords, self._grid):
+            if not 0 <= c < n:
+                raise LayoutError(f"{axis} coordinate {c} is outside 0..{n - 1}")
+        index = ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        return self.rank_list()[index]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Grid coordinates of a global rank; raises if the rank is not in this layout."""
+        ranks = self.rank_list()
+        try:
+            index = ranks.index(rank)
+        except ValueError:
+            raise LayoutError(f"rank {rank} is not in this layout (ranks {ranks})") from None
+        out: dict[str, int] = {}
+        for axis, n in zip(reversed(AXES), reversed(self._grid)):
+            out[axis] = index % n
+            index //= n
+        return {axis: out[axis] for axis in AXES}
+
+    def group_ranks(self, axis: str) -> list[tuple[int, ...]]:
+        """All rank groups along one mesh axis (each group varies ``axis``, others fixed)."""
+        if axis not in AXES:
+            raise LayoutError(f"unknown axis {axis!r}: expected one of {AXES}")
+        groups: dict[tuple, list[int]] = {}
+        for rank in self.rank_list():
+            c = self.coords(rank)
+            key = tuple(c[a] for a in AXES if a != axis)
+            groups.setdefault(key, []).append(rank)
+        return [tuple(g) for g in groups.values()]
+
+    def stage_split(self, n_layers: int) -> tuple[int, ...]:
+        """Layers per stage chunk: ``stage_layers`` if given, else as even as possible (front-heavy)."""
+        if self.stage_layers is not None:
+            if sum(self.stage_layers) != n_layers:
+                raise LayoutError(
+                    f"stage_layers {self.stage_layers} sum to {sum(self.stage_layers)}, "
+                    f"but the module has {n_layers} layers"
+                )
+            return self.stage_layers
+        chunks = self.n_stages
+        base, extra = divmod(n_layers, chunks)
+        return tuple(base + (1 if i < extra else 0) for i in range(chunks))
