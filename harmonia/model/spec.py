@@ -144,6 +144,7 @@ class EncoderSpec:
     patch_size: int = 14
     image_size: int = 448
     channels: int = 3
+    patch_bias: bool = True
     cls_token: bool = False
     pre_norm: bool = False
     post_norm: bool = True
@@ -175,9 +176,9 @@ class EncoderSpec:
             sample_rate=self.sample_rate, hop_length=self.hop_length, conv_stride=self.conv_stride,
             chunk_seconds=self.chunk_seconds, max_tiles=self.max_tiles,
         )
-        if self.is_vision and self.image_size % self.patch_size:
+        if self.is_vision and self.image_size < self.patch_size:
             raise ConfigError(
-                f"encoder {self.name!r}: image_size={self.image_size} is not a multiple of "
+                f"encoder {self.name!r}: image_size={self.image_size} is smaller than "
                 f"patch_size={self.patch_size}"
             )
 
@@ -194,6 +195,7 @@ class EncoderSpec:
         return self.body.hidden
 
     def patches_per_tile(self) -> int:
+        """Patches of one ``image_size`` tile; a strided conv drops a partial last patch."""
         return (self.image_size // self.patch_size) ** 2
 
     def frontend_params(self) -> int:
@@ -202,7 +204,7 @@ class EncoderSpec:
         if self.is_audio:
             conv = self.n_mels * h * 3 + h + h * h * 3 + h
             return conv + self.max_positions * h
-        p = self.channels * self.patch_size**2 * h + h
+        p = self.channels * self.patch_size**2 * h + (h if self.patch_bias else 0)
         if self.pos_embed == "learned":
             p += (self.patches_per_tile() + int(self.cls_token)) * h
         if self.cls_token:
@@ -211,7 +213,6 @@ class EncoderSpec:
 
     def n_params(self) -> int:
         """All parameters of the encoder (front end, blocks, norms, head)."""
-        h = self.body.hidden
         norms = (int(self.pre_norm) + int(self.post_norm)) * self.body.norm_params
         return self.frontend_params() + self.body.n_layers * self.body.block_params() + norms + self.head_params
 

@@ -1,0 +1,205 @@
+"""Sample shapes: the sizes of a sample, everything the scheduler needs and no pixels.
+
+A sample is text tokens plus modality items (images, videos, audio clips). Each item becomes one or
+more encoder sequences (a tile, a frame, a 30-second audio chunk) and then a block of LLM tokens.
+Every conversion reads the encoder's spec (`harmonia.model.spec.EncoderSpec`); nothing is a constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harmonia.errors import SampleError
+from harmonia.model.spec import MODALITIES, EncoderSpec
+
+
+@dataclass(frozen=True)
+class ModalityItem:
+    """One image, video or audio clip inside a sample.
+
+    Attributes:
+        modality: ``image``, ``video`` or ``audio``.
+        tiles: image tiles already cut (InternVL-style dynamic tiling; a thumbnail counts), or tiles
+            per video frame.
+        height: pixel height (image or video frame) when ``tiles`` is not given.
+        width: pixel width (image or video frame) when ``tiles`` is not given.
+        frames: video frames.
+        seconds: audio duration.
+    """
+
+    modality: str
+    tiles: int | None = None
+    height: int | None = None
+    width: int | None = None
+    frames: int | None = None
+    seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.modality not in MODALITIES:
+            raise SampleError(f"unknown modality {self.modality!r}: expected one of {MODALITIES}")
+        for name in ("tiles", "height", "width", "frames"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise SampleError(f"{self.modality} item: {name}={value!r} must be a positive integer")
+        if self.seconds is not None and not self.seconds > 0:
+            raise SampleError(f"audio item: seconds={self.seconds!r} must be positive")
+        if self.modality == "audio":
+            if self.seconds is None:
+                raise SampleError("audio item needs seconds=<duration>")
+            return
+        if self.tiles is None and (self.height is None or self.width is None):
+            raise SampleError(f"{self.modality} item needs tiles=N or both height and width in pixels")
+        if self.modality == "video" and self.frames is None:
+            raise SampleError("video item needs frames=N")
+        if self.modality == "image" and self.frames is not None:
+            raise SampleError("image item cannot have frames; use modality='video'")
+
+    @staticmethod
+    def image(tiles: int | None = None, height: int | None = None, width: int | None = None) -> ModalityItem:
+        return ModalityItem("image", tiles=tiles, height=height, width=width)
+
+    @staticmethod
+    def video(frames: int, tiles: int | None = None, height: int | None = None,
+              width: int | None = None) -> ModalityItem:
+        return ModalityItem("video", tiles=tiles, height=height, width=width, frames=frames)
+
+    @staticmethod
+    def audio(seconds: float) -> ModalityItem:
+        return ModalityItem("audio", seconds=float(seconds))
+
+
+@dataclass(frozen=True)
+class SampleShape:
+    """Text tokens and modality items of one sample.
+
+    Attributes:
+        text_tokens: text tokens of the sample (prompt and answer), not counting item tokens.
+        items: the sample's modality items, in sequence order.
+        item_offsets: for each item, how many text tokens precede it; None places every item at the
+            start (``<image>`` then the question, the common SFT layout). Non-decreasing.
+        sample_id: an identifier carried through scheduling (row index of a trace, say).
+    """
+
+    text_tokens: int
+    items: tuple[ModalityItem, ...] = ()
+    item_offsets: tuple[int, ...] | None = None
+    sample_id: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"sample {self.sample_id}" if self.sample_id is not None else "sample"
+        if not isinstance(self.text_tokens, int) or self.text_tokens < 0:
+            raise SampleError(f"{where}: text_tokens={self.text_tokens!r} must be a non-negative integer")
+        object.__setattr__(self, "items", tuple(self.items))
+        for item in self.items:
+            if not isinstance(item, ModalityItem):
+                raise SampleError(f"{where}: items must be ModalityItem, got {type(item).__name__}")
+        if self.item_offsets is not None:
+            offsets = tuple(self.item_offsets)
+            if len(offsets) != len(self.items):
+                raise SampleError(f"{where}: {len(offsets)} item_offsets for {len(self.items)} items")
+            if any(o < 0 or o > self.text_tokens for o in offsets) or list(offsets) != sorted(offsets):
+                raise SampleError(
+                    f"{where}: item_offsets {offsets} must be non-decreasing within 0..text_tokens={self.text_tokens}"
+                )
+            object.__setattr__(self, "item_offsets", offsets)
+        if self.text_tokens == 0 and not self.items:
+            raise SampleError(f"{where} is empty: it has no text tokens and no items")
+
+    def offsets(self) -> tuple[int, ...]:
+        return self.item_offsets if self.item_offsets is not None else (0,) * len(self.items)
+
+    def modalities(self) -> set[str]:
+        return {item.modality for item in self.items}
+
+
+def find_tile_grid(height: int, width: int, image_size: int, max_tiles: int, min_tiles: int = 1) -> tuple[int, int]:
+    """InternVL dynamic tiling: the (cols, rows) grid whose aspect ratio is closest to the image's.
+
+    Candidates are all grids with ``min_tiles <= cols * rows <= max_tiles``; ties are broken towards
+    more tiles when the image has more than half the pixels of the larger grid (InternVL 1.5,
+    ``find_closest_aspect_ratio``).
+    """
+    aspect = width / height
+    grids = sorted(
+        {(c, r) for n in range(min_tiles, max_tiles + 1) for c in range(1, n + 1) for r in range(1, n + 1)
+         if min_tiles <= c * r <= max_tiles},
+        key=lambda g: g[0] * g[1],
+    )
+    best, best_diff = (1, 1), float("inf")
+    area = height * width
+    for cols, rows in grids:
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * image_size * image_size * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def image_tiles(item: ModalityItem, encoder: EncoderSpec, thumbnail: bool = True) -> int:
+    """Tiles an image (or one video frame) is cut into by a fixed-size encoder."""
+    if item.tiles is not None:
+        return item.tiles
+    cols, rows = find_tile_grid(item.height, item.width, encoder.image_size, encoder.max_tiles)
+    n = cols * rows
+    return n + 1 if thumbnail and n > 1 else n
+
+
+def _native_patches(item: ModalityItem, encoder: EncoderSpec) -> int:
+    """Patches of a native-resolution image, each side rounded up to a multiple of patch x merge side."""
+    side = encoder.patch_size * math.isqrt(encoder.token_merge)
+    rows = math.ceil(item.height / side) * side // encoder.patch_size
+    cols = math.ceil(item.width / side) * side // encoder.patch_size
+    return rows * cols
+
+
+def _audio_chunks(item: ModalityItem, encoder: EncoderSpec) -> list[float]:
+    """Seconds of each chunk the encoder processes (Whisper pads each chunk to ``chunk_seconds``)."""
+    if encoder.chunk_seconds is None:
+        return [item.seconds]
+    n = math.ceil(item.seconds / encoder.chunk_seconds)
+    return [encoder.chunk_seconds] * n
+
+
+def audio_encoder_tokens(seconds: float, encoder: EncoderSpec) -> int:
+    """Encoder tokens of an audio chunk: mel frames ``seconds * sample_rate / hop``, then the strided conv."""
+    mel = math.floor(seconds * encoder.sample_rate / encoder.hop_length)
+    return max(1, math.ceil(mel / encoder.conv_stride))
+
+
+def encoder_sequences(item: ModalityItem, encoder: EncoderSpec) -> list[int]:
+    """Token counts of the independent encoder sequences an item becomes.
+
+    Image: one sequence per tile of ``patches_per_tile (+1 class token)``, or one sequence of all
+    patches for a native-resolution encoder. Video: the same per frame. Audio: one sequence per chunk.
+    """
+    if item.modality not in encoder.modalities:
+        raise SampleError(
+            f"encoder {encoder.name!r} encodes {encoder.modalities}, not a {item.modality} item"
+        )
+    if item.modality == "audio":
+        return [audio_encoder_tokens(s, encoder) for s in _audio_chunks(item, encoder)]
+    frames = item.frames or 1
+    if encoder.native_resolution and item.tiles is None:
+        return [_native_patches(item, encoder)] * frames
+    per_tile = encoder.patches_per_tile() + int(encoder.cls_token)
+    return [per_tile] * (image_tiles(item, encoder) * frames)
+
+
+def llm_tokens_of_item(item: ModalityItem, encoder: EncoderSpec, audio_merge: int = 1) -> int:
+    """LLM tokens an item becomes after its projector.
+
+    Image: patches (class token dropped) divided by ``token_merge`` per tile. Video: per-frame tokens
+    times ``ceil(frames / temporal_merge)``. Audio: encoder tokens divided by ``token_merge``.
+    """
+    if item.modality == "audio":
+        enc = sum(encoder_sequences(item, encoder))
+        return math.ceil(enc / encoder.token_merge)
+    if encoder.native_resolution and item.tiles is None:
+        per_frame = _native_patches(item, encoder) // encoder.token_merge
+    else:
+        per_frame = image_tiles(item, encoder) * (encoder.patches_per_tile() // encoder.token_merge)
+    if item.modality == "video":
+        return per_frame * math.ceil(item.frames / encoder.temporal_merge)
+    return per_frame
