@@ -1,0 +1,125 @@
+"""Accelerator and cluster specs used by the cost model and the simulator.
+
+Peak numbers are the vendors' published dense (no sparsity) bf16 rates and memory figures:
+- H100 SXM5 80GB: 989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s total (450 GB/s per direction),
+  one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s) — NVIDIA H100 datasheet / DGX H100.
+- H200 SXM 141GB: 989 TFLOP/s, HBM3e 4.8 TB/s, NVLink 900 GB/s, 400 Gb/s per GPU — NVIDIA H200 datasheet.
+- A100 SXM4 80GB: 312 TFLOP/s, HBM2e 2.039 TB/s, NVLink 3 600 GB/s total (300 GB/s per direction),
+  200 Gb/s HDR per GPU (25 GB/s) — NVIDIA A100 datasheet / DGX A100.
+The local CPU has nominal figures only; `harmonia profile` measures it and writes a calibration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from harmonia.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator.
+
+    Attributes:
+        name: preset name.
+        peak_flops: dense bf16 FLOP/s.
+        mem_bw: device memory bandwidth, bytes/s.
+        mem_bytes: device memory, bytes.
+        intra_node_bw: per-direction bandwidth to a peer in the node (NVLink), bytes/s.
+        inter_node_bw: per-GPU network bandwidth to another node, bytes/s.
+        gpus_per_node: devices per node.
+        flops_efficiency: achievable fraction of ``peak_flops`` for large matmuls (MFU ceiling).
+        bw_efficiency: achievable fraction of ``mem_bw`` and of link bandwidths.
+        latency_s: per-message latency of a point-to-point transfer.
+    """
+
+    name: str
+    peak_flops: float
+    mem_bw: float
+    mem_bytes: float
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int = 8
+    flops_efficiency: float = 0.6
+    bw_efficiency: float = 0.8
+    latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for field in ("peak_flops", "mem_bw", "mem_bytes", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
+            if getattr(self, field) <= 0:
+                raise ConfigError(f"device {self.name!r}: {field} must be positive")
+        for field in ("flops_efficiency", "bw_efficiency"):
+            if not 0 < getattr(self, field) <= 1:
+                raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
+
+
+GB = 1e9
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
+    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB),
+    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB),
+    # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
+    "cpu": DeviceSpec("cpu", 100e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
+                      flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6),
+}
+
+
+def device_preset(name: str) -> DeviceSpec:
+    """A device spec by name (``h100``, ``h200``, ``a100``, ``cpu``)."""
+    key = name.lower()
+    if key not in DEVICES:
+        raise ConfigError(f"unknown device {name!r}; known devices: {sorted(DEVICES)}")
+    return DEVICES[key]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Homogeneous nodes of one device kind; ranks fill node 0 first."""
+
+    device: DeviceSpec
+    n_nodes: int = 1
+    gpus_per_node: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_nodes < 1:
+            raise ConfigError(f"cluster n_nodes={self.n_nodes} must be >= 1")
+        if self.gpus_per_node is None:
+            object.__setattr__(self, "gpus_per_node", self.device.gpus_per_node)
+        if self.gpus_per_node < 1:
+            raise ConfigError(f"cluster gpus_per_node={self.gpus_per_node} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.n_nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def p2p_bandwidth(self, src: int, dst: int) -> float:
+        """Achievable bytes/s between two ranks (NVLink inside a node, the NIC across nodes)."""
+        d = self.device
+        raw = d.intra_node_bw if self.node_of(src) == self.node_of(dst) else d.inter_node_bw
+        return raw * d.bw_efficiency
+
+    def group_bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
+        """Bus bandwidth of a collective over ``ranks``: the slowest link it crosses."""
+        nodes = {self.node_of(r) for r in ranks}
+        d = self.device
+        return (d.intra_node_bw if len(nodes) <= 1 else d.inter_node_bw) * d.bw_efficiency
+
+    def with_device(self, **changes) -> ClusterSpec:
+        return replace(self, device=replace(self.device, **changes))
+
+
+def cluster_from_string(spec: str) -> ClusterSpec:
+    """Parse ``h100x8`` (one node of 8), ``h100:4x8`` (4 nodes of 8) or ``cpu:1x4``."""
+    name, sep, shape = spec.replace(":", "x", 1).partition("x") if ":" in spec else spec.partition("x")
+    device = device_preset(name)
+    try:
+        if "x" in shape:
+            nodes, per = (int(v) for v in shape.split("x"))
+        else:
+            nodes, per = 1, int(shape) if shape else device.gpus_per_node
+    except ValueError:
+        raise ConfigError(f"cluster {spec!r}: expected DEVICE[xGPUS] or DEVICE:NODESxGPUS, e.g. h100:4x8") from None
+    return ClusterSpec(device, nodes, per)

@@ -1,0 +1,191 @@
+"""Per-layer cost coefficients of every module, frozen-aware.
+
+Each layer is described by coefficients that multiply a load (tokens, attended pairs):
+``F = f_tok * tokens + f_pair * pairs`` FLOPs, and likewise for B (input gradient) and W (weight
+gradient). Counting follows Kaplan et al. 2020 / Narayanan et al. 2021 (Megatron-LM, eq. 3):
+
+- A matmul with ``P`` weights costs ``2 P`` FLOPs per token forward, ``2 P`` for the input gradient
+  and ``2 P`` for the weight gradient (the 6N rule split into F, B, W).
+- Attention scores and the weighted sum cost ``2 d`` FLOPs each per attended (query, key) pair,
+  ``d = n_heads * head_dim``, so ``4 d`` per pair forward; their backward (dQ, dK, dV, dP) is
+  ``8 d`` per pair, all input gradient (no weights), as the 6N rule's 2x backward.
+
+Frozen-aware rules (Zero Bubble, Qi et al. 2024, splits B and W; frozen modules drop them):
+- W only where the layer has trainable weights (all of a ``full`` module; the adapters of ``lora``).
+- B only where some trainable weight lies upstream of the layer's input. A trainable layer with
+  nothing trainable upstream still runs the backward through its own interior (its W needs it), but
+  not the input gradient of its first matmul.
+- Activations are kept for backward only where B or W runs: linear inputs for W, nonlinearity
+  inputs (norms, attention q/k/v/o, the MLP activation) for B. Frozen layers with no backward keep
+  nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, Trainability, TransformerSpec
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """FLOP and memory coefficients of one layer.
+
+    Attributes:
+        name: ``module.kind[index]``, e.g. ``llm.block3``.
+        kind: ``patch_embed``, ``conv_stem``, ``block``, ``post``, ``proj``, ``embed``, ``head``.
+        params: all parameters.
+        trainable_params: parameters that get gradients (LoRA adapters only for ``lora``).
+        f_tok, f_pair: forward FLOPs per token and per attended pair.
+        b_tok, b_pair: input-gradient FLOPs per token and per pair (0 when B is not needed).
+        w_tok: weight-gradient FLOPs per token (0 when frozen).
+        act_elems_tok: activation elements per token kept for backward.
+        io_elems_tok: elements per token read and written by the forward (memory traffic).
+        needs_b: the layer runs an input-gradient backward.
+        needs_w: the layer has a weight-gradient step.
+    """
+
+    name: str
+    kind: str
+    params: int
+    trainable_params: int
+    f_tok: float
+    f_pair: float = 0.0
+    b_tok: float = 0.0
+    b_pair: float = 0.0
+    w_tok: float = 0.0
+    act_elems_tok: float = 0.0
+    io_elems_tok: float = 0.0
+    needs_b: bool = False
+    needs_w: bool = False
+
+
+def _lora_params(spec: TransformerSpec, rank: int) -> int:
+    """Adapter weights on q, k, v, o and the MLP matrices: ``r * (in + out)`` per matrix."""
+    h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn_hidden
+    attn = rank * ((h + q) + 2 * (h + kv) + (q + h))
+    mlp = rank * ((h + f) * (3 if spec.mlp == "swiglu" else 2))
+    return attn + mlp
+
+
+def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: int, upstream_trains: bool) -> LayerCost:
+    """One transformer block. Derivation of the activation count (elements per token, bf16 = 2 B):
+
+    W needs linear inputs: qkv input ``h``, attention output ``q`` (also the flash-attention O),
+    MLP input ``h``, down-projection input ``f``. B needs nonlinearity inputs: two norm inputs
+    ``2h``, q/k/v ``q + 2kv``, O ``q``, the activation input ``f`` (``2f`` for SwiGLU's gate and up),
+    and the softmax statistics (fp32, ``2 n_heads`` elements). With ``f = 4h`` and MHA the union is
+    16h elements = 32h bytes, Korthikanti et al. 2022's 34h less the dropout masks.
+    """
+    h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn_hidden
+    matmul = spec.attention_matmul_params() + spec.mlp_matmul_params()
+    params = spec.block_params()
+    act_in = 2 * f if spec.mlp == "swiglu" else f
+    b_elems = 2 * h + q + 2 * kv + q + act_in + 2 * spec.n_heads
+    w_elems = h + q + h + f
+    trains = mode is not Trainability.FROZEN
+    lora = _lora_params(spec, lora_rank) if mode is Trainability.LORA else 0
+    trainable = params if mode is Trainability.FULL else lora
+    f_tok = 2.0 * (matmul + lora)
+    needs_b = upstream_trains
+    interior_b = trains  # W of the block needs the backward through the block's interior
+    b_tok = 0.0
+    if needs_b or interior_b:
+        b_tok = 2.0 * (matmul + lora)
+        if not needs_b:
+            b_tok -= 2.0 * h * (q + 2 * kv)  # no input gradient of the first (qkv) matmul
+    b_pair = 8.0 * q if (needs_b or interior_b) else 0.0
+    w_tok = 2.0 * (matmul if mode is Trainability.FULL else lora) if trains else 0.0
+    if trains:
+        act = b_elems + w_elems - q  # O is both a B input and the out-proj's W input
+    elif needs_b:
+        act = b_elems
+    else:
+        act = 0.0
+    io = 2 * (h + q + 2 * kv + q + h + h + act_in + f + h)
+    return LayerCost(name, "block", params, trainable, f_tok, 4.0 * q, b_tok, b_pair, w_tok, act, io,
+                     needs_b, trains)
+
+
+def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upstream: bool,
+           in_elems: int, out_elems: int) -> LayerCost:
+    """A layer of plain matmuls (patch embedding, projector, LM head)."""
+    act = (in_elems if trainable else 0) + (out_elems if (trainable or upstream) else 0)
+    return LayerCost(
+        name, kind, params, params if trainable else 0, 2.0 * matmul, 0.0,
+        2.0 * matmul if upstream else 0.0, 0.0, 2.0 * matmul if trainable else 0.0,
+        act, in_elems + out_elems, upstream, trainable,
+    )
+
+
+def encoder_layers(name: str, enc: EncoderSpec, mode: Trainability, lora_rank: int,
+                   upstream_trains: bool = False) -> list[LayerCost]:
+    """Front end, blocks and post layer of an encoder, in order."""
+    h = enc.body.hidden
+    full = mode is Trainability.FULL
+    if enc.is_audio:
+        # conv1 (n_mels -> h, k=3) runs at 2x the token rate, conv2 (h -> h, k=3, stride 2) at 1x.
+        matmul = 2 * enc.n_mels * 3 * h + 3 * h * h
+        front = _dense(f"{name}.conv_stem", "conv_stem", enc.frontend_params(), matmul, full,
+                       upstream_trains, 2 * enc.n_mels, h)
+    else:
+        matmul = enc.channels * enc.patch_size**2 * h
+        front = _dense(f"{name}.patch_embed", "patch_embed", enc.frontend_params(), matmul, full,
+                       upstream_trains, enc.channels * enc.patch_size**2, h)
+    layers = [front]
+    trains_so_far = upstream_trains or front.needs_w
+    for i in range(enc.body.n_layers):
+        blk = block_cost(f"{name}.block{i}", enc.body, mode, lora_rank, trains_so_far)
+        layers.append(blk)
+        trains_so_far = trains_so_far or blk.needs_w
+    norms = (int(enc.pre_norm) + int(enc.post_norm)) * enc.body.norm_params
+    # A pooling head (SigLIP's MAP) projects every token to keys and values: 2 h^2 weights per token.
+    head_matmul = 2 * h * h if enc.head_params else 0
+    layers.append(_dense(f"{name}.post", "post", norms + enc.head_params, head_matmul, full,
+                         trains_so_far, h, h))
+    return layers
+
+
+def projector_layers(name: str, proj: ProjectorSpec, mode: Trainability, upstream_trains: bool) -> list[LayerCost]:
+    """The projector as one layer (its MLP is small and never split)."""
+    trainable = mode is not Trainability.FROZEN
+    return [_dense(f"{name}.mlp", "proj", proj.n_params(), proj.matmul_params(), trainable,
+                   upstream_trains, proj.in_dim, proj.out_dim + proj.hidden)]
+
+
+def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains: bool) -> list[LayerCost]:
+    """Embedding, blocks, and final norm + LM head of the LLM, in order.
+
+    The embedding is a lookup (no FLOPs); its weight gradient is a scatter-add of ``h`` per token.
+    The LM head is a ``h x V`` matmul over every position; its loss is computed in fp32.
+    """
+    h, v = llm.hidden, llm.vocab_size
+    full = mode is Trainability.FULL
+    embed = LayerCost("llm.embed", "embed", llm.embedding_params(), llm.embedding_params() if full else 0,
+                      0.0, 0.0, 0.0, 0.0, float(h) if full else 0.0, 0.0, float(h), False, full)
+    layers = [embed]
+    trains_so_far = upstream_trains or full
+    for i in range(llm.body.n_layers):
+        blk = block_cost(f"llm.block{i}", llm.body, mode, lora_rank, trains_so_far)
+        layers.append(blk)
+        trains_so_far = trains_so_far or blk.needs_w
+    head_params = llm.head_params() + llm.body.norm_params
+    head = _dense("llm.head", "head", head_params, h * v, full, trains_so_far, h, 2 * v)
+    layers.append(head)
+    return layers
+
+
+def module_layers(mllm: MLLMSpec) -> dict[str, list[LayerCost]]:
+    """Layer costs of every module of an MLLM, in graph order, with the frozen rules applied."""
+    out: dict[str, list[LayerCost]] = {}
+    trains = {m: mllm.training_of(m).trains for m in mllm.module_names}
+    for name, enc in mllm.encoders.items():
+        t = mllm.training_of(name)
+        out[name] = encoder_layers(name, enc, t.mode, t.lora_rank)
+    for name, proj in mllm.projectors.items():
+        t = mllm.training_of(name)
+        out[name] = projector_layers(name, proj, t.mode, trains[name.removesuffix("_proj")])
+    t = mllm.training_of("llm")
+    upstream = any(trains[m] for m in mllm.upstream("llm"))
+    out["llm"] = llm_layers(mllm.llm, t.mode, t.lora_rank, upstream)
+    return out
