@@ -59,7 +59,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB),
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
-    "cpu": DeviceSpec("cpu", 100e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
+    "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
                       flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6),
 }
 

@@ -1,0 +1,166 @@
+"""`harmonia` command line: one subcommand per job, each with ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from harmonia.errors import HarmoniaError
+
+console = Console(width=None if sys.stdout.isatty() else 140)
+SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="internvl-8b", help="MLLM preset (see `harmonia models`)")
+    p.add_argument("--frozen", default="", help="comma-separated modules to freeze, e.g. vision,audio")
+    p.add_argument("--device", default="h100", help="device kind: h100, h200, a100, cpu")
+    p.add_argument("--calibration", default=None, help="calibration JSON written by `harmonia profile`")
+
+
+def _build_cost(args: argparse.Namespace):
+    from harmonia.model.presets import mllm_preset
+    from harmonia.workload.cost import Calibration, CostModel
+    from harmonia.workload.devices import device_preset
+
+    frozen = {m: "frozen" for m in filter(None, args.frozen.split(","))}
+    mllm = mllm_preset(args.model, training=frozen)
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    return CostModel(mllm, device_preset(args.device), calibration)
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    """List model presets with parameter counts."""
+    from harmonia.model.presets import ENCODERS, LLMS, MLLM_PRESETS, mllm_preset
+
+    table = Table(title="module presets")
+    for col in ("preset", "kind", "parameters", "published", "source"):
+        table.add_column(col)
+    for kind, presets in (("encoder", ENCODERS), ("llm", LLMS)):
+        for name, p in presets.items():
+            table.add_row(name, kind, f"{p.spec.n_params() / 1e9:.3f}B", f"{p.params / 1e9:.3f}B", p.source)
+    console.print(table)
+    mt = Table(title="MLLM presets")
+    for col in ("preset", "modules (parameters)"):
+        mt.add_column(col)
+    for name in MLLM_PRESETS:
+        counts = mllm_preset(name).n_params()
+        mt.add_row(name, ", ".join(f"{m} {n / 1e6:,.1f}M" for m, n in counts.items()))
+    console.print(mt)
+    return 0
+
+
+def cmd_workload(args: argparse.Namespace) -> int:
+    """Per-module work of a trace under the cost model: what the balancer and planner see."""
+    from harmonia.workload.traces import load_trace
+    from harmonia.workload.work import load_arrays
+
+    cost = _build_cost(args)
+    samples = load_trace(args.trace, n_samples=args.samples, seed=args.seed)
+    tokens, pairs = load_arrays(samples, cost.mllm)
+    costs = cost.costs_from_loads(tokens, pairs)
+    table = Table(title=f"{args.trace}: {len(samples)} samples, {cost.mllm.name} on {cost.device.name}")
+    for col in ("module", "params", "trains", "tokens/sample", "F+B+W ms/sample (mean)", "p99", "CV",
+                "share of work"):
+        table.add_column(col, justify="right")
+    total = costs.sum()
+    for j, module in enumerate(cost.modules):
+        c = costs[:, j] * 1e3
+        params, trainable = cost.param_count(module)
+        cv = c.std() / c.mean() if c.mean() > 0 else 0.0
+        table.add_row(module, f"{params / 1e6:,.0f}M", "yes" if trainable else "no",
+                      f"{tokens[:, j].mean():,.0f}", f"{c.mean():.3f}", f"{np.percentile(c, 99):.3f}",
+                      f"{cv:.2f}", f"{costs[:, j].sum() / total:.1%}")
+    console.print(table)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure F/B/W of a reference block on this device and write a calibration JSON."""
+    from harmonia.model.presets import encoder_preset, llm_preset
+    from harmonia.workload.devices import device_preset
+    from harmonia.workload.profile import profile_device
+
+    try:
+        spec = llm_preset(args.layer).body
+    except HarmoniaError:
+        spec = encoder_preset(args.layer).body
+    lengths = tuple(int(v) for v in args.lengths.split(","))
+    calibration = profile_device(device_preset(args.device), spec, lengths, repeats=args.repeats)
+    calibration.save(args.out)
+    table = Table(title=f"{args.layer} block on {args.device}: achieved fraction of peak")
+    for col in ("tokens", "phase", "ms", "TFLOP/s"):
+        table.add_column(col, justify="right")
+    for row in calibration.measurements:
+        table.add_row(str(row["tokens"]), row["phase"], f"{row['seconds'] * 1e3:.2f}",
+                      f"{row['flops'] / row['seconds'] / 1e12:.3f}")
+    console.print(table)
+    console.print(f"efficiency {calibration.flops_efficiency} -> {args.out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job on its embedded default (see README for what it runs today)."""
+    console.rule("harmonia demo: models")
+    cmd_models(args)
+    trace = SHARED_TRACES / "ai2d.csv"
+    for spec in ([str(trace)] if trace.is_file() else []) + ["synthetic"]:
+        console.rule(f"harmonia demo: per-module work of {Path(spec).name}")
+        ns = argparse.Namespace(model="omni-8b", frozen="vision,audio", device="h100", calibration=None,
+                                trace=spec, samples=4096, seed=0)
+        cmd_workload(ns)
+    console.rule("harmonia demo: calibrating the cost model on this machine")
+    return cmd_profile(argparse.Namespace(layer="tiny-llm", device="cpu", lengths="128,256",
+                                          repeats=3, out=args.calibration_out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="harmonia", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list model presets and parameter counts")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("workload", help="per-module work of a trace under the cost model")
+    _model_args(p)
+    p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"),
+                   help="CSV path, or synthetic[:kind=p,...] (kinds: text,image,multi_image,video,audio,image_audio)")
+    p.add_argument("--samples", type=int, default=4096, help="samples to draw for a synthetic trace")
+    p.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
+    p.set_defaults(func=cmd_workload)
+
+    p = sub.add_parser("profile", help="measure F/B/W times on this device; write a calibration")
+    p.add_argument("--layer", default="tiny-llm", help="preset whose block is timed")
+    p.add_argument("--device", default="cpu", help="device kind whose peak the efficiencies refer to")
+    p.add_argument("--lengths", default="128,256,512", help="comma-separated sequence lengths")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement")
+    p.add_argument("--out", default="calibration.json", help="output JSON path")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("demo", help="run the main job on its embedded default")
+    p.add_argument("--calibration-out", default="runs/demo/calibration.json", help="where the demo's calibration goes")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        if getattr(args, "calibration_out", None):
+            Path(args.calibration_out).parent.mkdir(parents=True, exist_ok=True)
+        return args.func(args)
+    except HarmoniaError as err:
+        console.print(f"[red]error:[/red] {err}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The command line in-process: each subcommand's help, and the workload and profile paths."""
+
+import json
+
+import pytest
+
+from harmonia.cli import build_parser, main
+
+
+@pytest.mark.parametrize("command", ["models", "workload", "profile", "demo"])
+def test_help(command, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage: harmonia" in capsys.readouterr().out
+
+
+def test_every_subcommand_is_registered() -> None:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert {"models", "workload", "profile", "demo"} <= set(sub.choices)
+
+
+def test_workload_on_real_trace(shared_traces, capsys) -> None:
+    assert main(["workload", "--model", "omni-8b", "--frozen", "vision,audio",
+                 "--trace", str(shared_traces / "chartqa.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "18317 samples" in out and "vision_proj" in out
+
+
+def test_bad_input_is_an_error_not_a_traceback(capsys) -> None:
+    assert main(["workload", "--model", "no-such-model"]) == 2
+    assert "unknown MLLM preset" in capsys.readouterr().out
+
+
+def test_profile_writes_calibration(tmp_path) -> None:
+    out = tmp_path / "cal.json"
+    assert main(["profile", "--lengths", "32,64", "--repeats", "1", "--out", str(out)]) == 0
+    cal = json.loads(out.read_text())
+    assert set(cal["flops_efficiency"]) == {"F", "B", "W"}
+    assert all(v > 0 for v in cal["flops_efficiency"].values())

@@ -1,0 +1,37 @@
+"""Layouts: rank grids, groups, stage splits, and bad input."""
+
+import pytest
+
+from harmonia.errors import LayoutError
+from harmonia.plan.layout import Layout
+
+
+def test_grid_order_tp_fastest() -> None:
+    layout = Layout(tp=2, cp=1, dp=2, pp=2, rank_offset=4)
+    assert layout.size == 8 and layout.rank_list() == tuple(range(4, 12))
+    assert layout.rank_at(pp=1, dp=0, tp=1) == 4 + 5
+    assert layout.coords(9) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+    assert layout.group_ranks("tp") == [(4, 5), (6, 7), (8, 9), (10, 11)]
+    assert layout.group_ranks("pp") == [(4, 8), (5, 9), (6, 10), (7, 11)]
+
+
+def test_explicit_ranks_and_stage_split() -> None:
+    layout = Layout(dp=2, pp=2, ranks=(7, 3, 5, 1), virtual_stages=2)
+    assert layout.rank_at(pp=1, dp=1) == 1
+    assert layout.stage_split(10) == (3, 3, 2, 2)
+    with pytest.raises(LayoutError, match="sum to"):
+        Layout(pp=2, stage_layers=(3, 3)).stage_split(7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tp=0), "tp=0"),
+        (dict(dp=2, ranks=(0,)), "exactly 2"),
+        (dict(dp=2, ranks=(1, 1)), "distinct"),
+        (dict(pp=2, stage_layers=(1,)), "stage chunks"),
+    ],
+)
+def test_bad_layouts(kwargs, match) -> None:
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs)
