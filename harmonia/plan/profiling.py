@@ -1,0 +1,87 @@
+"""Batch-level profiling: the per-module work of whole global batches, not single samples.
+
+A layout must fit the work of a global batch. Per-sample module-cost ratios vary wildly (a
+text-only sample has no vision work, a 13-tile document has a lot), but a global batch sums
+hundreds of samples, so its ratios concentrate: the coefficient of variation of a mean of ``B``
+i.i.d. samples falls as ``1/sqrt(B)``. That is why one static layout, chosen from a few profiled
+batches, serves the whole run while per-iteration balancing absorbs the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harmonia.errors import ConfigError
+from harmonia.workload.cost import CostModel
+from harmonia.workload.shapes import SampleShape
+from harmonia.workload.work import ModuleLoad, load_arrays
+
+
+@dataclass(frozen=True)
+class BatchProfile:
+    """Per-module work of K sampled global batches.
+
+    Attributes:
+        modules: module names (columns).
+        batch_costs: (K, n_modules) F+B+W seconds of each batch on one device.
+        batch_tokens: (K, n_modules) tokens of each batch per module.
+        batch_pairs: (K, n_modules) attended pairs of each batch per module.
+        global_batch: samples per batch.
+        batches: sample indices of each batch, (K, global_batch).
+    """
+
+    modules: list[str]
+    batch_costs: np.ndarray
+    batch_tokens: np.ndarray
+    batch_pairs: np.ndarray
+    global_batch: int
+    batches: np.ndarray
+
+    def ratios(self) -> np.ndarray:
+        """(K, n_modules) share of each module in its batch's total work."""
+        return self.batch_costs / self.batch_costs.sum(axis=1, keepdims=True)
+
+    def ratio_cv(self) -> np.ndarray:
+        """(n_modules,) coefficient of variation across batches of each module's share."""
+        r = self.ratios()
+        mean = r.mean(axis=0)
+        return np.where(mean > 0, r.std(axis=0) / np.where(mean > 0, mean, 1), 0.0)
+
+    def mean_costs(self) -> dict[str, float]:
+        """Mean seconds per global batch of each module."""
+        return dict(zip(self.modules, self.batch_costs.mean(axis=0).tolist()))
+
+    def sample_load(self, module: str) -> ModuleLoad:
+        """Mean per-sample load of a module (a reference for stage splits and memory)."""
+        j = self.modules.index(module)
+        return ModuleLoad(int(self.batch_tokens[:, j].mean() / self.global_batch),
+                          int(self.batch_pairs[:, j].mean() / self.global_batch), 1)
+
+
+def profile_batches(samples: list[SampleShape], cost: CostModel, global_batch: int, n_batches: int = 16,
+                    seed: int = 0) -> BatchProfile:
+    """Draw ``n_batches`` global batches as a shuffling sampler would and measure their work.
+
+    Batches are consecutive slices of random permutations of the trace (a new permutation each
+    epoch), so no sample repeats within a batch.
+    """
+    if global_batch < 1 or n_batches < 1:
+        raise ConfigError(f"global_batch={global_batch} and n_batches={n_batches} must be >= 1")
+    if global_batch > len(samples):
+        raise ConfigError(
+            f"global_batch={global_batch} exceeds the trace's {len(samples)} samples; use a smaller "
+            "global batch or a longer trace"
+        )
+    rng = np.random.default_rng(seed)
+    per_epoch = len(samples) // global_batch
+    batches = []
+    while len(batches) < n_batches:
+        perm = rng.permutation(len(samples))
+        batches.extend(perm[i * global_batch:(i + 1) * global_batch] for i in range(per_epoch))
+    idx = np.stack(batches[:n_batches])
+    tokens, pairs = load_arrays(samples, cost.mllm)
+    costs = cost.costs_from_loads(tokens, pairs)
+    return BatchProfile(cost.modules, costs[idx].sum(axis=1), tokens[idx].sum(axis=1), pairs[idx].sum(axis=1),
+                        global_batch, idx)
