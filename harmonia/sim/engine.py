@@ -1,0 +1,173 @@
+"""Discrete-event replay of per-rank task lists.
+
+Every rank executes its tasks in list order on one compute stream. A task starts when the rank is
+free and every task it depends on has finished, plus the transfer delay of that edge (a P2P send
+between stages, a boundary transfer between modules). Transfers overlap compute (asynchronous
+P2P); their delay is ``latency + bytes / bandwidth``. Gradient reductions run on a separate
+communication stream per rank after the task that finishes a module stage's weight gradients.
+
+The replay is a topological sweep: a task becomes ready when it heads its rank's queue and all its
+dependencies are done, so the cost is O(tasks + edges). If no task is ready while some remain, the
+schedule deadlocks; the error lists what each rank waits for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from harmonia.errors import ScheduleError
+
+
+@dataclass
+class Task:
+    """One step on one rank.
+
+    Attributes:
+        name: text form for reports (``llm.s1.F3``).
+        rank: the rank that runs it.
+        duration: seconds on the compute stream.
+        deps: (task index, transfer delay in seconds) pairs that must finish first.
+        module: module name (for colouring and per-module time).
+        kind: ``F``, ``B``, ``W``, ``BW`` or ``C`` (a collective on the communication stream).
+        mem_delta: activation bytes allocated (+) or freed (-) when the task ends.
+        flops: useful FLOPs of the task (for MFU).
+    """
+
+    name: str
+    rank: int
+    duration: float
+    deps: list[tuple[int, float]] = field(default_factory=list)
+    module: str = ""
+    kind: str = "F"
+    mem_delta: float = 0.0
+    flops: float = 0.0
+
+
+@dataclass
+class Timeline:
+    """Result of a replay.
+
+    Attributes:
+        tasks: the replayed tasks.
+        start, end: per-task times (seconds), arrays aligned with ``tasks``.
+        ranks: rank ids in row order.
+        iteration_s: time from 0 until the last task (compute or communication) ends.
+        busy_s: per-rank compute-busy seconds.
+        peak_mem: per-rank peak of activation bytes.
+    """
+
+    tasks: list[Task]
+    start: np.ndarray
+    end: np.ndarray
+    ranks: list[int]
+    iteration_s: float
+    busy_s: dict[int, float]
+    peak_mem: dict[int, float]
+
+    @property
+    def bubble_frac(self) -> float:
+        """Idle share of compute over all ranks: ``1 - busy / (ranks * iteration)``."""
+        if self.iteration_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy_s.values()) / (len(self.ranks) * self.iteration_s)
+
+    def utilisation(self) -> dict[int, float]:
+        return {r: (b / self.iteration_s if self.iteration_s else 0.0) for r, b in self.busy_s.items()}
+
+    def mfu(self, peak_flops: float) -> float:
+        """Useful FLOPs per second over the whole cluster's peak."""
+        flops = sum(t.flops for t in self.tasks)
+        return flops / (self.iteration_s * peak_flops * len(self.ranks)) if self.iteration_s else 0.0
+
+    def module_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in self.tasks:
+            if t.kind != "C":
+                out[t.module] = out.get(t.module, 0.0) + t.duration
+        return out
+
+
+def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int, list[int]] | None = None) -> Timeline:
+    """Replay tasks in the given per-rank order.
+
+    Args:
+        tasks: all tasks.
+        order: rank -> indices of its compute tasks, in execution order.
+        comm_order: rank -> indices of its communication-stream tasks (collectives), in order.
+
+    Raises:
+        ScheduleError: on a deadlock (naming each rank's blocked task) or a task in no queue.
+    """
+    n = len(tasks)
+    queues = {("c", r): list(q) for r, q in order.items()}
+    for r, q in (comm_order or {}).items():
+        queues[("m", r)] = list(q)
+    queued = sum(len(q) for q in queues.values())
+    if queued != n:
+        raise ScheduleError(f"{n} tasks but {queued} are queued on ranks; every task must be on exactly one queue")
+    remaining = np.zeros(n, dtype=np.int64)
+    ready_at = np.zeros(n)
+    children: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    for i, t in enumerate(tasks):
+        remaining[i] = len(t.deps)
+        for d, delay in t.deps:
+            children[d].append((i, delay))
+    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    head = {key: 0 for key in queues}
+    free = {key: 0.0 for key in queues}
+    owner = {}
+    for key, q in queues.items():
+        for i in q:
+            owner[i] = key
+    stack = [key for key, q in queues.items() if q and remaining[q[0]] == 0]
+    done = 0
+    while stack:
+        key = stack.pop()
+        q = queues[key]
+        while head[key] < len(q):
+            i = q[head[key]]
+            if remaining[i]:
+                break
+            s = max(free[key], ready_at[i])
+            start[i], end[i] = s, s + tasks[i].duration
+            free[key] = end[i]
+            head[key] += 1
+            done += 1
+            for c, delay in children[i]:
+                remaining[c] -= 1
+                ready_at[c] = max(ready_at[c], end[i] + delay)
+                if remaining[c] == 0:
+                    ck = owner[c]
+                    if queues[ck][head[ck]] == c and ck != key:
+                        stack.append(ck)
+    if done < n:
+        blocked = []
+        for key, q in queues.items():
+            if head[key] < len(q):
+                i = q[head[key]]
+                waits = [tasks[d].name for d, _ in tasks[i].deps if np.isnan(end[d])]
+                blocked.append(f"rank {key[1]} at {tasks[i].name} waits for {', '.join(waits[:3])}")
+        raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
+    ranks = sorted({t.rank for t in tasks} | set(order))
+    busy = {r: 0.0 for r in ranks}
+    for t in tasks:
+        if t.kind != "C":
+            busy[t.rank] += t.duration
+    return Timeline(tasks, start, end, ranks, float(end.max()) if n else 0.0, busy, _peak_memory(tasks, end, ranks))
+
+
+def _peak_memory(tasks: list[Task], end: np.ndarray, ranks: list[int]) -> dict[int, float]:
+    """Peak over time of the running sum of ``mem_delta`` per rank (allocations before frees at ties)."""
+    peak = {r: 0.0 for r in ranks}
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for t, e in zip(tasks, end):
+        if t.mem_delta:
+            by_rank.setdefault(t.rank, []).append((e, -t.mem_delta))
+    for r, events in by_rank.items():
+        level = 0.0
+        for _, neg in sorted(events):
+            level -= neg
+            peak[r] = max(peak[r], level)
+    return peak
