@@ -1,0 +1,149 @@
+"""A plan: every module's layout, the placement, and the schedule family; JSON in and out.
+
+Encoders own a layout each; a projector runs on its encoder's last pipeline stage, so the boundary
+carries LLM-width rows. With ``colocated`` placement encoders share the LLM's ranks (their layouts
+list the same ranks, factorised their own way); with ``disjoint`` each module owns its ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harmonia.errors import ConfigError, LayoutError
+from harmonia.model.spec import MLLMSpec
+from harmonia.plan.layout import Layout, Placement
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """All modules' layouts, placement and schedule.
+
+    Attributes:
+        model: MLLM preset name (or a spec file path).
+        layouts: module -> layout, for every encoder and ``llm`` (projectors ride with encoders).
+        placement: ``colocated`` or ``disjoint``.
+        schedule: pipeline schedule family: ``gpipe``, ``1f1b``, ``interleaved``, ``zb``.
+        n_microbatches: microbatches per LLM DP replica per iteration.
+        global_batch: samples per iteration.
+        training: module -> ``full`` / ``frozen`` / ``lora``.
+        recompute: modules whose activations are recomputed in backward.
+    """
+
+    model: str
+    layouts: dict[str, Layout]
+    placement: Placement = Placement.DISJOINT
+    schedule: str = "1f1b"
+    n_microbatches: int = 8
+    global_batch: int = 256
+    training: dict[str, str] = field(default_factory=dict)
+    recompute: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "placement", Placement(self.placement))
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"plan schedule {self.schedule!r} unknown; expected one of {SCHEDULES}")
+        if "llm" not in self.layouts:
+            raise ConfigError("plan has no layout for 'llm'; every plan lays out the LLM")
+        if self.n_microbatches < 1 or self.global_batch < 1:
+            raise ConfigError(
+                f"plan n_microbatches={self.n_microbatches}, global_batch={self.global_batch} must be >= 1"
+            )
+        llm = self.layouts["llm"]
+        if self.global_batch < llm.dp * self.n_microbatches:
+            raise ConfigError(
+                f"global_batch={self.global_batch} is smaller than llm dp x n_microbatches = "
+                f"{llm.dp * self.n_microbatches}; raise the batch or lower dp / n_microbatches"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return max(r for layout in self.layouts.values() for r in layout.rank_list()) + 1
+
+    @property
+    def encoders(self) -> list[str]:
+        return [m for m in self.layouts if m != "llm"]
+
+    def ranks_of(self, module: str) -> tuple[int, ...]:
+        return self.layouts[module].rank_list()
+
+    def validate(self, mllm: MLLMSpec) -> None:
+        """Check the plan against a model: every encoder laid out, ranks consistent with placement."""
+        missing = set(mllm.encoders) - set(self.layouts)
+        extra = set(self.layouts) - set(mllm.encoders) - {"llm"}
+        if missing or extra:
+            raise ConfigError(
+                f"plan lays out {sorted(self.layouts)} but the model has encoders {sorted(mllm.encoders)} "
+                "and llm; give exactly one layout per encoder plus llm"
+            )
+        llm_ranks = set(self.ranks_of("llm"))
+        for enc in self.encoders:
+            ranks = set(self.ranks_of(enc))
+            if self.placement is Placement.COLOCATED and not ranks <= llm_ranks:
+                raise LayoutError(
+                    f"colocated plan: {enc} ranks {sorted(ranks)} are not all LLM ranks; colocated "
+                    "encoders must run on LLM ranks"
+                )
+            if self.placement is Placement.DISJOINT:
+                for other in ["llm", *self.encoders]:
+                    if other != enc and ranks & set(self.ranks_of(other)):
+                        raise LayoutError(
+                            f"disjoint plan: {enc} and {other} share ranks "
+                            f"{sorted(ranks & set(self.ranks_of(other)))}; give each module its own ranks"
+                        )
+        used = set().union(*(set(self.ranks_of(m)) for m in self.layouts))
+        if used != set(range(self.world_size)):
+            raise LayoutError(
+                f"plan leaves ranks {sorted(set(range(self.world_size)) - used)} idle; every rank "
+                "below the world size must hold a module"
+            )
+        for module, layout in self.layouts.items():
+            n_layers = self._n_layers(mllm, module)
+            if layout.n_stages > n_layers:
+                raise LayoutError(
+                    f"{module}: {layout.n_stages} stage chunks for {n_layers} layers; lower pp or virtual_stages"
+                )
+            layout.stage_split(n_layers)
+
+    @staticmethod
+    def _n_layers(mllm: MLLMSpec, module: str) -> int:
+        """Blocks of a module (the unit a stage split counts)."""
+        if module == "llm":
+            return mllm.llm.body.n_layers
+        return mllm.encoders[module].body.n_layers
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        raw["placement"] = self.placement.value
+        raw["layouts"] = {m: {k: v for k, v in asdict(lay).items() if k != "_grid"}
+                          for m, lay in self.layouts.items()}
+        raw["recompute"] = list(self.recompute)
+        return json.dumps(raw, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        try:
+            raw = json.loads(text)
+            layouts = {}
+            for module, lay in raw.pop("layouts").items():
+                for key in ("ranks", "stage_layers"):
+                    if lay.get(key) is not None:
+                        lay[key] = tuple(lay[key])
+                layouts[module] = Layout(**lay)
+            raw["recompute"] = tuple(raw.get("recompute", ()))
+            return Plan(layouts=layouts, **raw)
+        except (KeyError, TypeError, json.JSONDecodeError) as err:
+            raise ConfigError(f"plan JSON is malformed ({err}); write it with `harmonia plan`") from None
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"plan file {path} does not exist; create one with `harmonia plan`")
+        return Plan.from_json(path.read_text())
