@@ -116,7 +116,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                 trace=spec, samples=4096, seed=0)
         cmd_workload(ns)
     console.rule("harmonia demo: calibrating the cost model on this machine")
-    return cmd_profile(argparse.Namespace(layer="tiny-llm", device="cpu", lengths="128,256",
+    return cmd_profile(argparse.Namespace(layer="internvit-300m-448", device="cpu", lengths="256,512",
                                           repeats=3, out=args.calibration_out))
 
 
