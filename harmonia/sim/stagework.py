@@ -1,0 +1,176 @@
+"""Durations and bytes of every stage's work for one iteration's microbatches.
+
+Given a plan (layouts, stage splits), the cost model and the iteration's assignment — for each LLM
+DP replica, its microbatches as lists of sample indices — this computes, for every
+``(module, replica, stage, microbatch)``, the F, B and W seconds on one rank of that stage's TP x CP
+group, the activation bytes the microbatch keeps there, the bytes sent to the next stage, and the
+boundary bytes an encoder's last stage sends to the LLM's first stage.
+
+Encoder replicas and LLM replicas are matched round-robin: with ``enc_dp >= llm_dp`` LLM replica
+``d`` is fed by encoder replicas ``{e : e % llm_dp == d}``, which split the items of its
+microbatch between them (largest first, onto the least loaded); with ``enc_dp < llm_dp`` encoder
+replica ``e`` serves LLM replicas ``{d : d % enc_dp == e}`` one microbatch after another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from harmonia.plan.plan import Plan
+from harmonia.workload.cost import CostModel, PhaseTimes
+from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
+from harmonia.workload.work import ModuleLoad, sample_loads
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """One stage chunk of one replica of a module."""
+
+    module: str
+    replica: int
+    stage: int
+
+
+@dataclass
+class MicrobatchWork:
+    """What a stage does for one microbatch (or encoder sub-microbatch)."""
+
+    times: PhaseTimes
+    act_bytes: float = 0.0
+    send_bytes: float = 0.0  # activations to the next stage (gradients back are the same size)
+    flops: float = 0.0
+    tokens: int = 0
+
+
+@dataclass
+class IterationWork:
+    """All stage work of one iteration.
+
+    Attributes:
+        work: (stage key, microbatch id) -> work. Microbatch ids are ``(llm_replica, index)``.
+        encoder_feeds: (encoder, llm_replica, index) -> encoder replicas that hold part of it.
+        boundary_bytes: (encoder, encoder_replica, llm_replica, index) -> bytes to the LLM.
+        stage_ranks: stage key -> the ranks (TP x CP group) that run it.
+        microbatches: llm replica -> list of sample-index lists.
+    """
+
+    work: dict[tuple[StageKey, tuple[int, int]], MicrobatchWork] = field(default_factory=dict)
+    encoder_feeds: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
+    boundary_bytes: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
+    stage_ranks: dict[StageKey, tuple[int, ...]] = field(default_factory=dict)
+    microbatches: dict[int, list[list[int]]] = field(default_factory=dict)
+
+
+def stage_layer_range(cost: CostModel, plan: Plan, module: str, stage: int) -> tuple[int, int]:
+    """Cost-model layer indices [start, stop) of a stage chunk; the front end joins stage 0 and the
+    post layer (head, final norm) the last stage."""
+    layout = plan.layouts[module]
+    n_blocks = len(cost.layers[module]) - 2
+    split = layout.stage_split(n_blocks)
+    start = 1 + sum(split[:stage])
+    stop = start + split[stage]
+    if stage == 0:
+        start = 0
+    if stage == layout.n_stages - 1:
+        stop = len(cost.layers[module])
+    return start, stop
+
+
+def stage_of_chunk(plan: Plan, module: str, chunk: int) -> tuple[int, int]:
+    """(pp rank, virtual index) holding a stage chunk: chunks go round-robin over pp ranks."""
+    pp = plan.layouts[module].pp
+    return chunk % pp, chunk // pp
+
+
+def _ranks_of(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, ...]:
+    layout = plan.layouts[module]
+    pp_rank, _ = stage_of_chunk(plan, module, chunk)
+    return tuple(layout.rank_at(pp=pp_rank, dp=replica, cp=c, tp=t)
+                 for c in range(layout.cp) for t in range(layout.tp))
+
+
+def _encoder_shares(samples: list[SampleShape], plan: Plan, cost: CostModel, encoder: str,
+                    idx: list[int], n_shares: int) -> list[list[tuple[int, int]]]:
+    """Split the items of ``encoder`` in samples ``idx`` over ``n_shares`` replicas (LPT on tokens).
+
+    Returns per share a list of (sample index, item index) pairs.
+    """
+    spec = cost.mllm.encoders[encoder]
+    items = []
+    for i in idx:
+        for j, item in enumerate(samples[i].items):
+            if item.modality in spec.modalities:
+                items.append((sum(n * n for n in encoder_sequences(item, spec)) + sum(encoder_sequences(item, spec)), i, j))
+    shares: list[list[tuple[int, int]]] = [[] for _ in range(n_shares)]
+    loads = [0] * n_shares
+    for weight, i, j in sorted(items, reverse=True):
+        k = loads.index(min(loads))
+        shares[k].append((i, j))
+        loads[k] += weight
+    return shares
+
+
+def _item_load(samples: list[SampleShape], cost: CostModel, encoder: str, pairs: list[tuple[int, int]]):
+    spec = cost.mllm.encoders[encoder]
+    enc, proj = ModuleLoad(), ModuleLoad()
+    for i, j in pairs:
+        seqs = encoder_sequences(samples[i].items[j], spec)
+        enc += ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))
+        proj += ModuleLoad(llm_tokens_of_item(samples[i].items[j], spec), 0, 1)
+    return enc, proj
+
+
+def plan_iteration_work(samples: list[SampleShape], plan: Plan, cost: CostModel,
+                        microbatches: dict[int, list[list[int]]]) -> IterationWork:
+    """Stage work of every module for an iteration's microbatches (see module docstring)."""
+    out = IterationWork(microbatches=microbatches)
+    h_llm = cost.mllm.llm.hidden
+    llm = plan.layouts["llm"]
+    for d, mbs in microbatches.items():
+        for m, idx in enumerate(mbs):
+            load = ModuleLoad()
+            for i in idx:
+                load += sample_loads(samples[i], cost.mllm)["llm"]
+            _add_module_work(out, plan, cost, "llm", d, (d, m), load, ModuleLoad(), h_llm, llm.tp, llm.cp)
+            for enc in plan.encoders:
+                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm)
+    return out
+
+
+def _add_encoder_work(out: IterationWork, samples, plan: Plan, cost: CostModel, enc: str, d: int, m: int,
+                      idx: list[int], h_llm: int) -> None:
+    enc_dp, llm_dp = plan.layouts[enc].dp, plan.layouts["llm"].dp
+    replicas = [e for e in range(enc_dp) if e % llm_dp == d] if enc_dp >= llm_dp else [d % enc_dp]
+    shares = _encoder_shares(samples, plan, cost, enc, idx, len(replicas))
+    feeds = []
+    layout = plan.layouts[enc]
+    for e, share in zip(replicas, shares):
+        if not share:
+            continue
+        enc_load, proj_load = _item_load(samples, cost, enc, share)
+        _add_module_work(out, plan, cost, enc, e, (d, m), enc_load, proj_load, cost.mllm.encoders[enc].out_dim,
+                         layout.tp, layout.cp)
+        out.boundary_bytes[(enc, e, d, m)] = proj_load.tokens * h_llm * cost.act_bytes
+        feeds.append(e)
+    out.encoder_feeds[(enc, d, m)] = feeds
+
+
+def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, replica: int,
+                     mb: tuple[int, int], load: ModuleLoad, proj_load: ModuleLoad, hidden: int,
+                     tp: int, cp: int) -> None:
+    layout = plan.layouts[module]
+    for chunk in range(layout.n_stages):
+        start, stop = stage_layer_range(cost, plan, module, chunk)
+        times = cost.stage_times(module, load, start, stop, tp, cp)
+        flops = float(cost.flops(module, load, start, stop).sum())
+        act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp)
+        last = chunk == layout.n_stages - 1
+        if last and module != "llm":  # the projector runs on the encoder's last stage
+            proj = f"{module}_proj"
+            times = times + cost.stage_times(proj, proj_load, tp=tp, cp=cp)
+            flops += float(cost.flops(proj, proj_load).sum())
+            act += cost.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
+        key = StageKey(module, replica, chunk)
+        out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
+        send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
+        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops, load.tokens)

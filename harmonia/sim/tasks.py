@@ -1,0 +1,179 @@
+"""Turn per-rank compute orders into replayable tasks with dependencies and communication.
+
+A compute key is ``(module, replica, chunk, kind, microbatch)``, with ``kind`` in F, B, W, BW and
+``microbatch = (llm_replica, index)``. Every rank of a stage's TP x CP group runs the same keys. The
+dependencies are the pipeline's data flow:
+
+- F of chunk c waits for F of chunk c-1 (P2P delay of the activations); F of the LLM's first
+  chunk waits for the last encoder chunk of every encoder replica feeding the microbatch (boundary
+  delay of its rows).
+- B of chunk c waits for B (or BW) of chunk c+1, for the LLM's last chunk on its own F; an
+  encoder's last chunk waits for the LLM's first-chunk B (boundary gradients). W waits for its B,
+  or, on a stage with no B (a trainable projector behind a frozen encoder), for the gradient itself.
+- After a rank's last W (or BW) of a trainable stage, the DP gradient reduction runs on its
+  communication stream: a ring all-reduce, ``2 (dp-1)/dp * bytes / bandwidth``.
+
+TP adds two all-reduces of the activations per block forward and two per backward, CP an
+all-gather of K and V per block; both are added to the compute duration (they are synchronous).
+"""
+
+from __future__ import annotations
+
+from harmonia.plan.plan import Plan
+from harmonia.sim.engine import Task
+from harmonia.sim.stagework import IterationWork, StageKey, stage_layer_range
+from harmonia.workload.cost import GRAD_BYTES, CostModel
+from harmonia.workload.devices import ClusterSpec
+
+ComputeKey = tuple[str, int, int, str, tuple[int, int]]
+
+
+def ring_allreduce_s(nbytes: float, ranks: tuple[int, ...], cluster: ClusterSpec) -> float:
+    """Ring all-reduce time: each rank sends and receives ``2 (n-1)/n`` of the buffer."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / cluster.group_bandwidth(ranks) + 2 * (n - 1) * cluster.device.latency_s
+
+
+def p2p_s(nbytes: float, src: int, dst: int, cluster: ClusterSpec) -> float:
+    """Point-to-point transfer delay (zero on the same rank)."""
+    if src == dst or nbytes <= 0:
+        return 0.0
+    return cluster.device.latency_s + nbytes / cluster.p2p_bandwidth(src, dst)
+
+
+def _collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
+                      cluster: ClusterSpec) -> float:
+    """TP all-reduces and CP K/V all-gathers inside a stage for one phase."""
+    layout = plan.layouts[key.module]
+    work = iw.work[(key, mb)]
+    blocks = layout.stage_split(len(cost.layers[key.module]) - 2)[key.stage]
+    ranks = iw.stage_ranks[key]
+    hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
+    extra = 0.0
+    if layout.tp > 1 and kind != "W":
+        tp_group = ranks[: layout.tp]
+        extra += 2 * blocks * ring_allreduce_s(work.tokens / layout.cp * hidden * cost.act_bytes, tp_group, cluster)
+    if layout.cp > 1 and kind in ("F", "B", "BW"):
+        spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
+        kv = 2 * work.tokens * spec.kv_dim * cost.act_bytes / layout.tp
+        cp_group = ranks[:: layout.tp]
+        extra += blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
+    return extra
+
+
+def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int, list[ComputeKey]],
+                cluster: ClusterSpec) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
+    """Tasks, per-rank compute queues and per-rank communication queues for `harmonia.sim.engine.replay`."""
+    tasks: list[Task] = []
+    index: dict[tuple[ComputeKey, int], int] = {}
+    queue: dict[int, list[int]] = {r: [] for r in orders}
+    has_w = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] == "W"}
+    for rank, keys in orders.items():
+        for ck in keys:
+            module, replica, chunk, kind, mb = ck
+            skey = StageKey(module, replica, chunk)
+            work = iw.work[(skey, mb)]
+            t = work.times
+            duration = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind]
+            duration += _collective_extra(plan, cost, iw, skey, mb, kind, cluster)
+            flops_share = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
+            if kind == "F":
+                mem = work.act_bytes
+            elif kind == "B" and (module, replica, chunk, mb) in has_w:
+                mem = -0.5 * work.act_bytes
+            elif kind == "W":
+                mem = -0.5 * work.act_bytes
+            else:
+                mem = -work.act_bytes
+            index[(ck, rank)] = len(tasks)
+            queue[rank].append(len(tasks))
+            tasks.append(Task(f"{module}.r{replica}.s{chunk}.{kind}{mb[0]}.{mb[1]}", rank, duration, [],
+                              module, kind, mem, work.flops * flops_share))
+    for (ck, rank), i in index.items():
+        tasks[i].deps = _deps(plan, iw, ck, rank, index, cluster)
+    comm = _gradient_reductions(plan, cost, iw, orders, tasks, index, cluster)
+    return tasks, queue, comm
+
+
+def _peer(iw: IterationWork, key: StageKey, position: int) -> int:
+    ranks = iw.stage_ranks[key]
+    return ranks[position % len(ranks)]
+
+
+def _find(index, ck: ComputeKey, rank: int) -> int | None:
+    return index.get((ck, rank))
+
+
+def _deps(plan: Plan, iw: IterationWork, ck: ComputeKey, rank: int, index, cluster) -> list[tuple[int, float]]:
+    module, replica, chunk, kind, mb = ck
+    skey = StageKey(module, replica, chunk)
+    pos = iw.stage_ranks[skey].index(rank)
+    n_chunks = plan.layouts[module].n_stages
+    deps: list[tuple[int, float]] = []
+
+    def need(dep_ck: ComputeKey, dep_rank: int, nbytes: float) -> None:
+        i = _find(index, dep_ck, dep_rank)
+        if i is None:
+            alt = _find(index, (*dep_ck[:3], "BW", dep_ck[4]), dep_rank) if dep_ck[3] == "B" else None
+            if alt is None:
+                return
+            i = alt
+        deps.append((i, p2p_s(nbytes, dep_rank, rank, cluster)))
+
+    if kind == "F":
+        if chunk > 0:
+            prev = StageKey(module, replica, chunk - 1)
+            need((module, replica, chunk - 1, "F", mb), _peer(iw, prev, pos), iw.work[(prev, mb)].send_bytes)
+        elif module == "llm":
+            for enc in plan.encoders:
+                last = plan.layouts[enc].n_stages - 1
+                for e in iw.encoder_feeds.get((enc, mb[0], mb[1]), []):
+                    src = StageKey(enc, e, last)
+                    need((enc, e, last, "F", mb), _peer(iw, src, 0), iw.boundary_bytes[(enc, e, mb[0], mb[1])])
+    else:
+        i = _find(index, (module, replica, chunk, "B", mb), rank) if kind == "W" else None
+        if i is not None:  # W after its own B, which already waited for the gradient
+            deps.append((i, 0.0))
+            return deps
+        index_f = _find(index, (module, replica, chunk, "F", mb), rank)
+        if index_f is not None:
+            deps.append((index_f, 0.0))
+        if chunk < n_chunks - 1:
+            nxt = StageKey(module, replica, chunk + 1)
+            need((module, replica, chunk + 1, "B", mb), _peer(iw, nxt, pos), iw.work[(skey, mb)].send_bytes)
+        elif module != "llm":
+            llm_key = StageKey("llm", mb[0], 0)
+            need(("llm", mb[0], 0, "B", mb), _peer(iw, llm_key, 0),
+                 iw.boundary_bytes.get((module, replica, mb[0], mb[1]), 0.0))
+    return deps
+
+
+def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders, tasks: list[Task], index,
+                         cluster: ClusterSpec) -> dict[int, list[int]]:
+    """One DP gradient all-reduce per trainable stage and rank, after its last weight gradient."""
+    comm: dict[int, list[int]] = {r: [] for r in orders}
+    for rank, keys in orders.items():
+        last: dict[tuple[str, int, int], int] = {}
+        for ck in keys:
+            if ck[3] in ("W", "BW"):
+                last[(ck[0], ck[1], ck[2])] = index[(ck, rank)]
+        for (module, replica, chunk), i in last.items():
+            layout = plan.layouts[module]
+            if layout.dp <= 1:
+                continue
+            start, stop = stage_layer_range(cost, plan, module, chunk)
+            _, trainable = cost.param_count(module, start, stop)
+            if chunk == layout.n_stages - 1 and module != "llm":
+                trainable += cost.param_count(f"{module}_proj")[1]
+            if trainable == 0:
+                continue
+            pp_rank = chunk % layout.pp
+            coords = layout.coords(rank)
+            group = tuple(layout.rank_at(pp=pp_rank, dp=d, cp=coords["cp"], tp=coords["tp"])
+                          for d in range(layout.dp))
+            seconds = ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
+            comm[rank].append(len(tasks))
+            tasks.append(Task(f"{module}.r{replica}.s{chunk}.allreduce", rank, seconds, [(i, 0.0)], module, "C"))
+    return comm
