@@ -41,6 +41,8 @@ class TransformerSpec:
         qk_norm: per-head norms on q and k (InternViT-6B).
         layer_scale: per-channel scales on both residual branches (InternViT, EVA).
         head_dim: per-head width; None = ``hidden // n_heads``.
+        norm_eps: epsilon of every norm in the stack.
+        gelu_approximate: ``none`` (exact erf GELU) or ``tanh`` (SigLIP's ``gelu_pytorch_tanh``).
     """
 
     n_layers: int
@@ -56,6 +58,8 @@ class TransformerSpec:
     qk_norm: bool = False
     layer_scale: bool = False
     head_dim: int | None = None
+    norm_eps: float = 1e-6
+    gelu_approximate: Literal["none", "tanh"] = "none"
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -251,12 +255,16 @@ class ProjectorSpec:
 
 @dataclass(frozen=True)
 class LLMSpec:
-    """A decoder LLM (Llama / Qwen family): embedding, blocks, final norm, LM head."""
+    """A decoder LLM (Llama / Qwen family): embedding, blocks, final norm, LM head.
+
+    ``rope_theta`` is the base of the rotary position embedding (Llama 2: 1e4, Qwen2: 1e6).
+    """
 
     name: str
     body: TransformerSpec
     vocab_size: int
     tie_embeddings: bool = False
+    rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
         _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size)

@@ -1,0 +1,142 @@
+"""The multimodal attention rule: one definition for the model, CP sharding and the cost model.
+
+A packed LLM sequence holds several samples one after another; each sample is a run of segments,
+each segment a text run or one modality item's tokens. For a query token ``q`` and a key token ``k``:
+
+- nothing attends across packed samples: ``sample[q] == sample[k]`` is required;
+- a text token attends causally: every ``k`` of its sample with ``position[k] <= position[q]``,
+  earlier items' tokens included;
+- an item's tokens attend to every token of their own item (bidirectional) and causally to the
+  earlier tokens of the sample.
+
+Written with positions rather than indices, the rule holds for any subset or reordering of tokens,
+which is what a context-parallel shard (a zig-zag slice of queries against all keys) needs.
+`harmonia.workload.work.attended_pairs` counts the same pairs in closed form; a unit test checks both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from harmonia.errors import SampleError
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """Per-token description of a packed sequence; every field is ``(T,)``.
+
+    Attributes:
+        sample: index of the packed sample a token belongs to.
+        segment: index of the token's segment (text run or item), unique within the pack.
+        is_item: True for modality-item tokens (placeholders replaced by encoder output).
+        position: position of the token within its sample (also the rotary position).
+    """
+
+    sample: torch.Tensor
+    segment: torch.Tensor
+    is_item: torch.Tensor
+    position: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.sample.numel())
+
+    @staticmethod
+    def from_segments(samples: list[list[tuple[str, int]]]) -> TokenLayout:
+        """Layout of samples packed in order, each a list of ``(kind, length)``, kind ``text``/``item``.
+
+        This is the same segment description as `harmonia.workload.work.llm_segments` returns.
+        """
+        sample, segment, is_item, position = [], [], [], []
+        seg = 0
+        for s, segments in enumerate(samples):
+            pos = 0
+            for kind, n in segments:
+                if kind not in ("text", "item"):
+                    raise SampleError(f"segment kind {kind!r} of sample {s} is invalid: expected 'text' or 'item'")
+                if n <= 0:
+                    continue
+                sample += [s] * n
+                segment += [seg] * n
+                is_item += [kind == "item"] * n
+                position += range(pos, pos + n)
+                pos += n
+                seg += 1
+        return TokenLayout(
+            torch.tensor(sample, dtype=torch.long), torch.tensor(segment, dtype=torch.long),
+            torch.tensor(is_item, dtype=torch.bool), torch.tensor(position, dtype=torch.long),
+        )
+
+    def select(self, index: torch.Tensor | slice) -> TokenLayout:
+        """The layout of a subset of tokens (a CP shard, a block)."""
+        return TokenLayout(self.sample[index], self.segment[index], self.is_item[index], self.position[index])
+
+
+def multimodal_mask(q: TokenLayout, k: TokenLayout | None = None) -> torch.Tensor:
+    """Boolean mask ``(Tq, Tk)``, True where query ``i`` of ``q`` may attend key ``j`` of ``k``.
+
+    Args:
+        q: layout of the query tokens.
+        k: layout of the key tokens; None = the same tokens as ``q``.
+    """
+    k = q if k is None else k
+    same_sample = q.sample[:, None] == k.sample[None, :]
+    causal = k.position[None, :] <= q.position[:, None]
+    own_item = q.is_item[:, None] & (q.segment[:, None] == k.segment[None, :])
+    return same_sample & (causal | own_item)
+
+
+def block_mask_kinds(q: TokenLayout, k: TokenLayout | None = None, block: int = 128) -> torch.Tensor:
+    """Per tile of ``block x block`` (query, key) tokens: `EMPTY`, `PARTIAL` or `FULL`.
+
+    Attention kernels skip empty tiles and drop the mask on full ones; the CP sharder uses the
+    count of non-empty tiles as a shard's work. Computed one row of tiles at a time, so memory is
+    ``block x Tk`` booleans.
+
+    Returns:
+        ``(ceil(Tq / block), ceil(Tk / block))`` int8 tensor.
+    """
+    k = q if k is None else k
+    nq, nk = -(-len(q) // block), -(-len(k) // block)
+    out = torch.empty(nq, nk, dtype=torch.int8)
+    pad = nk * block - len(k)
+    for i in range(nq):
+        rows = multimodal_mask(q.select(slice(i * block, (i + 1) * block)), k)  # (bq, Tk)
+        rows = torch.nn.functional.pad(rows, (0, pad))  # (bq, nk * block)
+        tiles = rows.view(rows.shape[0], nk, block).transpose(0, 1).reshape(nk, -1)  # (nk, bq * block)
+        counts = tiles.sum(-1)
+        sizes = torch.full((nk,), rows.shape[0] * block, dtype=counts.dtype)
+        if pad:
+            sizes[-1] = rows.shape[0] * (block - pad)
+        out[i] = torch.where(counts == 0, EMPTY, torch.where(counts == sizes, FULL, PARTIAL))
+    return out
+
+
+def count_pairs(q: TokenLayout, k: TokenLayout | None = None, block: int = 1024) -> int:
+    """(query, key) pairs the mask allows: the work of one attention layer, as the cost model counts it."""
+    k = q if k is None else k
+    return sum(
+        int(multimodal_mask(q.select(slice(i, i + block)), k).sum()) for i in range(0, len(q), block)
+    )
+
+
+def flex_block_mask(layout: TokenLayout, block: int = 128):
+    """A ``flex_attention`` BlockMask with the same rule, where flex attention is available.
+
+    Returns:
+        a ``torch.nn.attention.flex_attention.BlockMask`` over ``(1, 1, T, T)``.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    sample, segment, is_item, position = layout.sample, layout.segment, layout.is_item, layout.position
+
+    def mask_mod(b, h, qi, ki):
+        causal = position[ki] <= position[qi]
+        own_item = is_item[qi] & (segment[qi] == segment[ki])
+        return (sample[qi] == sample[ki]) & (causal | own_item)
+
+    T = len(layout)
+    return create_block_mask(mask_mod, 1, 1, T, T, device=str(layout.sample.device), BLOCK_SIZE=block)

@@ -1,0 +1,172 @@
+"""Packed microbatches: several samples in one LLM sequence plus each encoder's inputs.
+
+A sample arrives as a `TokenizedSample`: its LLM token ids with placeholder ids where items go, its
+labels, its ``(kind, length)`` segments, and one `ItemInputs` per item. `pack_samples` concatenates
+samples into one sequence (``B = 1``), builds the `TokenLayout` the attention mask is made from, and
+groups items by encoder so each encoder runs once over all its sequences (tiles, frames, chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from harmonia.errors import SampleError
+from harmonia.model.attention_mask import TokenLayout, multimodal_mask
+
+
+@dataclass
+class ItemInputs:
+    """One modality item's encoder input.
+
+    Attributes:
+        module: encoder module name (``vision``, ``audio``).
+        inputs: ``(n_seq, C, H, W)`` tiles / frame tiles, or ``(n_seq, n_mels, F)`` audio chunks.
+        groups: ``(n_seq,)`` output slot of each sequence; sequences sharing a slot are averaged
+            (temporal merge of video frames). Slots are ``0 .. n_groups - 1`` in LLM order.
+    """
+
+    module: str
+    inputs: torch.Tensor
+    groups: torch.Tensor | None = None
+
+    @property
+    def n_groups(self) -> int:
+        return self.inputs.shape[0] if self.groups is None else int(self.groups.max()) + 1
+
+
+def frame_groups(frames: int, tiles_per_frame: int, temporal_merge: int) -> torch.Tensor:
+    """Slots of a video's sequences (frame-major) when ``temporal_merge`` frames become one."""
+    frame = torch.arange(frames).repeat_interleave(tiles_per_frame)
+    tile = torch.arange(tiles_per_frame).repeat(frames)
+    return (frame // temporal_merge) * tiles_per_frame + tile
+
+
+@dataclass
+class TokenizedSample:
+    """One sample ready to pack.
+
+    Attributes:
+        input_ids: ``(T,)`` token ids; item positions hold any placeholder id.
+        labels: ``(T,)`` next-token targets aligned with ``input_ids`` (``-100`` = no loss).
+        segments: ``(kind, length)`` runs, kind ``text`` or ``item``, summing to ``T``.
+        items: one `ItemInputs` per ``item`` segment, in order.
+        sample_id: dataset identifier, carried for reporting.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    segments: list[tuple[str, int]]
+    items: list[ItemInputs] = field(default_factory=list)
+    sample_id: int | str | None = None
+
+    def __post_init__(self) -> None:
+        n = sum(length for _, length in self.segments)
+        n_items = sum(kind == "item" for kind, _ in self.segments)
+        if n != self.input_ids.numel() or n != self.labels.numel() or n_items != len(self.items):
+            raise SampleError(
+                f"sample {self.sample_id}: segments cover {n} tokens and {n_items} items but input_ids has "
+                f"{self.input_ids.numel()}, labels {self.labels.numel()} and there are {len(self.items)} items"
+            )
+
+    def __len__(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclass
+class MediaInputs:
+    """Everything one encoder processes for a microbatch.
+
+    Attributes:
+        inputs: ``(N, ...)`` all sequences of the encoder's items, item by item.
+        groups: ``(N,)`` global output slot of each sequence (see `ItemInputs.groups`).
+        n_groups: number of output slots; slot ``g`` fills LLM tokens ``g*P .. (g+1)*P - 1`` of ``index``.
+        index: ``(n_tokens,)`` positions in the packed sequence that receive the encoder's tokens.
+    """
+
+    inputs: torch.Tensor
+    groups: torch.Tensor
+    n_groups: int
+    index: torch.Tensor
+
+
+@dataclass
+class PackedBatch:
+    """A microbatch: samples packed into one sequence of ``T`` tokens.
+
+    Attributes:
+        input_ids: ``(1, T)``.
+        labels: ``(1, T)``.
+        layout: per-token sample / segment / item flag / position.
+        media: encoder module name -> its inputs.
+        sample_ids: dataset identifiers of the packed samples, in order.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    layout: TokenLayout
+    media: dict[str, MediaInputs]
+    sample_ids: list = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def n_targets(self) -> int:
+        """Tokens that carry a loss (the normaliser's share of this microbatch)."""
+        return int((self.labels != -100).sum())
+
+    def mask(self) -> torch.Tensor:
+        """Boolean ``(T, T)`` multimodal attention mask."""
+        return multimodal_mask(self.layout)
+
+    def positions(self) -> torch.Tensor:
+        """``(1, T)`` rotary positions."""
+        return self.layout.position[None]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        lay = self.layout
+        media = {
+            k: MediaInputs(m.inputs.to(device), m.groups.to(device), m.n_groups, m.index.to(device))
+            for k, m in self.media.items()
+        }
+        return PackedBatch(
+            self.input_ids.to(device), self.labels.to(device),
+            TokenLayout(lay.sample.to(device), lay.segment.to(device), lay.is_item.to(device), lay.position.to(device)),
+            media, self.sample_ids,
+        )
+
+
+def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
+    """Concatenate samples into one sequence; group item inputs by encoder.
+
+    Raises:
+        SampleError: when ``samples`` is empty.
+    """
+    if not samples:
+        raise SampleError("pack_samples got no samples; a microbatch needs at least one")
+    layout = TokenLayout.from_segments([s.segments for s in samples])
+    per_module: dict[str, dict[str, list]] = {}
+    offset = 0
+    for s in samples:
+        items = iter(s.items)
+        for kind, length in s.segments:
+            if kind == "item":
+                item = next(items)
+                acc = per_module.setdefault(item.module, {"inputs": [], "groups": [], "index": [], "n": 0})
+                groups = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
+                acc["inputs"].append(item.inputs)
+                acc["groups"].append(groups + acc["n"])
+                acc["n"] += item.n_groups
+                acc["index"].append(torch.arange(offset, offset + length))
+            offset += length
+    media = {
+        name: MediaInputs(torch.cat(a["inputs"]), torch.cat(a["groups"]), a["n"], torch.cat(a["index"]))
+        for name, a in per_module.items()
+    }
+    return PackedBatch(
+        torch.cat([s.input_ids for s in samples])[None], torch.cat([s.labels for s in samples])[None],
+        layout, media, [s.sample_id for s in samples],
+    )

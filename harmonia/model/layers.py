@@ -1,0 +1,191 @@
+"""Building blocks of the reference models: norms, rotary embedding, attention (GQA), MLPs, blocks.
+
+Every block reads a `TransformerSpec`. Tensors are ``(B, T, h)``: a batch of encoder sequences (tiles,
+audio chunks) or one packed LLM sequence (``B = 1``). Attention heads are derived from the weight
+shapes at run time, so a block whose projections were sharded by tensor parallelism (fewer local
+heads) runs unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harmonia.model.spec import TransformerSpec
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 (Llama's ``LlamaRMSNorm``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``layernorm`` (weight and bias) or ``rmsnorm`` (weight) over the last dimension."""
+    return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else RMSNorm(dim, eps)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding tables for given token positions (half-split layout, as Llama in HF).
+
+    Args:
+        positions: ``(T,)`` or ``(B, T)`` integer positions of each token within its sample.
+        head_dim: per-head width (even).
+        theta: rotary base.
+
+    Returns:
+        ``(cos, sin)``, each ``(..., T, head_dim)`` in float32.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # (..., T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(B, nh, T, hd)`` by tables of shape ``(T, hd)`` or ``(B, T, hd)``."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hd)
+    return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped key/value heads, optional qk-norm and rotary embedding."""
+
+    def __init__(self, spec: TransformerSpec) -> None:
+        super().__init__()
+        h = spec.hidden
+        self.head_dim = spec.dim_head
+        self.q_proj = nn.Linear(h, spec.q_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(spec.q_dim, h, bias=spec.out_bias)
+        if spec.qk_norm:
+            self.q_norm = build_norm(spec.norm, spec.q_dim, spec.norm_eps)
+            self.k_norm = build_norm(spec.norm, spec.kv_dim, spec.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attend within ``x``.
+
+        Args:
+            x: ``(B, T, h)``.
+            mask: boolean ``(T, T)`` or ``(B, 1, T, T)``, True where a query may attend a key; None
+                attends everything (an encoder sequence).
+            rope: ``(cos, sin)`` tables from `rope_cos_sin`, or None for no rotary embedding.
+        """
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if mask is not None and mask.dim() == 2:
+            mask = mask[None, None]  # (1, 1, T, T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """``gelu``: fc2(gelu(fc1 x)); ``swiglu``: down(silu(gate x) * up x)."""
+
+    def __init__(self, spec: TransformerSpec) -> None:
+        super().__init__()
+        h, f, bias = spec.hidden, spec.ffn_hidden, spec.mlp_bias
+        self.swiglu = spec.mlp == "swiglu"
+        self.approximate = spec.gelu_approximate
+        if self.swiglu:
+            self.gate_proj = nn.Linear(h, f, bias=bias)
+            self.up_proj = nn.Linear(h, f, bias=bias)
+            self.down_proj = nn.Linear(f, h, bias=bias)
+        else:
+            self.fc1 = nn.Linear(h, f, bias=bias)
+            self.fc2 = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm x)``, then ``x + mlp(norm x)``, optional layer scale."""
+
+    def __init__(self, spec: TransformerSpec) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(spec.norm, spec.hidden, spec.norm_eps)
+        self.attn = Attention(spec)
+        self.mlp_norm = build_norm(spec.norm, spec.hidden, spec.norm_eps)
+        self.mlp = MLP(spec)
+        if spec.layer_scale:
+            self.attn_scale = nn.Parameter(torch.ones(spec.hidden))
+            self.mlp_scale = nn.Parameter(torch.ones(spec.hidden))
+        else:
+            self.attn_scale = self.mlp_scale = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        a = self.attn(self.attn_norm(x), mask, rope)
+        x = x + (a if self.attn_scale is None else a * self.attn_scale)
+        m = self.mlp(self.mlp_norm(x))
+        return x + (m if self.mlp_scale is None else m * self.mlp_scale)
+
+
+def layer_range(n_layers: int, layers: tuple[int, int] | None, owner: str) -> range:
+    """Global indices of the blocks a (stage) module holds; ``None`` means all."""
+    from harmonia.errors import ConfigError
+
+    if layers is None:
+        return range(n_layers)
+    start, stop = layers
+    if not 0 <= start <= stop <= n_layers:
+        raise ConfigError(
+            f"{owner}: layers [{start}, {stop}) out of range for {n_layers} layers; "
+            f"pick 0 <= start <= stop <= {n_layers}"
+        )
+    return range(start, stop)
+
+
+def build_blocks(spec: TransformerSpec, indices: range) -> nn.ModuleDict:
+    """Blocks keyed by their global index, so parameter names are the same in every stage split."""
+    return nn.ModuleDict({str(i): Block(spec) for i in indices})
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) linear/embedding weights, zero biases; norms and scales stay at one."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)

@@ -1,0 +1,117 @@
+"""Decoder LLM (Llama / Qwen2 family): token embedding, RoPE blocks with GQA, final norm, LM head.
+
+A `DecoderLM` can hold any contiguous range of blocks ``[a, b)``: the first stage (``a == 0``) owns
+the embedding and splices modality-item embeddings into the sequence at their placeholder positions;
+the last stage (``b == n_layers``) owns the final norm and the head. Blocks are keyed by their global
+index, so a stage's parameter names are those of the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harmonia.model.layers import build_blocks, build_norm, init_weights, layer_range, rope_cos_sin
+from harmonia.model.spec import LLMSpec
+
+IGNORE_INDEX = -100
+
+
+class DecoderLM(nn.Module):
+    """Blocks ``[a, b)`` of a decoder LLM (all of it by default).
+
+    Args:
+        spec: the LLM's architecture.
+        layers: ``(a, b)`` global block range of this stage; None = all blocks.
+    """
+
+    def __init__(self, spec: LLMSpec, layers: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        body = spec.body
+        self.spec = spec
+        self.indices = layer_range(body.n_layers, layers, f"llm {spec.name!r}")
+        self.is_first = self.indices.start == 0
+        self.is_last = self.indices.stop == body.n_layers
+        self.embed = nn.Embedding(spec.vocab_size, body.hidden) if self.is_first else None
+        self.layers = build_blocks(body, self.indices)
+        self.norm = build_norm(body.norm, body.hidden, body.norm_eps) if self.is_last else None
+        self.head = None
+        if self.is_last and not (spec.tie_embeddings and self.is_first):
+            self.head = nn.Linear(body.hidden, spec.vocab_size, bias=False)
+        init_weights(self)
+
+    def embed_inputs(
+        self,
+        input_ids: torch.Tensor,
+        item_embeds: torch.Tensor | None = None,
+        item_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Token embeddings with modality items spliced in at their placeholder positions.
+
+        Args:
+            input_ids: ``(B, T)`` token ids; ids at item positions are placeholders and are ignored.
+            item_embeds: ``(n, h)`` projected item tokens, in the order of ``item_index``.
+            item_index: ``(n,)`` positions in the flattened ``B * T`` sequence that receive them.
+
+        Returns:
+            ``(B, T, h)``.
+        """
+        h = self.embed(input_ids)  # (B, T, h)
+        if item_embeds is None or item_index is None or item_index.numel() == 0:
+            return h
+        B, T, D = h.shape
+        flat = h.reshape(B * T, D).index_put((item_index,), item_embeds.to(h.dtype))
+        return flat.view(B, T, D)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        item_embeds: torch.Tensor | None = None,
+        item_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this stage.
+
+        Args:
+            x: ``(B, T)`` token ids on the first stage, ``(B, T, h)`` hidden states otherwise.
+            positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE).
+            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask`.
+            item_embeds: first stage only, see `embed_inputs`.
+            item_index: first stage only, see `embed_inputs`.
+
+        Returns:
+            ``(B, T, vocab)`` logits on the last stage, ``(B, T, h)`` hidden states otherwise.
+        """
+        if self.is_first:
+            x = self.embed_inputs(x, item_embeds, item_index)
+        rope = rope_cos_sin(positions, self.spec.body.dim_head, self.spec.rope_theta)
+        for block in self.layers.values():
+            x = block(x, mask, rope)
+        if not self.is_last:
+            return x
+        x = self.norm(x)
+        return self.head(x) if self.head is not None else x @ self.embed.weight.t()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | int | None = None) -> torch.Tensor:
+    """Summed next-token cross entropy divided by ``normalizer``.
+
+    Labels are already aligned with the logits (the collator shifts them); positions with
+    ``IGNORE_INDEX`` (prompt, items, padding) do not count. Pass the global count of target tokens as
+    ``normalizer`` so that every DP rank and microbatch scales its gradients alike; None = mean.
+
+    Args:
+        logits: ``(B, T, V)``.
+        labels: ``(B, T)``.
+        normalizer: divisor of the summed loss.
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    n = normalizer if normalizer is not None else max(int((labels != IGNORE_INDEX).sum()), 1)
+    return loss / n
+
+
+def build_llm(spec: LLMSpec, layers: tuple[int, int] | None = None) -> DecoderLM:
+    """A decoder LLM, or the stage holding blocks ``[a, b)`` of it."""
+    return DecoderLM(spec, layers)

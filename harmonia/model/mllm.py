@@ -1,0 +1,115 @@
+"""The MLLM: encoders -> projectors -> LLM, with item tokens spliced into the packed sequence.
+
+`build_module` builds any one module (or one pipeline stage of it) from an `MLLMSpec`; the executor
+uses it per stage. `MLLM` holds all modules in one process and is the single-process reference the
+distributed runtime must match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from harmonia.errors import ConfigError, SampleError
+from harmonia.model.audio import build_audio_encoder
+from harmonia.model.batch import MediaInputs, PackedBatch
+from harmonia.model.llm import build_llm, lm_loss
+from harmonia.model.projector import build_projector
+from harmonia.model.spec import MLLMSpec
+from harmonia.model.vit import build_vision_encoder
+
+
+def build_module(spec: MLLMSpec, module: str, layers: tuple[int, int] | None = None) -> nn.Module:
+    """One module of the MLLM, or the pipeline stage holding its blocks ``[a, b)``.
+
+    Args:
+        spec: the MLLM.
+        module: ``llm``, an encoder name (``vision``) or a projector name (``vision_proj``).
+        layers: global block range of the stage; None = the whole module. Projectors have no blocks.
+    """
+    if module == "llm":
+        return build_llm(spec.llm, layers)
+    if module in spec.encoders:
+        enc = spec.encoders[module]
+        return build_audio_encoder(enc, layers) if enc.is_audio else build_vision_encoder(enc, layers)
+    if module in spec.projectors:
+        if layers is not None:
+            raise ConfigError(f"projector {module!r} has no blocks to split; build it whole (layers=None)")
+        return build_projector(spec.projectors[module])
+    raise ConfigError(f"unknown module {module!r}; modules of {spec.name!r} are {spec.module_names}")
+
+
+def group_mean(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Average sequences sharing an output slot: ``(N, P, D) -> (n_groups, P, D)``."""
+    if n_groups == x.shape[0]:
+        return x
+    out = torch.zeros(n_groups, *x.shape[1:], dtype=x.dtype, device=x.device).index_add(0, groups, x)
+    counts = torch.bincount(groups, minlength=n_groups).clamp(min=1).to(x.dtype)
+    return out / counts[:, None, None]
+
+
+def encode_media(encoder: nn.Module, projector: nn.Module, media: MediaInputs) -> torch.Tensor:
+    """Encoder then projector over one encoder's inputs: ``(n_tokens, D)`` in ``media.index`` order."""
+    y = projector(encoder(media.inputs))  # (N, P, D)
+    y = group_mean(y, media.groups, media.n_groups).flatten(0, 1)  # (n_groups * P, D)
+    if y.shape[0] != media.index.numel():
+        raise SampleError(
+            f"encoder output has {y.shape[0]} tokens but the packed sequence reserves "
+            f"{media.index.numel()} placeholder positions; item token counts must follow the encoder spec "
+            "(harmonia.workload.shapes.llm_tokens_of_item)"
+        )
+    return y
+
+
+class MLLM(nn.Module):
+    """All modules of an MLLM in one process.
+
+    Attributes:
+        encoders: encoder name -> encoder.
+        projectors: projector name -> projector.
+        llm: the decoder LLM.
+    """
+
+    def __init__(self, spec: MLLMSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.encoders = nn.ModuleDict({name: build_module(spec, name) for name in spec.encoders})
+        self.projectors = nn.ModuleDict({name: build_module(spec, name) for name in spec.projectors})
+        self.llm = build_llm(spec.llm)
+
+    def module(self, name: str) -> nn.Module:
+        """A module by its MLLM name (``vision``, ``vision_proj``, ``llm``)."""
+        if name == "llm":
+            return self.llm
+        if name in self.encoders:
+            return self.encoders[name]
+        if name in self.projectors:
+            return self.projectors[name]
+        raise ConfigError(f"unknown module {name!r}; modules are {self.spec.module_names}")
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Logits ``(1, T, vocab)`` of a packed microbatch."""
+        embeds, index = [], []
+        for name, media in batch.media.items():
+            if name not in self.encoders:
+                raise SampleError(f"batch has inputs for {name!r} but the model's encoders are {list(self.encoders)}")
+            embeds.append(encode_media(self.encoders[name], self.projectors[f"{name}_proj"], media))
+            index.append(media.index)
+        item_embeds = torch.cat(embeds) if embeds else None
+        item_index = torch.cat(index) if index else None
+        return self.llm(batch.input_ids, batch.positions(), batch.mask(), item_embeds, item_index)
+
+    def loss(self, batch: PackedBatch, normalizer: float | int | None = None) -> torch.Tensor:
+        """Summed token loss of the batch divided by ``normalizer`` (global target count)."""
+        return lm_loss(self(batch), batch.labels, normalizer)
+
+
+def build_mllm_model(spec: MLLMSpec, apply_training_modes: bool = True) -> MLLM:
+    """The whole MLLM; with ``apply_training_modes``, frozen modules are frozen and LoRA attached."""
+    model = MLLM(spec)
+    if apply_training_modes:
+        from harmonia.model.lora import apply_training
+
+        for name in spec.module_names:
+            apply_training(model.module(name), spec.training_of(name))
+    return model

@@ -1,0 +1,78 @@
+"""Tensor-parallel plans of the reference models, as data.
+
+`plan_tp` walks a built module (whole or one stage, LoRA or not) and returns ``{FQN pattern: style}``
+with styles ``colwise``, ``rowwise``, ``embedding`` and ``head``, layer indices replaced by ``*``
+(Megatron's split: q/k/v and MLP up-projections column-wise, output and down-projections row-wise).
+`tp_styles` turns the plan into ``torch.distributed.tensor.parallel`` styles for
+``parallelize_module(module, mesh, tp_styles(plan))``. Attention reads its local head count from the
+sharded weights, so ``n_heads`` and ``n_kv_heads`` must be divisible by ``tp``.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from harmonia.errors import LayoutError
+from harmonia.model.layers import Attention, MLP
+from harmonia.model.lora import LoRALinear
+
+_COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1")
+_ROWWISE = ("o_proj", "down_proj", "fc2")
+
+
+def _linear_entries(fqn: str, child: nn.Module, style: str) -> dict[str, str]:
+    if not isinstance(child, LoRALinear):
+        return {fqn: style}
+    # Column-wise: A sees the full input (replicated), B's rows are sharded like the base's.
+    # Row-wise: A's columns are sharded like the base's and its output is reduced; B is replicated.
+    return {f"{fqn}.base": style, f"{fqn}.lora_b" if style == "colwise" else f"{fqn}.lora_a": style}
+
+
+def plan_tp(module: nn.Module) -> dict[str, str]:
+    """The TP plan of a reference module (LLM, encoder or projector, whole or a stage).
+
+    Raises:
+        LayoutError: for blocks with qk-norm over all heads (InternViT-6B), which TP cannot shard.
+    """
+    plan: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, Attention):
+            if sub.q_norm is not None:
+                raise LayoutError(
+                    f"{name}: qk-norm over all heads cannot be tensor-parallel; use tp=1 for this module"
+                )
+        if isinstance(sub, (Attention, MLP)):
+            for child_name, child in sub.named_children():
+                if child_name in _COLWISE:
+                    plan.update(_linear_entries(prefix + child_name, child, "colwise"))
+                elif child_name in _ROWWISE:
+                    plan.update(_linear_entries(prefix + child_name, child, "rowwise"))
+    if getattr(module, "embed", None) is not None and isinstance(module.embed, nn.Embedding):
+        plan["embed"] = "embedding"
+    if getattr(module, "head", None) is not None:
+        plan["head"] = "head"
+    linears = getattr(module, "linears", None)
+    if isinstance(linears, nn.ModuleList) and len(linears) % 2 == 0:
+        for i in range(len(linears)):
+            plan[f"linears.{i}"] = "colwise" if i % 2 == 0 else "rowwise"
+    return {re.sub(r"layers\.\d+\.", "layers.*.", k): v for k, v in plan.items()}
+
+
+def tp_styles(plan: dict[str, str]) -> dict:
+    """``torch.distributed.tensor.parallel`` styles for a plan from `plan_tp`."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    make = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "head": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+    unknown = set(plan.values()) - set(make)
+    if unknown:
+        raise LayoutError(f"unknown TP styles {sorted(unknown)}; expected {sorted(make)}")
+    return {fqn: make[style]() for fqn, style in plan.items()}
