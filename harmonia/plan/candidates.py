@@ -1,0 +1,136 @@
+"""Candidate layouts for the planner: factorisations, rank-set sizes, memory filter, lower bounds.
+
+For an LLM on ``n`` ranks every ``(tp, cp, pp, dp)`` with product ``n`` is a candidate when ``tp``
+divides the heads and KV heads and fits in a node, ``pp`` does not exceed the blocks, and ``cp``
+divides nothing it must not (sequence shards are token-balanced by the balancer). Encoders are
+small: ``pp = 1`` and ``cp = 1``, ``tp`` within the node. Disjoint placement sizes each encoder's
+rank set by its share of the profiled work (rounded, then +-1 step), the rest goes to the LLM.
+
+The memory filter uses the cost model's accounting (states sharded by FSDP over ``dp``, activations
+of the microbatches in flight under 1F1B: ``min(pp - stage, n_microbatches)`` on stage ``stage``).
+The lower bound of a candidate is the slowest module's work per rank, divided by its ranks, which
+no schedule beats; candidates whose bound exceeds the best simulated time are pruned unsimulated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from harmonia.model.spec import MLLMSpec, TransformerSpec
+from harmonia.plan.layout import Layout
+from harmonia.plan.partition import plan_module_stages
+from harmonia.plan.profiling import BatchProfile
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec
+from harmonia.workload.work import ModuleLoad
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[int]:
+    """TP degrees that divide the query and KV heads and fit in a node."""
+    return [t for t in _divisors(min(limit, cluster.gpus_per_node))
+            if body.n_heads % t == 0 and body.kv_heads % t == 0 and t <= limit]
+
+
+def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
+                n_microbatches: int, max_cp: int = 4) -> Iterator[Layout]:
+    """Every valid LLM factorisation of ``n_ranks`` ranks starting at ``rank_offset``."""
+    body = mllm.llm.body
+    for tp in tp_options(body, cluster, n_ranks):
+        for cp in _divisors(n_ranks // tp):
+            if cp > max_cp:
+                continue
+            for pp in _divisors(n_ranks // (tp * cp)):
+                dp = n_ranks // (tp * cp * pp)
+                if pp > body.n_layers or global_batch < dp * n_microbatches:
+                    continue
+                if pp > 1 and n_microbatches < pp:
+                    continue
+                yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=dp > 1)
+
+
+def encoder_layouts(mllm: MLLMSpec, encoder: str, cluster: ClusterSpec, n_ranks: int,
+                    rank_offset: int) -> Iterator[Layout]:
+    """Encoder factorisations: ``tp x dp = n_ranks`` (encoders are not pipelined or CP-sharded)."""
+    body = mllm.encoders[encoder].body
+    for tp in tp_options(body, cluster, n_ranks):
+        yield Layout(tp=tp, dp=n_ranks // tp, rank_offset=rank_offset)
+
+
+def disjoint_sizes(profile: BatchProfile, encoders: list[str], world: int, step: int = 1) -> Iterator[dict[str, int]]:
+    """Rank counts per encoder near their work share (rounded, and one ``step`` either side)."""
+    costs = profile.mean_costs()
+    total = sum(costs[m] for m in profile.modules)
+    shares = {}
+    for enc in encoders:
+        enc_cost = costs[enc] + costs.get(f"{enc}_proj", 0.0)
+        shares[enc] = max(1, round(world * enc_cost / total))
+    seen = set()
+    for delta in (0, -step, step):
+        sizes = {e: max(1, s + delta) for e, s in shares.items()}
+        key = tuple(sizes.values())
+        if key in seen or sum(sizes.values()) >= world:
+            continue
+        seen.add(key)
+        yield sizes
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """Peak bytes per rank of a module's layout, and whether it fits."""
+
+    peak_bytes: float
+    capacity: float
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.capacity
+
+
+def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: ModuleLoad,
+                 n_microbatches: int, capacity: float, extra: float = 0.0) -> MemoryCheck:
+    """The most loaded stage's states + in-flight activations under 1F1B (worst chunk per rank)."""
+    shards = layout.dp if layout.fsdp else 1
+    n_blocks = len(cost.layers[module]) - 2
+    split = layout.stage_split(n_blocks)
+    peak = 0.0
+    start = 1
+    for chunk, n in enumerate(split):
+        lo = 0 if chunk == 0 else start
+        hi = start + n if chunk < len(split) - 1 else len(cost.layers[module])
+        in_flight = min(layout.pp - chunk % layout.pp, n_microbatches)
+        states = cost.state_bytes(module, lo, hi, layout.tp, shards)
+        acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp)
+        peak = max(peak, states * layout.virtual_stages + acts)
+        start += n
+    return MemoryCheck(peak + extra, capacity)
+
+
+def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoad) -> Layout:
+    """The layout with its stages split by the frozen-aware partitioner."""
+    if layout.n_stages == 1:
+        return layout
+    # partition over blocks only: front end and head stay with the first and last chunk
+    split = plan_module_stages(cost, module, load, layout.n_stages, layout.tp, layout.cp)
+    blocks = list(split)
+    blocks[0] -= 1
+    blocks[-1] -= 1
+    if min(blocks) < 0 or sum(blocks) != len(cost.layers[module]) - 2:
+        return layout
+    return Layout(layout.tp, layout.cp, layout.dp, layout.pp, layout.rank_offset, layout.ranks,
+                  tuple(blocks), layout.virtual_stages, layout.fsdp)
+
+
+def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], colocated: bool) -> float:
+    """Seconds per iteration no schedule beats: each module's batch work over its ranks (summed over
+    modules that share ranks)."""
+    costs = profile.mean_costs()
+    per_module = {}
+    for module, layout in layouts.items():
+        work = costs[module] + costs.get(f"{module}_proj", 0.0)
+        per_module[module] = work / layout.size
+    return sum(per_module.values()) if colocated else max(per_module.values())
