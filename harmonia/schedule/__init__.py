@@ -1,0 +1,8 @@
+# Pipeline schedules: action IR, stage graph, generators, lowering, validator.
+from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef, dump_csv, load_csv
+from harmonia.schedule.costs import CostTable, PhaseCost, makespan, replay
+from harmonia.schedule.families import (build_1f1b, build_gpipe, build_interleaved_1f1b, build_schedule,
+                                        build_zero_bubble)
+from harmonia.schedule.graph import ModuleStages, StageGraph
+from harmonia.schedule.lowering import lower, strip_communication
+from harmonia.schedule.validator import DryRun, dry_run, format_table, validate

@@ -1,0 +1,179 @@
+"""The schedule families users pick: GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1).
+
+Each ``build_*`` takes the stage graph, the number of microbatches and, optionally, the order in
+which microbatches enter the pipeline, the encoders' sub-microbatch counts and per-microbatch
+costs, and returns a compute-only `IterationSchedule`; `harmonia.schedule.lowering.lower` adds the
+sends and receives. See `harmonia.schedule.generators` for how the policies below are run.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Mapping, Sequence
+
+from harmonia.errors import ScheduleError
+from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.costs import CostTable
+from harmonia.schedule.generators import (FAMILIES, Policy, _colocated, _default_lanes, list_schedule,
+                                          normalize_order, normalize_sub, stage_actions)
+from harmonia.schedule.graph import LLM, StageGraph
+
+_CLASS = {Kind.F: "F", Kind.B: "grad", Kind.BW: "grad", Kind.W: "W"}
+
+
+def _class(graph: StageGraph, a: Action, split: bool) -> str:
+    """F, grad (produces or consumes the incoming gradient first) or W (deferrable)."""
+    if a.kind is Kind.W and not graph.needs_b(a.stage_ref):
+        return "grad"  # W-only stage: its W is the stage's whole backward
+    return _CLASS[a.kind]
+
+
+def _priority(graph: StageGraph, split: bool, rank_of_class: dict[str, int]):
+    def key(a: Action, position: int) -> tuple:
+        cls = _class(graph, a, split)
+        if cls == "F":  # colocated encoders run their forwards before the LLM's
+            module_rank = 0 if _colocated(graph, a.stage_ref) else 1
+        else:  # the LLM's gradients are on the critical path; encoders' backwards fill gaps
+            module_rank = 0 if a.module == LLM else 1
+        return rank_of_class[cls], module_rank, position, a.sub or 0, -a.stage
+    return key
+
+
+def _stage_gates(graph: StageGraph, cap: float | None) -> tuple:
+    """1F1B gates: one per stage (colocated encoders ungated), limit = depth to the LLM's end."""
+    def gate(ref: StageRef):
+        return None if _colocated(graph, ref) else ref
+    limits = {ref: float(graph.depth_to_end(ref) if cap is None else cap) for ref in graph.stages()}
+    return gate, limits
+
+
+def _skeleton(graph, n_microbatches, n_sub, order, family) -> tuple[IterationSchedule, list[int]]:
+    order = normalize_order(n_microbatches, order)
+    skeleton = IterationSchedule(graph, n_microbatches, normalize_sub(graph, n_microbatches, n_sub),
+                                 {r: [] for r in graph.ranks()}, family)
+    return skeleton, order
+
+
+def _finish(skeleton: IterationSchedule, policy: Policy, order, costs) -> IterationSchedule:
+    skeleton.orders = list_schedule(skeleton, policy, order, costs or CostTable.uniform())
+    return skeleton
+
+
+def build_gpipe(graph: StageGraph, n_microbatches: int, *, order: Sequence[int] | None = None,
+                n_sub: Mapping[str, int | Sequence[int]] | None = None,
+                costs: CostTable | None = None) -> IterationSchedule:
+    """GPipe: every stage runs all its forwards, then all its (fused) backwards."""
+    skeleton, order = _skeleton(graph, n_microbatches, n_sub, order, "gpipe")
+    policy = Policy("gpipe", False, _priority(graph, False, {"F": 0, "grad": 1, "W": 2}),
+                    backward_after_forward=True)
+    return _finish(skeleton, policy, order, costs)
+
+
+def build_1f1b(graph: StageGraph, n_microbatches: int, *, order: Sequence[int] | None = None,
+               n_sub: Mapping[str, int | Sequence[int]] | None = None, costs: CostTable | None = None,
+               max_in_flight: float | None = None) -> IterationSchedule:
+    """1F1B: a stage keeps at most (stages to the LLM's end) microbatches in flight, backward first.
+
+    Args:
+        max_in_flight: replaces every stage's in-flight limit (memory bound in microbatches).
+    """
+    skeleton, order = _skeleton(graph, n_microbatches, n_sub, order, "1f1b")
+    gate, limits = _stage_gates(graph, max_in_flight)
+    policy = Policy("1f1b", False, _priority(graph, False, {"grad": 0, "F": 1, "W": 2}), gate, limits)
+    return _finish(skeleton, policy, order, costs)
+
+
+def build_zero_bubble(graph: StageGraph, n_microbatches: int, *, order: Sequence[int] | None = None,
+                      n_sub: Mapping[str, int | Sequence[int]] | None = None,
+                      costs: CostTable | None = None, max_in_flight: float | None = None,
+                      b_release: float = 0.5) -> IterationSchedule:
+    """Zero-bubble ZB-H1: backward split into B and W; W runs when nothing else can (bubbles).
+
+    The in-flight limits are 1F1B's, so peak activation memory stays that of 1F1B; B frees
+    ``b_release`` of a microbatch's activations and W the rest, which lets F run ahead of W.
+    Where W lands depends on the costs: it fills the gaps the replay finds.
+    """
+    skeleton, order = _skeleton(graph, n_microbatches, n_sub, order, "zb")
+    gate, limits = _stage_gates(graph, max_in_flight)
+    policy = Policy("zb", True, _priority(graph, True, {"grad": 0, "F": 1, "W": 2}), gate, limits,
+                    b_release=b_release)
+    return _finish(skeleton, policy, order, costs)
+
+
+def build_interleaved_1f1b(graph: StageGraph, n_microbatches: int, *,
+                           order: Sequence[int] | None = None,
+                           n_sub: Mapping[str, int | Sequence[int]] | None = None,
+                           costs: CostTable | None = None, split: bool = False,
+                           max_in_flight: float | None = None) -> IterationSchedule:
+    """Interleaved 1F1B over the LLM's virtual stages (chunk c on pipeline rank c % pp).
+
+    Microbatches go in rounds of ``n // max(1, n // pp)``; within a round a rank runs a chunk's
+    forwards for every microbatch of the round before moving to its next chunk (Megatron-LM's
+    order, as in torch.distributed.pipelining). With ``split`` the backward is split into B and W
+    (interleaved zero bubble, torch's warm-up of one op per hop).
+    """
+    skeleton, order = _skeleton(graph, n_microbatches, n_sub, order, "interleaved")
+    llm = graph.llm
+    pp = len(dict.fromkeys(llm.ranks))
+    if llm.n_stages % pp or any(llm.ranks[c] != llm.ranks[c % pp] for c in range(llm.n_stages)):
+        raise ScheduleError(
+            f"interleaved 1F1B needs the LLM's {llm.n_stages} stage chunks round-robin over its "
+            f"{pp} ranks (chunk c on the rank of chunk c % pp); got ranks {llm.ranks}"
+        )
+    rounds = max(1, n_microbatches // pp)
+    per_round = n_microbatches // rounds
+    if n_microbatches % rounds:
+        raise ScheduleError(
+            f"interleaved 1F1B with pp={pp} needs n_microbatches divisible by its {rounds} rounds; "
+            f"use a multiple of {pp}, or fewer than {2 * pp} microbatches"
+        )
+    lanes = _interleaved_lanes(skeleton, order, pp, per_round, split)
+    v = llm.n_stages // pp
+    factor = 1 if split else 2
+    limits: dict = {}
+    for r, rank in enumerate(llm.ranks[:pp]):
+        warmup = min((v - 1) * per_round + factor * (pp - 1 - r), n_microbatches * v)
+        limits[("llm", rank)] = float(min(warmup + 1, n_microbatches * v) if max_in_flight is None
+                                      else max_in_flight)
+    stage_gate, stage_limits = _stage_gates(graph, max_in_flight)
+    limits.update({k: l for k, l in stage_limits.items() if k.module != LLM})
+
+    def gate(ref: StageRef):
+        return ("llm", graph.rank_of(ref)) if ref.module == LLM else stage_gate(ref)
+
+    policy = Policy("interleaved", split, _priority(graph, split, {"grad": 0, "F": 1, "W": 2}), gate,
+                    limits, b_release=0.5 if split else 0.0, lanes=lanes)
+    return _finish(skeleton, policy, order, costs)
+
+
+def _interleaved_lanes(skeleton: IterationSchedule, order: list[int], pp: int, per_round: int,
+                       split: bool) -> dict[int, list[deque]]:
+    """Per rank: encoders' default lanes plus one F, one grad and one W lane over the LLM chunks."""
+    graph = skeleton.graph
+    enc_only = IterationSchedule(graph, skeleton.n_microbatches, skeleton.n_sub)
+    lanes = {r: [q for q in qs if q[0].module != LLM]
+             for r, qs in _default_lanes(enc_only, order, split).items()}
+    v = graph.llm.n_stages // pp
+    rounds = [order[i:i + per_round] for i in range(0, len(order), per_round)]
+    for r in range(pp):
+        rank = graph.llm.ranks[r]
+        by_class: dict[str, list[Action]] = {"F": [], "grad": [], "W": []}
+        for mbs in rounds:
+            for cls, chunks in (("F", range(v)), ("grad", reversed(range(v))), ("W", reversed(range(v)))):
+                for c in chunks:
+                    acts = stage_actions(skeleton, StageRef(LLM, c * pp + r), mbs, split)[cls]
+                    by_class[cls].extend(acts)
+        lanes[rank].extend(deque(acts) for acts in by_class.values() if acts)
+    return lanes
+
+
+def build_schedule(graph: StageGraph, n_microbatches: int, family: str = "1f1b", *,
+                   order: Sequence[int] | None = None,
+                   n_sub: Mapping[str, int | Sequence[int]] | None = None,
+                   costs: CostTable | None = None) -> IterationSchedule:
+    """A compute-only schedule of the named family (``gpipe``, ``1f1b``, ``interleaved``, ``zb``)."""
+    builders = {"gpipe": build_gpipe, "1f1b": build_1f1b, "interleaved": build_interleaved_1f1b,
+                "zb": build_zero_bubble}
+    if family not in builders:
+        raise ScheduleError(f"schedule family {family!r} unknown; expected one of {FAMILIES}")
+    return builders[family](graph, n_microbatches, order=order, n_sub=n_sub, costs=costs)

@@ -1,0 +1,226 @@
+"""Pipeline schedule generators over the multi-module stage graph.
+
+Every family is one list scheduler with a different policy. The scheduler replays the iteration in
+time with the given per-microbatch costs: whenever a rank is idle it starts, among the actions
+whose inputs exist, the best one by the family's priority that its memory gate admits. The order
+in which each rank started its actions is the schedule. Because the orders come from an execution
+that respected every dependency, they never deadlock, whatever the costs.
+
+=============  ===========================================  ========================================
+family         priority on a rank                           memory gate (activations in flight)
+=============  ===========================================  ========================================
+``gpipe``      forwards, then backwards (a stage starts     none
+               its backwards after its last forward)
+``1f1b``       backward > forward                           per stage: stages to the end of the LLM
+``interleaved`` backward > forward, LLM chunks in Megatron   per rank: Megatron's warm-up + 1
+               order (rounds of ``pp`` microbatches)
+``zb``         B > F > W (W fills the bubbles, placed by    as ``1f1b``; B frees half of a
+               the costs)                                   microbatch's activations, W the rest
+=============  ===========================================  ========================================
+
+Frozen-awareness comes from the graph: stages with nothing trainable upstream run no B, frozen
+stages run no W, so their ranks have time the priority fills with other work. Encoders colocated
+with the LLM (sharing a rank with an LLM stage) run ungated: their forwards for all microbatches
+first, the LLM pipeline, and their backwards as soon as the gradients arrive (filling bubbles).
+Encoder stages may split each microbatch into sub-microbatches (``n_sub``); the LLM's first stage
+waits for all of them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from harmonia.errors import ScheduleError
+from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.costs import CostTable
+from harmonia.schedule.graph import LLM, StageGraph
+
+FAMILIES = ("gpipe", "1f1b", "interleaved", "zb")
+_INF = float("inf")
+
+
+@dataclass
+class Policy:
+    """How a family orders work on a rank.
+
+    Attributes:
+        name: family name.
+        split: split backward into B and W (zero-bubble) instead of fused BW.
+        priority: (action, microbatch position) -> sort key; smaller runs first.
+        gate: stage -> key of the memory gate it counts against (None = ungated).
+        limits: gate key -> most activations in flight (in microbatch units).
+        b_release: share of a (sub-)microbatch's activations freed by B when W follows.
+        lanes: rank -> ordered queues of its actions (None = one queue per stage and kind).
+        backward_after_forward: a stage's backwards wait for all its forwards (GPipe).
+    """
+
+    name: str
+    split: bool
+    priority: Callable[[Action, int], tuple]
+    gate: Callable[[StageRef], object] = lambda ref: None
+    limits: dict = field(default_factory=dict)
+    b_release: float = 0.0
+    lanes: dict[int, list[deque[Action]]] | None = None
+    backward_after_forward: bool = False
+
+
+# -- problem set-up ------------------------------------------------------------------------------
+def normalize_sub(graph: StageGraph, n_microbatches: int,
+                  n_sub: Mapping[str, int | Sequence[int]] | None) -> dict[str, tuple[int, ...]]:
+    """Per encoder, the number of sub-microbatches of each microbatch (default 1)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, value in (n_sub or {}).items():
+        if name not in graph.encoders:
+            raise ScheduleError(f"n_sub names {name!r}, which is not an encoder of the graph "
+                                f"({graph.encoders}); only encoder stages split microbatches")
+        counts = (value,) * n_microbatches if isinstance(value, int) else tuple(value)
+        if len(counts) != n_microbatches or min(counts, default=1) < 1:
+            raise ScheduleError(f"n_sub[{name!r}] = {value!r}: give one count >= 1 per microbatch "
+                                f"({n_microbatches}) or a single count")
+        out[name] = counts
+    return out
+
+
+def normalize_order(n_microbatches: int, order: Sequence[int] | None) -> list[int]:
+    """The microbatch order, checked to be a permutation."""
+    if n_microbatches < 1:
+        raise ScheduleError(f"n_microbatches={n_microbatches}: need at least one microbatch")
+    if order is None:
+        return list(range(n_microbatches))
+    order = [int(m) for m in order]
+    if sorted(order) != list(range(n_microbatches)):
+        raise ScheduleError(f"microbatch order {order} must be a permutation of 0..{n_microbatches - 1}")
+    return order
+
+
+def stage_actions(skeleton: IterationSchedule, ref: StageRef, order: list[int],
+                  split: bool) -> dict[str, list[Action]]:
+    """A stage's actions by class (F, grad = B/BW/W-only, W after B) in microbatch order."""
+    g = skeleton.graph
+    units = [(m, j) for m in order for j in skeleton.subs(ref.module, m)]
+    kinds = g.backward_kinds(ref, split)
+    out = {"F": [Action(ref.module, ref.stage, Kind.F, m, j) for m, j in units], "grad": [], "W": []}
+    if kinds:
+        out["grad"] = [Action(ref.module, ref.stage, kinds[0], m, j) for m, j in units]
+    if len(kinds) == 2:
+        out["W"] = [Action(ref.module, ref.stage, kinds[1], m, j) for m, j in units]
+    return out
+
+
+def _default_lanes(skeleton: IterationSchedule, order: list[int], split: bool) -> dict[int, list[deque]]:
+    lanes: dict[int, list[deque]] = {r: [] for r in skeleton.graph.ranks()}
+    for ref in skeleton.graph.stages():
+        for acts in stage_actions(skeleton, ref, order, split).values():
+            if acts:
+                lanes[skeleton.graph.rank_of(ref)].append(deque(acts))
+    return lanes
+
+
+def _colocated(graph: StageGraph, ref: StageRef) -> bool:
+    return ref.module != LLM and graph.rank_of(ref) in graph.llm.ranks
+
+
+# -- the list scheduler --------------------------------------------------------------------------
+@dataclass
+class _State:
+    done: set = field(default_factory=set)
+    held: dict = field(default_factory=dict)
+    f_left: dict = field(default_factory=dict)  # stage -> forwards not yet started
+
+
+def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
+                  costs: CostTable) -> dict[int, list[Action]]:
+    """Replay the iteration under ``policy``; return each rank's actions in start order."""
+    g = skeleton.graph
+    lanes = policy.lanes if policy.lanes is not None else _default_lanes(skeleton, order, policy.split)
+    position = {m: i for i, m in enumerate(order)}
+    grad = {s: (Kind.BW if Kind.BW in g.backward_kinds(s, policy.split) else Kind.B) for s in g.stages()}
+    state = _State(f_left={s: sum(len(skeleton.subs(s.module, m)) for m in order) for s in g.stages()})
+    orders: dict[int, list[Action]] = {r: [] for r in lanes}
+    busy: dict[int, bool] = {r: False for r in lanes}
+    running: list[tuple[float, int, int, Action]] = []
+    remaining = sum(len(q) for qs in lanes.values() for q in qs)
+    t, seq = 0.0, 0
+    while remaining or running:
+        while running and running[0][0] <= t:
+            _, _, rank, a = heapq.heappop(running)
+            busy[rank] = False
+            _finish(skeleton, policy, state, a)
+        for rank, queues in lanes.items():
+            if busy[rank]:
+                continue
+            pick = _choose(skeleton, policy, state, queues, position, grad)
+            if pick is None:
+                continue
+            queue, a = pick
+            queue.popleft()
+            _start(skeleton, policy, state, a)
+            split = len(skeleton.subs(a.module, a.microbatch))
+            heapq.heappush(running, (t + costs.duration(a, split), seq, rank, a))
+            seq, busy[rank], remaining = seq + 1, True, remaining - 1
+            orders[rank].append(a)
+        if not running and remaining:
+            heads = {r: [str(q[0]) for q in qs if q] for r, qs in lanes.items() if any(qs)}
+            raise ScheduleError(f"{policy.name}: no rank can start any action (heads {heads}); the "
+                                "memory gates are too tight for this graph, raise max_in_flight")
+        if running:
+            t = max(t, running[0][0])
+    return orders
+
+
+def _ready(skeleton: IterationSchedule, state: _State, a: Action, grad) -> bool:
+    deps = skeleton.graph.producers(a, skeleton.subs, lambda ref: grad[ref])
+    return all(d in state.done for d in deps)
+
+
+def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> bool:
+    ref = a.stage_ref
+    if a.kind is not Kind.F:
+        return not policy.backward_after_forward or state.f_left[ref] == 0
+    key = policy.gate(ref)
+    if key is None or not skeleton.graph.needs_backward(ref):
+        return True
+    share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
+    return state.held.get(key, 0.0) + share <= policy.limits.get(key, _INF) + 1e-9
+
+
+def _choose(skeleton, policy, state, queues, position, grad):
+    best = None
+    for queue in queues:
+        if not queue:
+            continue
+        a = queue[0]
+        if not (_admitted(skeleton, policy, state, a) and _ready(skeleton, state, a, grad)):
+            continue
+        key = policy.priority(a, position[a.microbatch])
+        if best is None or key < best[0]:
+            best = (key, queue, a)
+    return None if best is None else (best[1], best[2])
+
+
+def _held_delta(skeleton: IterationSchedule, policy: Policy, a: Action) -> float:
+    ref = a.stage_ref
+    share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
+    kinds = skeleton.graph.backward_kinds(ref, policy.split)
+    if not kinds or a.kind is Kind.F:
+        return share if kinds and a.kind is Kind.F else 0.0
+    if len(kinds) == 2:
+        return -share * (policy.b_release if a.kind is Kind.B else 1 - policy.b_release)
+    return -share
+
+
+def _start(skeleton, policy, state: _State, a: Action) -> None:
+    if a.kind is Kind.F:
+        state.f_left[a.stage_ref] -= 1
+        key = policy.gate(a.stage_ref)
+        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
+
+
+def _finish(skeleton, policy, state: _State, a: Action) -> None:
+    state.done.add(a)
+    if a.kind is not Kind.F:
+        key = policy.gate(a.stage_ref)
+        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)

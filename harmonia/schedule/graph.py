@@ -1,0 +1,213 @@
+"""The multi-module stage graph a schedule runs on, and the data dependencies between actions.
+
+Every encoder is a chain of stages whose last stage feeds the LLM's first stage; the LLM is a chain
+that ends in the loss. Several encoders may run on disjoint ranks (in parallel) or on the LLM's
+ranks (colocated, one after another). One graph describes one pipeline replica: each stage chunk
+sits on one pipeline rank (the representative of its TP x CP group).
+
+Frozen-awareness (per stage):
+
+- ``needs_w``: the stage holds trainable parameters, so it computes weight gradients.
+- ``needs_b``: some stage strictly upstream trains, so the stage must pass input gradients back.
+- A stage with neither runs no backward at all (a frozen encoder with nothing trainable before it);
+  a stage with ``needs_w`` only runs W straight from the incoming gradient (a trainable projector
+  behind a frozen encoder).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from harmonia.errors import ScheduleError
+from harmonia.schedule.actions import Action, Kind, StageRef
+
+if TYPE_CHECKING:
+    from harmonia.plan.layout import Layout
+
+LLM = "llm"
+
+SubFn = Callable[[str, int], list]
+"""``subs(module, microbatch)`` -> sub-microbatch indices (``[None]`` when not split)."""
+GradKindFn = Callable[[StageRef], Kind]
+"""``grad_kind(stage)`` -> the kind (B or BW) producing the stage's input gradient."""
+
+
+@dataclass(frozen=True)
+class ModuleStages:
+    """One module's stage chunks.
+
+    Attributes:
+        name: module name; ``llm`` for the language model, anything else is an encoder.
+        ranks: rank holding each stage chunk, in stage order (a rank may hold several chunks).
+        trainable: whether each stage chunk has trainable parameters.
+    """
+
+    name: str
+    ranks: tuple[int, ...]
+    trainable: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "trainable", tuple(bool(t) for t in self.trainable))
+        if not self.ranks:
+            raise ScheduleError(f"module {self.name!r} has no stages: give at least one rank")
+        if len(self.trainable) != len(self.ranks):
+            raise ScheduleError(
+                f"module {self.name!r}: {len(self.ranks)} stage ranks but {len(self.trainable)} "
+                "trainable flags; give one flag per stage"
+            )
+        if min(self.ranks) < 0:
+            raise ScheduleError(f"module {self.name!r}: ranks {self.ranks} must be >= 0")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    """Encoders feeding the LLM's first stage, with ranks and trainability per stage.
+
+    Attributes:
+        modules: every module's stages; exactly one is named ``llm``.
+    """
+
+    modules: tuple[ModuleStages, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple(self.modules))
+        names = [m.name for m in self.modules]
+        if names.count(LLM) != 1:
+            raise ScheduleError(f"stage graph modules {names} must contain exactly one 'llm'")
+        if len(set(names)) != len(names):
+            raise ScheduleError(f"stage graph modules {names} repeat a name; names must be unique")
+        for name in names:
+            Action(name, 0, Kind.F, 0)  # checks the name is a valid identifier
+
+    # -- structure ---------------------------------------------------------------------------
+    def module(self, name: str) -> ModuleStages:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise ScheduleError(f"module {name!r} is not in the stage graph ({self.module_names})")
+
+    @property
+    def module_names(self) -> list[str]:
+        return [m.name for m in self.modules]
+
+    @property
+    def encoders(self) -> list[str]:
+        return [m.name for m in self.modules if m.name != LLM]
+
+    @property
+    def llm(self) -> ModuleStages:
+        return self.module(LLM)
+
+    def stages(self) -> list[StageRef]:
+        """All stage chunks, encoders first, each in stage order."""
+        order = [*self.encoders, LLM]
+        return [StageRef(n, s) for n in order for s in range(self.module(n).n_stages)]
+
+    def has_stage(self, ref: StageRef) -> bool:
+        return ref.module in self.module_names and 0 <= ref.stage < self.module(ref.module).n_stages
+
+    def rank_of(self, ref: StageRef) -> int:
+        if not self.has_stage(ref):
+            raise ScheduleError(f"stage {ref} is not in the stage graph")
+        return self.module(ref.module).ranks[ref.stage]
+
+    def ranks(self) -> list[int]:
+        return sorted({r for m in self.modules for r in m.ranks})
+
+    def stages_on(self, rank: int) -> list[StageRef]:
+        return [s for s in self.stages() if self.rank_of(s) == rank]
+
+    def is_last(self, ref: StageRef) -> bool:
+        return ref.stage == self.module(ref.module).n_stages - 1
+
+    def depth_to_end(self, ref: StageRef) -> int:
+        """Stages from ``ref`` to the LLM's last stage, both included (the 1F1B warm-up depth)."""
+        rest = self.module(ref.module).n_stages - ref.stage
+        return rest if ref.module == LLM else rest + self.llm.n_stages
+
+    # -- frozen-awareness ----------------------------------------------------------------------
+    def trains(self, ref: StageRef) -> bool:
+        return self.module(ref.module).trainable[ref.stage]
+
+    def needs_w(self, ref: StageRef) -> bool:
+        """The stage computes weight gradients (it has trainable parameters)."""
+        return self.trains(ref)
+
+    def needs_b(self, ref: StageRef) -> bool:
+        """The stage passes input gradients back (something strictly upstream trains)."""
+        own = self.module(ref.module).trainable[: ref.stage]
+        if any(own):
+            return True
+        if ref.module == LLM:
+            return any(any(self.module(e).trainable) for e in self.encoders)
+        return False
+
+    def needs_backward(self, ref: StageRef) -> bool:
+        return self.needs_b(ref) or self.needs_w(ref)
+
+    def backward_kinds(self, ref: StageRef, split: bool) -> tuple[Kind, ...]:
+        """The backward actions of one stage and microbatch, in order (empty when frozen)."""
+        b, w = self.needs_b(ref), self.needs_w(ref)
+        if b and w:
+            return (Kind.B, Kind.W) if split else (Kind.BW,)
+        return (Kind.B,) if b else (Kind.W,) if w else ()
+
+    # -- data dependencies ----------------------------------------------------------------------
+    def producers(self, action: Action, subs: SubFn, grad_kind: GradKindFn) -> list[Action]:
+        """Compute actions whose output ``action`` consumes (across stages and on its own stage).
+
+        Args:
+            action: a compute action.
+            subs: ``subs(module, microbatch)`` -> sub-microbatch indices (``[None]`` if not split).
+            grad_kind: ``grad_kind(stage_ref)`` -> the kind (B or BW) that produces the stage's
+                input gradient in this schedule.
+        """
+        ref, mb, sub = action.stage_ref, action.microbatch, action.sub
+        if action.kind is Kind.F:
+            if ref.stage > 0:
+                return [Action(ref.module, ref.stage - 1, Kind.F, mb, sub)]
+            if ref.module != LLM:
+                return []
+            return [Action(e, self.module(e).n_stages - 1, Kind.F, mb, j)
+                    for e in self.encoders for j in subs(e, mb)]
+        if action.kind is Kind.W and self.needs_b(ref):
+            return [Action(ref.module, ref.stage, grad_kind(ref), mb, sub)]
+        deps = [Action(ref.module, ref.stage, Kind.F, mb, sub)]
+        if not self.is_last(ref):
+            nxt = StageRef(ref.module, ref.stage + 1)
+            deps.append(Action(nxt.module, nxt.stage, grad_kind(nxt), mb, sub))
+        elif ref.module != LLM:
+            deps.append(Action(LLM, 0, grad_kind(StageRef(LLM, 0)), mb, None))
+        return deps
+
+    # -- constructors ---------------------------------------------------------------------------
+    @staticmethod
+    def from_layouts(layouts: Mapping[str, Layout], trainable: Mapping[str, bool | tuple[bool, ...]],
+                     replica: int = 0) -> StageGraph:
+        """The graph of one LLM replica from per-module layouts.
+
+        Stage chunk ``c`` of a module sits on pipeline rank ``c % pp`` (round-robin, as interleaved
+        schedules expect); its representative rank is the first rank of that stage's TP x CP
+        group in DP replica ``replica % dp``.
+
+        Args:
+            layouts: module -> layout; must include ``llm``.
+            trainable: module -> one flag for all its stages, or one flag per stage chunk.
+            replica: the LLM DP replica to describe.
+        """
+        modules = []
+        for name, layout in layouts.items():
+            ranks = tuple(layout.rank_at(pp=c % layout.pp, dp=replica % layout.dp)
+                          for c in range(layout.n_stages))
+            flags = trainable.get(name, True)
+            if isinstance(flags, bool):
+                flags = (flags,) * layout.n_stages
+            modules.append(ModuleStages(name, ranks, tuple(flags)))
+        return StageGraph(tuple(modules))
+
