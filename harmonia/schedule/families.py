@@ -141,7 +141,8 @@ def build_interleaved_1f1b(graph: StageGraph, n_microbatches: int, *,
     def gate(ref: StageRef):
         return ("llm", graph.rank_of(ref)) if ref.module == LLM else stage_gate(ref)
 
-    policy = Policy("interleaved", split, _priority(graph, split, {"grad": 0, "F": 1, "W": 2}), gate,
+    classes = {"F": 0, "grad": 1, "W": 2}  # steady state F then B, as Megatron-LM
+    policy = Policy("interleaved", split, _priority(graph, split, classes), gate,
                     limits, b_release=0.5 if split else 0.0, lanes=lanes)
     return _finish(skeleton, policy, order, costs)
 

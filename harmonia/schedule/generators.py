@@ -12,8 +12,8 @@ family         priority on a rank                           memory gate (activat
 ``gpipe``      forwards, then backwards (a stage starts     none
                its backwards after its last forward)
 ``1f1b``       backward > forward                           per stage: stages to the end of the LLM
-``interleaved`` backward > forward, LLM chunks in Megatron   per rank: Megatron's warm-up + 1
-               order (rounds of ``pp`` microbatches)
+``interleaved`` forward > backward (Megatron's steady F, B),  per rank: Megatron's warm-up + 1
+               LLM chunks in Megatron's order (rounds)
 ``zb``         B > F > W (W fills the bubbles, placed by    as ``1f1b``; B frees half of a
                the costs)                                   microbatch's activations, W the rest
 =============  ===========================================  ========================================
