@@ -86,17 +86,23 @@ def build_1f1b(graph: StageGraph, n_microbatches: int, *, order: Sequence[int] |
 def build_zero_bubble(graph: StageGraph, n_microbatches: int, *, order: Sequence[int] | None = None,
                       n_sub: Mapping[str, int | Sequence[int]] | None = None,
                       costs: CostTable | None = None, max_in_flight: float | None = None,
-                      b_release: float = 0.5) -> IterationSchedule:
+                      max_deferred_w: float | None = None) -> IterationSchedule:
     """Zero-bubble ZB-H1: backward split into B and W; W runs when nothing else can (bubbles).
 
-    The in-flight limits are 1F1B's, so peak activation memory stays that of 1F1B; B frees
-    ``b_release`` of a microbatch's activations and W the rest, which lets F run ahead of W.
-    Where W lands depends on the costs: it fills the gaps the replay finds.
+    Forwards are gated as in 1F1B on microbatches whose B has not run (B frees the activations
+    the input gradient needs; W keeps only what the weight gradients need). A stage defers at most
+    ``max_deferred_w`` weight gradients (default: its 1F1B depth) before its forwards wait for W.
+    Where each W lands depends on the costs: it fills the gaps the replay finds.
+
+    Args:
+        max_in_flight: replaces every stage's in-flight limit.
+        max_deferred_w: replaces every stage's limit on deferred weight gradients.
     """
     skeleton, order = _skeleton(graph, n_microbatches, n_sub, order, "zb")
     gate, limits = _stage_gates(graph, max_in_flight)
+    w_limits = {k: (lim if max_deferred_w is None else max_deferred_w) for k, lim in limits.items()}
     policy = Policy("zb", True, _priority(graph, True, {"grad": 0, "F": 1, "W": 2}), gate, limits,
-                    b_release=b_release)
+                    b_release=1.0, w_limits=w_limits)
     return _finish(skeleton, policy, order, costs)
 
 

@@ -14,8 +14,8 @@ family         priority on a rank                           memory gate (activat
 ``1f1b``       backward > forward                           per stage: stages to the end of the LLM
 ``interleaved`` forward > backward (Megatron's steady F, B),  per rank: Megatron's warm-up + 1
                LLM chunks in Megatron's order (rounds)
-``zb``         B > F > W (W fills the bubbles, placed by    as ``1f1b``; B frees half of a
-               the costs)                                   microbatch's activations, W the rest
+``zb``         B > F > W (W fills the bubbles, placed by    as ``1f1b`` counted until B; at most
+               the costs)                                   as many W deferred as the 1F1B depth
 =============  ===========================================  ========================================
 
 Frozen-awareness comes from the graph: stages with nothing trainable upstream run no B, frozen
@@ -53,6 +53,7 @@ class Policy:
         gate: stage -> key of the memory gate it counts against (None = ungated).
         limits: gate key -> most activations in flight (in microbatch units).
         b_release: share of a (sub-)microbatch's activations freed by B when W follows.
+        w_limits: gate key -> most deferred weight gradients (B done, W not) before forwards wait.
         lanes: rank -> ordered queues of its actions (None = one queue per stage and kind).
         backward_after_forward: a stage's backwards wait for all its forwards (GPipe).
     """
@@ -63,6 +64,7 @@ class Policy:
     gate: Callable[[StageRef], object] = lambda ref: None
     limits: dict = field(default_factory=dict)
     b_release: float = 0.0
+    w_limits: dict = field(default_factory=dict)
     lanes: dict[int, list[deque[Action]]] | None = None
     backward_after_forward: bool = False
 
@@ -128,6 +130,7 @@ def _colocated(graph: StageGraph, ref: StageRef) -> bool:
 class _State:
     done: set = field(default_factory=set)
     held: dict = field(default_factory=dict)
+    deferred: dict = field(default_factory=dict)  # gate -> W pending after their B
     f_left: dict = field(default_factory=dict)  # stage -> forwards not yet started
 
 
@@ -184,6 +187,8 @@ def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Act
     if key is None or not skeleton.graph.needs_backward(ref):
         return True
     share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
+    if state.deferred.get(key, 0.0) >= policy.w_limits.get(key, _INF) - 1e-9:
+        return False
     return state.held.get(key, 0.0) + share <= policy.limits.get(key, _INF) + 1e-9
 
 
@@ -224,3 +229,6 @@ def _finish(skeleton, policy, state: _State, a: Action) -> None:
     if a.kind is not Kind.F:
         key = policy.gate(a.stage_ref)
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
+        if len(skeleton.graph.backward_kinds(a.stage_ref, policy.split)) == 2:
+            share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
+            state.deferred[key] = state.deferred.get(key, 0.0) + (share if a.kind is Kind.B else -share)
