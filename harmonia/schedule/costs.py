@@ -13,6 +13,7 @@ from typing import Mapping, Sequence
 
 from harmonia.errors import ScheduleError
 from harmonia.schedule.actions import Action, IterationSchedule, Kind
+from harmonia.schedule.validator import Checker
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,6 @@ def replay(schedule: IterationSchedule, costs: CostTable | None = None) -> dict[
     Raises:
         ScheduleError: the orders deadlock (run `validate` for the step x rank table).
     """
-    from harmonia.schedule.validator import Checker  # local: validator imports this module
-
     costs = costs or CostTable.uniform()
     checker = Checker(schedule)
     ends: dict[Action, float] = {}

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 from harmonia.errors import ScheduleError
 from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
 from harmonia.schedule.costs import CostTable
-from harmonia.schedule.generators import (FAMILIES, Policy, _colocated, _default_lanes, list_schedule,
+from harmonia.schedule.generators import (FAMILIES, Policy, default_lanes, is_colocated, list_schedule,
                                           normalize_order, normalize_sub, stage_actions)
 from harmonia.schedule.graph import LLM, StageGraph
 
@@ -32,7 +32,7 @@ def _priority(graph: StageGraph, split: bool, rank_of_class: dict[str, int]):
     def key(a: Action, position: int) -> tuple:
         cls = _class(graph, a, split)
         if cls == "F":  # colocated encoders run their forwards before the LLM's
-            module_rank = 0 if _colocated(graph, a.stage_ref) else 1
+            module_rank = 0 if is_colocated(graph, a.stage_ref) else 1
         else:  # the LLM's gradients are on the critical path; encoders' backwards fill gaps
             module_rank = 0 if a.module == LLM else 1
         return rank_of_class[cls], module_rank, position, a.sub or 0, -a.stage
@@ -42,7 +42,7 @@ def _priority(graph: StageGraph, split: bool, rank_of_class: dict[str, int]):
 def _stage_gates(graph: StageGraph, cap: float | None) -> tuple:
     """1F1B gates: one per stage (colocated encoders ungated), limit = depth to the LLM's end."""
     def gate(ref: StageRef):
-        return None if _colocated(graph, ref) else ref
+        return None if is_colocated(graph, ref) else ref
     limits = {ref: float(graph.depth_to_end(ref) if cap is None else cap) for ref in graph.stages()}
     return gate, limits
 
@@ -159,7 +159,7 @@ def _interleaved_lanes(skeleton: IterationSchedule, order: list[int], pp: int, p
     graph = skeleton.graph
     enc_only = IterationSchedule(graph, skeleton.n_microbatches, skeleton.n_sub)
     lanes = {r: [q for q in qs if q[0].module != LLM]
-             for r, qs in _default_lanes(enc_only, order, split).items()}
+             for r, qs in default_lanes(enc_only, order, split).items()}
     v = graph.llm.n_stages // pp
     rounds = [order[i:i + per_round] for i in range(0, len(order), per_round)]
     for r in range(pp):

@@ -112,7 +112,8 @@ def stage_actions(skeleton: IterationSchedule, ref: StageRef, order: list[int],
     return out
 
 
-def _default_lanes(skeleton: IterationSchedule, order: list[int], split: bool) -> dict[int, list[deque]]:
+def default_lanes(skeleton: IterationSchedule, order: list[int], split: bool) -> dict[int, list[deque]]:
+    """Per rank, one queue per stage and action class, in microbatch order."""
     lanes: dict[int, list[deque]] = {r: [] for r in skeleton.graph.ranks()}
     for ref in skeleton.graph.stages():
         for acts in stage_actions(skeleton, ref, order, split).values():
@@ -121,7 +122,8 @@ def _default_lanes(skeleton: IterationSchedule, order: list[int], split: bool) -
     return lanes
 
 
-def _colocated(graph: StageGraph, ref: StageRef) -> bool:
+def is_colocated(graph: StageGraph, ref: StageRef) -> bool:
+    """An encoder stage on a rank that also holds an LLM stage."""
     return ref.module != LLM and graph.rank_of(ref) in graph.llm.ranks
 
 
@@ -138,7 +140,7 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
                   costs: CostTable) -> dict[int, list[Action]]:
     """Replay the iteration under ``policy``; return each rank's actions in start order."""
     g = skeleton.graph
-    lanes = policy.lanes if policy.lanes is not None else _default_lanes(skeleton, order, policy.split)
+    lanes = policy.lanes if policy.lanes is not None else default_lanes(skeleton, order, policy.split)
     position = {m: i for i, m in enumerate(order)}
     grad = {s: (Kind.BW if Kind.BW in g.backward_kinds(s, policy.split) else Kind.B) for s in g.stages()}
     state = _State(f_left={s: sum(len(skeleton.subs(s.module, m)) for m in order) for s in g.stages()})
@@ -192,7 +194,9 @@ def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Act
     return state.held.get(key, 0.0) + share <= policy.limits.get(key, _INF) + 1e-9
 
 
-def _choose(skeleton, policy, state, queues, position, grad):
+def _choose(skeleton: IterationSchedule, policy: Policy, state: _State, queues: list[deque],
+            position: dict[int, int], grad: dict[StageRef, Kind]) -> tuple[deque, Action] | None:
+    """The best ready and admitted head among a rank's queues."""
     best = None
     for queue in queues:
         if not queue:
@@ -217,14 +221,14 @@ def _held_delta(skeleton: IterationSchedule, policy: Policy, a: Action) -> float
     return -share
 
 
-def _start(skeleton, policy, state: _State, a: Action) -> None:
+def _start(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> None:
     if a.kind is Kind.F:
         state.f_left[a.stage_ref] -= 1
         key = policy.gate(a.stage_ref)
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
 
 
-def _finish(skeleton, policy, state: _State, a: Action) -> None:
+def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> None:
     state.done.add(a)
     if a.kind is not Kind.F:
         key = policy.gate(a.stage_ref)

@@ -16,7 +16,6 @@ failing one, the offending cells marked ``>>like this<<``:
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
@@ -151,9 +150,9 @@ def static_problems(schedule: IterationSchedule) -> list[tuple[str, list[tuple[i
                                  f"{g.rank_of(a.stage_ref)}", cell))
             if not a.kind.is_compute:
                 problems.extend(_comm_problems(schedule, a, cell))
-            elif a.microbatch >= schedule.n_microbatches or a.sub not in schedule.subs(a.module, a.microbatch):
+            elif not _unit_exists(schedule, a):
                 problems.append((f"{a}: no such (sub-)microbatch (n_microbatches="
-                                 f"{schedule.n_microbatches}, subs {schedule.subs(a.module, a.microbatch) if a.microbatch < schedule.n_microbatches else []})", cell))
+                                 f"{schedule.n_microbatches}, n_sub {schedule.n_sub.get(a.module)})", cell))
                 continue
             key = done_key(a)
             if key in seen:
@@ -163,6 +162,10 @@ def static_problems(schedule: IterationSchedule) -> list[tuple[str, list[tuple[i
                 kinds.setdefault((a.stage_ref, a.microbatch, a.sub), set()).add(a.kind)
     problems.extend(_coverage_problems(schedule, kinds, seen))
     return problems
+
+
+def _unit_exists(schedule: IterationSchedule, a: Action) -> bool:
+    return a.microbatch < schedule.n_microbatches and a.sub in schedule.subs(a.module, a.microbatch)
 
 
 def _comm_problems(schedule: IterationSchedule, a: Action, cell) -> list:
