@@ -38,7 +38,7 @@ class MicrobatchWork:
     times: PhaseTimes
     act_bytes: float = 0.0
     send_bytes: float = 0.0  # activations to the next stage (gradients back are the same size)
-    flops: float = 0.0
+    flops: float = 0.0  # useful FLOPs on one rank of the stage's TP x CP group
     tokens: int = 0
 
 
@@ -173,4 +173,4 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         key = StageKey(module, replica, chunk)
         out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
-        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops, load.tokens)
+        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens)

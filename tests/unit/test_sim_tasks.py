@@ -67,3 +67,29 @@ def test_frozen_encoder_keeps_no_activations(setup) -> None:
     tasks, queue, comm = build_tasks(plan, cost, iw, orders, cluster_from_string("h100x8"))
     peak = replay(tasks, queue, comm).peak_mem
     assert peak[0] < 0.05 * peak[2]
+
+
+@pytest.mark.parametrize("family", ["gpipe", "1f1b", "interleaved", "zb"])
+def test_generated_orders_expand_to_every_rank_and_replay(family) -> None:
+    from harmonia.sim.orders import fuse_encoders_into_first_stage, plan_orders
+
+    mllm = mllm_preset("omni-8b", training={"vision": "frozen", "audio": "frozen"})
+    cost = CostModel(mllm, device_preset("h100"))
+    plan = Plan("omni-8b", {"vision": Layout(dp=2), "audio": Layout(rank_offset=2),
+                            "llm": Layout(tp=2, pp=2, dp=2, rank_offset=3)},
+                "disjoint", global_batch=32, n_microbatches=4)
+    samples = synthesize_trace(32, seed=0)
+    mbs = {d: [list(range(d * 16 + 4 * i, d * 16 + 4 * i + 4)) for i in range(4)] for d in range(2)}
+    iw = plan_iteration_work(samples, plan, cost, mbs)
+    orders = plan_orders(plan, cost, iw, family)
+    assert set(orders) == set(range(11))
+    # TP peers run identical orders; the audio replica serves both LLM replicas
+    assert orders[3] == orders[4]
+    assert {k[4][0] for k in orders[2]} == {0, 1}
+    llm_keys = [k for k in orders[3] if k[3] != "F"]
+    assert len(llm_keys) == 4 * (2 if family == "zb" else 1)  # B + W split only under zero bubble
+    tasks, queue, comm = build_tasks(plan, cost, iw, orders, cluster_from_string("h100:2x8"))
+    tl = replay(tasks, queue, comm)
+    assert 0 < tl.mfu(989e12) < 0.6 and 0 < tl.bubble_frac < 1
+    fused = fuse_encoders_into_first_stage(orders)
+    assert sorted(fused[0]) == sorted(orders[0])
