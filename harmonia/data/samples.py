@@ -35,6 +35,7 @@ class LoadedSample:
     shape: SampleShape
     tokens: TokenizedSample
     answer: str
+    task: str | None = None
 
 
 def _pieces(record: Record) -> list[str | dict]:
@@ -151,4 +152,4 @@ def build_sample(record: Record, index: int, mllm: MLLMSpec, max_tokens: int, ma
     labels[T - n_answer - 1: T - 1] = input_ids[T - n_answer:]  # position t predicts token t + 1
     tokens = TokenizedSample(input_ids, labels, segments, [inp for _, inp in items],
                              sample_id=record.data.get("id", index))
-    return LoadedSample(index, shape, tokens, record.data.get("answer", ""))
+    return LoadedSample(index, shape, tokens, record.data.get("answer", ""), record.data.get("task"))

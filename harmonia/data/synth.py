@@ -169,7 +169,8 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         out: output directory.
         n_samples: samples in total (``heldout`` of them held out).
         seed: random seed.
-        mix: task -> weight (default `DEFAULT_MIX`); ignored with ``trace``.
+        mix: task -> weight (default `DEFAULT_MIX`); with ``trace``, only the colour/count split of
+            image samples follows it.
         trace: sample shapes whose modality and sizes the samples copy (cycled).
         tile: the vision encoder's ``image_size``; images are whole multiples of it.
         shards: tar shards per split; 0 writes a manifest and files.
@@ -185,8 +186,9 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         like = trace[i % len(trace)] if trace else None
         if like is not None:
             task = _TASK_OF_MODALITY[like.items[0].modality] if like.items else "arith"
-            if task == "colour" and rng.random() < 0.3:
-                task = "count"
+            image_tasks = {t: mix.get(t, 0.0) for t in ("colour", "count")}
+            if task == "colour" and sum(image_tasks.values()) > 0:
+                task = "count" if rng.random() * sum(image_tasks.values()) < image_tasks["count"] else "colour"
         else:
             task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
         samples.append(make_sample(rng, f"s{i:06d}", task, tile, like=like))
