@@ -1,0 +1,81 @@
+"""The reference models' TP plans under `parallelize_module` (2 ranks, gloo, CPU) match one process."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
+from harmonia.model.mllm import build_mllm_model
+from harmonia.model.presets import mllm_preset
+from harmonia.model.tp import plan_tp, tp_styles
+
+pytestmark = pytest.mark.distributed
+SPEC = mllm_preset("tiny-vlm")
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    segments = [("text", 3), ("item", 4), ("text", 9)]
+    ids = torch.randint(4, 256, (16,), generator=g)
+    labels = torch.roll(ids, -1)
+    labels[-1] = -100
+    items = [ItemInputs("vision", torch.randn(1, 3, 16, 16, generator=g))]
+    return pack_samples([TokenizedSample(ids, labels, segments, items), TokenizedSample(ids[:5], labels[:5], [("text", 5)])])
+
+
+def _worker(rank: int, world: int, port: int, lora: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(0)
+    spec = SPEC.with_training(llm="lora") if lora else SPEC
+    model = build_mllm_model(spec)
+    if lora:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_b" in n:
+                    p.normal_(std=0.05)
+    batch = _batch()
+    ref_loss = model.loss(batch)
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    mesh = init_device_mesh("cpu", (world,))
+    for name in spec.module_names:
+        parallelize_module(model.module(name), mesh, tp_styles(plan_tp(model.module(name))))
+    from torch.distributed.tensor import DTensor
+
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    loss = model.loss(batch)
+    loss.backward()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, float((g - ref_grads[n]).abs().max()))
+    if rank == 0:
+        out["loss"] = (float(loss), float(ref_loss))
+        out["grad"] = worst
+        out["sharded"] = len(sharded)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_tp2_matches_single_process(lora):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_worker, args=(2, port, lora, out), nprocs=2, join=True)
+        loss, ref = out["loss"]
+        assert loss == pytest.approx(ref, abs=1e-5)
+        assert out["grad"] < 1e-5
+        assert out["sharded"] > 10
