@@ -154,3 +154,28 @@ def test_tp_plan_names_real_linears():
     assert llm_plan["layers.*.attn.q_proj.base"] == "colwise"
     assert llm_plan["layers.*.attn.q_proj.lora_b"] == "colwise"
     assert llm_plan["layers.*.attn.o_proj.lora_a"] == "rowwise"
+
+
+def test_video_temporal_merge_averages_frame_groups():
+    from dataclasses import replace
+
+    from harmonia.model.mllm import encode_media
+    from harmonia.model.spec import MLLMSpec
+
+    spec = MLLMSpec("t", {"vision": replace(VIT, temporal_merge=2)}, {"vision_proj": SPEC.projectors["vision_proj"]},
+                    SPEC.llm)
+    torch.manual_seed(0)
+    model = build_mllm_model(spec).eval()
+    item = ModalityItem.video(frames=3, tiles=1)
+    n = llm_tokens_of_item(item, spec.encoders["vision"])
+    assert n == 2 * IMG_TOKENS
+    frames = torch.randn(3, 3, 16, 16)
+    ids = torch.randint(4, 256, (n + 3,))
+    s = TokenizedSample(ids, ids, [("item", n), ("text", 3)], [ItemInputs("vision", frames, frame_groups(3, 1, 2))])
+    batch = pack_samples([s])
+    with torch.no_grad():
+        got = encode_media(model.encoders["vision"], model.projectors["vision_proj"], batch.media["vision"])
+        per_frame = model.projectors["vision_proj"](model.encoders["vision"](frames))  # (3, P, D)
+        want = torch.cat([(per_frame[0] + per_frame[1]) / 2, per_frame[2]])
+        torch.testing.assert_close(got, want)
+        assert model(batch).shape == (1, n + 3, spec.llm.vocab_size)
