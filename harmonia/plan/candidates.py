@@ -37,8 +37,14 @@ def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[
 
 
 def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
-                n_microbatches: int, max_cp: int = 4) -> Iterator[Layout]:
-    """Every valid LLM factorisation of ``n_ranks`` ranks starting at ``rank_offset``."""
+                n_microbatches: int | None = None, max_cp: int = 4) -> Iterator[Layout]:
+    """Every valid LLM factorisation of ``n_ranks`` ranks starting at ``rank_offset``.
+
+    With ``n_microbatches`` given, layouts whose pipeline it cannot fill (``pp > n``) or whose
+    replicas it cannot feed (``dp * n > global_batch``) are skipped; without it, only ``dp`` is
+    bounded by the global batch.
+    """
+    n_mb = n_microbatches or 1
     body = mllm.llm.body
     for tp in tp_options(body, cluster, n_ranks):
         for cp in _divisors(n_ranks // tp):
@@ -46,9 +52,9 @@ def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset:
                 continue
             for pp in _divisors(n_ranks // (tp * cp)):
                 dp = n_ranks // (tp * cp * pp)
-                if pp > body.n_layers or global_batch < dp * n_microbatches:
+                if pp > body.n_layers or global_batch < dp * max(n_mb, pp if n_microbatches is None else 1):
                     continue
-                if pp > 1 and n_microbatches < pp:
+                if n_microbatches is not None and n_microbatches < pp:
                     continue
                 yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=dp > 1)
 
@@ -125,12 +131,12 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
                   tuple(blocks), layout.virtual_stages, layout.fsdp)
 
 
-def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], colocated: bool) -> float:
-    """Seconds per iteration no schedule beats: each module's batch work over its ranks (summed over
-    modules that share ranks)."""
-    costs = profile.mean_costs()
-    per_module = {}
-    for module, layout in layouts.items():
-        work = costs[module] + costs.get(f"{module}_proj", 0.0)
-        per_module[module] = work / layout.size
-    return sum(per_module.values()) if colocated else max(per_module.values())
+def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], batches: list[int] | None = None) -> float:
+    """Seconds per iteration no schedule beats: the larger of (a) the whole batch's work spread
+    over every rank and (b) each module's work spread over its own ranks, averaged over the
+    profiled ``batches`` (default all). Both hold whatever the placement."""
+    rows = profile.batch_costs if batches is None else profile.batch_costs[batches]
+    costs = dict(zip(profile.modules, rows.mean(axis=0).tolist()))
+    world = len({r for layout in layouts.values() for r in layout.rank_list()})
+    per_module = [(costs[m] + costs.get(f"{m}_proj", 0.0)) / layout.size for m, layout in layouts.items()]
+    return max(sum(costs.values()) / world, *per_module)

@@ -42,7 +42,7 @@ def test_disjoint_sizes_follow_work_share_and_bound() -> None:
     assert sizes and all(sum(s.values()) < 32 for s in sizes)
     layouts = {"vision": Layout(dp=sizes[0]["vision"]), "audio": Layout(dp=sizes[0]["audio"]),
                "llm": Layout(dp=32 - sum(sizes[0].values()))}
-    bound = lower_bound_s(profile, layouts, colocated=False)
+    bound = lower_bound_s(profile, layouts)
     assert bound >= profile.mean_costs()["llm"] / layouts["llm"].size
     llm = balanced_split(cost, "llm", Layout(pp=4, dp=2), profile.sample_load("llm"))
     assert sum(llm.stage_layers) == 32 and llm.stage_layers[-1] <= llm.stage_layers[1]

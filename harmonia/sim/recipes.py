@@ -1,0 +1,175 @@
+"""Training recipes as complete, searchable systems: layout rules + batch assignment + schedule.
+
+Each recipe is searched over the layouts its own rules allow (scored by simulating profiled
+batches), so no baseline is hand-weakened:
+
+==============  ==========================================================================  =========
+recipe          layout rules                                                                stands for
+==============  ==========================================================================  =========
+``megatron``    one layout for all modules: the LLM's (tp, pp, dp); each encoder runs        Megatron-LM,
+                inside the LLM's first pipeline stage on its ranks; layers split evenly;   torchtitan
+                fixed-size microbatches in dataset order; 1F1B                              VLM
+``cornstarch``  encoders on pipeline stages of their own (the LLM's tp and dp, one or two    Cornstarch
+                stages each), frozen-aware layer split; fixed-size microbatches; 1F1B
+``disttrain``   disjoint encoder and LLM rank sets sized to their work share, any           DistTrain
+                factorisation; samples reordered across microbatches on total work; 1F1B
+``harmonia``    disjoint or colocated, rank sets by work share, frozen-aware split;         harmonia
+                every module balanced per iteration; 1F1B or zero-bubble, whichever wins
+==============  ==========================================================================  =========
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from harmonia.errors import ConfigError
+from harmonia.plan.candidates import balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts
+from harmonia.plan.layout import Layout, Placement
+from harmonia.plan.plan import Plan
+from harmonia.plan.profiling import BatchProfile
+from harmonia.sim.assign import assign_reordered, assign_sequential
+from harmonia.sim.engine import Timeline, replay
+from harmonia.sim.orders import fuse_encoders_into_first_stage, plan_orders
+from harmonia.sim.stagework import plan_iteration_work
+from harmonia.sim.tasks import build_tasks
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec
+from harmonia.workload.shapes import SampleShape
+from harmonia.workload.work import ModuleLoad
+
+RECIPES = ("megatron", "cornstarch", "disttrain", "harmonia")
+MEMORY_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A recipe's concrete choice: the plan and how its work is ordered."""
+
+    recipe: str
+    plan: Plan
+    fused: bool = False  # encoders fused into the LLM's first stage (Megatron)
+
+
+def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
+    counts = sorted({c for c in (pp, 2 * pp, 4 * pp, 8) if pp <= c <= per_replica})
+    return counts or [min(per_replica, pp)]
+
+
+def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: int, global_batch: int,
+                 profile: BatchProfile, frozen_aware: bool) -> Iterator[tuple[Layout, int]]:
+    """LLM layouts (cp = 1) with microbatch counts that fit in memory."""
+    seen = set()
+    cap = cluster.device.mem_bytes * MEMORY_HEADROOM
+    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=1):
+        if base.pp > 8:
+            continue
+        per_replica = global_batch // base.dp
+        for n_mb in _microbatch_counts(base.pp, per_replica):
+            key = (base.tp, base.pp, base.dp, n_mb)
+            if key in seen:
+                continue
+            seen.add(key)
+            tokens = profile.sample_load("llm").tokens * max(1, per_replica // n_mb)
+            load = ModuleLoad(tokens, profile.sample_load("llm").pairs * max(1, per_replica // n_mb), 1)
+            layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
+            if check_memory(cost, "llm", layout, load, n_mb, cap).fits:
+                yield layout, n_mb
+
+
+def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
+               global_batch: int, model: str) -> Iterator[Candidate]:
+    """Every plan a recipe's rules allow on this cluster (memory-feasible)."""
+    world = cluster.world_size
+    encoders = list(cost.mllm.encoders)
+    training = {m: t.mode.value for m, t in cost.mllm.training.items()}
+
+    def plan(layouts, placement, schedule, n_mb):
+        return Plan(model, layouts, placement, schedule, n_mb, global_batch, training)
+
+    if recipe == "megatron":
+        for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False):
+            first = tuple(llm.rank_at(pp=0, dp=d, tp=t) for d in range(llm.dp) for t in range(llm.tp))
+            layouts = {e: Layout(tp=llm.tp, dp=llm.dp, ranks=first) for e in encoders}
+            yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, "1f1b", n_mb), fused=True)
+    elif recipe == "cornstarch":
+        for tp in sorted({lay.tp for lay in llm_layouts(cost.mllm, cluster, world, 0, global_batch, max_cp=1)}):
+            for dp in (d for d in range(1, world // tp + 1) if world % (tp * d) == 0):
+                group = tp * dp
+                for enc_pp in (1, 2):
+                    llm_ranks = world - len(encoders) * enc_pp * group
+                    if llm_ranks < group:
+                        continue
+                    offset = len(encoders) * enc_pp * group
+                    for llm, n_mb in _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True):
+                        if llm.tp != tp or llm.dp != dp:
+                            continue
+                        layouts = {e: Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group)
+                                   for i, e in enumerate(encoders)}
+                        yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, "1f1b", n_mb))
+    elif recipe in ("disttrain", "harmonia"):
+        schedules = ("1f1b",) if recipe == "disttrain" else ("1f1b", "zb")
+        for sizes in disjoint_sizes(profile, encoders, world):
+            offset, enc_choices = 0, []
+            for e in encoders:
+                enc_choices.append(list(encoder_layouts(cost.mllm, e, cluster, sizes[e], offset))[:2])
+                offset += sizes[e]
+            for llm, n_mb in _llm_options(cost, cluster, world - offset, offset, global_batch, profile, True):
+                for combo in _product(enc_choices):
+                    for schedule in schedules:
+                        layouts = dict(zip(encoders, combo))
+                        yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
+        if recipe == "harmonia":
+            for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True):
+                layouts = {e: Layout(dp=world) for e in encoders}
+                for schedule in schedules:
+                    yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
+    else:
+        raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
+
+
+def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:
+    if not choices:
+        yield ()
+        return
+    for first in choices[0]:
+        for rest in _product(choices[1:]):
+            yield (first, *rest)
+
+
+def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
+           tokens: np.ndarray) -> tuple[dict[int, list[list[int]]], dict[int, list[int]] | None]:
+    """Microbatches per LLM replica (sample indices) and an optional pipeline order per replica."""
+    plan = candidate.plan
+    dp, n_mb = plan.layouts["llm"].dp, plan.n_microbatches
+    if candidate.recipe in ("megatron", "cornstarch"):
+        return assign_sequential(batch, dp, n_mb), None
+    if candidate.recipe == "disttrain":
+        return assign_reordered(batch, costs, dp, n_mb), None
+    from harmonia.schedule import assign_microbatches
+
+    shards = assign_microbatches(costs, dp, tokens=tokens) if dp > 1 else [list(range(len(batch)))]
+    out = {}
+    for d, shard in enumerate(shards):
+        shard = np.asarray(shard)
+        mbs = assign_microbatches(costs[shard], n_mb, tokens=tokens[shard])
+        out[d] = [[int(batch[shard[i]]) for i in mb] for mb in mbs]
+    return out, None
+
+
+def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray, costs: np.ndarray,
+             tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec) -> Timeline:
+    """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
+    microbatches, order = assign(candidate, batch, costs, tokens)
+    iw = plan_iteration_work(samples, candidate.plan, cost, microbatches)
+    orders = plan_orders(candidate.plan, cost, iw, order=order)
+    if candidate.fused:
+        orders = fuse_encoders_into_first_stage(orders)
+    tasks, queue, comm = build_tasks(candidate.plan, cost, iw, orders, cluster)
+    return replay(tasks, queue, comm)
+
+
+def with_schedule(candidate: Candidate, schedule: str) -> Candidate:
+    return replace(candidate, plan=replace(candidate.plan, schedule=schedule))

@@ -1,0 +1,172 @@
+"""Scenarios: a model, a cluster, a trace and a batch size, run under every recipe.
+
+Each recipe's best plan is found by simulating its candidates on a few profiled batches
+(candidates ordered by their lower bound; one whose bound exceeds the best time found is skipped
+unsimulated), then the winner runs ``iterations`` sampled batches and its averages are reported.
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from harmonia.errors import ConfigError, HarmoniaError
+from harmonia.model.presets import mllm_preset
+from harmonia.plan.candidates import lower_bound_s
+from harmonia.plan.profiling import profile_batches
+from harmonia.sim.engine import Timeline
+from harmonia.sim.recipes import RECIPES, Candidate, candidates, simulate
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec, cluster_from_string
+from harmonia.workload.traces import load_trace
+from harmonia.workload.work import load_arrays
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What to simulate.
+
+    Attributes:
+        name: scenario name.
+        model: MLLM preset.
+        training: module -> full / frozen / lora.
+        cluster: ``DEVICE:NODESxGPUS``.
+        trace: CSV path (relative paths resolve against the project root) or ``synthetic:...``.
+        global_batch: samples per iteration.
+        iterations: batches averaged in the report.
+        search_batches: batches each candidate is scored on during the search.
+        max_candidates: candidates simulated per recipe at most (by lower bound).
+        seed: sampling seed.
+    """
+
+    name: str
+    model: str
+    cluster: str
+    trace: str
+    global_batch: int
+    training: dict[str, str] = field(default_factory=dict)
+    iterations: int = 20
+    search_batches: int = 2
+    max_candidates: int = 24
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
+            raise ConfigError(f"scenario {self.name!r}: global_batch, iterations and search_batches must be >= 1")
+
+    @staticmethod
+    def load(path: str | Path) -> Scenario:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+            return Scenario(**raw["scenario"])
+        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"scenario file {path}: {err}; expected a [scenario] table with name, model, "
+                              "cluster, trace and global_batch") from None
+
+    def trace_spec(self) -> str:
+        if self.trace.startswith("synthetic"):
+            return self.trace
+        p = Path(self.trace)
+        return str(p if p.is_absolute() else ROOT / p)
+
+
+@dataclass
+class RecipeResult:
+    """A recipe's chosen plan and its averages over the scenario's iterations."""
+
+    recipe: str
+    candidate: Candidate | None
+    iteration_s: float = float("nan")
+    bubble_frac: float = float("nan")
+    mfu: float = float("nan")
+    samples_per_s: float = float("nan")
+    tried: int = 0
+    search_s: float = 0.0
+    error: str = ""
+    timeline: Timeline | None = None
+
+    def as_dict(self) -> dict:
+        out = {"iteration_s": self.iteration_s, "bubble_frac": self.bubble_frac, "mfu": self.mfu,
+               "samples_per_s": self.samples_per_s, "candidates_simulated": self.tried,
+               "search_s": self.search_s}
+        if self.candidate:
+            out["plan"] = {m: {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ranks": lay.size}
+                           for m, lay in self.candidate.plan.layouts.items()}
+            out["placement"] = self.candidate.plan.placement.value
+            out["schedule"] = self.candidate.plan.schedule
+            out["n_microbatches"] = self.candidate.plan.n_microbatches
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+class ScenarioRun:
+    """Loads a scenario's model, cluster and trace once and runs recipes on it."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.mllm = mllm_preset(scenario.model, training=scenario.training)
+        self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
+        self.cost = CostModel(self.mllm, self.cluster.device)
+        self.samples = load_trace(scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096),
+                                  seed=scenario.seed)
+        tokens, pairs = load_arrays(self.samples, self.mllm)
+        self.costs = self.cost.costs_from_loads(tokens, pairs)
+        self.tokens = tokens[:, self.cost.modules.index("llm")]
+        n_batches = scenario.iterations + scenario.search_batches
+        self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
+
+    def _timeline(self, cand: Candidate, k: int) -> Timeline:
+        batch = self.profile.batches[k]
+        return simulate(cand, self.samples, batch, self.costs[batch], self.tokens[batch], self.cost, self.cluster)
+
+    def search(self, recipe: str) -> tuple[Candidate | None, int, float]:
+        """The recipe's best candidate on the search batches, candidates tried, seconds spent."""
+        t0 = time.perf_counter()
+        cands = list(candidates(recipe, self.cost, self.cluster, self.profile, self.scenario.global_batch,
+                                self.scenario.model))
+        search = list(range(self.scenario.iterations, self.scenario.iterations + self.scenario.search_batches))
+        bounds = [lower_bound_s(self.profile, c.plan.layouts, search) for c in cands]
+        ranked = sorted(range(len(cands)), key=lambda i: bounds[i])
+        best, best_s, tried = None, float("inf"), 0
+        for i in ranked[: self.scenario.max_candidates]:
+            if bounds[i] >= best_s:
+                break
+            try:
+                score = float(np.mean([self._timeline(cands[i], k).iteration_s for k in search]))
+            except HarmoniaError:
+                continue
+            tried += 1
+            if score < best_s:
+                best, best_s = cands[i], score
+        return best, tried, time.perf_counter() - t0
+
+    def run(self, recipe: str) -> RecipeResult:
+        best, tried, search_s = self.search(recipe)
+        if best is None:
+            return RecipeResult(recipe, None, tried=tried, search_s=search_s,
+                                error="no layout of this recipe fits the cluster's memory")
+        timelines = [self._timeline(best, k) for k in range(self.scenario.iterations)]
+        iteration = float(np.mean([t.iteration_s for t in timelines]))
+        peak = self.cluster.device.peak_flops
+        return RecipeResult(
+            recipe, best, iteration, float(np.mean([t.bubble_frac for t in timelines])),
+            float(np.mean([t.mfu(peak) for t in timelines])), self.scenario.global_batch / iteration,
+            tried, search_s, timeline=timelines[0],
+        )
+
+
+def run_scenario(scenario: Scenario, recipes: tuple[str, ...] = RECIPES) -> dict[str, RecipeResult]:
+    """Every recipe's result on a scenario."""
+    unknown = set(recipes) - set(RECIPES)
+    if unknown:
+        raise ConfigError(f"unknown recipes {sorted(unknown)}; recipes are {RECIPES}")
+    runner = ScenarioRun(scenario)
+    return {r: runner.run(r) for r in recipes}
