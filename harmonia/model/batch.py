@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.attention_mask import TokenLayout, multimodal_mask
+from harmonia.model.attention_mask import TokenLayout, flex_block_mask, multimodal_mask
 
 
 @dataclass
@@ -118,9 +118,9 @@ class PackedBatch:
         """Tokens that carry a loss (the normaliser's share of this microbatch)."""
         return int((self.labels != -100).sum())
 
-    def mask(self) -> torch.Tensor:
-        """Boolean ``(T, T)`` multimodal attention mask."""
-        return multimodal_mask(self.layout)
+    def mask(self, flex: bool = False):
+        """Boolean ``(T, T)`` multimodal attention mask, or a flex_attention ``BlockMask`` with ``flex``."""
+        return flex_block_mask(self.layout) if flex else multimodal_mask(self.layout)
 
     def positions(self) -> torch.Tensor:
         """``(1, T)`` rotary positions."""

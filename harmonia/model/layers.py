@@ -91,8 +91,9 @@ class Attention(nn.Module):
 
         Args:
             x: ``(B, T, h)``.
-            mask: boolean ``(T, T)`` or ``(B, 1, T, T)``, True where a query may attend a key; None
-                attends everything (an encoder sequence).
+            mask: boolean ``(T, T)`` or ``(B, 1, T, T)``, True where a query may attend a key (SDPA),
+                or a flex_attention ``BlockMask`` (`flex_block_mask`); None attends everything (an
+                encoder sequence).
             rope: ``(cos, sin)`` tables from `rope_cos_sin`, or None for no rotary embedding.
         """
         B, T, _ = x.shape
@@ -104,9 +105,15 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if mask is not None and mask.dim() == 2:
-            mask = mask[None, None]  # (1, 1, T, T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
+            from torch.nn.attention.flex_attention import flex_attention
+
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            if mask is not None and mask.dim() == 2:
+                mask = mask[None, None]  # (1, 1, T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 

@@ -179,3 +179,16 @@ def test_video_temporal_merge_averages_frame_groups():
         want = torch.cat([(per_frame[0] + per_frame[1]) / 2, per_frame[2]])
         torch.testing.assert_close(got, want)
         assert model(batch).shape == (1, n + 3, spec.llm.vocab_size)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_attention_path_matches_sdpa(model):
+    batch = pack_samples([sample(6, audio=True), sample(7)])
+    with torch.no_grad():
+        dense = model(batch)
+        model.flex_attention = True
+        try:
+            flex = model(batch)
+        finally:
+            model.flex_attention = False
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
