@@ -160,6 +160,13 @@ MLLM_PRESETS: dict[str, dict] = {
                                                "audio": "whisper-large-v3-encoder"}),
     # A large model: InternViT-6B + Llama-3-70B (InternVL 1.5-like scale).
     "internvl-76b": dict(llm="llama3-70b", encoders={"vision": "internvit-6b"}),
+    # LLaVA-style: SigLIP-So400m with Llama-3-8B.
+    "llava-siglip-8b": dict(llm="llama3-8b", encoders={"vision": "siglip-so400m-14-384"}),
+    # LLaVA-1.5-style at 70B: CLIP ViT-L/14-336 with Llama-3-70B.
+    "llava-clip-70b": dict(llm="llama3-70b", encoders={"vision": "clip-vit-l-14-336"}),
+    # A large omni-modal model: InternViT-6B and Whisper large-v3 encoder with Qwen2.5-72B.
+    "omni-72b": dict(llm="qwen2.5-72b", encoders={"vision": "internvit-6b",
+                                                  "audio": "whisper-large-v3-encoder"}),
     # Tiny models for CPU tests.
     "tiny-vlm": dict(llm="tiny-llm", encoders={"vision": "tiny-vit"}),
     "tiny-omni": dict(llm="tiny-llm", encoders={"vision": "tiny-vit", "audio": "tiny-audio"}),
