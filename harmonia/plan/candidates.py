@@ -68,16 +68,27 @@ def encoder_layouts(mllm: MLLMSpec, encoder: str, cluster: ClusterSpec, n_ranks:
 
 
 def disjoint_sizes(profile: BatchProfile, encoders: list[str], world: int, step: int = 1) -> Iterator[dict[str, int]]:
-    """Rank counts per encoder near their work share (rounded, and one ``step`` either side)."""
+    """Rank counts per encoder near their work share: rounded, one ``step`` either side, and
+    variants that leave the LLM a multiple of 8, 4 or 2 ranks (so it can factorise into TP and PP)
+    with the remainder shared among encoders by their work."""
     costs = profile.mean_costs()
     total = sum(costs[m] for m in profile.modules)
-    shares = {}
-    for enc in encoders:
-        enc_cost = costs[enc] + costs.get(f"{enc}_proj", 0.0)
-        shares[enc] = max(1, round(world * enc_cost / total))
+    work = {e: costs[e] + costs.get(f"{e}_proj", 0.0) for e in encoders}
+    shares = {e: max(1, round(world * work[e] / total)) for e in encoders}
+    variants = [{e: max(1, s + delta) for e, s in shares.items()} for delta in (0, -step, step)]
+    for multiple in (8, 4, 2):
+        llm = (world - sum(shares.values())) // multiple * multiple
+        spare = world - llm
+        if llm < 1 or spare < len(encoders):
+            continue
+        weight = sum(work.values()) or 1.0
+        sizes = {e: max(1, int(spare * work[e] / weight)) for e in encoders}
+        heaviest = max(encoders, key=lambda e: work[e])
+        sizes[heaviest] += spare - sum(sizes.values())
+        if sizes[heaviest] >= 1:
+            variants.append(sizes)
     seen = set()
-    for delta in (0, -step, step):
-        sizes = {e: max(1, s + delta) for e, s in shares.items()}
+    for sizes in variants:
         key = tuple(sizes.values())
         if key in seen or sum(sizes.values()) >= world:
             continue

@@ -53,7 +53,7 @@ class Scenario:
     training: dict[str, str] = field(default_factory=dict)
     iterations: int = 20
     search_batches: int = 2
-    max_candidates: int = 24
+    max_candidates: int = 48
     seed: int = 0
 
     def __post_init__(self) -> None:

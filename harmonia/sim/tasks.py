@@ -15,6 +15,9 @@ dependencies are the pipeline's data flow:
 
 TP adds two all-reduces of the activations per block forward and two per backward, CP an
 all-gather of K and V per block; both are added to the compute duration (they are synchronous).
+FSDP gathers a stage's weights over its DP group before the forward and again before the backward
+(weights resharded after forward, FSDP2's default); prefetching overlaps the gather with compute,
+so only the part longer than the compute adds time.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 from harmonia.plan.plan import Plan
 from harmonia.sim.engine import Task
 from harmonia.sim.stagework import IterationWork, StageKey, stage_layer_range
-from harmonia.workload.cost import GRAD_BYTES, CostModel
+from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel
 from harmonia.workload.devices import ClusterSpec
 
 ComputeKey = tuple[str, int, int, str, tuple[int, int]]
@@ -43,8 +46,18 @@ def p2p_s(nbytes: float, src: int, dst: int, cluster: ClusterSpec) -> float:
     return cluster.device.latency_s + nbytes / cluster.p2p_bandwidth(src, dst)
 
 
+def _fsdp_gather_s(plan: Plan, cost: CostModel, key: StageKey, rank: int, cluster: ClusterSpec) -> float:
+    """Seconds to all-gather a stage's weights over its DP group (FSDP)."""
+    layout = plan.layouts[key.module]
+    start, stop = stage_layer_range(cost, plan, key.module, key.stage)
+    weights = cost.param_count(key.module, start, stop)[0] * PARAM_BYTES / layout.tp
+    coords = layout.coords(rank)
+    group = tuple(layout.rank_at(pp=coords["pp"], dp=d, cp=coords["cp"], tp=coords["tp"]) for d in range(layout.dp))
+    return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
+
+
 def _collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
-                      cluster: ClusterSpec) -> float:
+                      cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces and CP K/V all-gathers inside a stage for one phase."""
     layout = plan.layouts[key.module]
     work = iw.work[(key, mb)]
@@ -60,6 +73,12 @@ def _collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: Stage
         kv = 2 * work.tokens * spec.kv_dim * cost.act_bytes / layout.tp
         cp_group = ranks[:: layout.tp]
         extra += blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
+    if layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW"):
+        if key not in cache:
+            cache[key] = _fsdp_gather_s(plan, cost, key, ranks[0], cluster)
+        gather = cache[key]
+        compute = {"F": work.times.F, "B": work.times.B, "BW": work.times.B + work.times.W}[kind]
+        extra += max(0.0, gather - compute)
     return extra
 
 
@@ -69,6 +88,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
     tasks: list[Task] = []
     index: dict[tuple[ComputeKey, int], int] = {}
     queue: dict[int, list[int]] = {r: [] for r in orders}
+    gathers: dict[StageKey, float] = {}
     has_w = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] == "W"}
     for rank, keys in orders.items():
         for ck in keys:
@@ -77,7 +97,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
             work = iw.work[(skey, mb)]
             t = work.times
             duration = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind]
-            duration += _collective_extra(plan, cost, iw, skey, mb, kind, cluster)
+            duration += _collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
             flops_share = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
             if kind == "F":
                 mem = work.act_bytes
