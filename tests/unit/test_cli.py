@@ -7,7 +7,7 @@ import pytest
 from harmonia.cli import build_parser, main
 
 
-@pytest.mark.parametrize("command", ["models", "workload", "profile", "demo"])
+@pytest.mark.parametrize("command", ["models", "workload", "profile", "simulate", "demo"])
 def test_help(command, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -17,7 +17,7 @@ def test_help(command, capsys) -> None:
 
 def test_every_subcommand_is_registered() -> None:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
-    assert {"models", "workload", "profile", "demo"} <= set(sub.choices)
+    assert {"models", "workload", "profile", "simulate", "demo"} <= set(sub.choices)
 
 
 def test_workload_on_real_trace(shared_traces, capsys) -> None:
@@ -38,3 +38,14 @@ def test_profile_writes_calibration(tmp_path) -> None:
     cal = json.loads(out.read_text())
     assert set(cal["flops_efficiency"]) == {"F", "B", "W"}
     assert all(v > 0 for v in cal["flops_efficiency"].values())
+
+
+def test_simulate_writes_the_comparison_json(tmp_path) -> None:
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--recipes", "megatron,disttrain", "--iterations", "2", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result) == {"scenario", "recipes", "lower_bound_s"}
+    for recipe in ("megatron", "disttrain"):
+        r = result["recipes"][recipe]
+        assert r["iteration_s"] >= result["lower_bound_s"] * 0.99
+        assert 0 <= r["bubble_frac"] < 1 and 0 < r["mfu"] < 1
