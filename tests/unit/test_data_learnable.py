@@ -28,7 +28,7 @@ def test_tiny_omni_learns_the_synthetic_tasks(tmp_path):
     model = build_mllm_model(spec)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
-    for _ in range(150):
+    for _ in range(120):
         batch = collate(rng.sample(train_samples, 16))
         loss = model.loss(batch)
         opt.zero_grad()
