@@ -1,7 +1,8 @@
 """From a record to what the scheduler and the executor need.
 
-`read_shape` reads only headers (image size, WAV length, frame count) and returns the `SampleShape`
-the scheduler balances with. `build_sample` decodes the media and returns the same shape together
+`read_shape` reads only headers (image size, WAV length, frame count), or nothing when the manifest
+declares sizes (``height``/``width`` of an image, ``seconds`` of audio), and returns the `SampleShape`
+the scheduler balances with; decoding checks declared sizes against the file. `build_sample` decodes the media and returns the same shape together
 with the `TokenizedSample` the executor packs. Token counts come from `harmonia.workload.shapes`.
 
 A sample's LLM sequence is ``bos, prompt text and items, answer, eos``; only the answer and ``eos``
@@ -55,6 +56,14 @@ def _pieces(record: Record) -> list[str | dict]:
     return out
 
 
+def _check_declared(entry: dict, actual: dict[str, int], where: str) -> None:
+    """Sizes declared in the manifest (used for shapes without reading files) must match the file."""
+    for key, value in actual.items():
+        if key in entry and int(entry[key]) != value:
+            raise DataError("shape_mismatch", where, f"manifest says {key}={entry[key]} but the file has "
+                            f"{value}; fix or drop the declared size")
+
+
 def _decode_item(entry: dict, record: Record, mllm: MLLMSpec, max_frames: int,
                  headers_only: bool) -> tuple[ModalityItem, ItemInputs | None]:
     modality = entry["type"]
@@ -66,18 +75,27 @@ def _decode_item(entry: dict, record: Record, mllm: MLLMSpec, max_frames: int,
     where = f"{record.where} ({modality} {entry.get('path') or entry.get('frames')})"
     try:
         if modality == "image":
+            if headers_only and "height" in entry and "width" in entry:
+                return ModalityItem.image(height=int(entry["height"]), width=int(entry["width"])), None
             data = record.source.read(entry["path"])
             if headers_only:
                 h, w = M.image_size(data)
                 return ModalityItem.image(height=h, width=w), None
             img = M.open_image(data)
-            return ModalityItem.image(height=img.height, width=img.width), ItemInputs(module, M.tile_image(img, enc))
+            item = ModalityItem.image(height=img.height, width=img.width)
+            _check_declared(entry, {"height": img.height, "width": img.width}, where)
+            return item, ItemInputs(module, M.tile_image(img, enc))
         if modality == "audio":
+            if headers_only and "seconds" in entry:
+                return ModalityItem.audio(float(entry["seconds"])), None
             data = record.source.read(entry["path"])
             if headers_only:
                 return ModalityItem.audio(M.wav_seconds(data, enc.sample_rate)), None
             x, rate = M.read_wav(data)
             chunks, item = M.audio_chunks(x, rate, enc)
+            if "seconds" in entry and abs(float(entry["seconds"]) - item.seconds) > 1e-3:
+                raise DataError("shape_mismatch", where, f"manifest says seconds={entry['seconds']} but the "
+                                f"file holds {item.seconds:.3f} s; fix or drop the declared size")
             return item, ItemInputs(module, chunks)
         names = entry.get("frames") or []
         if not names:

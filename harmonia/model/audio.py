@@ -41,6 +41,13 @@ class AudioEncoder(nn.Module):
         super().__init__()
         if not spec.is_audio:
             raise ConfigError(f"encoder {spec.name!r} is a vision encoder; build it with build_vision_encoder")
+        if spec.chunk_seconds is not None and spec.token_merge > 1:
+            per_chunk = math.ceil(mel_frames(spec.chunk_seconds, spec) / spec.conv_stride)
+            if per_chunk % spec.token_merge:
+                raise ConfigError(
+                    f"encoder {spec.name!r}: {per_chunk} tokens per {spec.chunk_seconds} s chunk are not a "
+                    f"multiple of token_merge={spec.token_merge}; pick a chunk length or merge that divides"
+                )
         body = spec.body
         self.spec = spec
         self.indices = layer_range(body.n_layers, layers, f"encoder {spec.name!r}")

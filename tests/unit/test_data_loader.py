@@ -149,3 +149,19 @@ def test_model_without_audio_encoder_skips_audio_samples(synth):
     shapes = ds.shapes()
     assert all(m.modality != "audio" for s in shapes for m in s.items)
     assert ds.stats.skipped["unknown_modality"] > 0
+
+
+def test_declared_sizes_spare_file_reads_and_are_checked(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.zeros((20, 30, 3), np.uint8)).save(tmp_path / "a.png")
+    recs = [
+        {"id": "ok", "prompt": "<image>", "answer": "x", "media": [{"type": "image", "path": "a.png", "height": 20, "width": 30}]},
+        {"id": "lie", "prompt": "<image>", "answer": "x", "media": [{"type": "image", "path": "a.png", "height": 21, "width": 30}]},
+        {"id": "far", "prompt": "<image>", "answer": "x", "media": [{"type": "image", "path": "b.png", "height": 16, "width": 16}]},
+    ]
+    (tmp_path / "manifest.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    ds = MultimodalDataset(tmp_path, SPEC)
+    assert [s.items[0].height for s in ds.shapes()] == [20, 21, 16]  # no file opened for shapes
+    assert [s.index for s in ds.load([0, 1, 2])] == [0]
+    assert ds.stats.skipped == {"shape_mismatch": 1, "missing_file": 1}

@@ -192,3 +192,12 @@ def test_flex_attention_path_matches_sdpa(model):
         finally:
             model.flex_attention = False
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_audio_token_merge_must_divide_chunk_tokens():
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="token_merge=3"):
+        build_module(replace(SPEC, encoders={**SPEC.encoders, "audio": replace(AUD, token_merge=3)},
+                             projectors={**SPEC.projectors, "audio_proj": replace(SPEC.projectors["audio_proj"],
+                                                                                  in_dim=3 * AUD.out_dim)}), "audio")
