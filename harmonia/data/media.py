@@ -112,7 +112,7 @@ def wav_seconds(data: bytes | str | Path, target_rate: int | None = None) -> flo
                 raise SampleError("WAV audio has no samples")
             if target_rate is None or target_rate == rate:
                 return n / rate
-            return int(round(n * target_rate / rate)) / target_rate
+            return round(n * target_rate / rate) / target_rate
     except SampleError:
         raise
     except Exception as e:
@@ -133,7 +133,7 @@ def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
     """Linear-interpolation resampling (enough for features; use a proper filter upstream for quality)."""
     if rate == target:
         return x
-    n = int(round(len(x) * target / rate))
+    n = round(len(x) * target / rate)
     return np.interp(np.linspace(0, len(x) - 1, n), np.arange(len(x)), x).astype(np.float32)
 
 
@@ -160,7 +160,7 @@ def log_mel(x: torch.Tensor, encoder: EncoderSpec) -> torch.Tensor:
     ``log10`` clamped to 8 below the maximum, then ``(x + 4) / 4``.
     """
     hop = encoder.hop_length
-    n_fft = int(round(2.5 * hop))
+    n_fft = round(2.5 * hop)
     spec = torch.stft(x, n_fft, hop, window=torch.hann_window(n_fft), return_complex=True)
     power = spec[..., :-1].abs() ** 2  # (n_fft/2+1, samples // hop)
     mel = mel_filters(encoder.n_mels, n_fft, encoder.sample_rate) @ power
@@ -180,7 +180,7 @@ def audio_chunks(x: np.ndarray, rate: int, encoder: EncoderSpec) -> tuple[torch.
     item = ModalityItem.audio(seconds)
     if encoder.chunk_seconds is None:
         return log_mel(torch.from_numpy(x), encoder)[None], item
-    chunk = int(round(encoder.chunk_seconds * encoder.sample_rate))
+    chunk = round(encoder.chunk_seconds * encoder.sample_rate)
     n = math.ceil(item.seconds / encoder.chunk_seconds)
     padded = np.zeros(n * chunk, dtype=np.float32)
     padded[: len(x)] = x[: n * chunk]

@@ -57,8 +57,8 @@ class TarSource:
         return {"path": self.path, "_tar": None}
 
     def read(self, name: str) -> bytes:
-        if self._tar is None:
-            self._tar = tarfile.open(self.path)
+        if self._tar is None:  # kept open for the worker's lifetime, one handle per process
+            self._tar = tarfile.open(self.path)  # noqa: SIM115
         try:
             f = self._tar.extractfile(name)
         except KeyError:
@@ -115,11 +115,11 @@ def read_shard(path: str | Path) -> tuple[list[Record], list[DataError]]:
     """Records of a tar shard (its ``*.json`` members), and an error for each invalid one."""
     path = Path(path)
     records, errors = [], []
+    source = TarSource(path)
     try:
-        tar = tarfile.open(path)
+        tar = tarfile.open(path)  # noqa: SIM115 - closed by the with-block below
     except (tarfile.TarError, OSError) as e:
         return [], [DataError("corrupt_shard", str(path), f"cannot open tar shard: {e}")]
-    source = TarSource(path)
     with tar:
         for member in tar.getmembers():
             if not member.name.endswith(".json"):

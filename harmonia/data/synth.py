@@ -192,7 +192,7 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         else:
             task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
         samples.append(make_sample(rng, f"s{i:06d}", task, tile, like=like))
-    n_held = int(round(n_samples * heldout))
+    n_held = round(n_samples * heldout)
     out = Path(out)
     _write_split(out / "train", samples[n_held:], shards)
     _write_split(out / "heldout", samples[:n_held], shards)

@@ -95,7 +95,7 @@ class DecoderLM(nn.Module):
         return self.head(x) if self.head is not None else x @ self.embed.weight.t()
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | int | None = None) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
     """Summed next-token cross entropy divided by ``normalizer``.
 
     Labels are already aligned with the logits (the collator shifts them); positions with

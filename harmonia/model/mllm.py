@@ -105,7 +105,7 @@ class MLLM(nn.Module):
         item_index = torch.cat(index) if index else None
         return self.llm(batch.input_ids, batch.positions(), batch.mask(self.flex_attention), item_embeds, item_index)
 
-    def loss(self, batch: PackedBatch, normalizer: float | int | None = None) -> torch.Tensor:
+    def loss(self, batch: PackedBatch, normalizer: float | None = None) -> torch.Tensor:
         """Summed token loss of the batch divided by ``normalizer`` (global target count)."""
         return lm_loss(self(batch), batch.labels, normalizer)
 

@@ -15,7 +15,7 @@ import re
 from torch import nn
 
 from harmonia.errors import LayoutError
-from harmonia.model.layers import Attention, MLP
+from harmonia.model.layers import MLP, Attention
 from harmonia.model.lora import LoRALinear
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1")
@@ -39,11 +39,10 @@ def plan_tp(module: nn.Module) -> dict[str, str]:
     plan: dict[str, str] = {}
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
-        if isinstance(sub, Attention):
-            if sub.q_norm is not None:
-                raise LayoutError(
-                    f"{name}: qk-norm over all heads cannot be tensor-parallel; use tp=1 for this module"
-                )
+        if isinstance(sub, Attention) and sub.q_norm is not None:
+            raise LayoutError(
+                f"{name}: qk-norm over all heads cannot be tensor-parallel; use tp=1 for this module"
+            )
         if isinstance(sub, (Attention, MLP)):
             for child_name, child in sub.named_children():
                 if child_name in _COLWISE:

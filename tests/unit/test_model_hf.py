@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from harmonia.model.attention_mask import TokenLayout, multimodal_mask  # noqa: E402
-from harmonia.model.hf import (  # noqa: E402
+from harmonia.model.attention_mask import TokenLayout, multimodal_mask
+from harmonia.model.hf import (
     load_hf_llm,
     load_hf_siglip,
     load_hf_whisper,
@@ -14,9 +14,9 @@ from harmonia.model.hf import (  # noqa: E402
     save_hf_siglip,
     save_hf_whisper,
 )
-from harmonia.model.lora import apply_lora  # noqa: E402
+from harmonia.model.lora import apply_lora
 
-TOL = dict(atol=1e-5, rtol=1e-5)
+TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _randomize(model: torch.nn.Module) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 import torch
 
 from harmonia.errors import ConfigError
-from harmonia.model.hf.io import find_prefix, load_into, read_config, read_state_dict, rename, write_checkpoint
+from harmonia.model.hf.io import (
+    find_prefix,
+    load_into,
+    read_config,
+    read_state_dict,
+    rename,
+    write_checkpoint,
+)
 from harmonia.model.llm import DecoderLM, build_llm
 from harmonia.model.lora import merge_lora
 from harmonia.model.spec import LLMSpec, TransformerSpec

@@ -11,7 +11,14 @@ from pathlib import Path
 import torch
 
 from harmonia.errors import ConfigError
-from harmonia.model.hf.io import find_prefix, load_into, read_config, read_state_dict, rename, write_checkpoint
+from harmonia.model.hf.io import (
+    find_prefix,
+    load_into,
+    read_config,
+    read_state_dict,
+    rename,
+    write_checkpoint,
+)
 from harmonia.model.lora import merge_lora
 from harmonia.model.spec import EncoderSpec, TransformerSpec
 from harmonia.model.vit import VisionEncoder, build_vision_encoder

@@ -14,7 +14,14 @@ import torch
 
 from harmonia.errors import ConfigError
 from harmonia.model.audio import AudioEncoder, build_audio_encoder
-from harmonia.model.hf.io import find_prefix, load_into, read_config, read_state_dict, rename, write_checkpoint
+from harmonia.model.hf.io import (
+    find_prefix,
+    load_into,
+    read_config,
+    read_state_dict,
+    rename,
+    write_checkpoint,
+)
 from harmonia.model.lora import merge_lora
 from harmonia.model.spec import EncoderSpec, TransformerSpec
 
