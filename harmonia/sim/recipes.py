@@ -32,7 +32,9 @@ from harmonia.plan.plan import Plan
 from harmonia.plan.profiling import BatchProfile
 from harmonia.sim.assign import assign_reordered, assign_sequential
 from harmonia.sim.engine import Timeline, replay
-from harmonia.sim.orders import fuse_encoders_into_first_stage, plan_orders
+from harmonia.schedule import StageGraph
+from harmonia.sim.orders import cost_table, fuse_encoders_into_first_stage, plan_orders, stage_trainable
+from harmonia.sim.search import search_order
 from harmonia.sim.stagework import plan_iteration_work
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.cost import CostModel
@@ -159,11 +161,25 @@ def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
     return out, None
 
 
+def search_orders(plan: Plan, cost: CostModel, iw, budget_s: float) -> dict[int, list[int]]:
+    """Per LLM replica, the microbatch order the per-batch search finds within the budget."""
+    trainable = stage_trainable(plan, cost)
+    per_replica = budget_s / max(1, len(iw.microbatches))
+    out = {}
+    for d, mbs in iw.microbatches.items():
+        graph = StageGraph.from_layouts(plan.layouts, trainable, replica=d)
+        out[d] = search_order(graph, cost_table(plan, iw, d), len(mbs), (plan.schedule,),
+                              budget_s=per_replica, seed=d).order
+    return out
+
+
 def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray, costs: np.ndarray,
-             tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec) -> Timeline:
+             tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec, search_budget_s: float = 0.1) -> Timeline:
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
     microbatches, order = assign(candidate, batch, costs, tokens)
     iw = plan_iteration_work(samples, candidate.plan, cost, microbatches)
+    if candidate.recipe == "harmonia":
+        order = search_orders(candidate.plan, cost, iw, search_budget_s)
     orders = plan_orders(candidate.plan, cost, iw, order=order)
     if candidate.fused:
         orders = fuse_encoders_into_first_stage(orders)

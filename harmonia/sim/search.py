@@ -1,0 +1,98 @@
+"""Per-batch schedule search: the pipeline order and family that finish this batch soonest.
+
+For each LLM replica the balancer has already fixed which samples form which microbatch; what is
+left is the order the microbatches enter the pipeline and the schedule family. The search scores
+candidates with the generators' own replay (`harmonia.schedule.makespan`, free communication), which
+costs a few milliseconds, so it fits a budget of ~100 ms per batch:
+
+1. seeds: the given order, light-heavy-light ("light ones at both ends" shortens warm-up and
+   cool-down), heavy-first and light-first, each under every allowed family;
+2. local search from the best seed: swap two microbatches, keep the swap if the makespan drops;
+   random pairs until the budget is spent (deterministic for a seed).
+
+The result is never worse than the starting order under its family, because that order is a seed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from harmonia.schedule import CostTable, StageGraph, build_schedule, makespan
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best order and family found, and what the starting point scored."""
+
+    order: list[int]
+    family: str
+    makespan_s: float
+    start_makespan_s: float
+    evaluated: int
+    seconds: float
+
+
+def light_ends_order(weights: list[float]) -> list[int]:
+    """Heaviest in the middle, lightest at both ends: alternate sorted items to the two ends."""
+    ranked = sorted(range(len(weights)), key=lambda i: weights[i])
+    left, right = [], []
+    for k, i in enumerate(ranked):
+        (left if k % 2 == 0 else right).append(i)
+    return left + right[::-1]
+
+
+def search_order(graph: StageGraph, costs: CostTable, n_microbatches: int, families: tuple[str, ...] = ("1f1b",),
+                 start: list[int] | None = None, budget_s: float = 0.1, seed: int = 0,
+                 max_evaluations: int | None = None) -> SearchResult:
+    """Search the microbatch order (and family) minimising the replayed makespan.
+
+    Args:
+        graph: one LLM replica's stage graph.
+        costs: per-microbatch stage durations (from the cost model).
+        n_microbatches: microbatches of the replica.
+        families: schedule families allowed; the first is the starting point's.
+        start: starting order (default 0..n-1).
+        budget_s: wall-clock budget.
+        seed: seed of the random swaps.
+        max_evaluations: stop after this many schedules (makes the result independent of speed).
+    """
+    t0 = time.perf_counter()
+    limit = max_evaluations or 1 << 30
+
+    def spent() -> bool:
+        return time.perf_counter() - t0 > budget_s or evaluated >= limit
+
+    start = list(range(n_microbatches)) if start is None else list(start)
+    weights = [sum(costs.phase("llm", s, m).F + costs.phase("llm", s, m).B + costs.phase("llm", s, m).W
+                   for s in range(graph.llm.n_stages)) for m in range(n_microbatches)]
+    evaluated = 0
+
+    def score(order: list[int], family: str) -> float:
+        nonlocal evaluated
+        evaluated += 1
+        return makespan(build_schedule(graph, n_microbatches, family, order=order, costs=costs), costs)
+
+    start_s = score(start, families[0])
+    best = (start_s, start, families[0])
+    seeds = [start, light_ends_order(weights), sorted(range(n_microbatches), key=lambda m: -weights[m]),
+             sorted(range(n_microbatches), key=lambda m: weights[m])]
+    for family in families:
+        for order in seeds:
+            if spent():
+                break
+            s = score(order, family)
+            if s < best[0] - 1e-12:
+                best = (s, order, family)
+    rng = np.random.default_rng(seed)
+    best_s, order, family = best
+    while n_microbatches > 2 and not spent():
+        i, j = rng.choice(n_microbatches, size=2, replace=False)
+        trial = list(order)
+        trial[i], trial[j] = trial[j], trial[i]
+        s = score(trial, family)
+        if s < best_s - 1e-12:
+            best_s, order = s, trial
+    return SearchResult(order, family, best_s, start_s, evaluated, time.perf_counter() - t0)

@@ -1,0 +1,35 @@
+"""Per-batch schedule search: never worse than its start, within budget, deterministic."""
+
+import numpy as np
+
+from harmonia.schedule import CostTable, ModuleStages, PhaseCost, StageGraph
+from harmonia.sim.search import light_ends_order, search_order
+
+
+def graph_and_costs(n: int, seed: int):
+    graph = StageGraph((ModuleStages("vision", (0,), (False,)), ModuleStages("llm", (1, 2, 3), (True,) * 3)))
+    rng = np.random.default_rng(seed)
+    entries = {}
+    for m in range(n):
+        w = float(rng.lognormal(0, 0.7))
+        entries[("vision", 0, m, None)] = PhaseCost(0.4 * w, 0.0, 0.0)
+        for s in range(3):
+            entries[("llm", s, m, None)] = PhaseCost(w, w, w)
+    return graph, CostTable(entries)
+
+
+def test_light_ends_order() -> None:
+    order = light_ends_order([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert sorted(order) == [0, 1, 2, 3, 4]
+    assert order[0] == 1 and order[-1] == 3 and order[len(order) // 2] == 0  # lightest ends, heaviest middle
+
+
+def test_search_never_worse_and_deterministic() -> None:
+    for seed in range(3):
+        graph, costs = graph_and_costs(8, seed)
+        a = search_order(graph, costs, 8, ("1f1b", "zb"), budget_s=0.3, seed=seed)
+        assert a.makespan_s <= a.start_makespan_s
+        assert sorted(a.order) == list(range(8)) and a.seconds < 0.6
+        x = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
+        y = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
+        assert x.order == y.order and x.evaluated == 12
