@@ -1,0 +1,129 @@
+"""Gradient reduction over data parallelism and global-norm clipping across ranks and modules.
+
+Replicated data parallelism sums each stage chunk's gradients over its ``dp`` group in one flat
+bucket, started as soon as the chunk's last backward of the iteration has run (the reduction
+overlaps the rest of the schedule) and finished before clipping. The sum is right because every
+microbatch's loss is already divided by the global target count. FSDP2 chunks reduce-scatter
+instead (`finish_fsdp_backward`), with the divide factor set to 1 by `apply_fsdp`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as a plain tensor (this rank's shard of a DTensor)."""
+    g = p.grad
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+@dataclass
+class DPGradSync:
+    """Asynchronous bucketed all-reduce (sum) of gradients over one ``dp`` group.
+
+    Attributes:
+        group: the ``dp`` process group.
+    """
+
+    group: dist.ProcessGroup
+    _inflight: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = field(default_factory=list)
+
+    def start(self, params: list[nn.Parameter]) -> None:
+        """Launch the reduction of ``params``' gradients (missing gradients count as zeros)."""
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_grad(p) for p in params]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._inflight.append((work, flat, grads))
+
+    def finish(self) -> None:
+        """Wait for every launched reduction and write the sums back into the gradients."""
+        for work, flat, grads in self._inflight:
+            work.wait()
+            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(summed)
+        self._inflight.clear()
+
+
+def start_fsdp_backward(module: nn.Module) -> None:
+    """Let an FSDP2 chunk accumulate unsharded gradients over the iteration's microbatches."""
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+
+
+def finish_fsdp_backward(module: nn.Module) -> None:
+    """Reduce-scatter an FSDP2 chunk's accumulated gradients (as torch.distributed.pipelining does).
+
+    The executor calls autograd itself (``torch.autograd.grad`` for split backward), so FSDP's
+    end-of-backward callback never fires on its own; this runs it after the chunk's last backward.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for sub in state._state_ctx.all_states:
+        for group in sub._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+
+
+def squared_norm_share(params: list[nn.Parameter], replication: int) -> torch.Tensor:
+    """This rank's share of the squared gradient norm, so that a SUM over all ranks gives the total.
+
+    A gradient is held by ``replication`` ranks (``dp * cp * tp`` of its stage); a DTensor shards it
+    over the mesh axes with a ``Shard`` placement, so each shard is held ``replication / shards``
+    times and weighs ``shards / replication``.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = local_grad(p)
+        if g is None:
+            continue
+        shards = 1
+        if isinstance(p.grad, DTensor):
+            mesh = p.grad.device_mesh
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_shard())
+        total += g.detach().double().pow(2).sum().cpu() * (shards / replication)
+    return total
+
+
+def clip_grad_norm(shares: torch.Tensor, params: list[nn.Parameter], max_norm: float | None,
+                   group: dist.ProcessGroup | None) -> float:
+    """Global gradient norm over ``group`` from every rank's share; scale gradients to ``max_norm``.
+
+    Uses torch.nn.utils.clip_grad_norm_'s rule: ``coef = min(1, max_norm / (norm + 1e-6))``.
+
+    Args:
+        shares: this rank's `squared_norm_share` (summed over its modules).
+        params: this rank's parameters to scale.
+        max_norm: None = report the norm only.
+        group: every rank holding parameters of any module being clipped together.
+
+    Returns:
+        The global norm before clipping.
+    """
+    total = shares.clone()
+    dist.all_reduce(total, group=group)
+    norm = float(total.sqrt())
+    if max_norm is not None:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    local_grad(p).mul_(coef)
+    return norm

@@ -1,0 +1,151 @@
+"""Build one module's pipeline stages on a rank and parallelize them, in torchtitan's order.
+
+For every stage chunk a rank holds: build the chunk (`build_stage_modules`), load the whole model's
+weights into it, then `parallelize_stage`:
+
+1. `apply_tp`   — DTensor `parallelize_module` with the model's own TP plan (`plan_tp`) on the
+   stage's ``tp`` mesh;
+2. `apply_fsdp` — FSDP2 `fully_shard` per block, then the chunk, on the stage's ``dp`` mesh (only when
+   the layout says ``fsdp``; otherwise the executor all-reduces gradients over ``dp``).
+
+Meshes come from `build_module_mesh`: one `DeviceMesh` ``(pp, dp, cp, tp)`` over the layout's ranks,
+passed around explicitly. Nothing is stored in module-level state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from harmonia.errors import LayoutError
+from harmonia.model.spec import MLLMSpec
+from harmonia.plan.layout import AXES, Layout
+
+
+@dataclass
+class ModuleMesh:
+    """One module's device mesh on one rank, and the process group of all its ranks.
+
+    Attributes:
+        name: module name (``llm``, ``vision``, ...).
+        layout: the module's layout.
+        mesh: ``(pp, dp, cp, tp)`` mesh over the layout's ranks.
+        group: every rank of the layout (loss reporting, default group of the gradient norm).
+        rank: this process's global rank.
+    """
+
+    name: str
+    layout: Layout
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's ``pp``, ``dp``, ``cp``, ``tp`` coordinates in the layout."""
+        return self.layout.coords(self.rank)
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        """The 1-D mesh along ``axis`` through this rank."""
+        return self.mesh[axis]
+
+    def group_of(self, axis: str) -> dist.ProcessGroup:
+        """The process group along ``axis`` through this rank."""
+        return self.mesh.get_group(axis)
+
+
+def build_module_mesh(name: str, layout: Layout, device_type: str = "cpu") -> ModuleMesh:
+    """A module's mesh. Collective: every rank of the default group calls it, in the same order.
+
+    Raises:
+        LayoutError: when this process is not one of the layout's ranks, or ``cp > 1``.
+    """
+    rank = dist.get_rank()
+    ranks = layout.rank_list()
+    if layout.cp > 1:
+        raise LayoutError(f"module {name!r}: context parallelism (cp={layout.cp}) is not supported "
+                          "by the executor yet; use cp=1")
+    grid = torch.tensor(ranks, dtype=torch.int).view(layout.pp, layout.dp, layout.cp, layout.tp)
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
+    group = dist.new_group(list(ranks))
+    if rank not in ranks:
+        raise LayoutError(f"rank {rank} is not in module {name!r}'s layout (ranks {ranks}); "
+                          "build meshes only for the modules a rank runs")
+    return ModuleMesh(name, layout, mesh, group, rank)
+
+
+def stage_layers(layout: Layout, n_layers: int) -> list[tuple[int, int]]:
+    """Global block range ``[a, b)`` of every stage chunk of a layout."""
+    bounds, start = [], 0
+    for n in layout.stage_split(n_layers):
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def build_stage_modules(spec: MLLMSpec, name: str, layout: Layout, rank: int,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> dict[int, nn.Module]:
+    """The stage chunks of module ``name`` that ``rank`` holds (chunk ``c`` sits on pp rank ``c % pp``).
+
+    Args:
+        spec: the MLLM.
+        name: module name; only modules with blocks (``llm``, encoders) split into stages.
+        layout: the module's layout.
+        rank: global rank.
+        state_dict: the whole module's weights (names as in the one-process model); each chunk loads
+            its share, so every layout starts from the same parameters.
+
+    Returns:
+        chunk index -> module holding blocks ``[a, b)`` (names match the whole model).
+    """
+    from harmonia.model.mllm import build_module
+
+    body = spec.llm.body if name == "llm" else spec.encoders[name].body
+    pp = layout.coords(rank)["pp"]
+    chunks = {}
+    for c, layers in enumerate(stage_layers(layout, body.n_layers)):
+        if c % layout.pp != pp:
+            continue
+        module = build_module(spec, name, layers)
+        if state_dict is not None:
+            own = module.state_dict()
+            missing = [k for k in own if k not in state_dict]
+            if missing:
+                raise LayoutError(f"{name} chunk {c}: weights {missing[:3]} missing from state_dict; "
+                                  "pass the whole module's state_dict")
+            module.load_state_dict({k: state_dict[k] for k in own})
+        chunks[c] = module
+    return chunks
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard the module's linears and embeddings with its TP plan (`harmonia.model.tp.plan_tp`)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from harmonia.model.tp import plan_tp, tp_styles
+
+    parallelize_module(module, tp_mesh, tp_styles(plan_tp(module)))
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
+    """FSDP2 per block, then the chunk; gradients are summed over ``dp`` (the loss is already global)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(module, "layers", {}).values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    module.set_gradient_divide_factor(1.0)
+
+
+def parallelize_stage(module: nn.Module, mesh: ModuleMesh) -> nn.Module:
+    """TP, then FSDP, as the module's layout says. Returns the (same) module, changed in place."""
+    layout = mesh.layout
+    if layout.tp > 1:
+        apply_tp(module, mesh.submesh("tp"))
+    if layout.fsdp and layout.dp > 1:
+        apply_fsdp(module, mesh.submesh("dp"))  # TP DTensors on the same root mesh become 2-D
+    return module

@@ -1,0 +1,99 @@
+"""Run a function on N gloo CPU processes; a failing or hung rank fails the caller with its traceback.
+
+``run_workers(fn, world, args)`` starts ``world`` spawned processes, each running
+``fn(rank, world, *args)`` inside a gloo process group, and returns every rank's return value (which
+must pickle). If a rank raises, the other ranks are terminated and an AssertionError carries the
+failing rank's traceback; if the ranks do not finish within ``timeout`` seconds, they are all
+terminated and the error says which were still running. Inside a worker, `check_timeout` bounds
+one check so a hang surfaces as a TimeoutError naming the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import queue
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterator
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def check_timeout(seconds: int, what: str) -> Iterator[None]:
+    """Raise TimeoutError in this process if the block runs longer than ``seconds``."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{what} did not finish within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout))
+        value = fn(rank, world, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including timeouts, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 300.0,
+                pg_timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and return each rank's value."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, pg_timeout), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    ok = False
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                running = [r for r in range(world) if r not in values]
+                raise AssertionError(f"ranks {running} did not finish within {timeout:.0f} s")
+            try:
+                rank, status, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+                if dead:
+                    raise AssertionError(f"ranks {dead} died without reporting "
+                                         f"(exit codes {[procs[r].exitcode for r in dead]})") from None
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} of {world} failed:\n{value}")
+            values[rank] = value
+        ok = True
+    finally:
+        for p in procs:
+            p.join(timeout=10 if ok else 0.5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return [values[r] for r in range(world)]
