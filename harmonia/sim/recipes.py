@@ -20,6 +20,7 @@ recipe          layout rules                                                    
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -61,8 +62,10 @@ def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
 
 
 def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: int, global_batch: int,
-                 profile: BatchProfile, frozen_aware: bool) -> Iterator[tuple[Layout, int]]:
-    """LLM layouts (cp = 1) with microbatch counts that fit in memory."""
+                 profile: BatchProfile, frozen_aware: bool,
+                 rejected: Counter | None = None) -> Iterator[tuple[Layout, int]]:
+    """LLM layouts (cp = 1) with microbatch counts that fit in memory; misfits are counted in
+    ``rejected`` by reason."""
     seen = set()
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=1):
@@ -79,11 +82,14 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
             layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
             if check_memory(cost, "llm", layout, load, n_mb, cap).fits:
                 yield layout, n_mb
+            elif rejected is not None:
+                rejected["llm exceeds device memory"] += 1
 
 
 def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
-               global_batch: int, model: str) -> Iterator[Candidate]:
-    """Every plan a recipe's rules allow on this cluster (memory-feasible)."""
+               global_batch: int, model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
+    """Every plan a recipe's rules allow on this cluster (memory-feasible; misfits counted in
+    ``rejected`` by reason)."""
     world = cluster.world_size
     encoders = list(cost.mllm.encoders)
     training = {m: t.mode.value for m, t in cost.mllm.training.items()}
@@ -92,7 +98,7 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
         return Plan(model, layouts, placement, schedule, n_mb, global_batch, training)
 
     if recipe == "megatron":
-        for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False):
+        for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False, rejected):
             first = tuple(llm.rank_at(pp=0, dp=d, tp=t) for d in range(llm.dp) for t in range(llm.tp))
             layouts = {e: Layout(tp=llm.tp, dp=llm.dp, ranks=first) for e in encoders}
             yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, "1f1b", n_mb), fused=True)
@@ -105,7 +111,8 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
                     if llm_ranks < group:
                         continue
                     offset = len(encoders) * enc_pp * group
-                    for llm, n_mb in _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True):
+                    options = _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True, rejected)
+                    for llm, n_mb in options:
                         if llm.tp != tp or llm.dp != dp:
                             continue
                         layouts = {e: Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group)
@@ -118,13 +125,14 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
             for e in encoders:
                 enc_choices.append(list(encoder_layouts(cost.mllm, e, cluster, sizes[e], offset))[:2])
                 offset += sizes[e]
-            for llm, n_mb in _llm_options(cost, cluster, world - offset, offset, global_batch, profile, True):
+            options = _llm_options(cost, cluster, world - offset, offset, global_batch, profile, True, rejected)
+            for llm, n_mb in options:
                 for combo in _product(enc_choices):
                     for schedule in schedules:
                         layouts = dict(zip(encoders, combo))
                         yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
         if recipe == "harmonia":
-            for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True):
+            for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True, rejected):
                 layouts = {e: Layout(dp=world) for e in encoders}
                 for schedule in schedules:
                     yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
