@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -281,6 +281,10 @@ class _Iteration:
         else:
             self.outbox[("B", c, m)] = dx
 
+    def _weights(self, c: int) -> Iterator[nn.Parameter]:
+        """The chunk's trainable parameters as registered now (FSDP2 swaps in unsharded ones)."""
+        return (p for p in self.ex.chunks[c].parameters() if p.requires_grad)
+
     def backward(self, a: Action) -> None:
         """BW: input and weight gradients in one pass."""
         c, m = a.stage, a.microbatch
@@ -298,7 +302,7 @@ class _Iteration:
         x, y = self.saved.pop((c, m))
         g = self._grad_output(c, m)
         if self.graph.needs_w(a.stage_ref):
-            dx, groups = stage_backward_input([y], None if g is None else [g], [x], iter(self.ex.params[c]))
+            dx, groups = stage_backward_input([y], None if g is None else [g], [x], self._weights(c))
             self.w_groups[(c, m)] = groups
             dx = dx[0]
         else:
@@ -312,7 +316,7 @@ class _Iteration:
         c, m = a.stage, a.microbatch
         groups = self.w_groups.pop((c, m), None)
         if groups is not None:
-            stage_backward_weight(iter(self.ex.params[c]), groups)
+            stage_backward_weight(self._weights(c), groups)
             return
-        _x, y = self.saved.pop((c, m))  # nothing upstream trains: no B ran
-        torch.autograd.backward(y, self._grad_output(c, m), inputs=self.ex.params[c])
+        _x, y = self.saved.pop((c, m))  # nothing upstream trains: no B ran, the input needs no grad
+        torch.autograd.backward(y, self._grad_output(c, m))

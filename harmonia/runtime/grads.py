@@ -58,7 +58,13 @@ class DPGradSync:
 
 
 def start_fsdp_backward(module: nn.Module) -> None:
-    """Let an FSDP2 chunk accumulate unsharded gradients over the iteration's microbatches."""
+    """Let an FSDP2 chunk accumulate unsharded gradients over the iteration's microbatches.
+
+    Parameters stay unsharded from the first forward to the end of the iteration: split backward
+    (B now, W later) differentiates w.r.t. the parameters the forward used, which are the unsharded
+    ones.
+    """
+    module.set_reshard_after_forward(False)
     module.set_is_last_backward(False)
     module.set_reshard_after_backward(False)
     module.set_requires_gradient_sync(False)
@@ -73,6 +79,7 @@ def finish_fsdp_backward(module: nn.Module) -> None:
     from torch.distributed.fsdp import fully_shard
 
     module.set_is_last_backward(True)
+    module.set_reshard_after_forward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)

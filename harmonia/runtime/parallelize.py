@@ -133,12 +133,15 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
     """FSDP2 per block, then the chunk; gradients are summed over ``dp`` (the loss is already global)."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for block in getattr(module, "layers", {}).values():
         fully_shard(block, mesh=dp_mesh)
     fully_shard(module, mesh=dp_mesh)
-    module.set_gradient_divide_factor(1.0)
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):  # each fully_shard unit reduces its own gradients
+            sub.set_gradient_divide_factor(1.0)
+            sub.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
 def parallelize_stage(module: nn.Module, mesh: ModuleMesh) -> nn.Module:

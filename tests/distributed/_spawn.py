@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import pickle
 import queue
 import signal
 import socket
@@ -51,7 +52,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         value = fn(rank, world, *args)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensors into bytes: torch's shared-memory handles would die with this process.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including timeouts, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -88,7 +90,7 @@ def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: f
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} of {world} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
         ok = True
     finally:
         for p in procs:
