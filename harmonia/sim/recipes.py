@@ -34,6 +34,7 @@ from harmonia.plan.profiling import BatchProfile
 from harmonia.sim.assign import assign_reordered, assign_sequential
 from harmonia.sim.engine import Timeline, replay
 from harmonia.schedule import StageGraph
+from harmonia.schedule.microbatching import assign_microbatches
 from harmonia.sim.orders import cost_table, fuse_encoders_into_first_stage, plan_orders, stage_trainable
 from harmonia.sim.search import search_order
 from harmonia.sim.stagework import plan_iteration_work
@@ -158,8 +159,6 @@ def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
         return assign_sequential(batch, dp, n_mb), None
     if candidate.recipe == "disttrain":
         return assign_reordered(batch, costs, dp, n_mb), None
-    from harmonia.schedule import assign_microbatches
-
     shards = assign_microbatches(costs, dp, tokens=tokens) if dp > 1 else [list(range(len(batch)))]
     out = {}
     for d, shard in enumerate(shards):

@@ -90,15 +90,20 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
     queue: dict[int, list[int]] = {r: [] for r in orders}
     gathers: dict[StageKey, float] = {}
     has_w = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] == "W"}
+    has_b = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] in ("B", "BW")}
     for rank, keys in orders.items():
         for ck in keys:
             module, replica, chunk, kind, mb = ck
             skey = StageKey(module, replica, chunk)
             work = iw.work[(skey, mb)]
             t = work.times
-            duration = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind]
+            # a stage without a B action (nothing trainable upstream) still backpropagates through
+            # its own interior for its weight gradients: that work runs inside its W
+            w_only = kind == "W" and (module, replica, chunk, mb) not in has_b
+            duration = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
             duration += _collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
-            flops_share = {"F": t.F, "B": t.B, "W": t.W, "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
+            flops_share = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W,
+                           "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
             if kind == "F":
                 mem = work.act_bytes
             elif kind == "B" and (module, replica, chunk, mb) in has_w:
