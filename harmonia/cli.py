@@ -162,6 +162,35 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Search one static layout for a model, cluster and trace; write plan.json."""
+    from harmonia.plan.search import search_plan
+    from harmonia.sim.scenario import Scenario
+
+    training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
+    scenario = Scenario("plan", args.model, args.cluster, args.trace, args.global_batch, training,
+                        iterations=1, search_batches=args.batches, seed=args.seed)
+    with console.status("profiling batches and searching layouts"):
+        report = search_plan(scenario, top=args.top)
+    table = Table(title=f"best {len(report.ranked)} plans for {args.model} on {args.cluster} "
+                        f"(global batch {args.global_batch})")
+    for col in ("#", "iteration s", "samples/s", "plan"):
+        table.add_column(col, justify="left" if col == "plan" else "right")
+    for i, (secs, rate, cand) in enumerate(report.ranked, 1):
+        plan = cand.plan
+        layouts = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
+                            for m, x in plan.layouts.items())
+        table.add_row(str(i), f"{secs:.3f}", f"{rate:.1f}",
+                      f"{plan.placement.value}, {plan.schedule} x{plan.n_microbatches}: {layouts}")
+    console.print(table)
+    rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.items()) or "none"
+    console.print(f"simulated {report.simulated}, pruned by lower bound {report.pruned}, rejected: {rejected}; "
+                  f"{report.seconds:.1f}s")
+    report.best.save(args.json)
+    console.print(f"plan written to {args.json}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on its embedded default (see README for what it runs today)."""
     console.rule("harmonia demo: models")
@@ -200,6 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement")
     p.add_argument("--out", default="calibration.json", help="output JSON path")
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
+    p.add_argument("--model", default="internvl-8b", help="MLLM preset")
+    p.add_argument("--frozen", default="", help="comma-separated modules to freeze")
+    p.add_argument("--cluster", default="h100:1x8", help="DEVICE:NODESxGPUS, e.g. h100:4x8")
+    p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
+    p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
+    p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
+    p.add_argument("--top", type=int, default=10, help="plans to list")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--json", default="plan.json", help="where the best plan is written")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="run a scenario under each recipe and compare")
     p.add_argument("--scenario", default="configs/scenarios/d-qwen7b-internvit-8gpu.toml",
