@@ -93,7 +93,8 @@ def squared_norm_share(params: list[nn.Parameter], replication: int) -> torch.Te
     """This rank's share of the squared gradient norm, so that a SUM over all ranks gives the total.
 
     A gradient is held by ``replication`` ranks (``dp * cp * tp`` of its stage); a DTensor shards it
-    over the mesh axes with a ``Shard`` placement, so each shard is held ``replication / shards``
+    over the mesh axes whose placement is not ``Replicate`` (``Shard``, FSDP+TP's ``_StridedShard``),
+    so each shard is held ``replication / shards``
     times and weighs ``shards / replication``.
     """
     total = torch.zeros((), dtype=torch.float64)
@@ -104,7 +105,7 @@ def squared_norm_share(params: list[nn.Parameter], replication: int) -> torch.Te
         shards = 1
         if isinstance(p.grad, DTensor):
             mesh = p.grad.device_mesh
-            shards = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if pl.is_shard())
+            shards = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if not pl.is_replicate())
         total += g.detach().double().pow(2).sum().cpu() * (shards / replication)
     return total
 

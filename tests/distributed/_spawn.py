@@ -46,8 +46,10 @@ def check_timeout(seconds: int, what: str) -> Iterator[None]:
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float) -> None:
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # N processes share the machine's cores
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))

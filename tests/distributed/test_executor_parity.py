@@ -9,6 +9,7 @@ count. Loss, gradient norm and final parameters must match a one-process run on 
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -168,8 +169,10 @@ def run_case(case: Case, rank: int) -> dict:
 def worker(rank: int, world: int, cases: list[Case]) -> dict:
     out = {}
     for case in cases:
+        start = time.perf_counter()
         with check_timeout(60, f"layout {case.name}"):
             out[case.name] = run_case(case, rank)
+        out[case.name]["seconds"] = time.perf_counter() - start
     return out
 
 
