@@ -22,9 +22,8 @@ names); peers are translated to the rank with the same ``dp``/``cp``/``tp`` coor
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,14 +32,17 @@ from torch import nn
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.batch import PackedBatch
 from harmonia.model.llm import lm_loss
-from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, squared_norm_share,
-                                    start_fsdp_backward)
+from harmonia.runtime.grads import (
+    DPGradSync,
+    clip_grad_norm,
+    finish_fsdp_backward,
+    squared_norm_share,
+    start_fsdp_backward,
+)
 from harmonia.runtime.p2p import P2P
 from harmonia.runtime.parallelize import ModuleMesh
 from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
 from harmonia.schedule.graph import LLM, StageGraph
-
-log = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 

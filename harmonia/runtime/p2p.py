@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, Kind
+from harmonia.schedule.actions import Action
 from harmonia.schedule.validator import message
 
 MAX_DIMS = 7

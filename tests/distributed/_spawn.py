@@ -18,7 +18,8 @@ import signal
 import socket
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -56,7 +57,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
         value = fn(rank, world, *args)
         # Plain pickle copies tensors into bytes: torch's shared-memory handles would die with this process.
         results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException:  # report everything, including timeouts, to the parent
+    except BaseException:  # noqa: BLE001 -- report everything, timeouts included, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

@@ -8,6 +8,7 @@ count. Loss, gradient norm and final parameters must match a one-process run on 
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from dataclasses import dataclass, field
@@ -42,25 +43,25 @@ class Case:
 
 CASES: dict[int, list[Case]] = {
     2: [
-        Case("pp2-1f1b", dict(pp=2)),
-        Case("pp2-gpipe", dict(pp=2), "gpipe"),
-        Case("pp2-zb", dict(pp=2), "zb"),
-        Case("pp2-interleaved-v2", dict(pp=2, virtual_stages=2), "interleaved"),
-        Case("pp2-frozen-first", dict(pp=2), "1f1b", frozen_chunks=(0,)),
-        Case("pp2-zb-frozen-last", dict(pp=2), "zb", frozen_chunks=(1,)),
-        Case("dp2", dict(dp=2), n_microbatches=2),
-        Case("dp2-fsdp", dict(dp=2, fsdp=True), n_microbatches=2),
-        Case("tp2", dict(tp=2), n_microbatches=3),
+        Case("pp2-1f1b", {"pp": 2}),
+        Case("pp2-gpipe", {"pp": 2}, "gpipe"),
+        Case("pp2-zb", {"pp": 2}, "zb"),
+        Case("pp2-interleaved-v2", {"pp": 2, "virtual_stages": 2}, "interleaved"),
+        Case("pp2-frozen-first", {"pp": 2}, "1f1b", frozen_chunks=(0,)),
+        Case("pp2-zb-frozen-last", {"pp": 2}, "zb", frozen_chunks=(1,)),
+        Case("dp2", {"dp": 2}, n_microbatches=2),
+        Case("dp2-fsdp", {"dp": 2, "fsdp": True}, n_microbatches=2),
+        Case("tp2", {"tp": 2}, n_microbatches=3),
     ],
     4: [
-        Case("pp2-dp2-1f1b", dict(pp=2, dp=2)),
-        Case("pp2-dp2-fsdp-zb", dict(pp=2, dp=2, fsdp=True), "zb"),
-        Case("pp2-tp2-1f1b", dict(pp=2, tp=2)),
-        Case("pp2-tp2-zb", dict(pp=2, tp=2), "zb"),
-        Case("pp4-1f1b", dict(pp=4), n_microbatches=5),
-        Case("pp4-gpipe", dict(pp=4), "gpipe", n_microbatches=3),
-        Case("pp2-dp2-interleaved-v2", dict(pp=2, dp=2, virtual_stages=2), "interleaved"),
-        Case("dp2-tp2-fsdp", dict(dp=2, tp=2, fsdp=True), n_microbatches=2),
+        Case("pp2-dp2-1f1b", {"pp": 2, "dp": 2}),
+        Case("pp2-dp2-fsdp-zb", {"pp": 2, "dp": 2, "fsdp": True}, "zb"),
+        Case("pp2-tp2-1f1b", {"pp": 2, "tp": 2}),
+        Case("pp2-tp2-zb", {"pp": 2, "tp": 2}, "zb"),
+        Case("pp4-1f1b", {"pp": 4}, n_microbatches=5),
+        Case("pp4-gpipe", {"pp": 4}, "gpipe", n_microbatches=3),
+        Case("pp2-dp2-interleaved-v2", {"pp": 2, "dp": 2, "virtual_stages": 2}, "interleaved"),
+        Case("dp2-tp2-fsdp", {"dp": 2, "tp": 2, "fsdp": True}, n_microbatches=2),
     ],
 }
 
@@ -85,7 +86,7 @@ def split(batch: list, parts: int, seed: int) -> list[list]:
     """Split into ``parts`` contiguous groups of different sizes (at least one sample each)."""
     cuts = sorted(random.Random(seed).sample(range(1, len(batch)), parts - 1))
     bounds = [0, *cuts, len(batch)]
-    return [batch[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [batch[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def initial_state() -> dict[str, torch.Tensor]:
@@ -135,7 +136,11 @@ def run_case(case: Case, rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from harmonia.runtime.executor import PipelineExecutor
-    from harmonia.runtime.parallelize import build_module_mesh, build_stage_modules, parallelize_stage
+    from harmonia.runtime.parallelize import (
+        build_module_mesh,
+        build_stage_modules,
+        parallelize_stage,
+    )
     from harmonia.schedule import StageGraph, build_schedule, lower
 
     layout = Layout(**case.layout)
@@ -223,3 +228,19 @@ def test_layout_matches_one_process(results, world: int, case: Case) -> None:
     assert worst[0] <= RTOL, f"parameter {worst[1]} differs by {worst[0]:.2e} after {STEPS} steps"
     moved = max(_rel(ref["params"][n], initial_state()[n]) for n in params)
     assert moved > 1e-3, "training must change the parameters"
+
+
+def _planted_failure(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("planted failure on rank 1")
+    with check_timeout(30, "barrier"):
+        dist.barrier()
+
+
+def test_failing_rank_reports_its_traceback() -> None:
+    start = time.perf_counter()
+    with pytest.raises(AssertionError, match="planted failure on rank 1"):
+        run_workers(_planted_failure, 2, timeout=60)
+    assert time.perf_counter() - start < 30, "the other rank must be stopped, not waited for"
