@@ -92,7 +92,7 @@ class PipelineExecutor:
         self.name = mesh.name
         self.chunks = dict(sorted(chunks.items()))
         self.params = {c: [p for p in m.parameters() if p.requires_grad] for c, m in self.chunks.items()}
-        trainable = [p for ps in self.params.values() for p in ps]
+        trainable = self.trainable
         self.optimizer = (optimizer or _default_optimizer)(trainable) if trainable else None
         self.max_norm = max_norm
         self.norm_group = norm_group if norm_group is not None else mesh.group
@@ -137,12 +137,33 @@ class PipelineExecutor:
              normalizer: float | None = None) -> StepResult:
         """Run one iteration: the schedule's actions, gradient reduction, clipping, optimizer step.
 
+        A trainer with several modules calls `forward_backward` on each, clips once over all of
+        them (`harmonia.runtime.grads.clip_grad_norm` with the sum of their `norm_share`), then
+        calls `optimizer_step` on each; this method is that sequence for one module.
+
         Args:
             schedule: the lowered schedule of this rank's LLM replica (any replica's works: only
                 stage positions are read; peers are re-targeted to this replica).
             microbatches: this replica's microbatches, indexed as in the schedule; every rank of the
                 replica passes the same list (middle stages read positions, masks and labels only).
             normalizer: global target count; None = computed with an all-reduce over ``dp``.
+        """
+        loss, n_targets = self.forward_backward(schedule, microbatches, normalizer)
+        norm = clip_grad_norm(self.norm_share(), self.trainable, self.max_norm, self.norm_group)
+        self.optimizer_step()
+        return StepResult(loss, norm, n_targets)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters of the module (shards under FSDP/TP)."""
+        return [p for ps in self.params.values() for p in ps]
+
+    def forward_backward(self, schedule: IterationSchedule, microbatches: Sequence[PackedBatch],
+                         normalizer: float | None = None) -> tuple[float, float]:
+        """The schedule's actions and the gradient reduction over ``dp``; see `step`.
+
+        Returns:
+            (global loss, global target count), identical on every rank of the module.
         """
         if not schedule.is_lowered() and self.mesh.layout.pp > 1:
             raise ScheduleError("schedule has no sends/receives; pass harmonia.schedule.lower(schedule)")
@@ -161,13 +182,16 @@ class PipelineExecutor:
         self.p2p.wait_sends()
         if self.dp_sync is not None:
             self.dp_sync.finish()
-        loss = self._global_loss(run.loss_sum)
-        trainable = [p for ps in self.params.values() for p in ps]
-        share = squared_norm_share(trainable, self.replication)
-        norm = clip_grad_norm(share, trainable, self.max_norm, self.norm_group)
+        return self._global_loss(run.loss_sum), n_targets
+
+    def norm_share(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm (see `squared_norm_share`)."""
+        return squared_norm_share(self.trainable, self.replication)
+
+    def optimizer_step(self) -> None:
+        """One step of the module's optimizer (no-op for a frozen module)."""
         if self.optimizer is not None:
             self.optimizer.step()
-        return StepResult(loss, norm, n_targets)
 
     def _global_loss(self, local: torch.Tensor) -> float:
         me, layout = self.mesh.coords, self.mesh.layout
