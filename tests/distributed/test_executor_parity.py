@@ -52,6 +52,7 @@ CASES: dict[int, list[Case]] = {
         Case("dp2", {"dp": 2}, n_microbatches=2),
         Case("dp2-fsdp", {"dp": 2, "fsdp": True}, n_microbatches=2),
         Case("tp2", {"tp": 2}, n_microbatches=3),
+        Case("dp2-two-chunks-per-rank", {"dp": 2, "virtual_stages": 2}, "zb", n_microbatches=3),
     ],
     4: [
         Case("pp2-dp2-1f1b", {"pp": 2, "dp": 2}),
