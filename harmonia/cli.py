@@ -15,6 +15,7 @@ from harmonia.errors import HarmoniaError
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "scenarios"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -193,6 +194,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on its embedded default (see README for what it runs today)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     console.rule("harmonia demo: models")
     cmd_models(args)
     trace = SHARED_TRACES / "ai2d.csv"
@@ -201,9 +204,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         ns = argparse.Namespace(model="omni-8b", frozen="vision,audio", device="h100", calibration=None,
                                 trace=spec, samples=4096, seed=0)
         cmd_workload(ns)
+    console.rule("harmonia demo: recipes side by side in the simulator (8 x H100, chartqa)")
+    cmd_simulate(argparse.Namespace(scenario=str(SCENARIOS / "d-qwen7b-internvit-8gpu.toml"),
+                                    recipes="megatron,cornstarch,disttrain,harmonia", iterations=4,
+                                    json=str(out / "simulate.json"), timeline=str(out / "timelines")))
     console.rule("harmonia demo: calibrating the cost model on this machine")
     return cmd_profile(argparse.Namespace(layer="internvit-300m-448", device="cpu", lengths="256,512",
-                                          repeats=3, out=args.calibration_out))
+                                          repeats=3, out=str(out / "calibration.json")))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("demo", help="run the main job on its embedded default")
-    p.add_argument("--calibration-out", default="runs/demo/calibration.json", help="where the demo's calibration goes")
+    p.add_argument("--out", default="runs/demo", help="directory for the demo's outputs")
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -262,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
-        if getattr(args, "calibration_out", None):
-            Path(args.calibration_out).parent.mkdir(parents=True, exist_ok=True)
         return args.func(args)
     except HarmoniaError as err:
         console.print(f"[red]error:[/red] {err}")

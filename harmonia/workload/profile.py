@@ -58,7 +58,7 @@ class ProbeBlock(nn.Module):
 
 
 def _timeit(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
+    """Fastest of ``repeats`` runs after one warm-up (the least disturbed by other load)."""
     fn()
     samples = []
     for _ in range(repeats):
@@ -69,7 +69,7 @@ def _timeit(fn: Callable[[], object], device: torch.device, repeats: int) -> flo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def measure_block(spec: TransformerSpec, tokens: int, device: torch.device, dtype: torch.dtype,
