@@ -59,7 +59,7 @@ def main(paths: list[str]) -> int:
         console.print(f"harmonia vs megatron {base / h:.2f}x (target 1.40x); vs best other baseline "
                       f"{others / h:.2f}x (target 1.15x)\n")
         summary[scenario.name] = {r: v.as_dict() for r, v in results.items()} | {"lower_bound_s": bound}
-    stamp = datetime.date.today()
+    stamp = f"{datetime.date.today()}" + ("" if not paths else "-" + "-".join(f.stem.split("-")[0] for f in files))
     out = ROOT / "benchmarks" / "results"
     (out / f"simulate-{stamp}.txt").write_text(console.export_text())
     (out / f"simulate-{stamp}.json").write_text(json.dumps(summary, indent=1))
