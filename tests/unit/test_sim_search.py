@@ -29,7 +29,7 @@ def test_search_never_worse_and_deterministic() -> None:
         graph, costs = graph_and_costs(8, seed)
         a = search_order(graph, costs, 8, ("1f1b", "zb"), budget_s=0.3, seed=seed)
         assert a.makespan_s <= a.start_makespan_s
-        assert sorted(a.order) == list(range(8)) and a.seconds < 0.6
+        assert sorted(a.order) == list(range(8))
         x = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
         y = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
         assert x.order == y.order and x.evaluated == 12
