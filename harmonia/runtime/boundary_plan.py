@@ -78,6 +78,8 @@ class BoundaryPlan:
         src_rows: source rank -> rows it holds (every TP rank of the source's last stage).
         dst_rows: destination rank -> rows it receives (every rank of the destination's first stage).
         dst_tp_grads: ``replicated`` (one copy) or ``partial`` (sum) over destination TP ranks.
+        ranks: every rank taking part (source last stage and destination first stage), sorted; each
+            of them calls the transfer, in the same order as its peers.
     """
 
     forward: tuple[Message, ...]
