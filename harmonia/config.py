@@ -1,0 +1,211 @@
+"""Typed training configuration: TOML files plus ``--section.key=value`` overrides.
+
+Every field has a one-line doc (the ``help`` metadata) that doubles as CLI help; validation runs
+in ``__post_init__``, so a bad config fails before any process starts, naming the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from harmonia.errors import ConfigError
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+def _require(cond: bool, name: str, value: Any, expected: str) -> None:
+    if not cond:
+        raise ConfigError(f"config {name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = _f("tiny-omni", "MLLM preset (see `harmonia models`)")
+    frozen: list = _f(["vision"], "modules whose weights stay fixed")
+    lora: list = _f([], "modules trained through LoRA adapters only")
+    lora_rank: int = _f(8, "rank of the LoRA adapters")
+
+    def __post_init__(self) -> None:
+        from harmonia.model.presets import MLLM_PRESETS
+
+        _require(self.preset in MLLM_PRESETS, "model.preset", self.preset, f"one of {sorted(MLLM_PRESETS)}")
+        _require(not set(self.frozen) & set(self.lora), "model.lora", self.lora, "modules not also frozen")
+        _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f("runs/data/synthetic", "dataset directory, JSONL manifest or tar shard")
+    synthesize: int = _f(480, "samples to synthesize when `path` is missing (0 = fail instead)")
+    heldout: int = _f(96, "held-out samples synthesized beside the training set")
+    trace: str = _f("", "size mix of synthesized samples: a trace CSV path, or empty for the default mix")
+    max_tokens: int = _f(512, "longest sample in LLM tokens; longer samples are skipped by policy")
+    on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
+    num_workers: int = _f(0, "decoding worker processes per rank")
+
+    def __post_init__(self) -> None:
+        _require(self.synthesize >= 0 and self.heldout >= 0, "data.synthesize", self.synthesize, ">= 0")
+        _require(self.max_tokens > 0, "data.max_tokens", self.max_tokens, "a positive integer")
+        _require(self.on_error in ("skip", "fail"), "data.on_error", self.on_error, "'skip' or 'fail'")
+        _require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    world_size: int = _f(4, "processes; spawned locally when not started by torchrun")
+    plan: str = _f("auto", "plan JSON written by `harmonia plan`, or auto to search at start-up")
+    cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8")
+    schedule: str = _f("1f1b", "pipeline schedule family when the plan does not fix one")
+    backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
+
+    def __post_init__(self) -> None:
+        _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
+        _require(self.schedule in ("gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
+                 "gpipe, 1f1b, interleaved or zb")
+        _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
+        if self.plan != "auto":
+            _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(40, "optimizer steps")
+    global_batch: int = _f(32, "samples per step over all data-parallel replicas")
+    n_microbatches: int = _f(4, "microbatches per LLM replica (the planner may change it)")
+    lr: float = _f(3e-3, "peak learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup: int = _f(4, "linear warm-up steps")
+    max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
+    seed: int = _f(0, "seed of weights, data order and schedules")
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
+        _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
+        _require(self.lr > 0, "train.lr", self.lr, "a positive number")
+        _require(self.max_norm >= 0, "train.max_norm", self.max_norm, ">= 0")
+        _require(0 <= self.warmup <= self.steps, "train.warmup", self.warmup, f"0..train.steps ({self.steps})")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = _f("runs/demo/checkpoints", "checkpoint directory")
+    every: int = _f(0, "save every N steps (0 = only at the end)")
+    resume: bool = _f(True, "resume from the newest checkpoint in `dir` when one exists")
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    dir: str = _f("runs/demo", "metrics.jsonl, TensorBoard events, timelines and the summary go here")
+    every: int = _f(1, "log every N steps")
+    tensorboard: bool = _f(True, "also write TensorBoard events")
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 1, "log.every", self.every, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        from harmonia.model.presets import mllm_preset
+
+        mllm = mllm_preset(self.model.preset)
+        unknown = set(self.model.frozen) | set(self.model.lora)
+        unknown -= set(mllm.module_names)
+        _require(not unknown, "model.frozen", sorted(unknown), f"module names among {mllm.module_names}")
+
+    def to_dict(self) -> dict:
+        return {f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))}
+                for f in fields(self)}
+
+
+def _coerce(section: str, key: str, raw: Any, kind: type) -> Any:
+    name = f"{section}.{key}"
+    if isinstance(raw, str) and kind is not str:
+        text = raw.strip()
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return text.lower() in ("true", "1", "yes")
+            if kind is list:
+                return [x.strip() for x in text.split(",") if x.strip()]
+            return kind(text)
+        except ValueError:
+            raise ConfigError(f"config {name}={raw!r} is invalid: expected {kind.__name__}") from None
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):
+        raise ConfigError(f"config {name}={raw!r} is invalid: expected {kind.__name__}")
+    return raw
+
+
+def build_config(values: dict[str, dict[str, Any]]) -> Config:
+    """A validated config from ``{section: {key: value}}`` (unknown names are errors)."""
+    sections = {f.name: f for f in fields(Config)}
+    built = {}
+    for section, entries in values.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section [{section}]; sections are {sorted(sections)}")
+        if not isinstance(entries, dict):
+            raise ConfigError(f"config section [{section}] must be a table of key = value")
+        cls = sections[section].default_factory  # type: ignore[misc]
+        hints = get_type_hints(cls)
+        known = {f.name for f in fields(cls)}
+        for key in entries:
+            if key not in known:
+                raise ConfigError(f"unknown config key {section}.{key}; [{section}] has {sorted(known)}")
+        built[section] = cls(**{k: _coerce(section, k, v, hints[k]) for k, v in entries.items()})
+    return Config(**built)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config (or the defaults) and apply ``section.key=value`` overrides."""
+    values: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass a TOML file such as configs/demo.toml")
+        try:
+            values = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {p} is not valid TOML: {err}") from None
+    for item in overrides or []:
+        text = item.removeprefix("--")
+        key, sep, value = text.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"override {item!r}: expected --section.key=value, e.g. --train.steps=10")
+        values.setdefault(section, {})[name] = value
+    return build_config(values)
+
+
+def help_lines() -> list[str]:
+    """``section.key (default): help`` for every field, for ``harmonia train --help``."""
+    lines = []
+    for section in fields(Config):
+        cls = section.default_factory  # type: ignore[misc]
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+            lines.append(f"--{section.name}.{f.name}={default!r}: {f.metadata.get('help', '')}")
+    return lines
+

@@ -1,0 +1,44 @@
+"""Training config: TOML, overrides, and errors that name the field before anything starts."""
+
+import pytest
+
+from harmonia.config import help_lines, load_config
+from harmonia.errors import ConfigError
+
+
+def test_defaults_file_and_overrides(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nsteps = 7\nlr = 1\n[model]\nfrozen = ["audio"]\n')
+    cfg = load_config(path, ["--train.global_batch=16", "--log.tensorboard=false", "--model.lora=llm"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.train.global_batch) == (7, 1.0, 16)
+    assert cfg.model.frozen == ["audio"] and cfg.model.lora == ["llm"] and cfg.log.tensorboard is False
+    assert cfg.to_dict()["train"]["steps"] == 7
+    assert any(line.startswith("--train.steps=") for line in help_lines())
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["--train.steps=0"], "train.steps=0"),
+        (["--train.steps=ten"], "train.steps='ten'.*int"),
+        (["--trian.steps=3"], "unknown config section"),
+        (["--train.stepz=3"], "unknown config key train.stepz"),
+        (["--model.preset=gpt5"], "model.preset='gpt5'"),
+        (["--model.frozen=visoin"], "module names"),
+        (["--data.on_error=ignore"], "data.on_error"),
+        (["--parallel.plan=missing.json"], "parallel.plan"),
+        (["steps=3"], "expected --section.key=value"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_bad_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "none.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
