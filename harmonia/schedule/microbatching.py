@@ -1,18 +1,32 @@
-"""Balanced microbatches over every module at once (vector bin balancing).
+"""Balanced microbatches over every module at once (multi-dimensional bin balancing).
 
-Each sample has a work vector (one entry per module). The goal is microbatches whose largest
-per-module load is as small as possible relative to that module's ideal ``total / n``:
+Each sample has a work vector, one entry per module (vision, audio, projectors, LLM). A sample
+heavy on images may be light on text, so balancing one scalar (tokens, or total work) leaves some
+module's microbatches uneven. The goal here is the smallest *worst-module ratio*
 
-1. Normalise every module's column by its ideal load, so modules of very different cost weigh
-   the same, and drop modules with no work.
-2. Greedy (LPT on vectors): samples in decreasing order of their largest normalised entry; each
-   goes to the microbatch whose worst module after adding it is smallest (ties: fewest tokens).
-   The per-microbatch token cap is a hard constraint.
-3. Local search: repeatedly take the microbatch holding the worst (microbatch, module) load and
-   try moving one of its samples to, or swapping it with one of, another microbatch when that
-   lowers the pair's worst load; stop when nothing improves or the pass limit is reached.
-4. Pipeline order: light microbatches at both ends, heavy in the middle, which shortens warm-up
-   and cool-down.
+    max over modules j of  max_b load[b, j] / bound_j,   bound_j = max(total_j / n, largest sample_j)
+
+where ``bound_j`` is a lower bound on the largest microbatch of module ``j``. The algorithm:
+
+1. **Normalise.** Divide each module's column by ``bound_j``; drop modules with no work and merge
+   modules whose columns are proportional (a projector follows its encoder), so the search runs
+   over the few independent dimensions only. Every microbatch's target is ``total_j / n``.
+2. **Greedy with deferral** (complementary vector LPT). Samples in decreasing order of their
+   total normalised work; each goes to the microbatch whose loads point least in its direction
+   (smallest ``load . work``), i.e. the one lightest on the modules this sample needs. A sample
+   that would push a microbatch past its target is thereby deferred to another microbatch of the
+   same iteration (never to the next iteration). The token cap is a hard constraint.
+3. **Pairwise exchange** (variance reduction). Sweeps pair the heaviest microbatch with the
+   lightest on one module (each module in turn, then random pairings) and apply, in every pair at
+   once, the single swap or move that most lowers the pair's sum of squared loads without raising
+   any load above the current worst. This evens every module, not only the worst one.
+4. **Minimax polish.** Moves and swaps out of the microbatch holding the worst (microbatch,
+   module) load, into the microbatches lightest on that module, while that lowers it.
+5. **Pipeline order.** Light microbatches at both ends, heavy in the middle (`light_ends`), which
+   shortens the pipeline's warm-up and cool-down.
+
+Cost: the greedy is one pass over samples with ``O(n_microbatches * dims)`` numpy work each; a
+sweep is one batched ``(n/2, P, d) @ (n/2, d, P)`` product, ``P`` the most samples in a microbatch.
 """
 
 from __future__ import annotations
@@ -21,136 +35,289 @@ import numpy as np
 
 from harmonia.errors import ScheduleError
 
+EPS = 1e-12
 
-def _normalised(costs: np.ndarray, n: int) -> np.ndarray:
+
+def check_inputs(costs: np.ndarray, n_bins: int, tokens: np.ndarray | None, token_cap: float | None,
+                 what: str = "microbatches") -> tuple[np.ndarray, np.ndarray | None, float]:
+    """Validate balancer inputs; return ``(costs (n, m) float, tokens or None, cap)``.
+
+    Raises:
+        ScheduleError: bad shapes, negative or non-finite costs, too few samples, or a sample
+            whose tokens alone exceed ``token_cap`` (the message names it).
+    """
     costs = np.asarray(costs, dtype=float)
     if costs.ndim == 1:
         costs = costs[:, None]
-    total = costs.sum(axis=0)
-    keep = total > 0
-    if not keep.any():
-        return np.ones((costs.shape[0], 1)) / max(1, n)
-    return costs[:, keep] / (total[keep] / n)
-
-
-def _greedy(work: np.ndarray, n: int, tokens: np.ndarray | None, cap: float) -> tuple[list[list[int]], np.ndarray]:
-    loads = np.zeros((n, work.shape[1]))
-    tok = np.zeros(n)
-    bins: list[list[int]] = [[] for _ in range(n)]
-    for i in np.argsort(-work.max(axis=1), kind="stable"):
-        worst = np.maximum(loads, loads + work[i]).max(axis=1)  # (n,)
-        if tokens is not None:
-            worst = np.where(tok + tokens[i] <= cap, worst, np.inf)
-        b = int(np.lexsort((tok, worst))[0])
-        if not np.isfinite(worst[b]):
-            raise ScheduleError(
-                f"sample {int(i)} ({int(tokens[i])} tokens) fits in no microbatch under the token cap "
-                f"{cap:g}; raise token_cap or n_microbatches"
-            )
-        bins[b].append(int(i))
-        loads[b] += work[i]
-        tok[b] += 0 if tokens is None else tokens[i]
-    return bins, loads
-
-
-def _improve(work: np.ndarray, bins: list[list[int]], loads: np.ndarray, tokens: np.ndarray | None,
-             cap: float, passes: int) -> None:
-    """Moves and swaps out of the worst microbatch while they lower the worst load (vectorised
-    over every candidate partner)."""
-    n_bins = len(bins)
-    where = np.empty(work.shape[0], dtype=int)
-    for b, items in enumerate(bins):
-        where[items] = b
-    tok = np.zeros(n_bins) if tokens is None else np.array([tokens[b].sum() for b in map(np.asarray, bins)])
-    t = np.zeros(work.shape[0]) if tokens is None else tokens
-    for _ in range(passes if n_bins > 1 else 0):
-        a = int(loads.max(axis=1).argmax())
-        current = loads[a].max()
-        best = (0.0, -1, -1, -1)
-        others = np.flatnonzero(where != a)
-        for i in np.flatnonzero(where == a):
-            # moves: i into every other bin
-            lb = loads + work[i]  # (n_bins, m)
-            la = loads[a] - work[i]
-            worst = np.maximum(lb.max(axis=1), la.max())
-            worst[a] = np.inf
-            worst[tok + t[i] > cap] = np.inf
-            b = int(worst.argmin())
-            if current - worst[b] > best[0] + 1e-12:
-                best = (current - worst[b], int(i), b, -1)
-            if others.size == 0:
-                continue
-            # swaps: i with every sample j outside a
-            delta = work[i] - work[others]  # (J, m)
-            lb = loads[where[others]] + delta
-            la = loads[a] - delta
-            worst = np.maximum(lb.max(axis=1), la.max(axis=1))
-            bad = (tok[where[others]] + t[i] - t[others] > cap) | (tok[a] - t[i] + t[others] > cap)
-            worst[bad] = np.inf
-            k = int(worst.argmin())
-            if current - worst[k] > best[0] + 1e-12:
-                best = (current - worst[k], int(i), int(where[others[k]]), int(others[k]))
-        if best[1] < 0:
-            break
-        _, i, b, j = best
-        loads[a] -= work[i]
-        loads[b] += work[i]
-        tok[a] -= t[i]
-        tok[b] += t[i]
-        where[i] = b
-        if j >= 0:
-            loads[b] -= work[j]
-            loads[a] += work[j]
-            tok[b] -= t[j]
-            tok[a] += t[j]
-            where[j] = a
-    for b in range(n_bins):
-        bins[b] = [int(x) for x in np.flatnonzero(where == b)]
-
-
-def light_ends(weights: np.ndarray) -> list[int]:
-    """Indices ordered lightest-first at both ends, heaviest in the middle."""
-    ranked = np.argsort(weights, kind="stable")
-    left, right = list(ranked[0::2]), list(ranked[1::2])
-    return [int(x) for x in left + right[::-1]]
-
-
-def assign_microbatches(costs: np.ndarray, n_microbatches: int, *, tokens: np.ndarray | None = None,
-                        token_cap: float | None = None, seed: int = 0, passes: int = 200) -> list[list[int]]:
-    """Split samples into microbatches with balanced per-module work, in pipeline order.
-
-    Args:
-        costs: (n_samples, n_modules) per-module work (seconds or any additive unit).
-        n_microbatches: microbatches to form.
-        tokens: (n_samples,) tokens of each sample, for the cap.
-        token_cap: the most tokens one microbatch may hold.
-        seed: tie-break seed (the result is deterministic for a seed).
-        passes: local-search moves at most.
-
-    Returns:
-        Sample indices per microbatch, in pipeline order; every index exactly once.
-    """
-    costs = np.asarray(costs, dtype=float)
+    if costs.ndim != 2:
+        raise ScheduleError(f"costs must have shape (n_samples, n_modules), got {costs.shape}")
     n = costs.shape[0]
-    if n_microbatches < 1 or n < n_microbatches:
-        raise ScheduleError(
-            f"cannot form {n_microbatches} microbatches from {n} samples; use 1..{n} microbatches"
-        )
+    if n_bins < 1 or n < n_bins:
+        raise ScheduleError(f"cannot form {n_bins} {what} from {n} samples; use 1..{n} {what}")
     if (costs < 0).any() or not np.isfinite(costs).all():
         raise ScheduleError("costs must be finite and non-negative (seconds of work per sample and module)")
-    tok = None if tokens is None else np.asarray(tokens, dtype=float)
+    tok = None
+    if tokens is not None:
+        tok = np.asarray(tokens, dtype=float).reshape(-1)
+        if tok.shape[0] != n:
+            raise ScheduleError(f"tokens has {tok.shape[0]} entries for {n} samples; pass one count per sample")
     cap = np.inf if token_cap is None else float(token_cap)
-    if tok is not None and token_cap is not None and (tok > cap).any():
+    if token_cap is not None and tok is None:
+        raise ScheduleError("token_cap needs tokens= (the token count of every sample)")
+    if tok is not None and (tok > cap).any():
         i = int(np.argmax(tok > cap))
         raise ScheduleError(
             f"sample {i} has {int(tok[i])} tokens, more than the microbatch token cap {cap:g}; "
             "raise token_cap or drop the sample"
         )
+    if tok is not None and np.isfinite(cap) and tok.sum() > cap * n_bins:
+        raise ScheduleError(
+            f"{int(tok.sum())} tokens cannot fit {n_bins} {what} of at most {cap:g} tokens; raise "
+            f"token_cap to at least {int(np.ceil(tok.sum() / n_bins))} or use more {what}"
+        )
+    return costs, tok, cap
+
+
+def normalise(costs: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Columns divided by their lower bound ``max(total / n_bins, largest sample)``.
+
+    Drops empty columns and merges proportional ones (a projector's column is its encoder's times
+    a constant). Returns ``(work (n, d), target (d,))`` with ``target = total / n_bins / bound <= 1``.
+    """
+    total = costs.sum(axis=0)
+    keep = total > 0
+    if not keep.any():
+        return np.ones((costs.shape[0], 1)), np.full(1, costs.shape[0] / n_bins)
+    c = costs[:, keep]
+    bound = np.maximum(total[keep] / n_bins, c.max(axis=0))
+    work = c / bound
+    shares = c / total[keep]  # proportional columns have identical shares
+    first = [j for j in range(c.shape[1])
+             if not any(np.allclose(shares[:, j], shares[:, k], rtol=1e-9, atol=0) for k in range(j))]
+    return np.ascontiguousarray(work[:, first]), (total[keep] / n_bins / bound)[first]
+
+
+def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | None,
+            cap: float) -> np.ndarray:
+    """Complementary vector LPT; returns the bin of every sample.
+
+    Largest samples first, each onto the microbatch whose loads point least in its direction
+    (smallest ``load . work``): the lightest microbatch on the modules this sample needs, which
+    is where it overfills no target. The token cap is a hard constraint.
+    """
+    loads = np.zeros((n_bins, work.shape[1]))
+    tie = np.zeros(n_bins)  # 1e-12 per sample held: equal scores go to the emptier microbatch
+    bin_tok = np.zeros(n_bins)
+    where = np.empty(work.shape[0], dtype=np.int64)
+    capped = tok is not None and np.isfinite(cap)
+    for i in order:
+        w = work[i]
+        score = loads @ w
+        score += tie
+        if capped:
+            score[bin_tok + tok[i] > cap] = np.inf
+            b = int(score.argmin())
+            if not np.isfinite(score[b]):
+                raise ScheduleError(
+                    f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
+                    f"{cap:g}; raise token_cap or use more microbatches"
+                )
+            bin_tok[b] += tok[i]
+        else:
+            b = int(score.argmin())
+        where[i] = b
+        loads[b] += w
+        tie[b] += 1e-12
+    return where
+
+
+def bin_loads(where: np.ndarray, work: np.ndarray, n_bins: int) -> np.ndarray:
+    """(n_bins, d) sum of ``work`` rows per bin, ``where`` giving each row's bin."""
+    return np.stack([np.bincount(where, work[:, j], minlength=n_bins) for j in range(work.shape[1])], axis=1)
+
+
+def _padded(where: np.ndarray, n_bins: int) -> np.ndarray:
+    """(n_bins, P) sample indices per bin, padded with -1; P leaves at least one free slot."""
+    srt = np.argsort(where, kind="stable")
+    counts = np.bincount(where, minlength=n_bins)
+    starts = np.cumsum(counts) - counts
+    slot = np.arange(where.shape[0]) - np.repeat(starts, counts)
+    members = np.full((n_bins, counts.max() + 1), -1, dtype=np.int64)
+    members[where[srt], slot] = srt
+    return members
+
+
+def _sweep(work: np.ndarray, where: np.ndarray, n_bins: int, key: np.ndarray, t: np.ndarray,
+           cap: float) -> int:
+    """One round of pairwise exchanges; returns how many pairs changed.
+
+    Microbatches are paired heaviest with lightest on ``key``; in every pair the single swap (or
+    move, a swap with an empty slot) that most lowers the pair's sum of squared loads is applied,
+    provided no load ends above the current worst one and the token cap holds. All pairs are
+    evaluated at once: the change of ``|La|^2 + |Lb|^2`` for giving ``x`` and taking ``y`` is
+    ``2 (x - y) . (Lb - La) + 2 |x - y|^2``, one batched matrix product.
+    """
+    d = work.shape[1]
+    loads = bin_loads(where, work, n_bins)
+    peak = loads.max()
+    ranked = np.argsort(key, kind="stable")
+    h = n_bins // 2
+    heavy, light = ranked[::-1][:h], ranked[:h]
+    members = _padded(where, n_bins)
+    wpad = np.vstack([work, np.zeros((1, d))])  # index -1 reads the zero row
+    wa, wb = wpad[members[heavy]], wpad[members[light]]  # (h, P, d)
+    gap = loads[light] - loads[heavy]  # (h, d)
+    na, nb = (wa * wa).sum(-1), (wb * wb).sum(-1)  # (h, P)
+    ga, gb = (wa * gap[:, None]).sum(-1), (wb * gap[:, None]).sum(-1)
+    cross = wa @ wb.transpose(0, 2, 1)  # (h, P, P)
+    change = (ga + na)[:, :, None] + (nb - gb)[:, None, :] - 2 * cross
+    if np.isfinite(cap):
+        tpad = np.append(t, 0.0)
+        bin_tok = np.bincount(where, t, minlength=n_bins)
+        dt = tpad[members[heavy]][:, :, None] - tpad[members[light]][:, None, :]
+        bad = (bin_tok[heavy][:, None, None] - dt > cap) | (bin_tok[light][:, None, None] + dt > cap)
+        change[bad] = np.inf
+    flat = change.reshape(h, -1)
+    best = flat.argmin(axis=1)
+    gain = -flat[np.arange(h), best]
+    ia, ib = np.divmod(best, members.shape[1])
+    xa, xb = members[heavy, ia], members[light, ib]
+    delta = wpad[xa] - wpad[xb]  # (h, d)
+    fits = (np.maximum(loads[heavy] - delta, loads[light] + delta).max(axis=1) <= peak + 1e-12)
+    take = (gain > 1e-7) & fits  # gains below this change loads by ~1e-4 of a target
+    for x, dst in ((xa, light), (xb, heavy)):
+        sel = take & (x >= 0)
+        where[x[sel]] = dst[sel]
+    return int(take.sum())
+
+
+def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
+              max_sweeps: int, rng: np.random.Generator) -> None:
+    """Pairwise-exchange sweeps in place, pairing on each module in turn, then on random keys;
+    stops after a full cycle of sweeps that changes nothing."""
+    d = work.shape[1]
+    quiet = 0
+    for s in range(max_sweeps if n_bins > 1 else 0):
+        if s % (d + 1) < d:
+            key = bin_loads(where, work[:, s % d : s % d + 1], n_bins)[:, 0]
+        else:
+            key = rng.random(n_bins)
+        quiet = 0 if _sweep(work, where, n_bins, key, t, cap) else quiet + 1
+        if quiet > d:
+            break
+
+def _polish(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
+            max_steps: int, n_partners: int = 8) -> None:
+    """Minimax local search in place: moves and swaps out of the microbatch holding the worst
+    (microbatch, module) load, into the microbatches lightest on that module; stops when the
+    worst one cannot be lowered that way."""
+    d = work.shape[1]
+    loads = bin_loads(where, work, n_bins)
+    bin_tok = np.bincount(where, t, minlength=n_bins)
+    capped = np.isfinite(cap)
+    for _ in range(max_steps if n_bins > 1 else 0):
+        a, j = np.unravel_index(int(loads.argmax()), loads.shape)
+        current = loads[a, j]
+        col = loads[:, j].copy()
+        col[a] = np.inf
+        k = min(n_bins - 1, n_partners)
+        partners = np.argpartition(col, k - 1)[:k]
+        mine = np.flatnonzero(where == a)
+        inside = np.zeros(n_bins, dtype=bool)
+        inside[partners] = True
+        theirs = np.concatenate([np.flatnonzero(inside[where]), -1 - partners])  # -1-b: empty slot of b
+        dest = np.where(theirs >= 0, where[np.maximum(theirs, 0)], -1 - theirs)
+        wt = np.where((theirs >= 0)[:, None], work[np.maximum(theirs, 0)], 0.0)
+        delta = work[mine][:, None, :] - wt[None, :, :]  # (A, T, d) given minus taken
+        worst = np.maximum((loads[a] - delta).max(axis=2), (loads[dest][None] + delta).max(axis=2))
+        if capped:
+            tt = np.where(theirs >= 0, t[np.maximum(theirs, 0)], 0.0)
+            dt = t[mine][:, None] - tt[None, :]
+            worst[(bin_tok[a] - dt > cap) | (bin_tok[dest][None, :] + dt > cap)] = np.inf
+        p, q = np.unravel_index(int(worst.argmin()), worst.shape)
+        if not worst[p, q] < current - 1e-12:
+            break
+        i, b, other = int(mine[p]), int(dest[q]), int(theirs[q])
+        moves = ((i, a, b), (other, b, a)) if other >= 0 else ((i, a, b),)
+        for x, src, dst in moves:
+            loads[src] -= work[x]
+            loads[dst] += work[x]
+            bin_tok[src] -= t[x]
+            bin_tok[dst] += t[x]
+            where[x] = dst
+
+
+def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = None,
+                 token_cap: float | None = None, seed: int = 0, max_sweeps: int = 24,
+                 max_steps: int | None = None, unit: str = "bins") -> tuple[list[list[int]], np.ndarray]:
+    """Partition samples into ``n_bins`` with balanced per-module work (no ordering).
+
+    Args:
+        costs: (n_samples, n_modules) per-module work.
+        n_bins: bins to form.
+        tokens: (n_samples,) tokens per sample, for the cap.
+        token_cap: the most tokens one bin may hold.
+        seed: tie-break seed among equal samples.
+        max_sweeps: pairwise-exchange sweeps at most.
+        max_steps: minimax local-search steps at most (default ``n_samples``).
+        unit: what the bins are called in error messages (``microbatches``, ``DP replicas``).
+
+    Returns:
+        ``(bins, loads)``: sorted sample indices per bin, and the (n_bins, n_modules) work per bin.
+    """
+    costs, tok, cap = check_inputs(costs, n_bins, tokens, token_cap, unit)
+    n = costs.shape[0]
+    work, _ = normalise(costs, n_bins)
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(n)  # seed-dependent tie-breaking among equal samples
-    work = _normalised(costs[perm], n_microbatches)
-    bins, loads = _greedy(work, n_microbatches, None if tok is None else tok[perm], cap)
-    _improve(work, bins, loads, None if tok is None else tok[perm], cap, passes)
-    bins = [[int(perm[i]) for i in b] for b in bins]
-    order = light_ends(loads.max(axis=1))
-    return [sorted(bins[k]) for k in order]
+    order = np.lexsort((rng.random(n), -work.sum(axis=1)))  # largest first; seed orders equal ones
+    where = _greedy(work, n_bins, order, tok, cap)
+    t = np.zeros(n) if tok is None else tok
+    _exchange(work, where, n_bins, t, cap, max_sweeps, rng)
+    _polish(work, where, n_bins, t, cap, n if max_steps is None else max_steps)
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    for i in np.argsort(where, kind="stable"):
+        bins[where[i]].append(int(i))
+    return bins, bin_loads(where, costs, n_bins)
+
+
+def light_ends(weights: np.ndarray) -> list[int]:
+    """Indices ordered lightest-first at both ends, heaviest in the middle.
+
+    Sorted ascending, the even ranks go left to right and the odd ranks right to left, so the
+    pipeline's first and last microbatches (warm-up, cool-down) are the lightest.
+    """
+    ranked = np.argsort(np.asarray(weights, dtype=float), kind="stable")
+    left, right = list(ranked[0::2]), list(ranked[1::2])
+    return [int(x) for x in left + right[::-1]]
+
+
+def order_microbatches(loads: np.ndarray) -> list[int]:
+    """Pipeline order of microbatches from their (n_microbatches, n_modules) work: `light_ends` of
+    each microbatch's work relative to the mean microbatch, summed over modules."""
+    loads = np.asarray(loads, dtype=float)
+    mean = loads.mean(axis=0)
+    rel = np.divide(loads, mean, out=np.zeros_like(loads), where=mean > 0)
+    return light_ends(rel.sum(axis=1))
+
+
+def assign_microbatches(costs: np.ndarray, n_microbatches: int, *, tokens: np.ndarray | None = None,
+                        token_cap: float | None = None, seed: int = 0) -> list[list[int]]:
+    """Split samples into microbatches with balanced per-module work, in pipeline order.
+
+    Args:
+        costs: (n_samples, n_modules) per-module work (seconds, or any additive unit).
+        n_microbatches: microbatches to form (sample counts may differ between them).
+        tokens: (n_samples,) tokens of each sample, for the cap.
+        token_cap: the most tokens one microbatch may hold (memory).
+        seed: tie-break seed; the result is deterministic for a seed.
+
+    Returns:
+        Sample indices per microbatch (ascending within one), in pipeline order; every index
+        exactly once.
+
+    Raises:
+        ScheduleError: too few samples, bad costs, or a sample over the token cap on its own.
+    """
+    bins, loads = balance_bins(costs, n_microbatches, tokens=tokens, token_cap=token_cap, seed=seed,
+                               unit="microbatches")
+    return [bins[k] for k in order_microbatches(loads)]
