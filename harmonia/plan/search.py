@@ -60,7 +60,7 @@ def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64) -> P
             pruned += 1
             continue
         try:
-            secs = float(np.mean([run._timeline(cands[i], k).iteration_s for k in batches]))
+            secs = float(np.mean([run._timeline(cands[i], k, 0.0).iteration_s for k in batches]))
         except HarmoniaError as err:
             rejected[f"schedule: {err}"[:80]] += 1
             continue

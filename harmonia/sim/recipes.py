@@ -185,7 +185,7 @@ def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
     microbatches, order = assign(candidate, batch, costs, tokens)
     iw = plan_iteration_work(samples, candidate.plan, cost, microbatches)
-    if candidate.recipe == "harmonia":
+    if candidate.recipe == "harmonia" and search_budget_s > 0:
         order = search_orders(candidate.plan, cost, iw, search_budget_s)
     orders = plan_orders(candidate.plan, cost, iw, order=order)
     if candidate.fused:

@@ -123,9 +123,10 @@ class ScenarioRun:
         n_batches = scenario.iterations + scenario.search_batches
         self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
 
-    def _timeline(self, cand: Candidate, k: int) -> Timeline:
+    def _timeline(self, cand: Candidate, k: int, search_budget_s: float = 0.1) -> Timeline:
         batch = self.profile.batches[k]
-        return simulate(cand, self.samples, batch, self.costs[batch], self.tokens[batch], self.cost, self.cluster)
+        return simulate(cand, self.samples, batch, self.costs[batch], self.tokens[batch], self.cost, self.cluster,
+                        search_budget_s)
 
     def search(self, recipe: str) -> tuple[Candidate | None, int, float]:
         """The recipe's best candidate on the search batches, candidates tried, seconds spent."""
@@ -140,7 +141,8 @@ class ScenarioRun:
             if bounds[i] >= best_s:
                 break
             try:
-                score = float(np.mean([self._timeline(cands[i], k).iteration_s for k in search]))
+                # layouts are scored with the balancer's own order; the per-batch search runs at train time
+                score = float(np.mean([self._timeline(cands[i], k, 0.0).iteration_s for k in search]))
             except HarmoniaError:
                 continue
             tried += 1

@@ -18,7 +18,7 @@ def test_search_within_two_percent_of_exhaustive(shared_traces) -> None:
                         {"vision": "frozen"}, iterations=1, search_batches=1)
     report = search_plan(scenario, top=5)
     run = ScenarioRun(scenario)
-    every = [float(run._timeline(c, 1).iteration_s) for c in
+    every = [float(run._timeline(c, 1, 0.0).iteration_s) for c in
              candidates("harmonia", run.cost, run.cluster, run.profile, 32, "internvl-8b")]
     assert report.ranked[0][0] <= min(every) * 1.02
     assert report.simulated + report.pruned == len(every)
