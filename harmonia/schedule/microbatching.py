@@ -98,12 +98,15 @@ def normalise(costs: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | None,
-            cap: float) -> np.ndarray:
-    """Complementary vector LPT; returns the bin of every sample.
+            cap: float, target: np.ndarray) -> np.ndarray:
+    """Complementary vector LPT with deferral; returns the bin of every sample.
 
     Largest samples first, each onto the microbatch whose loads point least in its direction
-    (smallest ``load . work``): the lightest microbatch on the modules this sample needs, which
-    is where it overfills no target. The token cap is a hard constraint.
+    (smallest ``load . work``): the lightest microbatch on the modules this sample needs. A
+    microbatch the sample would push past its target on any module is passed over (the sample is
+    deferred to another microbatch of the same iteration) while some microbatch still has room;
+    only when none has does the sample go where the complementary score is smallest. The token
+    cap is a hard constraint.
     """
     loads = np.zeros((n_bins, work.shape[1]))
     tie = np.zeros(n_bins)  # 1e-12 per sample held: equal scores go to the emptier microbatch
@@ -116,15 +119,18 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
         score += tie
         if capped:
             score[bin_tok + tok[i] > cap] = np.inf
-            b = int(score.argmin())
-            if not np.isfinite(score[b]):
+            if not np.isfinite(score).any():
                 raise ScheduleError(
                     f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
                     f"{cap:g}; raise token_cap or use more microbatches"
                 )
+        over = ((loads + w) > target).any(axis=1)
+        room = np.isfinite(score) & ~over
+        if room.any():  # defer: pass over the microbatches this sample would overfill
+            score[~room] = np.inf
+        b = int(score.argmin())
+        if capped:
             bin_tok[b] += tok[i]
-        else:
-            b = int(score.argmin())
         where[i] = b
         loads[b] += w
         tie[b] += 1e-12
@@ -249,7 +255,7 @@ def _polish(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap
 
 def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = None,
                  token_cap: float | None = None, seed: int = 0, max_sweeps: int = 24,
-                 max_steps: int | None = None, unit: str = "bins") -> tuple[list[list[int]], np.ndarray]:
+                 max_steps: int | None = None, slack: float = 0.02, unit: str = "bins") -> tuple[list[list[int]], np.ndarray]:
     """Partition samples into ``n_bins`` with balanced per-module work (no ordering).
 
     Args:
@@ -260,6 +266,7 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
         seed: tie-break seed among equal samples.
         max_sweeps: pairwise-exchange sweeps at most.
         max_steps: minimax local-search steps at most (default ``n_samples``).
+        slack: relative room over each module's target before the greedy defers a sample.
         unit: what the bins are called in error messages (``microbatches``, ``DP replicas``).
 
     Returns:
@@ -267,10 +274,10 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
     """
     costs, tok, cap = check_inputs(costs, n_bins, tokens, token_cap, unit)
     n = costs.shape[0]
-    work, _ = normalise(costs, n_bins)
+    work, target = normalise(costs, n_bins)
     rng = np.random.default_rng(seed)
     order = np.lexsort((rng.random(n), -work.sum(axis=1)))  # largest first; seed orders equal ones
-    where = _greedy(work, n_bins, order, tok, cap)
+    where = _greedy(work, n_bins, order, tok, cap, target * (1 + slack))
     t = np.zeros(n) if tok is None else tok
     _exchange(work, where, n_bins, t, cap, max_sweeps, rng)
     _polish(work, where, n_bins, t, cap, n if max_steps is None else max_steps)
