@@ -1,0 +1,113 @@
+"""Modality sub-microbatches: split one microbatch's encoder work into pieces of a target cost.
+
+An encoder that receives a whole microbatch at once keeps the LLM waiting for all of it; split
+into sub-microbatches (the DIP idea), the encoder starts on the first piece early, the boundary
+forwards pieces as they finish, and the encoder's stages stay busy. The split is recorded so the
+boundary can put the encoder's outputs back in the microbatch's item order (`restore`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harmonia.errors import ScheduleError
+
+
+@dataclass(frozen=True)
+class SubMicrobatches:
+    """One encoder's split of one microbatch.
+
+    Attributes:
+        groups: item indices (positions in the microbatch's item list for this encoder) per
+            sub-microbatch, in run order; each ascending.
+        costs: (n_sub,) work of each sub-microbatch.
+    """
+
+    groups: list[list[int]]
+    costs: np.ndarray
+
+    @property
+    def n_sub(self) -> int:
+        return len(self.groups)
+
+    @property
+    def restore(self) -> np.ndarray:
+        """Permutation ``p`` with ``concat(outputs of groups in run order)[p]`` in item order."""
+        flat = np.array([i for g in self.groups for i in g], dtype=np.int64)
+        return np.argsort(flat, kind="stable")
+
+
+def _contiguous(costs: np.ndarray, n_sub: int) -> list[list[int]]:
+    """Contiguous runs minimising the largest run (binary search on the largest run's cost)."""
+    lo, hi = float(costs.max(initial=0.0)), float(costs.sum())
+
+    def runs(limit: float) -> list[list[int]]:
+        out, cur, acc = [], [], 0.0
+        for i, c in enumerate(costs):
+            if cur and acc + c > limit:
+                out.append(cur)
+                cur, acc = [], 0.0
+            cur.append(i)
+            acc += c
+        return out + [cur] if cur else out
+
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if len(runs(mid)) <= n_sub:
+            hi = mid
+        else:
+            lo = mid
+    return runs(hi)
+
+
+def _packed(costs: np.ndarray, n_sub: int) -> list[list[int]]:
+    """Largest item first onto the lightest sub-microbatch (LPT); items ascending in each."""
+    loads = np.zeros(n_sub)
+    groups: list[list[int]] = [[] for _ in range(n_sub)]
+    for i in np.argsort(-costs, kind="stable"):
+        g = int(loads.argmin())
+        groups[g].append(int(i))
+        loads[g] += costs[i]
+    return [sorted(g) for g in groups if g]
+
+
+def plan_submicrobatches(item_costs: np.ndarray, *, target: float | None = None, n_sub: int | None = None,
+                         contiguous: bool = False) -> SubMicrobatches:
+    """Split one encoder's items of a microbatch into sub-microbatches.
+
+    Args:
+        item_costs: (n_items,) encoder work of each item, in the microbatch's item order.
+        target: work per sub-microbatch; the count is ``ceil(total / target)`` (at most one per
+            item). Give this or ``n_sub``.
+        n_sub: the number of sub-microbatches.
+        contiguous: keep items in order (consecutive runs, no reordering at the boundary);
+            otherwise pack any items together for the most even pieces.
+
+    Returns:
+        The split, lightest sub-microbatch first (the LLM waits least for the first piece).
+
+    Raises:
+        ScheduleError: neither or both of ``target`` and ``n_sub``, or bad values.
+    """
+    costs = np.asarray(item_costs, dtype=float).reshape(-1)
+    if (target is None) == (n_sub is None):
+        raise ScheduleError("plan_submicrobatches: give exactly one of target= (work per piece) or n_sub=")
+    if (costs < 0).any() or not np.isfinite(costs).all():
+        raise ScheduleError("item costs must be finite and non-negative")
+    if costs.size == 0:
+        return SubMicrobatches([], np.zeros(0))
+    if target is not None:
+        if not target > 0:
+            raise ScheduleError(f"sub-microbatch target must be positive, got {target}")
+        n_sub = int(np.ceil(costs.sum() / target - 1e-9))
+    if n_sub < 1:
+        raise ScheduleError(f"n_sub must be at least 1, got {n_sub}")
+    n_sub = min(max(n_sub, 1), costs.size)
+    groups = _contiguous(costs, n_sub) if contiguous else _packed(costs, n_sub)
+    sub_costs = np.array([costs[g].sum() for g in groups])
+    if not contiguous:
+        order = np.argsort(sub_costs, kind="stable")
+        groups, sub_costs = [groups[k] for k in order], sub_costs[order]
+    return SubMicrobatches(groups, sub_costs)
