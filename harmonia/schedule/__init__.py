@@ -6,4 +6,5 @@ from harmonia.schedule.families import (build_1f1b, build_gpipe, build_interleav
 from harmonia.schedule.graph import ModuleStages, StageGraph
 from harmonia.schedule.lowering import lower, strip_communication
 from harmonia.schedule.validator import Checker, DryRun, done_key, dry_run, format_table, message, validate
-from harmonia.schedule.microbatching import assign_microbatches, light_ends
+from harmonia.schedule.microbatching import assign_microbatches, balance_bins, light_ends, order_microbatches
+from harmonia.schedule.dp_balance import DPAssignment, balance_dp

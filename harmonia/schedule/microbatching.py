@@ -108,28 +108,36 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
     only when none has does the sample go where the complementary score is smallest. The token
     cap is a hard constraint.
     """
-    loads = np.zeros((n_bins, work.shape[1]))
+    n, d = work.shape
+    loads = np.zeros((n_bins, d))
     tie = np.zeros(n_bins)  # 1e-12 per sample held: equal scores go to the emptier microbatch
     bin_tok = np.zeros(n_bins)
-    where = np.empty(work.shape[0], dtype=np.int64)
+    where = np.empty(n, dtype=np.int64)
     capped = tok is not None and np.isfinite(cap)
-    for i in order:
+    # the largest n_bins samples land one per (empty) microbatch, whatever the rule: do it at once
+    first = order[:n_bins]
+    where[first] = np.arange(first.size)
+    loads[: first.size] = work[first]
+    tie[: first.size] = 1e-12
+    if capped:
+        bin_tok[: first.size] = tok[first]
+    defer = 1e6  # added to the score of a microbatch the sample would overfill: any with room wins
+    for i in order[n_bins:]:
         w = work[i]
         score = loads @ w
         score += tie
         if capped:
             score[bin_tok + tok[i] > cap] = np.inf
-            if not np.isfinite(score).any():
+        b = int(score.argmin())
+        if (loads[b] + w > target).any():  # the best one would overfill: look for one with room
+            score += defer * (loads + w > target).any(axis=1)
+            b = int(score.argmin())
+        if capped:
+            if np.isinf(score[b]):
                 raise ScheduleError(
                     f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
                     f"{cap:g}; raise token_cap or use more microbatches"
                 )
-        over = ((loads + w) > target).any(axis=1)
-        room = np.isfinite(score) & ~over
-        if room.any():  # defer: pass over the microbatches this sample would overfill
-            score[~room] = np.inf
-        b = int(score.argmin())
-        if capped:
             bin_tok[b] += tok[i]
         where[i] = b
         loads[b] += w
@@ -153,7 +161,7 @@ def _padded(where: np.ndarray, n_bins: int) -> np.ndarray:
     return members
 
 
-def _sweep(work: np.ndarray, where: np.ndarray, n_bins: int, key: np.ndarray, t: np.ndarray,
+def _sweep(wpad: np.ndarray, where: np.ndarray, loads: np.ndarray, key: np.ndarray, tpad: np.ndarray,
            cap: float) -> int:
     """One round of pairwise exchanges; returns how many pairs changed.
 
@@ -161,16 +169,15 @@ def _sweep(work: np.ndarray, where: np.ndarray, n_bins: int, key: np.ndarray, t:
     move, a swap with an empty slot) that most lowers the pair's sum of squared loads is applied,
     provided no load ends above the current worst one and the token cap holds. All pairs are
     evaluated at once: the change of ``|La|^2 + |Lb|^2`` for giving ``x`` and taking ``y`` is
-    ``2 (x - y) . (Lb - La) + 2 |x - y|^2``, one batched matrix product.
+    ``2 (x - y) . (Lb - La) + 2 |x - y|^2``, one batched matrix product. ``wpad`` and ``tpad``
+    are the work and tokens of every sample followed by a zero row (index -1: an empty slot).
     """
-    d = work.shape[1]
-    loads = bin_loads(where, work, n_bins)
+    n_bins = loads.shape[0]
     peak = loads.max()
     ranked = np.argsort(key, kind="stable")
     h = n_bins // 2
     heavy, light = ranked[::-1][:h], ranked[:h]
     members = _padded(where, n_bins)
-    wpad = np.vstack([work, np.zeros((1, d))])  # index -1 reads the zero row
     wa, wb = wpad[members[heavy]], wpad[members[light]]  # (h, P, d)
     gap = loads[light] - loads[heavy]  # (h, d)
     na, nb = (wa * wa).sum(-1), (wb * wb).sum(-1)  # (h, P)
@@ -178,8 +185,7 @@ def _sweep(work: np.ndarray, where: np.ndarray, n_bins: int, key: np.ndarray, t:
     cross = wa @ wb.transpose(0, 2, 1)  # (h, P, P)
     change = (ga + na)[:, :, None] + (nb - gb)[:, None, :] - 2 * cross
     if np.isfinite(cap):
-        tpad = np.append(t, 0.0)
-        bin_tok = np.bincount(where, t, minlength=n_bins)
+        bin_tok = np.bincount(where, tpad[:-1], minlength=n_bins)
         dt = tpad[members[heavy]][:, :, None] - tpad[members[light]][:, None, :]
         bad = (bin_tok[heavy][:, None, None] - dt > cap) | (bin_tok[light][:, None, None] + dt > cap)
         change[bad] = np.inf
@@ -202,13 +208,13 @@ def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, c
     """Pairwise-exchange sweeps in place, pairing on each module in turn, then on random keys;
     stops after a full cycle of sweeps that changes nothing."""
     d = work.shape[1]
+    wpad = np.vstack([work, np.zeros((1, d))])
+    tpad = np.append(t, 0.0)
     quiet = 0
     for s in range(max_sweeps if n_bins > 1 else 0):
-        if s % (d + 1) < d:
-            key = bin_loads(where, work[:, s % d : s % d + 1], n_bins)[:, 0]
-        else:
-            key = rng.random(n_bins)
-        quiet = 0 if _sweep(work, where, n_bins, key, t, cap) else quiet + 1
+        loads = bin_loads(where, work, n_bins)
+        key = loads[:, s % d] if s % (d + 1) < d else rng.random(n_bins)
+        quiet = 0 if _sweep(wpad, where, loads, key, tpad, cap) else quiet + 1
         if quiet > d:
             break
 
@@ -217,7 +223,6 @@ def _polish(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap
     """Minimax local search in place: moves and swaps out of the microbatch holding the worst
     (microbatch, module) load, into the microbatches lightest on that module; stops when the
     worst one cannot be lowered that way."""
-    d = work.shape[1]
     loads = bin_loads(where, work, n_bins)
     bin_tok = np.bincount(where, t, minlength=n_bins)
     capped = np.isfinite(cap)
