@@ -206,7 +206,7 @@ def _sweep(wpad: np.ndarray, where: np.ndarray, loads: np.ndarray, key: np.ndarr
 def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
               max_sweeps: int, rng: np.random.Generator) -> None:
     """Pairwise-exchange sweeps in place, pairing on each module in turn, then on random keys;
-    stops after a full cycle of sweeps that changes nothing."""
+    stops after two sweeps in a row that change nothing."""
     d = work.shape[1]
     wpad = np.vstack([work, np.zeros((1, d))])
     tpad = np.append(t, 0.0)
@@ -215,7 +215,7 @@ def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, c
         loads = bin_loads(where, work, n_bins)
         key = loads[:, s % d] if s % (d + 1) < d else rng.random(n_bins)
         quiet = 0 if _sweep(wpad, where, loads, key, tpad, cap) else quiet + 1
-        if quiet > d:
+        if quiet > 1:
             break
 
 def _polish(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
