@@ -5,8 +5,8 @@
 - ``reordered`` (DistTrain): samples sorted by their total work and dealt greedily (longest
   first, onto the lightest) to DP shards and then to microbatches of equal sample counts, which
   evens out the LLM work without looking at each module separately.
-- ``balanced`` (harmonia): the per-iteration balancer (`harmonia.schedule.assign_microbatches` per
-  replica after `harmonia.schedule.balance_dp`), which balances every module's work at once.
+- ``balanced`` (harmonia): the per-iteration balancer (`harmonia.schedule.balance_dp` with
+  ``n_microbatches``), which balances every module's work over all microbatches at once.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from harmonia.plan.profiling import BatchProfile
 from harmonia.sim.assign import assign_reordered, assign_sequential
 from harmonia.sim.engine import Timeline, replay
 from harmonia.schedule import StageGraph
-from harmonia.schedule.microbatching import assign_microbatches
+from harmonia.schedule.dp_balance import balance_dp
 from harmonia.sim.orders import cost_table, fuse_encoders_into_first_stage, plan_orders, stage_trainable
 from harmonia.sim.search import search_order
 from harmonia.sim.stagework import plan_iteration_work
@@ -159,12 +159,8 @@ def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
         return assign_sequential(batch, dp, n_mb), None
     if candidate.recipe == "disttrain":
         return assign_reordered(batch, costs, dp, n_mb), None
-    shards = assign_microbatches(costs, dp, tokens=tokens) if dp > 1 else [list(range(len(batch)))]
-    out = {}
-    for d, shard in enumerate(shards):
-        shard = np.asarray(shard)
-        mbs = assign_microbatches(costs[shard], n_mb, tokens=tokens[shard])
-        out[d] = [[int(batch[shard[i]]) for i in mb] for mb in mbs]
+    balanced = balance_dp(costs, dp, tokens=tokens, n_microbatches=n_mb)
+    out = {d: [[int(batch[i]) for i in mb] for mb in mbs] for d, mbs in enumerate(balanced.microbatches)}
     return out, None
 
 
