@@ -18,7 +18,8 @@ tokens overlap or touch, so the block's computed tiles are the key blocks from
 
 `plan_cp_shards` assigns blocks to ranks with equal block counts (even memory), largest first
 onto the cheapest rank with room, then swaps blocks between the costliest rank and the others
-while that lowers it. `uniform_shards` (contiguous) and `zigzag_shards` (chunks ``r`` and
+while that lowers it; the same swaps also run from the uniform and zigzag splits and the best
+result is kept, so it is never worse than either. `uniform_shards` (contiguous) and `zigzag_shards` (chunks ``r`` and
 ``2cp-1-r``) are the usual splits, for comparison.
 """
 
@@ -209,11 +210,23 @@ def plan_cp_shards(samples: Sequence[Segments], cp: int, *, block: int = 128, to
     _check(cp, n_blocks)
     room = np.array([len(c) for c in np.array_split(np.arange(n_blocks), cp)])
     loads = np.zeros(cp)
-    rank_of = np.empty(n_blocks, dtype=np.int64)
+    lpt = np.empty(n_blocks, dtype=np.int64)
     for b in np.argsort(-costs, kind="stable"):
         r = int(np.argmin(np.where(room > 0, loads, np.inf)))
-        rank_of[b] = r
+        lpt[b] = r
         loads[r] += costs[b]
         room[r] -= 1
-    _swap_down(costs, rank_of, cp, 4 * n_blocks)
-    return _shards(costs, rank_of, cp, block, int(sum(n for s in samples for _, n in s)))
+    split = [len(c) for c in np.array_split(np.arange(n_blocks), cp)]
+    starts = [lpt, np.repeat(np.arange(cp), split)]
+    if n_blocks >= 2 * cp:
+        chunk = np.repeat(np.arange(2 * cp), [len(c) for c in np.array_split(np.arange(n_blocks), 2 * cp)])
+        zigzag = np.minimum(chunk, 2 * cp - 1 - chunk)
+        if np.ptp(np.bincount(zigzag, minlength=cp)) <= 1:  # keep block counts within one
+            starts.append(zigzag)
+    best = None
+    for rank_of in starts:  # LPT, and the uniform and zigzag splits: never worse than either
+        _swap_down(costs, rank_of, cp, 4 * n_blocks)
+        peak = np.bincount(rank_of, costs, minlength=cp).max()
+        if best is None or peak < best[0] - 1e-12:
+            best = (peak, rank_of)
+    return _shards(costs, best[1], cp, block, int(sum(n for s in samples for _, n in s)))
