@@ -106,32 +106,34 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
     microbatch the sample would push past its target on any module is passed over (the sample is
     deferred to another microbatch of the same iteration) while some microbatch still has room;
     only when none has does the sample go where the complementary score is smallest. The token
-    cap is a hard constraint.
+    cap is a hard constraint. Samples with no work at all go to the microbatches holding fewest.
+
+    With ``room = target - load``, ``load . w = target . w - room . w`` and ``target . w`` is the
+    same for every microbatch, so the loop keeps only ``room`` and takes the largest ``room . w``.
     """
     n, d = work.shape
-    loads = np.zeros((n_bins, d))
-    tie = np.zeros(n_bins)  # 1e-12 per sample held: equal scores go to the emptier microbatch
+    room = np.tile(target.astype(float), (n_bins, 1))  # (n_bins, d) left before each target
     bin_tok = np.zeros(n_bins)
     where = np.empty(n, dtype=np.int64)
     capped = tok is not None and np.isfinite(cap)
+    busy = work.sum(axis=1) > 0
+    ranked = order[busy[order]]
     # the largest n_bins samples land one per (empty) microbatch, whatever the rule: do it at once
-    first = order[:n_bins]
+    first = ranked[:n_bins]
     where[first] = np.arange(first.size)
-    loads[: first.size] = work[first]
-    tie[: first.size] = 1e-12
+    room[: first.size] -= work[first]
     if capped:
         bin_tok[: first.size] = tok[first]
-    defer = 1e6  # added to the score of a microbatch the sample would overfill: any with room wins
-    for i in order[n_bins:]:
+    defer = 1e6  # taken off the score of a microbatch the sample would overfill: any with room wins
+    for i in ranked[n_bins:]:
         w = work[i]
-        score = loads @ w
-        score += tie
+        score = room @ w
         if capped:
-            score[bin_tok + tok[i] > cap] = np.inf
-        b = int(score.argmin())
-        if (loads[b] + w > target).any():  # the best one would overfill: look for one with room
-            score += defer * (loads + w > target).any(axis=1)
-            b = int(score.argmin())
+            score[bin_tok + tok[i] > cap] = -np.inf
+        b = int(score.argmax())
+        if (room[b] < w).any():  # the best one would overfill: look for one with room
+            score[np.logical_or.reduce(room < w, axis=1)] -= defer
+            b = int(score.argmax())
         if capped:
             if np.isinf(score[b]):
                 raise ScheduleError(
@@ -140,8 +142,20 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
                 )
             bin_tok[b] += tok[i]
         where[i] = b
-        loads[b] += w
-        tie[b] += 1e-12
+        room[b] -= w
+    count = np.bincount(where[ranked], minlength=n_bins)
+    for i in order[~busy[order]]:
+        fits = bin_tok + (tok[i] if capped else 0.0) <= cap
+        if not fits.any():
+            raise ScheduleError(
+                f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
+                f"{cap:g}; raise token_cap or use more microbatches"
+            )
+        b = int(np.where(fits, count, np.iinfo(np.int64).max).argmin())
+        where[i] = b
+        count[b] += 1
+        if capped:
+            bin_tok[b] += tok[i]
     return where
 
 
