@@ -14,8 +14,9 @@ where ``bound_j`` is a lower bound on the largest microbatch of module ``j``. Th
 2. **Greedy with deferral** (complementary vector LPT). Samples in decreasing order of their
    total normalised work; each goes to the microbatch whose loads point least in its direction
    (smallest ``load . work``), i.e. the one lightest on the modules this sample needs. A sample
-   that would push a microbatch past its target is thereby deferred to another microbatch of the
-   same iteration (never to the next iteration). The token cap is a hard constraint.
+   that would push a microbatch past its target (plus ``slack``) on any module is deferred to
+   another microbatch of the same iteration that has room (never to the next iteration); only
+   when none has room does it go where the score is best. The token cap is a hard constraint.
 3. **Pairwise exchange** (variance reduction). Sweeps pair the heaviest microbatch with the
    lightest on one module (each module in turn, then random pairings) and apply, in every pair at
    once, the single swap or move that most lowers the pair's sum of squared loads without raising
@@ -26,7 +27,8 @@ where ``bound_j`` is a lower bound on the largest microbatch of module ``j``. Th
    shortens the pipeline's warm-up and cool-down.
 
 Cost: the greedy is one pass over samples with ``O(n_microbatches * dims)`` numpy work each; a
-sweep is one batched ``(n/2, P, d) @ (n/2, d, P)`` product, ``P`` the most samples in a microbatch.
+sweep is one batched ``(n/2, P, d) @ (n/2, d, P)`` product, ``P`` the most samples in a microbatch,
+with loads and memberships updated in place between sweeps.
 """
 
 from __future__ import annotations
@@ -175,46 +177,61 @@ def _padded(where: np.ndarray, n_bins: int) -> np.ndarray:
     return members
 
 
-def _sweep(wpad: np.ndarray, where: np.ndarray, loads: np.ndarray, key: np.ndarray, tpad: np.ndarray,
-           cap: float) -> int:
-    """One round of pairwise exchanges; returns how many pairs changed.
+def _sweep(wpad: np.ndarray, members: np.ndarray, loads: np.ndarray, key: np.ndarray, tpad: np.ndarray,
+           bin_tok: np.ndarray, cap: float) -> int:
+    """One round of pairwise exchanges, in place; returns how many pairs changed.
 
     Microbatches are paired heaviest with lightest on ``key``; in every pair the single swap (or
     move, a swap with an empty slot) that most lowers the pair's sum of squared loads is applied,
     provided no load ends above the current worst one and the token cap holds. All pairs are
     evaluated at once: the change of ``|La|^2 + |Lb|^2`` for giving ``x`` and taking ``y`` is
-    ``2 (x - y) . (Lb - La) + 2 |x - y|^2``, one batched matrix product. ``wpad`` and ``tpad``
-    are the work and tokens of every sample followed by a zero row (index -1: an empty slot).
+    ``2 (x - y) . (Lb - La) + 2 |x - y|^2``, one batched matrix product.
+
+    Args:
+        wpad, tpad: work (n, d) and tokens (n,) of every sample followed by a zero row, which
+            index -1 (an empty slot) reads.
+        members: (n_bins, P) sample indices per microbatch padded with -1 (`_padded`).
+        loads, bin_tok: (n_bins, d) work and (n_bins,) tokens per microbatch.
     """
-    n_bins = loads.shape[0]
+    n_bins, width = members.shape
     peak = loads.max()
     ranked = np.argsort(key, kind="stable")
     h = n_bins // 2
     heavy, light = ranked[::-1][:h], ranked[:h]
-    members = _padded(where, n_bins)
-    wa, wb = wpad[members[heavy]], wpad[members[light]]  # (h, P, d)
+    ma, mb = members[heavy], members[light]  # (h, P)
+    wa, wb = wpad[ma], wpad[mb]  # (h, P, d)
     gap = loads[light] - loads[heavy]  # (h, d)
     na, nb = (wa * wa).sum(-1), (wb * wb).sum(-1)  # (h, P)
     ga, gb = (wa * gap[:, None]).sum(-1), (wb * gap[:, None]).sum(-1)
-    cross = wa @ wb.transpose(0, 2, 1)  # (h, P, P)
-    change = (ga + na)[:, :, None] + (nb - gb)[:, None, :] - 2 * cross
+    change = (ga + na)[:, :, None] + (nb - gb)[:, None, :] - 2 * (wa @ wb.transpose(0, 2, 1))  # (h, P, P)
     if np.isfinite(cap):
-        bin_tok = np.bincount(where, tpad[:-1], minlength=n_bins)
-        dt = tpad[members[heavy]][:, :, None] - tpad[members[light]][:, None, :]
+        dt = tpad[ma][:, :, None] - tpad[mb][:, None, :]
         bad = (bin_tok[heavy][:, None, None] - dt > cap) | (bin_tok[light][:, None, None] + dt > cap)
         change[bad] = np.inf
     flat = change.reshape(h, -1)
     best = flat.argmin(axis=1)
-    gain = -flat[np.arange(h), best]
-    ia, ib = np.divmod(best, members.shape[1])
-    xa, xb = members[heavy, ia], members[light, ib]
+    rows = np.arange(h)
+    gain = -flat[rows, best]
+    ia, ib = np.divmod(best, width)
+    xa, xb = ma[rows, ia], mb[rows, ib]
     delta = wpad[xa] - wpad[xb]  # (h, d)
-    fits = (np.maximum(loads[heavy] - delta, loads[light] + delta).max(axis=1) <= peak + 1e-12)
+    fits = np.maximum(loads[heavy] - delta, loads[light] + delta).max(axis=1) <= peak + 1e-12
     take = (gain > 1e-7) & fits  # gains below this change loads by ~1e-4 of a target
-    for x, dst in ((xa, light), (xb, heavy)):
-        sel = take & (x >= 0)
-        where[x[sel]] = dst[sel]
+    hs, ls = heavy[take], light[take]
+    members[hs, ia[take]] = xb[take]
+    members[ls, ib[take]] = xa[take]
+    loads[hs] -= delta[take]
+    loads[ls] += delta[take]
+    moved = tpad[xa[take]] - tpad[xb[take]]
+    bin_tok[hs] -= moved
+    bin_tok[ls] += moved
     return int(take.sum())
+
+
+def _unpad(members: np.ndarray, where: np.ndarray) -> None:
+    """Write each sample's microbatch from ``members`` into ``where``."""
+    rows, cols = np.nonzero(members >= 0)
+    where[members[rows, cols]] = rows
 
 
 def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
@@ -224,13 +241,20 @@ def _exchange(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, c
     d = work.shape[1]
     wpad = np.vstack([work, np.zeros((1, d))])
     tpad = np.append(t, 0.0)
+    members = _padded(where, n_bins)
+    loads = bin_loads(where, work, n_bins)
+    bin_tok = np.bincount(where, t, minlength=n_bins)
     quiet = 0
     for s in range(max_sweeps if n_bins > 1 else 0):
-        loads = bin_loads(where, work, n_bins)
+        if not (members < 0).any(axis=1).all():  # a microbatch has no free slot left: re-pad
+            _unpad(members, where)
+            members = _padded(where, n_bins)
         key = loads[:, s % d] if s % (d + 1) < d else rng.random(n_bins)
-        quiet = 0 if _sweep(wpad, where, loads, key, tpad, cap) else quiet + 1
+        quiet = 0 if _sweep(wpad, members, loads, key, tpad, bin_tok, cap) else quiet + 1
         if quiet > 1:
             break
+    _unpad(members, where)
+
 
 def _polish(work: np.ndarray, where: np.ndarray, n_bins: int, t: np.ndarray, cap: float,
             max_steps: int, n_partners: int = 8) -> None:
