@@ -113,7 +113,7 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
     With ``room = target - load``, ``load . w = target . w - room . w`` and ``target . w`` is the
     same for every microbatch, so the loop keeps only ``room`` and takes the largest ``room . w``.
     """
-    n, d = work.shape
+    n, _d = work.shape
     room = np.tile(target.astype(float), (n_bins, 1))  # (n_bins, d) left before each target
     bin_tok = np.zeros(n_bins)
     where = np.empty(n, dtype=np.int64)

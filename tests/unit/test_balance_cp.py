@@ -8,8 +8,13 @@ from hypothesis import strategies as st
 from harmonia.errors import ScheduleError
 from harmonia.model.attention_mask import EMPTY, TokenLayout, block_mask_kinds
 from harmonia.model.presets import mllm_preset
-from harmonia.schedule import (attention_unit_costs, block_costs, plan_cp_shards, uniform_shards,
-                               zigzag_shards)
+from harmonia.schedule import (
+    attention_unit_costs,
+    block_costs,
+    plan_cp_shards,
+    uniform_shards,
+    zigzag_shards,
+)
 
 segment = st.tuples(st.sampled_from(["text", "item"]), st.integers(1, 40))
 packed = st.lists(st.lists(segment, min_size=1, max_size=4), min_size=1, max_size=4)
@@ -58,7 +63,7 @@ def test_balanced_on_8k_multimodal_packs_better_than_zigzag() -> None:
                 segs, length = [("text", 8192 - total)], 8192 - total
             samples.append(segs)
             total += length
-        kw = dict(block=128, token_cost=token_cost, tile_cost=tile_cost)
+        kw = {"block": 128, "token_cost": token_cost, "tile_cost": tile_cost}
         worst["ours"] = max(worst["ours"], plan_cp_shards(samples, 4, **kw).imbalance)
         worst["zigzag"] = max(worst["zigzag"], zigzag_shards(samples, 4, **kw).imbalance)
     assert worst["ours"] <= 1.05
