@@ -8,11 +8,14 @@ boundary can put the encoder's outputs back in the microbatch's item order (`res
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from harmonia.errors import ScheduleError
+from harmonia.workload.cost import CostModel
+from harmonia.workload.shapes import SampleShape, encoder_sequences
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class SubMicrobatches:
 
 def _contiguous(costs: np.ndarray, n_sub: int) -> list[list[int]]:
     """Contiguous runs minimising the largest run (binary search on the largest run's cost)."""
-    lo, hi = float(costs.max(initial=0.0)), float(costs.sum())
+    lo, hi = float(costs.max(initial=0.0)), float(costs.sum()) * (1 + 1e-9) + 1e-12  # hi: one run
 
     def runs(limit: float) -> list[list[int]]:
         out, cur, acc = [], [], 0.0
@@ -111,3 +114,35 @@ def plan_submicrobatches(item_costs: np.ndarray, *, target: float | None = None,
         order = np.argsort(sub_costs, kind="stable")
         groups, sub_costs = [groups[k] for k in order], sub_costs[order]
     return SubMicrobatches(groups, sub_costs)
+
+
+def encoder_item_costs(samples: Sequence[SampleShape], cost: CostModel,
+                       module: str) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The items one encoder processes for a microbatch, in order, and the work of each.
+
+    Args:
+        samples: the microbatch's samples, in microbatch order.
+        cost: the cost model (its ``mllm`` names the encoders).
+        module: the encoder, e.g. ``vision``.
+
+    Returns:
+        ``(items, costs)``: ``(sample position, item position)`` of every item of ``module``, and
+        its F+B+W seconds (compute term, additive), ready for `plan_submicrobatches`.
+    """
+    mllm = cost.mllm
+    if module not in mllm.encoders:
+        raise ScheduleError(f"{module!r} is not an encoder of this model; encoders: {sorted(mllm.encoders)}")
+    j = cost.modules.index(module)
+    items, tokens, pairs = [], [], []
+    for s, sample in enumerate(samples):
+        for k, item in enumerate(sample.items):
+            if mllm.encoder_for(item.modality) != module:
+                continue
+            seqs = encoder_sequences(item, mllm.encoders[module])
+            items.append((s, k))
+            tokens.append(sum(seqs))
+            pairs.append(sum(n * n for n in seqs))
+    t = np.zeros((len(items), len(cost.modules)))
+    p = np.zeros_like(t)
+    t[:, j], p[:, j] = tokens, pairs
+    return items, cost.costs_from_loads(t, p)[:, j]

@@ -51,3 +51,22 @@ def test_errors() -> None:
     with pytest.raises(ScheduleError, match="non-negative"):
         plan_submicrobatches(-np.ones(3), n_sub=1)
     assert plan_submicrobatches(np.zeros(0), n_sub=2).n_sub == 0
+
+
+def test_encoder_item_costs_add_up_to_the_sample_costs() -> None:
+    from harmonia.model.presets import mllm_preset
+    from harmonia.schedule import encoder_item_costs
+    from harmonia.workload.cost import CostModel
+    from harmonia.workload.devices import device_preset
+    from harmonia.workload.traces import synthesize_trace
+
+    cost = CostModel(mllm_preset("tiny-omni"), device_preset("h100"))
+    samples = synthesize_trace(40, seed=1)
+    per_sample = cost.sample_costs(samples)
+    for module in ("vision", "audio"):
+        items, costs = encoder_item_costs(samples, cost, module)
+        assert np.isclose(costs.sum(), per_sample[:, cost.modules.index(module)].sum())
+        split = plan_submicrobatches(costs, n_sub=3)
+        assert sorted(i for g in split.groups for i in g) == list(range(len(items)))
+    with pytest.raises(ScheduleError, match="not an encoder"):
+        encoder_item_costs(samples, cost, "llm")
