@@ -3,8 +3,9 @@
 The transfer is an autograd Function. Forward, every rank posts all its sends and receives of the
 plan at once (``batch_isend_irecv``; sizes come from the plan, so nothing is padded) and copies the
 rows it both holds and needs locally. Backward runs the plan's backward messages the same way and
-accumulates the arriving gradients into the source rows (``index_add``: a sum where several
-destination ranks own partial gradients, exactly one copy per row otherwise).
+writes the arriving gradients into the source rows (a sum where several destination ranks own
+partial gradients, exactly one copy per row otherwise). Rows move as slices of the plan's row runs,
+never through index tensors.
 
 Who calls what, for one transfer (one microbatch of one encoder -> LLM edge):
 
@@ -31,55 +32,75 @@ from harmonia.errors import LayoutError
 from harmonia.runtime.boundary_plan import BoundaryPlan, Message
 
 
-def _index(runs: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """``(n,)`` row indices of ``(start, n)`` runs, concatenated."""
-    if not runs:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(s, s + n, device=device) for s, n in runs])
+def _payload(data: torch.Tensor, m: Message) -> torch.Tensor:
+    """``(n_rows, *F)`` rows a message carries, read from the sender's rows (a view for one run)."""
+    if len(m.runs) == 1:
+        s, _, n = m.runs[0]
+        return data[s:s + n]
+    return torch.cat([data[s:s + n] for s, _, n in m.runs])
 
 
-def _sender_index(m: Message, device: torch.device) -> torch.Tensor:
-    return _index([(s, n) for s, _, n in m.runs], device)
+def _place(out: torch.Tensor, rows: torch.Tensor, m: Message, sender_side: bool, accumulate: bool) -> None:
+    """Write a message's rows into ``out`` run by run (slice copies; sums where ``accumulate``).
 
-
-def _receiver_index(m: Message, device: torch.device) -> torch.Tensor:
-    return _index([(d, n) for _, d, n in m.runs], device)
+    ``rows`` is the sender's whole row tensor when ``sender_side`` (a local copy), else the message
+    data (the runs' rows concatenated).
+    """
+    at = 0
+    for s, d, n in m.runs:
+        src = rows[s:s + n] if sender_side else rows[at:at + n]
+        if accumulate:
+            out[d:d + n].add_(src)
+        else:
+            out[d:d + n].copy_(src)
+        at += n
 
 
 def exchange(plan: BoundaryPlan, rank: int, data: torch.Tensor, n_out: int, backward: bool,
              group: dist.ProcessGroup | None = None, tag: int = 0) -> torch.Tensor:
     """Run one direction of a plan on this rank (no autograd).
 
+    Rows move as slices of the plan's runs: a one-run message is sent from a view of ``data`` and
+    received straight into its rows of the output. Forward every output row is written exactly once,
+    so the output starts uninitialised; backward sums only with ``partial`` TP gradients (several
+    destination TP ranks each own part of a row's gradient), else each row arrives exactly once.
+
     Args:
         plan: the boundary plan.
         rank: this process's global rank.
         data: ``(n_in, *F)`` rows this rank holds (source rows forward, gradient rows backward).
         n_out: rows this rank ends up with (``dst_rows`` forward, ``src_rows`` backward).
-        backward: run the backward messages (accumulating) instead of the forward ones.
+        backward: run the backward messages instead of the forward ones.
         group: process group holding every rank of the plan (None = default group); ranks are global.
         tag: tag of every message of this call.
 
     Returns:
-        ``(n_out, *F)`` rows: received and local rows (forward), or summed gradients (backward).
+        ``(n_out, *F)`` rows: received and local rows (forward), or gradients (backward).
     """
     feat, device = data.shape[1:], data.device
-    out = torch.zeros(n_out, *feat, dtype=data.dtype, device=device)
+    data = data.contiguous()
+    accumulate = backward and plan.dst_tp_grads == "partial"
+    make = torch.zeros if accumulate else torch.empty
+    out = make(n_out, *feat, dtype=data.dtype, device=device)  # (n_out, *F)
     ops: list[dist.P2POp] = []
     inbox: list[tuple[Message, torch.Tensor]] = []
     for m in plan.recvs(rank, backward):
+        if len(m.runs) == 1 and not accumulate:  # straight into its rows
+            _, d, n = m.runs[0]
+            ops.append(dist.P2POp(dist.irecv, out[d:d + n], m.src, group, tag))
+            continue
         buf = torch.empty(m.n_rows, *feat, dtype=data.dtype, device=device)  # (rows, *F)
         ops.append(dist.P2POp(dist.irecv, buf, m.src, group, tag))
         inbox.append((m, buf))
     for m in plan.sends(rank, backward):
-        buf = data.index_select(0, _sender_index(m, device)).contiguous()  # (rows, *F)
-        ops.append(dist.P2POp(dist.isend, buf, m.dst, group, tag))
+        ops.append(dist.P2POp(dist.isend, _payload(data, m), m.dst, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     for m in plan.local(rank, backward):  # overlaps the transfers
-        out.index_add_(0, _receiver_index(m, device), data.index_select(0, _sender_index(m, device)))
+        _place(out, data, m, sender_side=True, accumulate=accumulate)
     for work in works:
         work.wait()
     for m, buf in inbox:
-        out.index_add_(0, _receiver_index(m, device), buf)
+        _place(out, buf, m, sender_side=False, accumulate=accumulate)
     return out
 
 
