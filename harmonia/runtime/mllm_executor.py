@@ -1,0 +1,469 @@
+"""The whole-MLLM executor: encoder stages, projectors, boundary transfers and the LLM pipeline on one rank.
+
+Each rank runs the stage chunks it holds of every module (an encoder colocated with the LLM shares
+its ranks; a disjoint one has its own). The projector of an encoder runs on the encoder's last
+stage, so that stage emits ``(rows, D)`` item embeddings in LLM width. Actions::
+
+    vision.s1.F3.1   encoder forward of sub-microbatch 1 (the last stage adds the projector; after a
+                     microbatch's last sub-microbatch its rows leave through the boundary)
+    llm.s0.F3        waits for every encoder's rows of microbatch 3, splices them in, runs the stage
+    llm.s0.B3        input gradient w.r.t. the spliced rows, sent back through the boundary
+    vision.s1.B3.1   the boundary gradient of the sub-microbatch's rows, back through the projector
+    W / BW           as in `harmonia.runtime.executor` (W only on a trainable projector behind a
+                     frozen encoder; no backward at all where nothing trains)
+
+The schedule is one LLM replica's (`StageGraph.from_layouts`); every rank takes the actions of its
+own stage chunks from it, whichever replica of each module it is, ordered by the schedule's own
+timeline (`harmonia.schedule.costs.replay`), so ranks that merge stages of several modules or serve
+several replicas still follow one global order (no wait cycles). Communication is asynchronous:
+stage messages through `P2P` (one per module, on its group), boundary rows through `BoundaryLink`
+(one plan per microbatch and encoder). After the actions: gradient reduction over each module's
+``dp``, one global-norm clip over all modules, one optimizer step per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harmonia.errors import LayoutError, ScheduleError
+from harmonia.model.llm import lm_loss
+from harmonia.model.mllm import group_mean
+from harmonia.runtime.boundary_link import BoundaryLink
+from harmonia.runtime.executor import OptimizerFactory, StepResult, _default_optimizer
+from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, squared_norm_share,
+                                    start_fsdp_backward)
+from harmonia.runtime.meshes import ModuleMeshes
+from harmonia.runtime.mllm_inputs import RankBatch
+from harmonia.runtime.p2p import P2P
+from harmonia.runtime.parallelize import ModuleMesh
+from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.costs import replay
+from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.lowering import strip_communication
+
+Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)
+
+
+@dataclass
+class ModuleRunner:
+    """One module's stage chunks on this rank, with their communication and gradient reduction.
+
+    Attributes:
+        mesh: the module's mesh on this rank.
+        chunks: chunk index -> stage module.
+        projector: the encoder's projector (on the rank holding the encoder's last chunk), else None.
+        p2p: stage-to-stage messages on the module's own group.
+    """
+
+    mesh: ModuleMesh
+    chunks: dict[int, nn.Module]
+    projector: nn.Module | None
+    p2p: P2P
+
+    def __post_init__(self) -> None:
+        layout = self.mesh.layout
+        self.name = self.mesh.name
+        self.n_stages = layout.n_stages
+        self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
+        self.fsdp = layout.fsdp and layout.dp > 1
+        self.dp_sync = DPGradSync(self.mesh.group_of("dp")) if layout.dp > 1 and not self.fsdp else None
+        self.replication = layout.dp * layout.cp * layout.tp
+
+    def weights(self, c: int) -> Iterator[nn.Parameter]:
+        """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
+        yield from (p for p in self.chunks[c].parameters() if p.requires_grad)
+        if c == self.n_stages - 1 and self.projector is not None:
+            yield from (p for p in self.projector.parameters() if p.requires_grad)
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for ps in self.params.values() for p in ps]
+
+    def backward_done(self, c: int) -> None:
+        """Start chunk ``c``'s gradient reduction over ``dp`` (after its last backward)."""
+        if self.fsdp:
+            finish_fsdp_backward(self.chunks[c])
+        elif self.dp_sync is not None:
+            self.dp_sync.start(self.params[c])
+
+
+class MLLMExecutor:
+    """Runs this rank's stage chunks of every module (encoders, projectors, LLM), iteration after iteration.
+
+    Args:
+        meshes: every module's meshes and groups (`harmonia.runtime.meshes.build_module_meshes`).
+        chunks: module -> chunk index -> stage module, for the modules this rank runs (already
+            parallelized; encoder TP/CP and LLM TP/CP are not supported yet).
+        hidden: the LLM hidden size (width of the rows crossing every boundary).
+        projectors: encoder -> its projector, on ranks holding the encoder's last chunk.
+        optimizer: builds one module's optimizer from its trainable parameters (default AdamW).
+        max_norm: clip the global gradient norm over all modules to this; None = no clipping.
+        norm_group: ranks the norm, the loss and the target count are global over (default: world;
+            every rank of it calls `step`).
+        dtype: dtype of activations and gradients between stages and across boundaries.
+    """
+
+    def __init__(self, meshes: ModuleMeshes, chunks: dict[str, dict[int, nn.Module]], hidden: int,
+                 projectors: dict[str, nn.Module] | None = None, optimizer: OptimizerFactory | None = None,
+                 max_norm: float | None = 1.0, norm_group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        projectors = projectors or {}
+        self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
+        self.hidden = hidden
+        self.runners: dict[str, ModuleRunner] = {}
+        for name, mods in sorted(chunks.items()):
+            mesh = meshes.module_mesh(name)
+            layout, pp = mesh.layout, mesh.coords["pp"]
+            if layout.tp > 1 or layout.cp > 1:
+                raise LayoutError(f"module {name!r}: tp={layout.tp}, cp={layout.cp}; the MLLM executor "
+                                  "runs tp=1, cp=1 layouts (use dp, fsdp and pp)")
+            if not mods or any(c % layout.pp != pp for c in mods):
+                raise LayoutError(f"rank {self.rank} ({name} pp={pp}) must hold chunks c with c % pp == "
+                                  f"{pp}; got {sorted(mods)}")
+            last = layout.n_stages - 1 in mods
+            if name != LLM and last != (name in projectors):
+                raise LayoutError(f"rank {self.rank}: pass {name!r}'s projector exactly on the ranks "
+                                  "holding its last stage chunk")
+            device = next(p for m in mods.values() for p in m.parameters()).device
+            self.runners[name] = ModuleRunner(mesh, dict(sorted(mods.items())), projectors.get(name),
+                                              P2P(group=mesh.group, dtype=dtype, device=device))
+        missing = [m for m in meshes.modules() if m not in self.runners]
+        if missing:
+            raise LayoutError(f"rank {self.rank} runs {missing} in the plan but got no chunks for them")
+        self.dtype, self.device = dtype, device
+        self.optimizers = {n: (optimizer or _default_optimizer)(r.trainable)
+                           for n, r in self.runners.items() if r.trainable}
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters over all its modules."""
+        return [p for r in self.runners.values() for p in r.trainable]
+
+    # -- schedule -> this rank's actions --------------------------------------------------------------
+    def local_actions(self, schedule: IterationSchedule) -> list[Action]:
+        """Compute actions of this rank's stage chunks, in the order of the schedule's timeline."""
+        compute = strip_communication(schedule)
+        times = replay(compute)
+        mine = {StageRef(n, c) for n, r in self.runners.items() for c in r.chunks}
+        out = []
+        for rank, acts in compute.orders.items():
+            for pos, a in enumerate(acts):
+                if a.stage_ref in mine:
+                    out.append((times[(rank, pos)][0], rank, pos, a))
+        return [a for *_, a in sorted(out, key=lambda t: t[:3])]
+
+    def _peer(self, name: str, chunk: int) -> int:
+        """The rank holding ``name``'s chunk ``chunk`` in this rank's replica."""
+        layout, me = self.runners[name].mesh.layout, self.runners[name].mesh.coords
+        return layout.rank_at(pp=chunk % layout.pp, dp=me["dp"], cp=me["cp"], tp=me["tp"])
+
+    # -- one iteration ------------------------------------------------------------------------------
+    def step(self, schedule: IterationSchedule, batch: RankBatch) -> StepResult:
+        """One iteration: the schedule's actions, gradient reduction, global-norm clip, optimizer steps.
+
+        Args:
+            schedule: a schedule of one LLM replica over all modules (lowered or not: stage and
+                boundary messages are derived from the layouts and the plans).
+            batch: this rank's data (`harmonia.runtime.mllm_inputs.build_rank_batch`).
+        """
+        loss = self.forward_backward(schedule, batch)
+        norm = clip_grad_norm(self.norm_share(), self.trainable, self.max_norm, self.norm_group)
+        self.optimizer_step()
+        return StepResult(loss, norm, batch.n_targets)
+
+    def forward_backward(self, schedule: IterationSchedule, batch: RankBatch) -> float:
+        """The actions and the gradient reduction; returns the global loss (the same on every rank)."""
+        graph = schedule.graph
+        if sorted(graph.module_names) != sorted(self.meshes.layouts):
+            raise ScheduleError(f"schedule modules {graph.module_names} differ from the plan's "
+                                f"{sorted(self.meshes.layouts)}; build the graph from the same layouts")
+        if LLM in self.runners and len(batch.llm) != schedule.n_microbatches:
+            raise ScheduleError(f"schedule has {schedule.n_microbatches} microbatches but {len(batch.llm)} "
+                                "LLM microbatches were given")
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=True)
+        for r in self.runners.values():
+            if r.fsdp:
+                for module in r.chunks.values():
+                    start_fsdp_backward(module)
+        run = _MLLMIteration(self, schedule, batch)
+        run.execute(self.local_actions(schedule))
+        for r in self.runners.values():
+            r.p2p.wait_sends()
+            if r.dp_sync is not None:
+                r.dp_sync.finish()
+        for link in run.links.values():
+            link.finish()
+        total = run.loss_sum.detach().double().clone()
+        dist.all_reduce(total, group=self.norm_group)
+        return float(total)
+
+    def norm_share(self) -> torch.Tensor:
+        """This rank's share of the squared global gradient norm, over all its modules."""
+        return sum((squared_norm_share(r.trainable, r.replication) for r in self.runners.values()),
+                   torch.zeros((), dtype=torch.float64))
+
+    def optimizer_step(self) -> None:
+        """One step of every module's optimizer on this rank."""
+        for opt in self.optimizers.values():
+            opt.step()
+
+
+class _MLLMIteration:
+    """Tensors in flight during one iteration on one rank, keyed by (module, chunk, microbatch, sub)."""
+
+    def __init__(self, ex: MLLMExecutor, schedule: IterationSchedule, batch: RankBatch) -> None:
+        self.ex, self.schedule, self.batch = ex, schedule, batch
+        self.graph: StageGraph = schedule.graph
+        self.normalizer = max(batch.n_targets, 1.0)
+        self.fwd_in: dict[Key, torch.Tensor | Action] = {}
+        self.bwd_in: dict[Key, torch.Tensor | Action] = {}
+        self.saved: dict[Key, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]] = {}
+        self.w_groups: dict[Key, list] = {}
+        self.enc_rows: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # encoder output rows per sub
+        self.enc_grads: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.leaves: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> encoder -> LLM input rows
+        self.loss_sum = torch.zeros(())
+        self.enc_sizes: dict[tuple[str, int], list[int]] = {}
+        self.pending_g: dict[Key, torch.Tensor | None] = {}
+        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.links: dict[str, BoundaryLink] = {}
+        for e in self.graph.encoders:
+            plans = batch.plans.get(e, [])
+            if len(plans) != schedule.n_microbatches:
+                raise ScheduleError(f"encoder {e!r}: {len(plans)} boundary plans for "
+                                    f"{schedule.n_microbatches} microbatches; give one per microbatch")
+            src_last = ex.meshes.layouts[e].n_stages - 1
+            if (e in ex.runners and src_last in ex.runners[e].chunks) or \
+                    (LLM in ex.runners and 0 in ex.runners[LLM].chunks):
+                back = self.graph.needs_backward(StageRef(e, self.graph.module(e).n_stages - 1))
+                self.links[e] = BoundaryLink(plans, ex.rank, ex.meshes.boundary_group(e), ex.hidden,
+                                             back, ex.dtype, ex.device)
+
+
+    # -- driving the actions ------------------------------------------------------------------------
+    def execute(self, actions: list[Action]) -> None:
+        for link in self.links.values():
+            link.post_receives()
+        for a in actions:
+            self._expect(a)
+        last_backward = {(a.module, a.stage): i for i, a in enumerate(actions)
+                         if a.kind in (Kind.B, Kind.W, Kind.BW)}
+        handlers = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
+                    Kind.BW: self.backward}
+        for i, a in enumerate(actions):
+            for r in self.ex.runners.values():
+                r.p2p.poll()
+            handlers[a.kind](a)
+            runner = self.ex.runners[a.module]
+            if last_backward.get((a.module, a.stage)) == i and runner.params[a.stage]:
+                runner.backward_done(a.stage)
+        if self.saved or self.w_groups or self.pending_g:
+            raise ScheduleError(f"iteration ended with unfinished work: backward pending for "
+                                f"{sorted(self.saved)}, W for {sorted(self.w_groups)}")
+
+    def _key(self, a: Action) -> Key:
+        return a.module, a.stage, a.microbatch, 0 if a.sub is None else a.sub
+
+    def _media(self, a: Action):
+        """The encoder inputs of an action's (sub-)microbatch on this replica (None: no items)."""
+        subs = self.batch.media.get(a.module, [])
+        if a.microbatch >= len(subs) or len(subs[a.microbatch]) != len(self.schedule.subs(a.module, a.microbatch)):
+            raise ScheduleError(f"{a}: give {a.module!r} inputs for each of the schedule's "
+                                f"{len(self.schedule.subs(a.module, a.microbatch))} sub-microbatches")
+        return subs[a.microbatch][self._key(a)[3]]
+
+    def _empty(self, a: Action) -> bool:
+        return a.module != LLM and self._media(a) is None
+
+    def _is_grad_action(self, a: Action) -> bool:
+        """The action consuming the stage's output gradient (B, BW, or a W-only stage's W)."""
+        return a.kind in (Kind.B, Kind.BW) or (a.kind is Kind.W and not self.graph.needs_b(a.stage_ref))
+
+    def _expect(self, a: Action) -> None:
+        """Post the stage-message receive an action will consume, if its producer is on another rank."""
+        r, (name, c, m, s) = self.ex.runners[a.module], self._key(a)
+        if self._empty(a):
+            return
+        if a.kind is Kind.F and c > 0 and c - 1 not in r.chunks:
+            recv = Action(name, c, Kind.RECV_F, m, a.sub, peer_rank=self.ex._peer(name, c - 1))
+        elif (self._is_grad_action(a) and c < r.n_stages - 1 and c + 1 not in r.chunks
+              and self.graph.needs_b(StageRef(name, c + 1))):
+            recv = Action(name, c, Kind.RECV_B, m, a.sub, peer_rank=self.ex._peer(name, c + 1))
+        else:
+            return
+        r.p2p.expect(recv)
+        (self.fwd_in if a.kind is Kind.F else self.bwd_in)[(name, c, m, s)] = recv
+
+    def _take(self, box: dict, key: Key, what: str) -> torch.Tensor:
+        value = box.pop(key, None)
+        if value is None:
+            raise ScheduleError(f"{key[0]}.s{key[1]} microbatch {key[2]}.{key[3]}: {what} has not arrived; "
+                                "the schedule runs a consumer before its producer")
+        return self.ex.runners[key[0]].p2p.take(value) if isinstance(value, Action) else value
+
+    def _pass(self, a: Action, kind: Kind, t: torch.Tensor) -> None:
+        """Hand a stage's output (F) or input gradient (B) to the neighbouring stage."""
+        r, (name, c, m, s) = self.ex.runners[a.module], self._key(a)
+        nxt = c + 1 if kind is Kind.SEND_F else c - 1
+        if nxt in r.chunks:
+            (self.fwd_in if kind is Kind.SEND_F else self.bwd_in)[(name, nxt, m, s)] = t
+        else:
+            r.p2p.send(Action(name, c, kind, m, a.sub, peer_rank=self.ex._peer(name, nxt)), t)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def forward(self, a: Action) -> None:
+        if a.module == LLM:
+            return self._llm_forward(a)
+        r, key = self.ex.runners[a.module], self._key(a)
+        name, c, m, s = key
+        last = c == r.n_stages - 1
+        media = self._media(a)
+        if media is not None:
+            ref = a.stage_ref
+            if c == 0:
+                x = media.inputs  # (N, C, H, W) tiles or (N, n_mels, F) audio chunks
+            else:
+                x = self._take(self.fwd_in, key, "the activation")  # (N, P', h)
+                x.requires_grad_(self.graph.needs_b(ref))
+            grad = self.graph.needs_backward(ref)
+            with torch.set_grad_enabled(grad):
+                y = r.chunks[c](x)
+                if last:
+                    y = r.projector(y)  # (N, P, D)
+                    y = group_mean(y, media.groups, media.n_groups).flatten(0, 1)  # (rows, D)
+            if grad:
+                self.saved[key] = ([x] if c > 0 else [], y)
+            if not last:
+                self._pass(a, Kind.SEND_F, y.detach())
+        if last:
+            parts = self.enc_rows.setdefault((name, m), {})
+            parts[s] = y.detach() if media is not None else torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype)
+            if len(parts) == len(self.schedule.subs(name, m)):  # the microbatch's rows are complete
+                rows = torch.cat([parts[j] for j in sorted(parts)])  # (src_rows, D)
+                self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
+                del self.enc_rows[(name, m)]
+                self.links[name].send(m, rows)
+
+    def _llm_forward(self, a: Action) -> None:
+        r, key = self.ex.runners[LLM], self._key(a)
+        _, c, m, _ = key
+        mb = self.batch.llm[m]
+        if m not in self.masks:
+            self.masks[m] = (mb.positions(), mb.mask())  # (1, T), (T, T)
+        positions, mask = self.masks[m]
+        ref = a.stage_ref
+        grad = self.graph.needs_backward(ref)
+        embeds, index = [], []
+        if c == 0:
+            x, inputs = mb.input_ids, []  # (1, T)
+            leaves = self.leaves.setdefault(m, {})
+            for e in self.graph.encoders:
+                rows = self.links[e].take(m)  # (dst_rows, D) in media.index order
+                want = mb.media[e].index.numel() if e in mb.media else 0
+                if rows.shape[0] != want:
+                    raise LayoutError(f"microbatch {m}: {rows.shape[0]} {e} rows arrived for {want} item "
+                                      "positions; build the boundary plans from the same sample split")
+                if want == 0:
+                    continue
+                if self.links[e].backward:
+                    leaves[e] = rows.requires_grad_()
+                    inputs.append(rows)
+                embeds.append(rows)
+                index.append(mb.media[e].index)
+        else:
+            x = self._take(self.fwd_in, key, "the activation")  # (1, T, h)
+            x.requires_grad_(self.graph.needs_b(ref))
+            inputs = [x]
+        with torch.set_grad_enabled(grad):
+            y = r.chunks[c](x, positions, mask, torch.cat(embeds) if embeds else None,
+                            torch.cat(index) if index else None)  # (1, T, h) or logits (1, T, V)
+            if c == r.n_stages - 1:
+                y = lm_loss(y, mb.labels, self.normalizer)
+                self.loss_sum += y.detach()
+        if grad:
+            self.saved[key] = (inputs, y)
+        if c < r.n_stages - 1:
+            self._pass(a, Kind.SEND_F, y.detach())
+
+    # -- backward -----------------------------------------------------------------------------------
+    def _grad_output(self, a: Action) -> torch.Tensor | None:
+        r, key = self.ex.runners[a.module], self._key(a)
+        name, c, m, s = key
+        if c < r.n_stages - 1:
+            return self._take(self.bwd_in, key, "the output gradient")
+        if name == LLM:
+            return None  # the loss itself
+        if (name, m) not in self.enc_grads:  # the boundary gradient of the microbatch's rows
+            dx = self.links[name].take(m, backward=True)  # (src_rows, D)
+            self.enc_grads[(name, m)] = list(dx.split(self.enc_sizes.pop((name, m))))
+        return self.enc_grads[(name, m)][s]
+
+    def _route(self, a: Action, inputs: list[torch.Tensor], grads) -> None:
+        """Send the input gradients back: to the previous stage, or across the boundaries."""
+        if not self.graph.needs_b(a.stage_ref):
+            return
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+        name, c, m, _ = self._key(a)  # LLM s0: one input per encoder with rows, else the activation
+        if name == LLM and c == 0:
+            for e, rows in self.leaves.pop(m, {}).items():
+                self.links[e].send(m, _grad_of(rows, inputs, grads), backward=True)
+        elif c > 0:
+            self._pass(a, Kind.SEND_B, grads[0])
+
+    def backward(self, a: Action) -> None:
+        """BW: input and weight gradients in one pass."""
+        if self._empty(a):
+            return
+        inputs, y = self.saved.pop(self._key(a))
+        torch.autograd.backward(y, self._grad_output(a))
+        self._route(a, inputs, [x.grad for x in inputs])
+
+    def backward_input(self, a: Action) -> None:
+        """B: the input gradient now; what W needs stays in ``w_groups``."""
+        from torch.distributed.pipelining._backward import stage_backward_input
+
+        if self._empty(a):
+            return
+        key = self._key(a)
+        inputs, y = self.saved.pop(key)
+        g = self._grad_output(a)
+        if not inputs:  # nothing to differentiate on this replica: W runs the whole backward
+            if self.graph.needs_w(a.stage_ref):
+                self.saved[key], self.pending_g[key] = (inputs, y), g
+            self._route(a, inputs, [])
+            return
+        if self.graph.needs_w(a.stage_ref):
+            weights = self.ex.runners[a.module].weights(a.stage)
+            grads, self.w_groups[key] = stage_backward_input([y], None if g is None else [g], inputs, weights)
+        else:
+            grads = torch.autograd.grad(y, inputs, g, allow_unused=True)
+        self._route(a, inputs, list(grads))
+
+    def backward_weight(self, a: Action) -> None:
+        """W: weight gradients from B's saved intermediates, or straight from the output gradient."""
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        if self._empty(a):
+            return
+        key = self._key(a)
+        groups = self.w_groups.pop(key, None)
+        if groups is not None:
+            stage_backward_weight(self.ex.runners[a.module].weights(a.stage), groups)
+            return
+        _inputs, y = self.saved.pop(key)
+        g = self.pending_g.pop(key) if key in self.pending_g else self._grad_output(a)
+        torch.autograd.backward(y, g)
+
+
+def _grad_of(rows: torch.Tensor, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradient belonging to input tensor ``rows`` (matched by identity)."""
+    for x, g in zip(inputs, grads):
+        if x is rows:
+            return g
+    raise ScheduleError("boundary rows of the LLM's first stage lost their gradient")

@@ -1,0 +1,276 @@
+"""The MLLM executor trains tiny-omni (vision + audio encoders, projectors, LLM) exactly as one process does.
+
+Every layout runs 3 optimizer steps (SGD with momentum, a global-norm clip over all modules that
+binds) on variable microbatches: each step's samples differ in text length, image tiles and audio
+length, each global microbatch in sample count, and each encoder deals its samples to its own DP
+replicas independently of the LLM. Two training setups cover the frozen paths: ``audio-frozen``
+(frozen audio encoder, trainable projector: W only on its last stage) and ``vision-frozen`` (frozen
+vision encoder and projector: no backward at all). Loss, gradient norm and final parameters must
+match a one-process run on the same samples (relative difference <= 1e-5; parameters elementwise,
+with an absolute floor of 1e-7 for zero-initialised biases whose gradient is ~0). All layouts of one world
+size share one spawned process group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
+from harmonia.model.mllm import build_mllm_model
+from harmonia.model.presets import mllm_preset
+from harmonia.plan.layout import Layout
+from tests.distributed._spawn import check_timeout, run_workers
+
+pytestmark = pytest.mark.distributed
+
+TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "frozen", "vision_proj": "frozen"}}
+STEPS = 3
+MAX_NORM = 0.5
+RTOL = 1e-5
+N_SAMPLES = 12
+
+
+def L(**kw) -> Layout:
+    return Layout(**kw)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One placement: vision, audio and LLM layouts, schedule family, global microbatches, training."""
+
+    name: str
+    vision: Layout
+    audio: Layout
+    llm: Layout
+    family: str = "1f1b"
+    n_microbatches: int = 3
+    training: str = "audio-frozen"
+    n_sub: dict = field(default_factory=dict)
+
+    def layouts(self) -> dict[str, Layout]:
+        return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
+
+
+CASES: dict[int, list[Case]] = {
+    2: [
+        Case("dis enc (r0) -> llm (r1)", L(), L(), L(rank_offset=1)),
+        Case("co all dp2", L(dp=2), L(dp=2), L(dp=2), training="vision-frozen"),
+        Case("co enc dp2 -> llm pp2 zb, vision subs", L(dp=2), L(dp=2), L(pp=2), "zb",
+             n_sub={"vision": 2}),
+        Case("co enc pp2 -> llm dp2", L(pp=2), L(), L(dp=2), n_microbatches=2),
+    ],
+    4: [
+        Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
+        Case("dis enc dp2 -> llm pp2", L(dp=2), L(dp=2), L(pp=2, rank_offset=2), training="vision-frozen"),
+        Case("dis vision pp2 -> llm dp2, audio on llm", L(pp=2), L(dp=2, rank_offset=2),
+             L(dp=2, rank_offset=2), "gpipe"),
+        Case("co vision dp4, audio pp2 dp2 -> llm pp2 dp2", L(dp=4), L(pp=2, dp=2), L(pp=2, dp=2)),
+        Case("co enc dp4 -> llm dp2 fsdp pp2 zb", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), "zb",
+             training="vision-frozen", n_sub={"audio": 2}),
+    ],
+}
+
+
+# -- data and the one-process reference ----------------------------------------------------------
+def spec(training: str):
+    return mllm_preset("tiny-omni", training=TRAINING[training])
+
+
+def samples(step: int) -> list[TokenizedSample]:
+    """The step's global batch: text of 3..12 tokens, 0-2 image tiles, an audio clip of 1-2 chunks."""
+    s = spec("audio-frozen")
+    vit, aud = s.encoders["vision"], s.encoders["audio"]
+    img_tokens = vit.patches_per_tile() // vit.token_merge
+    rng = random.Random(1000 + step)
+    g = torch.Generator().manual_seed(step)
+    out = []
+    for i in range(N_SAMPLES):
+        items, segments = [], [("text", rng.randint(1, 4))]
+        for _ in range(rng.randint(0, 2)):
+            items.append(ItemInputs("vision", torch.randn(1, 3, 16, 16, generator=g)))
+            segments.append(("item", img_tokens))
+        if rng.random() < 0.5:  # 1-2 fixed-length chunks (2 s, 100 mel frames each)
+            chunks = rng.randint(1, 2)
+            items.append(ItemInputs("audio", torch.randn(chunks, aud.n_mels, 100, generator=g)))
+            segments.append(("item", chunks * math.ceil(100 / aud.conv_stride)))
+        segments.append(("text", rng.randint(2, 8)))
+        n = sum(k for _, k in segments)
+        ids = torch.randint(4, s.llm.vocab_size, (n,), generator=g)
+        labels = torch.roll(ids, -1)
+        labels[-1] = -100
+        out.append(TokenizedSample(ids, labels, segments, items, sample_id=i))
+    return out
+
+
+def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list, dict]:
+    """Global microbatches of variable size; LLM replicas take contiguous runs, encoders deal theirs."""
+    batch = samples(step)
+    rng = random.Random(step)
+    n, dp = case.n_microbatches, case.llm.dp
+    sizes = [dp] * n  # every LLM replica gets a sample of every microbatch; the rest at random
+    for _ in range(len(batch) - dp * n):
+        sizes[rng.randrange(n)] += 1
+    bounds = [0, *itertools.accumulate(sizes)]
+    micro = [batch[a:b] for a, b in itertools.pairwise(bounds)]
+    llm_split, enc_split = [], {"vision": [], "audio": []}
+    for mb in micro:
+        k = len(mb)
+        llm_split.append([list(range(k * d // dp, k * (d + 1) // dp)) for d in range(dp)])
+        for e, layout in (("vision", case.vision), ("audio", case.audio)):
+            order = list(range(k))
+            rng.shuffle(order)
+            enc_split[e].append([sorted(order[d::layout.dp]) for d in range(layout.dp)])
+    return micro, llm_split, enc_split
+
+
+def initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return build_mllm_model(spec("audio-frozen"), apply_training_modes=False).state_dict()
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def reference(training: str) -> dict:
+    """Losses, gradient norms and final parameters of one process on whole batches."""
+    model = build_mllm_model(spec(training))
+    model.load_state_dict(initial_state())
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params)
+    losses, norms = [], []
+    for step in range(STEPS):
+        batch = pack_samples(samples(step))
+        opt.zero_grad()
+        loss = model.loss(batch, batch.n_targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_NORM)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# -- the distributed side ------------------------------------------------------------------------
+PREFIX = {"llm": "llm.", "vision": "encoders.vision.", "audio": "encoders.audio."}
+
+
+def run_case(case: Case, rank: int) -> dict:
+    from harmonia.model.lora import apply_training
+    from harmonia.model.mllm import build_module
+    from harmonia.runtime.meshes import build_module_meshes
+    from harmonia.runtime.mllm_executor import MLLMExecutor
+    from harmonia.runtime.mllm_inputs import build_rank_batch
+    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
+    from harmonia.schedule import StageGraph, build_schedule, lower
+
+    s, layouts = spec(case.training), case.layouts()
+    state = initial_state()
+    meshes = build_module_meshes(layouts)
+    chunks, projectors, named = {}, {}, {}
+    for name in meshes.modules():
+        layout, mesh = layouts[name], meshes.module_mesh(name)
+        sub = {k[len(PREFIX[name]):]: v for k, v in state.items() if k.startswith(PREFIX[name])}
+        chunks[name] = build_stage_modules(s, name, layout, rank, sub)
+        for module in chunks[name].values():
+            apply_training(module, s.training_of(name))
+            parallelize_stage(module, mesh)
+            named.update({PREFIX[name] + n: p for n, p in module.named_parameters()})
+        if name != "llm" and layout.n_stages - 1 in chunks[name]:
+            proj = build_module(s, f"{name}_proj")
+            pre = f"projectors.{name}_proj."
+            proj.load_state_dict({k[len(pre):]: v for k, v in state.items() if k.startswith(pre)})
+            apply_training(proj, s.training_of(f"{name}_proj"))
+            projectors[name] = proj
+            named.update({pre + n: p for n, p in proj.named_parameters()})
+    executor = MLLMExecutor(meshes, chunks, s.llm.hidden, projectors, optimizer=optimizer, max_norm=MAX_NORM)
+    flags = {"llm": s.training_of("llm").trains}
+    for e in ("vision", "audio"):
+        n = layouts[e].n_stages
+        flags[e] = tuple(s.training_of(e).trains or (c == n - 1 and s.training_of(f"{e}_proj").trains)
+                         for c in range(n))
+    graph = StageGraph.from_layouts(layouts, flags, replica=0)
+    schedule = lower(build_schedule(graph, case.n_microbatches, case.family, n_sub=case.n_sub or None))
+    n_sub = {e: schedule.n_sub[e] for e in schedule.n_sub}
+    losses, norms = [], []
+    for step in range(STEPS):
+        micro, llm_split, enc_split = placement(step, case)
+        batch = build_rank_batch(layouts, rank, micro, llm_split, enc_split, n_sub)
+        result = executor.step(schedule, batch)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    from torch.distributed.tensor import DTensor
+
+    params = {}
+    for name, p in named.items():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        params[name] = full.detach().clone()
+    return {"losses": losses, "norms": norms, "params": params}
+
+
+def worker(rank: int, world: int, cases: list[Case]) -> dict:
+    out = {}
+    for case in cases:
+        start = time.perf_counter()
+        with check_timeout(60, f"layout {case.name}"):
+            out[case.name] = run_case(case, rank)
+        out[case.name]["seconds"] = time.perf_counter() - start
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """World size -> rank values of `worker` (the spawn runs once per world size, lazily)."""
+    cache: dict[int, list] = {}
+
+    def get(world: int) -> list:
+        if world not in cache:
+            try:
+                cache[world] = run_workers(worker, world, (CASES[world],), timeout=240)
+            except AssertionError as e:
+                cache[world] = e
+        if isinstance(cache[world], AssertionError):
+            raise cache[world]
+        return cache[world]
+
+    return get
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("world, case", [(w, c) for w, cs in CASES.items() for c in cs],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_layout_matches_one_process(results, world: int, case: Case) -> None:
+    got = [r[case.name] for r in results(world)]
+    if case.training not in _REFERENCES:
+        _REFERENCES[case.training] = reference(case.training)
+    ref = _REFERENCES[case.training]
+    assert ref["norms"][0] > MAX_NORM, "clipping must bind for the check to cover the global norm"
+    for r, g in enumerate(got):
+        assert g["losses"] == pytest.approx(ref["losses"], rel=RTOL), f"rank {r} losses"
+        assert g["norms"] == pytest.approx(ref["norms"], rel=RTOL), f"rank {r} gradient norms"
+    params = {n: t for g in got for n, t in g["params"].items()}
+    assert set(params) == set(ref["params"]), "every parameter is held by some rank"
+    for g in got:  # elementwise |a - b| <= atol + rtol |b|: zero-initialised key biases get ~0 gradient
+        for n, t in g["params"].items():
+            torch.testing.assert_close(t, ref["params"][n], rtol=RTOL, atol=1e-7,
+                                       msg=lambda m, n=n: f"parameter {n} after {STEPS} steps: {m}")
+    init = initial_state()
+    for module in ("llm.", "encoders.vision." if case.training == "audio-frozen" else "encoders.audio.",
+                   "projectors.audio_proj."):
+        moved = max(_rel(ref["params"][n], init[n]) for n in params if n.startswith(module))
+        assert moved > 1e-4, f"training must change {module}*"
+    frozen = "encoders.audio." if case.training == "audio-frozen" else "encoders.vision."
+    assert all(torch.equal(params[n], init[n]) for n in params if n.startswith(frozen)), "frozen stays"
