@@ -116,6 +116,7 @@ class MLLMExecutor:
         self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
         self.hidden = hidden
         self.runners: dict[str, ModuleRunner] = {}
+        device: torch.device | str = "cpu"
         for name, mods in sorted(chunks.items()):
             mesh = meshes.module_mesh(name)
             layout, pp = mesh.layout, mesh.coords["pp"]
