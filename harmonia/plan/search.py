@@ -17,7 +17,7 @@ import numpy as np
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.plan import Plan
-from harmonia.sim.recipes import Candidate, candidates
+from harmonia.sim.recipes import Candidate, candidates, search_order_of
 from harmonia.sim.scenario import Scenario, ScenarioRun
 
 
@@ -54,7 +54,7 @@ def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64) -> P
     bounds = [lower_bound_s(run.profile, c.plan.layouts, batches) for c in cands]
     scored: list[tuple[float, float, Candidate]] = []
     pruned = 0
-    for i in sorted(range(len(cands)), key=lambda i: bounds[i]):
+    for i in search_order_of(cands, bounds):
         best = min((s for s, _, _ in scored), default=float("inf"))
         if bounds[i] >= best or len(scored) >= max_simulated:
             pruned += 1

@@ -19,7 +19,7 @@ from harmonia.model.presets import mllm_preset
 from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.profiling import profile_batches
 from harmonia.sim.engine import Timeline
-from harmonia.sim.recipes import RECIPES, Candidate, candidates, simulate
+from harmonia.sim.recipes import RECIPES, Candidate, candidates, search_order_of, simulate
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string
 from harmonia.workload.traces import load_trace
@@ -135,11 +135,10 @@ class ScenarioRun:
                                 self.scenario.model))
         search = list(range(self.scenario.iterations, self.scenario.iterations + self.scenario.search_batches))
         bounds = [lower_bound_s(self.profile, c.plan.layouts, search) for c in cands]
-        ranked = sorted(range(len(cands)), key=lambda i: bounds[i])
         best, best_s, tried = None, float("inf"), 0
-        for i in ranked[: self.scenario.max_candidates]:
+        for i in search_order_of(cands, bounds)[: self.scenario.max_candidates]:
             if bounds[i] >= best_s:
-                break
+                continue
             try:
                 # layouts are scored with the balancer's own order; the per-batch search runs at train time
                 score = float(np.mean([self._timeline(cands[i], k, 0.0).iteration_s for k in search]))
