@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from harmonia.errors import LayoutError, SampleError
 from harmonia.plan.layout import Layout
 
@@ -122,64 +124,64 @@ class _Span:
     local: int
 
 
-def _runs_of(assign: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs ``(first_row, n, value)`` of equal values."""
-    runs: list[tuple[int, int, int]] = []
-    for r, v in enumerate(assign):
-        if runs and runs[-1][2] == v:
-            first, n, _ = runs[-1]
-            runs[-1] = (first, n + 1, v)
-        else:
-            runs.append((r, 1, int(v)))
-    return runs
+def _cp_runs(side: str, d: int, n_rows: int, cp: int, assign: Sequence[int] | np.ndarray | None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Maximal runs of one cp rank over a replica's rows: ``(first_row, n, cp_rank)``, each (n_runs,).
 
-
-def _even_assign(n: int, cp: int) -> list[int]:
-    """Contiguous split of ``n`` rows over ``cp`` ranks (front-heavy), as a per-row assignment."""
-    base, extra = divmod(n, cp)
-    return [c for c in range(cp) for _ in range(base + (1 if c < extra else 0))]
+    ``assign`` None is the contiguous front-heavy split of ``n_rows`` over ``cp`` ranks.
+    """
+    if assign is None:
+        base, extra = divmod(n_rows, cp)
+        lens = np.array([base + (c < extra) for c in range(cp)], dtype=np.int64)  # (cp,)
+        vals = np.flatnonzero(lens)
+        lens = lens[vals]
+        return np.cumsum(lens) - lens, lens, vals
+    a = np.asarray(assign)
+    if a.ndim != 1 or a.shape[0] != n_rows or (a.size and (not np.issubdtype(a.dtype, np.integer)
+                                                          or a.min() < 0 or a.max() >= cp)):
+        raise LayoutError(f"{side}: cp assignment of DP replica {d} must give an integer cp rank in "
+                          f"0..{cp - 1} for each of its {n_rows} rows (got shape {a.shape}, dtype {a.dtype})")
+    a = a.astype(np.int64, copy=False)  # (n_rows,)
+    firsts = np.flatnonzero(np.r_[True, a[1:] != a[:-1]]) if n_rows else np.zeros(0, dtype=np.int64)
+    lens = np.diff(np.r_[firsts, n_rows])
+    return firsts, lens, a[firsts]
 
 
 def _spans(side: str, layout: Layout, samples: Sequence[Sequence[int]], rows: list[int],
-           starts: list[int], assign: Sequence[Sequence[int]] | None) -> list[_Span]:
-    """Where each global row lives on one side, as spans sorted by global row."""
+           starts: list[int], assign: Sequence[Sequence[int] | np.ndarray | None] | None) -> list[_Span]:
+    """Where each global row lives on one side, as spans sorted by global row.
+
+    Vectorised over rows: a span is one piece of a cp run inside one sample, so the cost grows with
+    the number of samples and cp runs, not with the number of rows.
+    """
     if len(samples) != layout.dp:
         raise LayoutError(f"{side}: {len(samples)} sample lists for dp={layout.dp}; give one (possibly "
                           "empty) list of sample indices per DP replica")
     if assign is not None and len(assign) != layout.dp:
         raise LayoutError(f"{side}: cp assignment has {len(assign)} entries for dp={layout.dp}; give one "
                           "per DP replica")
+    rows_np, starts_np = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
     spans: list[_Span] = []
     for d, replica in enumerate(samples):
-        n_rows = sum(rows[s] for s in replica)
-        if assign is None or assign[d] is None:
-            a = _even_assign(n_rows, layout.cp)
-        else:
-            a = list(assign[d])
-        if len(a) != n_rows or any(not 0 <= c < layout.cp for c in a):
-            raise LayoutError(f"{side}: cp assignment of DP replica {d} must give a cp rank in "
-                              f"0..{layout.cp - 1} for each of its {n_rows} rows (got {len(a)} entries)")
-        # Replica row -> global row: replica rows follow the replica's samples in order.
-        seg_first: list[tuple[int, int, int]] = []  # (replica_row, n, global_row)
-        r = 0
-        for s in replica:
-            if rows[s]:
-                seg_first.append((r, rows[s], starts[s]))
-            r += rows[s]
-        locals_seen = [0] * layout.cp
-        runs = _runs_of(a)
-        i = 0
-        for first, n, c in runs:  # intersect cp runs with sample segments (both sorted by replica row)
-            end = first + n
-            while i < len(seg_first) and seg_first[i][0] + seg_first[i][1] <= first:
-                i += 1
-            j = i
-            while j < len(seg_first) and seg_first[j][0] < end:
-                r0, rn, g0 = seg_first[j]
-                lo, hi = max(first, r0), min(end, r0 + rn)
-                spans.append(_Span(g0 + lo - r0, hi - lo, d, c, locals_seen[c] + lo - first))
-                j += 1
-            locals_seen[c] += n
+        rep = np.asarray(replica, dtype=np.int64)
+        seg_n = rows_np[rep]  # (n_samples,) rows of each sample, in replica order
+        n_rows = int(seg_n.sum())
+        firsts, lens, vals = _cp_runs(side, d, n_rows, layout.cp, None if assign is None else assign[d])
+        if n_rows == 0:
+            continue
+        run_local = np.empty_like(lens)  # (n_runs,) cp-local row of each run's first row
+        for c in range(layout.cp):
+            mine = vals == c
+            run_local[mine] = np.cumsum(lens[mine]) - lens[mine]
+        keep = seg_n > 0
+        seg_first = (np.cumsum(seg_n) - seg_n)[keep]  # replica row of each sample's first row
+        seg_global = starts_np[rep][keep]
+        lo = np.union1d(firsts, seg_first)  # (n_pieces,) each piece: one cp run inside one sample
+        n = np.diff(np.r_[lo, n_rows])
+        ri = np.searchsorted(firsts, lo, side="right") - 1
+        si = np.searchsorted(seg_first, lo, side="right") - 1
+        g, local, cps = seg_global[si] + lo - seg_first[si], run_local[ri] + lo - firsts[ri], vals[ri]
+        spans += [_Span(*v) for v in zip(g.tolist(), n.tolist(), [d] * len(lo), cps.tolist(), local.tolist())]
     return sorted(spans, key=lambda s: s.start)
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from harmonia.errors import LayoutError, SampleError
 from harmonia.plan.layout import Layout
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
+from harmonia.schedule.cp_shards import plan_cp_shards
 
 DEGREES = [{"dp": 1}, {"dp": 2}, {"dp": 4}, {"tp": 2}, {"dp": 2, "tp": 2}, {"cp": 2}, {"dp": 2, "cp": 2},
            {"pp": 2, "dp": 2}, {"tp": 2, "cp": 2}, {"dp": 3}]
@@ -146,6 +148,32 @@ def test_tp_replicas_share_sending() -> None:
     assert {(m.src, m.dst) for m in plan.backward} == {(2, 0), (2, 1), (3, 0), (3, 1)}
 
 
+def test_cp_shards_of_the_packed_sequence() -> None:
+    """Destination CP assignment read from `plan_cp_shards` of each replica's packed sequence (numpy)."""
+    rng = random.Random(3)
+    n = 12
+    items = [[rng.choice([16, 64, 200]) for _ in range(rng.randint(0, 3))] for _ in range(n)]
+    text = [[rng.randint(1, 90) for _ in range(len(i) + 1)] for i in items]  # text around every item
+    src, dst = Layout(dp=3), Layout(dp=2, cp=2, tp=2, rank_offset=3)
+    src_samples, dst_samples = _split(list(range(n)), 3, rng), _split(list(range(n)), 2, rng)
+    dst_assign = []
+    for replica in dst_samples:
+        segments = [[seg for t, m in zip(text[s], [*items[s], None]) for seg in
+                     (("text", t), ("item", m)) if seg[1] is not None] for s in replica]
+        kinds = np.concatenate([np.full(k, kind == "item") for seg in segments for kind, k in seg])
+        shards = plan_cp_shards(segments, dst.cp, block=32)
+        dst_assign.append(shards.token_ranks()[np.flatnonzero(kinds)])  # (media rows,) cp rank per row
+    plan = plan_boundary(src, dst, items, src_samples, dst_samples, dst_cp_assign=dst_assign)
+    rows = [sum(i) for i in items]
+    starts = [sum(rows[:s]) for s in range(n)]
+    src_ref = _local_rows(src, 0, src_samples, rows, starts, None)
+    dst_ref = _local_rows(dst, 0, dst_samples, rows, starts, dst_assign)
+    assert plan.dst_rows == {r: len(v) for r, v in dst_ref.items()}
+    values = torch.randn(sum(rows), 2, dtype=torch.float64)
+    got = _replay(plan, {r: values[v] for r, v in src_ref.items()}, plan.dst_rows, False, False)
+    assert all(torch.equal(got[r], values[v]) for r, v in dst_ref.items())
+
+
 def test_user_errors() -> None:
     with pytest.raises(SampleError, match="exactly one replica"):
         plan_boundary(Layout(), Layout(), [[1], [1]], [[0]], [[0, 1]])
@@ -155,5 +183,9 @@ def test_user_errors() -> None:
         plan_boundary(Layout(dp=2), Layout(), [[1]], [[0]], [[0]])
     with pytest.raises(LayoutError, match="cp rank in 0..1"):
         plan_boundary(Layout(), Layout(cp=2), [[2]], [[0]], [[0]], dst_cp_assign=[[0, 2]])
+    with pytest.raises(LayoutError, match="integer cp rank"):
+        plan_boundary(Layout(), Layout(cp=2), [[2]], [[0]], [[0]], dst_cp_assign=[np.array([0.0, 1.0])])
+    with pytest.raises(LayoutError, match="for each of its 2 rows"):
+        plan_boundary(Layout(), Layout(cp=2), [[2]], [[0]], [[0]], dst_cp_assign=[np.zeros(3, dtype=int)])
     with pytest.raises(LayoutError, match="dst_tp_grads"):
         plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]], dst_tp_grads="mean")
