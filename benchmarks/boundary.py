@@ -16,7 +16,9 @@ placement:
   (every member but the root receives the tensor, every member but the last forwards it). Sizes are
   counted per sample, as if fan-in accepted variable token counts (the real one sends one shape).
 - ``harmonia``: `plan_boundary` on the same placement (each destination rank receives exactly the rows
-  its DP replica and cp shard need, from a source replica; rows it already holds are copied locally).
+  its DP replica and cp shard need, from a source replica; rows it already holds are copied locally),
+  relaying inside nodes: a row several TP ranks of a node need and none of them holds enters the node
+  once, spread over the node's receivers, which forward it to their TP peers.
 - ``bound``: each destination rank receives at least the rows it needs that it does not hold.
 
 A last group shows harmonia with its own placement (source replicas balanced by encoder rows, LLM
@@ -309,14 +311,14 @@ def edge_bytes(edge: Edge) -> dict[str, tuple | None]:
     src_samples = contiguous(n, edge.src.dp)
     leader = plan_leader_bridge(edge.src, edge.dst, rows, src_samples)
     dst_samples = leader.dst_samples if leader else contiguous(n, edge.dst.dp)
-    plan = plan_boundary(edge.src, edge.dst, edge.item_tokens, src_samples, dst_samples)
+    plan = plan_boundary(edge.src, edge.dst, edge.item_tokens, src_samples, dst_samples, gpus_per_node=edge.node)
     ranks = list(plan.ranks)
     out: dict[str, tuple | None] = {}
     out["megatron"] = _stats(leader.bytes_per_rank(edge.row_bytes), ranks) if leader else None
     node = edge.node
     out["xnode"] = (
         sum(n for a, b, n in leader.moves() if a // node != b // node) * edge.row_bytes if leader else None,
-        sum(m.n_rows for m in plan.forward if m.src // node != m.dst // node) * edge.row_bytes,
+        sum(entering for _, entering in plan.node_bytes(edge.row_bytes).values()),
         lower_bound_cross_node(edge.src, edge.dst, rows, src_samples, dst_samples, node) * edge.row_bytes)
     out["harmonia"] = _stats({r: list(v) for r, v in plan.bytes_per_rank(edge.row_bytes).items()}, ranks)
     bound = lower_bound_recv(edge.src, edge.dst, rows, src_samples, dst_samples)
@@ -324,7 +326,7 @@ def edge_bytes(edge: Edge) -> dict[str, tuple | None]:
     got = plan.bytes_per_rank(edge.row_bytes)
     out["harmonia_at_bound"] = all(got[r][1] == bound.get(r, 0) * edge.row_bytes for r in ranks)
     src_bal, dst_bal = balanced(rows, edge.src.dp), balanced(edge.llm_tokens, edge.dst.dp)
-    plan = plan_boundary(edge.src, edge.dst, edge.item_tokens, src_bal, dst_bal)
+    plan = plan_boundary(edge.src, edge.dst, edge.item_tokens, src_bal, dst_bal, gpus_per_node=edge.node)
     out["balanced"] = _stats({r: list(v) for r, v in plan.bytes_per_rank(edge.row_bytes).items()}, ranks)
     out["batch"] = sum(rows) * edge.row_bytes
     return out

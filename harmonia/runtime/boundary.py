@@ -56,6 +56,30 @@ def _place(out: torch.Tensor, rows: torch.Tensor, m: Message, sender_side: bool,
         at += n
 
 
+def _phase(plan: BoundaryPlan, rank: int, hop: int, backward: bool, data: torch.Tensor, out: torch.Tensor,
+           accumulate: bool, group: dist.ProcessGroup | None, tag: int) -> None:
+    """Post one hop's sends (rows of ``data``) and receives (into ``out``), copy local rows, wait."""
+    ops: list[dist.P2POp] = []
+    inbox: list[tuple[Message, torch.Tensor]] = []
+    for m in plan.recvs(rank, backward, hop):
+        if len(m.runs) == 1 and not accumulate:  # straight into its rows
+            _, d, n = m.runs[0]
+            ops.append(dist.P2POp(dist.irecv, out[d:d + n], m.src, group, tag))
+            continue
+        buf = torch.empty(m.n_rows, *out.shape[1:], dtype=out.dtype, device=out.device)  # (rows, *F)
+        ops.append(dist.P2POp(dist.irecv, buf, m.src, group, tag))
+        inbox.append((m, buf))
+    for m in plan.sends(rank, backward, hop):
+        ops.append(dist.P2POp(dist.isend, _payload(data, m), m.dst, group, tag))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for m in plan.local(rank, backward, hop):  # overlaps the transfers
+        _place(out, data, m, sender_side=True, accumulate=accumulate)
+    for work in works:
+        work.wait()
+    for m, buf in inbox:
+        _place(out, buf, m, sender_side=False, accumulate=accumulate)
+
+
 def exchange(plan: BoundaryPlan, rank: int, data: torch.Tensor, n_out: int, backward: bool,
              group: dist.ProcessGroup | None = None, tag: int = 0) -> torch.Tensor:
     """Run one direction of a plan on this rank (no autograd).
@@ -64,6 +88,8 @@ def exchange(plan: BoundaryPlan, rank: int, data: torch.Tensor, n_out: int, back
     received straight into its rows of the output. Forward every output row is written exactly once,
     so the output starts uninitialised; backward sums only with ``partial`` TP gradients (several
     destination TP ranks each own part of a row's gradient), else each row arrives exactly once.
+    A plan that relays inside nodes runs in two hops: forward, hop 1 forwards rows received at hop 0;
+    backward, hop 1 first gathers the peers' partial gradients, which hop 0 then sends on, summed.
 
     Args:
         plan: the boundary plan.
@@ -77,30 +103,22 @@ def exchange(plan: BoundaryPlan, rank: int, data: torch.Tensor, n_out: int, back
     Returns:
         ``(n_out, *F)`` rows: received and local rows (forward), or gradients (backward).
     """
-    feat, device = data.shape[1:], data.device
     data = data.contiguous()
     accumulate = backward and plan.dst_tp_grads == "partial"
     make = torch.zeros if accumulate else torch.empty
-    out = make(n_out, *feat, dtype=data.dtype, device=device)  # (n_out, *F)
-    ops: list[dist.P2POp] = []
-    inbox: list[tuple[Message, torch.Tensor]] = []
-    for m in plan.recvs(rank, backward):
-        if len(m.runs) == 1 and not accumulate:  # straight into its rows
-            _, d, n = m.runs[0]
-            ops.append(dist.P2POp(dist.irecv, out[d:d + n], m.src, group, tag))
-            continue
-        buf = torch.empty(m.n_rows, *feat, dtype=data.dtype, device=device)  # (rows, *F)
-        ops.append(dist.P2POp(dist.irecv, buf, m.src, group, tag))
-        inbox.append((m, buf))
-    for m in plan.sends(rank, backward):
-        ops.append(dist.P2POp(dist.isend, _payload(data, m), m.dst, group, tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    for m in plan.local(rank, backward):  # overlaps the transfers
-        _place(out, data, m, sender_side=True, accumulate=accumulate)
-    for work in works:
-        work.wait()
-    for m, buf in inbox:
-        _place(out, buf, m, sender_side=False, accumulate=accumulate)
+    out = make(n_out, *data.shape[1:], dtype=data.dtype, device=data.device)  # (n_out, *F)
+    if not backward:
+        _phase(plan, rank, 0, False, data, out, False, group, tag)
+        if plan.sends(rank, False, 1) or plan.recvs(rank, False, 1):
+            _phase(plan, rank, 1, False, out, out, False, group, tag)
+        return out
+    if plan.recvs(rank, True, 1):  # relay: this rank's gradient plus its peers' parts
+        summed = data.clone()
+        _phase(plan, rank, 1, True, data, summed, True, group, tag)
+        data = summed
+    elif plan.sends(rank, True, 1):
+        _phase(plan, rank, 1, True, data, data, True, group, tag)
+    _phase(plan, rank, 0, True, data, out, accumulate, group, tag)
     return out
 
 

@@ -23,6 +23,18 @@ else spread over the replicas). Backward, the exact adjoint under the usual TP c
   one copy is taken per source replica (never a sum of replicas);
   ``dst_tp_grads="partial"``: each destination TP rank holds a partial gradient; they are summed.
 
+Relay across nodes (``gpus_per_node`` given): where a row is needed by several destination TP ranks of
+a node and no source rank of that node holds it, it enters the node once. The destination rows of
+each ``(dp, cp)`` position are cut into as many contiguous chunks as the node has receivers; each
+receiver takes one chunk from a source (hop 0) and forwards it to its TP peers on the node (hop 1,
+same row numbers: TP peers hold the same rows), like Megatron-LM's bridge broadcasting inside the
+node, but with the crossing rows spread over the node's ranks. Every rank still receives exactly its
+rows, and the rows entering each node are the lower bound (rows some rank of the node needs that no
+rank of it holds). Backward, ``replicated`` gradients need no relay (each source replica takes one copy
+from one destination rank, on its own node where there is one); ``partial`` gradients run the relay
+in reverse: the peers send their parts to the chunk's receiver (hop 1), which adds them to its own and
+sends the node's sum to every source replica (hop 0).
+
 Messages carry row runs ``(sender_row, receiver_row, n)`` in each side's local row numbering. Every
 rank computes the same plan from the same inputs, so sizes are known on both ends and nothing is
 padded (gloo's all_gather takes no uneven sizes: the plan is executed with point-to-point transfers).
@@ -51,11 +63,16 @@ class Message:
         dst: receiving global rank.
         runs: ``(sender_row, receiver_row, n)``: sender rows ``sender_row .. +n`` land on receiver rows
             ``receiver_row .. +n``; the message data is the runs' rows concatenated in this order.
+        hop: 0 = from the rows the sender holds (forward: source rows; backward: its gradient rows
+            plus the hop 1 parts it received). 1 = a relay inside a node between destination TP peers
+            (forward: rows the sender received at hop 0; backward: a partial gradient sent to the
+            chunk's receiver). Forward runs hop 0 then hop 1; backward hop 1 then hop 0.
     """
 
     src: int
     dst: int
     runs: tuple[Run, ...]
+    hop: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -82,6 +99,8 @@ class BoundaryPlan:
         dst_tp_grads: ``replicated`` (one copy) or ``partial`` (sum) over destination TP ranks.
         ranks: every rank taking part (source last stage and destination first stage), sorted; each
             of them calls the transfer, in the same order as its peers.
+        gpus_per_node: ranks per node the plan relays for (``rank // gpus_per_node`` is the node);
+            None = no relay.
     """
 
     forward: tuple[Message, ...]
@@ -90,18 +109,27 @@ class BoundaryPlan:
     dst_rows: dict[int, int]
     dst_tp_grads: str = "replicated"
     ranks: tuple[int, ...] = field(default=())
+    gpus_per_node: int | None = None
 
-    def sends(self, rank: int, backward: bool = False) -> list[Message]:
-        """Messages ``rank`` sends to other ranks."""
-        return [m for m in (self.backward if backward else self.forward) if m.src == rank != m.dst]
+    def _of(self, backward: bool, hop: int | None) -> list[Message]:
+        return [m for m in (self.backward if backward else self.forward) if hop is None or m.hop == hop]
 
-    def recvs(self, rank: int, backward: bool = False) -> list[Message]:
-        """Messages ``rank`` receives from other ranks."""
-        return [m for m in (self.backward if backward else self.forward) if m.dst == rank != m.src]
+    @property
+    def relays(self) -> bool:
+        """Some rows travel in two hops (a relay inside a destination node)."""
+        return any(m.hop for m in (*self.forward, *self.backward))
 
-    def local(self, rank: int, backward: bool = False) -> list[Message]:
+    def sends(self, rank: int, backward: bool = False, hop: int | None = None) -> list[Message]:
+        """Messages ``rank`` sends to other ranks (of one hop, or all)."""
+        return [m for m in self._of(backward, hop) if m.src == rank != m.dst]
+
+    def recvs(self, rank: int, backward: bool = False, hop: int | None = None) -> list[Message]:
+        """Messages ``rank`` receives from other ranks (of one hop, or all)."""
+        return [m for m in self._of(backward, hop) if m.dst == rank != m.src]
+
+    def local(self, rank: int, backward: bool = False, hop: int | None = None) -> list[Message]:
         """Copies within ``rank`` (colocated source and destination)."""
-        return [m for m in (self.backward if backward else self.forward) if m.dst == rank == m.src]
+        return [m for m in self._of(backward, hop) if m.dst == rank == m.src]
 
     def bytes_per_rank(self, row_bytes: int, backward: bool = False) -> dict[int, tuple[int, int]]:
         """``rank -> (bytes sent, bytes received)`` over the network (local copies excluded)."""
@@ -111,6 +139,29 @@ class BoundaryPlan:
                 out[m.src][0] += m.n_rows * row_bytes
                 out[m.dst][1] += m.n_rows * row_bytes
         return {r: (s, v) for r, (s, v) in out.items()}
+
+    def node_bytes(self, row_bytes: int, backward: bool = False,
+                   gpus_per_node: int | None = None) -> dict[int, tuple[int, int]]:
+        """``node -> (bytes leaving, bytes entering)`` across nodes, for nodes with traffic.
+
+        Args:
+            row_bytes: bytes of one row.
+            backward: count the backward messages.
+            gpus_per_node: ranks per node (default: the plan's).
+
+        Raises:
+            LayoutError: neither the plan nor the call gives ``gpus_per_node``.
+        """
+        per = gpus_per_node or self.gpus_per_node
+        if not per:
+            raise LayoutError("node_bytes needs the ranks per node: plan with gpus_per_node or pass it here")
+        out: dict[int, list[int]] = {}
+        for m in self.backward if backward else self.forward:
+            a, b = m.src // per, m.dst // per
+            if a != b:
+                out.setdefault(a, [0, 0])[0] += m.n_rows * row_bytes
+                out.setdefault(b, [0, 0])[1] += m.n_rows * row_bytes
+        return {k: (x, y) for k, (x, y) in sorted(out.items())}
 
 
 @dataclass(frozen=True)
@@ -185,9 +236,14 @@ def _spans(side: str, layout: Layout, samples: Sequence[Sequence[int]], rows: li
     return sorted(spans, key=lambda s: s.start)
 
 
-def _add(box: dict[tuple[int, int], list[Run]], src: int, dst: int, run: Run) -> None:
-    """Append a run to the (src, dst) message, merging it with the previous run when contiguous."""
-    runs = box.setdefault((src, dst), [])
+Box = dict[tuple[int, int, int], list[Run]]  # (hop, src, dst) -> runs
+
+
+def _add(box: Box, src: int, dst: int, run: Run, hop: int = 0) -> None:
+    """Append a run to the (src, dst) message of a hop, merging it with the previous run when contiguous."""
+    if run[2] == 0:
+        return
+    runs = box.setdefault((hop, src, dst), [])
     if runs:
         s, d, n = runs[-1]
         if s + n == run[0] and d + n == run[1]:
@@ -200,7 +256,7 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
                   src_samples: Sequence[Sequence[int]], dst_samples: Sequence[Sequence[int]],
                   dst_cp_assign: Sequence[Sequence[int] | None] | None = None,
                   src_cp_assign: Sequence[Sequence[int] | None] | None = None,
-                  dst_tp_grads: str = "replicated") -> BoundaryPlan:
+                  dst_tp_grads: str = "replicated", gpus_per_node: int | None = None) -> BoundaryPlan:
     """Plan one boundary transfer (see the module docstring for the row conventions).
 
     Args:
@@ -212,6 +268,9 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
         dst_cp_assign: per destination DP replica, the cp rank of each of its rows (None: contiguous).
         src_cp_assign: per source DP replica, the cp rank of each of its rows (None: contiguous).
         dst_tp_grads: ``replicated`` or ``partial`` (see the module docstring).
+        gpus_per_node: ranks per node (``rank // gpus_per_node`` is the node): relay rows that several
+            destination TP ranks of a node need through that node (see the module docstring). None:
+            every destination rank receives straight from a source.
 
     Returns:
         The plan: forward and backward messages of every rank.
@@ -222,6 +281,8 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
     """
     if dst_tp_grads not in TP_GRADS:
         raise LayoutError(f"dst_tp_grads={dst_tp_grads!r} unknown; expected one of {TP_GRADS}")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise LayoutError(f"gpus_per_node={gpus_per_node} must be >= 1 (or None for no relay)")
     rows = []
     for s, items in enumerate(item_tokens):
         if any(int(n) < 0 for n in items):
@@ -238,8 +299,15 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
     a = _spans("source", src, src_samples, rows, starts, src_cp_assign)
     b = _spans("destination", dst, dst_samples, rows, starts, dst_cp_assign)
 
-    fwd: dict[tuple[int, int], list[Run]] = {}
-    bwd: dict[tuple[int, int], list[Run]] = {}
+    def node(rank: int) -> int:
+        return rank // gpus_per_node if gpus_per_node else 0
+
+    position_rows: dict[tuple[int, int], int] = {}  # destination (dp, cp) -> its rows
+    for sp in b:
+        position_rows[sp.dp, sp.cp] = position_rows.get((sp.dp, sp.cp), 0) + sp.n
+    fwd: Box = {}
+    bwd: Box = {}
+    partial = dst_tp_grads == "partial"
     src_stage, i, j = src.pp - 1, 0, 0
     while i < len(a) and j < len(b):  # merge the two span lists over the global row space
         sa, sb = a[i], b[j]
@@ -248,16 +316,39 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
             n, a_row, b_row = hi - lo, sa.local + lo - sa.start, sb.local + lo - sb.start
             senders = [src.rank_at(src_stage, sa.dp, sa.cp, t) for t in range(src.tp)]
             receivers = [dst.rank_at(0, sb.dp, sb.cp, t) for t in range(dst.tp)]
-            for t, rank in enumerate(receivers):
-                pick = rank if rank in senders else senders[((sb.dp * dst.cp + sb.cp) * dst.tp + t) % src.tp]
-                _add(fwd, pick, rank, (a_row, b_row, n))
+            pos = sb.dp * dst.cp + sb.cp
+            producers: list[tuple[int, Run]] = []  # partial backward: (rank, run) sent to every sender
+            for g in dict.fromkeys(node(r) for r in receivers):
+                members = [(t, r) for t, r in enumerate(receivers) if node(r) == g]
+                near = [s for s in senders if node(s) == g]
+                if near or len(members) == 1:  # straight from a source (on this node where one is)
+                    pool = near or senders
+                    for t, rank in members:
+                        pick = rank if rank in senders else pool[(pos * dst.tp + t) % len(pool)]
+                        _add(fwd, pick, rank, (a_row, b_row, n))
+                        producers.append((rank, (b_row, a_row, n)))
+                    continue
+                total, k = position_rows[sb.dp, sb.cp], len(members)
+                for c, (t, head) in enumerate(members):  # chunk c of the position's rows enters via head
+                    c_lo = max(b_row, -(-c * total // k))
+                    c_hi = min(b_row + n, -(-(c + 1) * total // k))
+                    if c_lo >= c_hi:
+                        continue
+                    run = (a_row + c_lo - b_row, c_lo, c_hi - c_lo)
+                    _add(fwd, senders[(pos * dst.tp + t) % src.tp], head, run)
+                    producers.append((head, (c_lo, run[0], run[2])))
+                    for _, peer in members:
+                        if peer != head:
+                            _add(fwd, head, peer, (c_lo, c_lo, run[2]), hop=1)
+                            if partial:
+                                _add(bwd, peer, head, (c_lo, c_lo, run[2]), hop=1)
             for t, rank in enumerate(senders):
-                if dst_tp_grads == "partial":
-                    for producer in receivers:
-                        _add(bwd, producer, rank, (b_row, a_row, n))
+                if partial:
+                    for producer, run in producers:
+                        _add(bwd, producer, rank, run)
                 else:
-                    pick = rank if rank in receivers else receivers[
-                        ((sa.dp * src.cp + sa.cp) * src.tp + t) % dst.tp]
+                    pool = [r for r in receivers if node(r) == node(rank)] or receivers
+                    pick = rank if rank in receivers else pool[((sa.dp * src.cp + sa.cp) * src.tp + t) % len(pool)]
                     _add(bwd, pick, rank, (b_row, a_row, n))
         if sa.start + sa.n <= sb.start + sb.n:
             i += 1
@@ -268,9 +359,10 @@ def plan_boundary(src: Layout, dst: Layout, item_tokens: Sequence[Sequence[int]]
     dst_rows = _rows_per_rank(dst, 0, b)
     ranks = tuple(sorted(set(src_rows) | set(dst_rows)))
     return BoundaryPlan(
-        forward=tuple(Message(s, d, tuple(r)) for (s, d), r in sorted(fwd.items())),
-        backward=tuple(Message(s, d, tuple(r)) for (s, d), r in sorted(bwd.items())),
-        src_rows=src_rows, dst_rows=dst_rows, dst_tp_grads=dst_tp_grads, ranks=ranks)
+        forward=tuple(Message(s, d, tuple(r), h) for (h, s, d), r in sorted(fwd.items())),
+        backward=tuple(Message(s, d, tuple(r), h) for (h, s, d), r in sorted(bwd.items())),
+        src_rows=src_rows, dst_rows=dst_rows, dst_tp_grads=dst_tp_grads, ranks=ranks,
+        gpus_per_node=gpus_per_node)
 
 
 def _rows_per_rank(layout: Layout, stage: int, spans: list[_Span]) -> dict[int, int]:

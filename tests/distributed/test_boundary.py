@@ -40,6 +40,7 @@ class Case:
     llm: Layout
     cp_random: bool = False
     tp_grads: str = "replicated"
+    gpus_per_node: int | None = None  # relay rows inside nodes of this many ranks
 
 
 def L(**kw) -> Layout:
@@ -63,6 +64,16 @@ CASES: dict[int, list[Case]] = {
         Case("co enc tp4 -> llm dp4", L(tp=4), L(dp=4)),
         Case("co enc dp4 -> llm dp2 cp2", L(dp=4), L(dp=2, cp=2), cp_random=True),
         Case("co enc pp2 dp2 -> llm pp2 dp2 (source-only ranks)", L(pp=2, dp=2), L(pp=2, dp=2)),
+        Case("dis enc dp1 -> llm tp2, relay in nodes of 2", L(), L(tp=2, rank_offset=2), gpus_per_node=2),
+        Case("dis enc dp2 -> llm tp2 (partial), relay in nodes of 2", L(dp=2), L(tp=2, rank_offset=2),
+             tp_grads="partial", gpus_per_node=2),
+        Case("co enc dp4 -> llm tp4, relay in nodes of 2", L(dp=4), L(tp=4), gpus_per_node=2),
+        Case("co enc dp4 -> llm tp4 (partial), relay in nodes of 2", L(dp=4), L(tp=4), tp_grads="partial",
+             gpus_per_node=2),
+        Case("co enc tp2 dp2 -> llm tp4 cp1, relay in nodes of 2", L(tp=2, dp=2), L(tp=4), cp_random=True,
+             gpus_per_node=2),
+        Case("dis enc dp1 -> llm tp3 (partial), relay in nodes of 2", L(), L(tp=3, rank_offset=1),
+             tp_grads="partial", gpus_per_node=2),
     ],
     8: [
         Case("dis enc dp4 -> llm dp2 tp2", L(dp=4), L(dp=2, tp=2, rank_offset=4)),
@@ -101,7 +112,8 @@ def _run_case(rank: int, case: Case, seed: int, meshes) -> None:
 
     src_assign, dst_assign = assign(case.enc, src_samples), assign(case.llm, dst_samples)
     plan = plan_boundary(case.enc, case.llm, items, src_samples, dst_samples, dst_assign, src_assign,
-                         case.tp_grads)
+                         case.tp_grads, case.gpus_per_node)
+    assert case.gpus_per_node is None or plan.relays or sum(rows) == 0, case.name
     src_ref = _local_rows(case.enc, case.enc.pp - 1, src_samples, rows, starts, src_assign)
     dst_ref = _local_rows(case.llm, 0, dst_samples, rows, starts, dst_assign)
 

@@ -46,7 +46,8 @@ def _local_rows(layout: Layout, stage: int, samples, rows, starts, assign) -> di
     return out
 
 
-def _case(src: Layout, dst: Layout, seed: int, cp_random: bool, tp_grads: str = "replicated"):
+def _case(src: Layout, dst: Layout, seed: int, cp_random: bool, tp_grads: str = "replicated",
+          gpus_per_node: int | None = None):
     rng = random.Random(seed)
     n = rng.randint(1, 9)
     items = [[rng.choice([0, 1, 3, 4, 7]) for _ in range(rng.randint(0, 3))] for _ in range(n)]
@@ -61,7 +62,8 @@ def _case(src: Layout, dst: Layout, seed: int, cp_random: bool, tp_grads: str = 
         return [[rng.randrange(layout.cp) for _ in range(sum(rows[s] for s in rep))] for rep in samples]
 
     src_assign, dst_assign = assign(src, src_samples), assign(dst, dst_samples)
-    plan = plan_boundary(src, dst, items, src_samples, dst_samples, dst_assign, src_assign, tp_grads)
+    plan = plan_boundary(src, dst, items, src_samples, dst_samples, dst_assign, src_assign, tp_grads,
+                         gpus_per_node)
     src_ref = _local_rows(src, src.pp - 1, src_samples, rows, starts, src_assign)
     dst_ref = _local_rows(dst, 0, dst_samples, rows, starts, dst_assign)
     return plan, src_ref, dst_ref, sum(rows)
@@ -69,11 +71,24 @@ def _case(src: Layout, dst: Layout, seed: int, cp_random: bool, tp_grads: str = 
 
 def _replay(plan: BoundaryPlan, held: dict[int, torch.Tensor], sizes: dict[int, int], backward: bool,
             accumulate: bool) -> dict[int, torch.Tensor]:
-    """Apply a plan's messages (forward or backward) to per-rank row tensors ``(n, D)``."""
+    """Apply a plan's messages (forward or backward) to per-rank row tensors ``(n, D)``.
+
+    Forward: hop 0 reads the held rows, hop 1 the rows received so far. Backward: hop 1 first adds the
+    peers' rows to a copy of the receiving rank's own, hop 0 sends from those sums.
+    """
     out = {r: torch.zeros(n, 2, dtype=torch.float64) for r, n in sizes.items()}
     hits = {r: torch.zeros(n, dtype=torch.long) for r, n in sizes.items()}
-    for m in plan.backward if backward else plan.forward:
-        data = held[m.src][m.sender_rows()]
+    messages = plan.backward if backward else plan.forward
+    if backward:
+        summed = {r: v.clone() for r, v in held.items()}
+        for m in (m for m in messages if m.hop == 1):
+            summed[m.dst].index_add_(0, torch.tensor(m.receiver_rows(), dtype=torch.long),
+                                     held[m.src][m.sender_rows()])
+        held = summed
+    for m in sorted(messages, key=lambda m: m.hop):
+        if m.hop == 1 and backward:
+            continue
+        data = (out if m.hop == 1 else held)[m.src][m.sender_rows()]
         idx = torch.tensor(m.receiver_rows(), dtype=torch.long)
         out[m.dst].index_add_(0, idx, data)
         hits[m.dst].index_add_(0, idx, torch.ones_like(idx))
@@ -91,10 +106,9 @@ for a, b in itertools.product(DEGREES, DEGREES):
         LAYOUT_PAIRS.append(pytest.param(src, dst, id=f"{a}->{b}-{'co' if colocated else 'dis'}"))
 
 
-@pytest.mark.parametrize("src,dst", LAYOUT_PAIRS)
-def test_rows_and_adjoint(src: Layout, dst: Layout) -> None:
-    for seed, cp_random, tp_grads in itertools.product(range(4), (False, True), ("replicated", "partial")):
-        plan, src_ref, dst_ref, total = _case(src, dst, seed, cp_random, tp_grads)
+def _check_rows_and_adjoint(src: Layout, dst: Layout, gpus_per_node: int | None, seeds=range(4)) -> None:
+    for seed, cp_random, tp_grads in itertools.product(seeds, (False, True), ("replicated", "partial")):
+        plan, src_ref, dst_ref, total = _case(src, dst, seed, cp_random, tp_grads, gpus_per_node)
         assert plan.src_rows == {r: len(v) for r, v in src_ref.items()}
         assert plan.dst_rows == {r: len(v) for r, v in dst_ref.items()}
         values = torch.randn(total, 2, dtype=torch.float64)
@@ -119,6 +133,73 @@ def test_rows_and_adjoint(src: Layout, dst: Layout) -> None:
                   if tp_grads == "partial" or dst.coords(r)["tp"] == 0)
         rhs = sum(float((held[r] * back[r]).sum()) for r in src_ref if src.coords(r)["tp"] == 0)
         assert lhs == pytest.approx(rhs, rel=1e-9, abs=1e-9)
+        if gpus_per_node:  # rows enter each node once: the lower bound
+            entering = {k: v[1] for k, v in plan.node_bytes(1).items() if v[1]}
+            assert entering == _cross_node_bound(src_ref, dst_ref, gpus_per_node), f"seed {seed}"
+
+
+def _cross_node_bound(src_ref, dst_ref, per: int) -> dict[int, int]:
+    """Node -> rows some rank of it needs that no rank of it holds (nodes with none left out)."""
+    need: dict[int, set[int]] = {}
+    held: dict[int, set[int]] = {}
+    for r, rows in dst_ref.items():
+        need.setdefault(r // per, set()).update(rows)
+    for r, rows in src_ref.items():
+        held.setdefault(r // per, set()).update(rows)
+    out = {k: len(v - held.get(k, set())) for k, v in need.items()}
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
+@pytest.mark.parametrize("src,dst", LAYOUT_PAIRS)
+def test_rows_and_adjoint(src: Layout, dst: Layout) -> None:
+    _check_rows_and_adjoint(src, dst, None)
+
+
+RELAY_PAIRS = [
+    (Layout(), Layout(tp=4, rank_offset=4)),  # one source, one node of four receivers
+    (Layout(dp=2), Layout(tp=4, dp=2, rank_offset=2)),  # TP groups straddle nodes of 4
+    (Layout(tp=2), Layout(tp=8, rank_offset=2)),
+    (Layout(dp=4), Layout(dp=2, tp=2)),  # colocated: some rows held on the node, some not
+    (Layout(dp=2, tp=2), Layout(tp=4)),
+    (Layout(dp=4), Layout(tp=4, cp=2)),
+    (Layout(tp=2, cp=2), Layout(tp=4, dp=2, rank_offset=4)),
+    (Layout(dp=3), Layout(tp=2, dp=3, ranks=(5, 0, 6, 1, 7, 2))),  # strided TP peers
+    (Layout(tp=2, dp=2), Layout(tp=2, dp=2, rank_offset=4)),  # equal TP, disjoint nodes
+]
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 3, 4])
+@pytest.mark.parametrize("src,dst", RELAY_PAIRS)
+def test_relay_rows_adjoint_and_node_bound(src: Layout, dst: Layout, gpus_per_node: int) -> None:
+    """With nodes: every destination rank still gets exactly its rows, the backward is the exact
+    adjoint, and the rows entering each node are the lower bound."""
+    _check_rows_and_adjoint(src, dst, gpus_per_node)
+
+
+@pytest.mark.parametrize("src,dst", LAYOUT_PAIRS[::3])
+def test_relay_any_layout_pair(src: Layout, dst: Layout) -> None:
+    _check_rows_and_adjoint(src, dst, 2, seeds=range(2))
+
+
+def test_relay_enters_each_node_once() -> None:
+    """One source, a TP 4 destination on another node: rows cross once, split over the four
+    receivers, each forwarding its chunk to its peers (Megatron's bridge sends it 1x and broadcasts)."""
+    items = [[5], [3], [8]]
+    direct = plan_boundary(Layout(), Layout(tp=4, rank_offset=4), items, [[0, 1, 2]], [[0, 1, 2]])
+    relay = plan_boundary(Layout(), Layout(tp=4, rank_offset=4), items, [[0, 1, 2]], [[0, 1, 2]],
+                          gpus_per_node=4)
+    assert direct.node_bytes(1, gpus_per_node=4) == {0: (64, 0), 1: (0, 64)}
+    assert relay.node_bytes(1) == {0: (16, 0), 1: (0, 16)}
+    assert relay.relays and not direct.relays
+    assert {(m.src, m.dst, m.runs) for m in relay.forward if m.hop == 0} == {
+        (0, 4, ((0, 0, 4),)), (0, 5, ((4, 4, 4),)), (0, 6, ((8, 8, 4),)), (0, 7, ((12, 12, 4),))}
+    sent = relay.bytes_per_rank(1)
+    assert sent[0] == (16, 0) and all(sent[r] == (12, 16) for r in range(4, 8))
+    # Replicated gradients need no relay backward; partial ones are summed on the node first.
+    assert not any(m.hop for m in relay.backward)
+    partial = plan_boundary(Layout(), Layout(tp=4, rank_offset=4), items, [[0, 1, 2]], [[0, 1, 2]],
+                            dst_tp_grads="partial", gpus_per_node=4)
+    assert partial.node_bytes(1, backward=True) == {0: (0, 16), 1: (16, 0)}
 
 
 def test_colocated_copies_stay_local() -> None:
@@ -189,3 +270,7 @@ def test_user_errors() -> None:
         plan_boundary(Layout(), Layout(cp=2), [[2]], [[0]], [[0]], dst_cp_assign=[np.zeros(3, dtype=int)])
     with pytest.raises(LayoutError, match="dst_tp_grads"):
         plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]], dst_tp_grads="mean")
+    with pytest.raises(LayoutError, match="gpus_per_node"):
+        plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]], gpus_per_node=0)
+    with pytest.raises(LayoutError, match="ranks per node"):
+        plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]]).node_bytes(2)
