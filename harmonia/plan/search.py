@@ -9,6 +9,7 @@ order of its lower bound, skipping those whose bound cannot beat the best found.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -33,8 +34,13 @@ class PlanReport:
     seconds: float = 0.0
 
 
-def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64) -> PlanReport:
+def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64,
+                accept: Callable[[Plan], str | None] | None = None) -> PlanReport:
     """Search harmonia's candidates for a scenario.
+
+    Args:
+        accept: optional filter: returns None for a plan the caller can run, else the reason it
+            cannot (counted in ``rejected``), e.g. a runtime that supports only some layouts.
 
     Raises:
         LayoutError: when no candidate fits, naming what to change.
@@ -44,6 +50,15 @@ def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64) -> P
     rejected: Counter = Counter()
     cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, scenario.global_batch,
                             scenario.model, rejected))
+    if accept is not None:
+        kept = []
+        for c in cands:
+            reason = accept(c.plan)
+            if reason is None:
+                kept.append(c)
+            else:
+                rejected[reason] += 1
+        cands = kept
     if not cands:
         need = _smallest_fitting_world(scenario)
         raise LayoutError(
