@@ -23,6 +23,7 @@ stage messages through `P2P` (one per module, on its group), boundary rows throu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -139,6 +140,8 @@ class MLLMExecutor:
         self.dtype, self.device = dtype, device
         self.optimizers = {n: (optimizer or _default_optimizer)(r.trainable)
                            for n, r in self.runners.items() if r.trainable}
+        self.action_times: list[tuple[Action, float, float]] | None = None
+        """When a list: every executed action is appended with its start and end (``time.perf_counter``)."""
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -260,7 +263,12 @@ class _MLLMIteration:
         for i, a in enumerate(actions):
             for r in self.ex.runners.values():
                 r.p2p.poll()
-            handlers[a.kind](a)
+            if self.ex.action_times is None:
+                handlers[a.kind](a)
+            else:
+                start = time.perf_counter()
+                handlers[a.kind](a)
+                self.ex.action_times.append((a, start, time.perf_counter()))
             runner = self.ex.runners[a.module]
             if last_backward.get((a.module, a.stage)) == i and runner.params[a.stage]:
                 runner.backward_done(a.stage)
