@@ -20,6 +20,7 @@ from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.plan import Plan
 from harmonia.sim.recipes import Candidate, candidates, search_order_of
 from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.workload.shapes import SampleShape
 
 
 @dataclass
@@ -35,18 +36,20 @@ class PlanReport:
 
 
 def search_plan(scenario: Scenario, top: int = 10, max_simulated: int = 64,
-                accept: Callable[[Plan], str | None] | None = None) -> PlanReport:
+                accept: Callable[[Plan], str | None] | None = None,
+                samples: list[SampleShape] | None = None) -> PlanReport:
     """Search harmonia's candidates for a scenario.
 
     Args:
         accept: optional filter: returns None for a plan the caller can run, else the reason it
             cannot (counted in ``rejected``), e.g. a runtime that supports only some layouts.
+        samples: sample shapes to profile instead of the scenario's trace (a dataset's own).
 
     Raises:
         LayoutError: when no candidate fits, naming what to change.
     """
     t0 = time.perf_counter()
-    run = ScenarioRun(scenario)
+    run = ScenarioRun(scenario, samples)
     rejected: Counter = Counter()
     cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, scenario.global_batch,
                             scenario.model, rejected))

@@ -22,6 +22,7 @@ from harmonia.sim.engine import Timeline
 from harmonia.sim.recipes import RECIPES, Candidate, candidates, search_order_of, simulate
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string
+from harmonia.workload.shapes import SampleShape
 from harmonia.workload.traces import load_trace
 from harmonia.workload.work import load_arrays
 
@@ -110,13 +111,14 @@ class RecipeResult:
 class ScenarioRun:
     """Loads a scenario's model, cluster and trace once and runs recipes on it."""
 
-    def __init__(self, scenario: Scenario) -> None:
+    def __init__(self, scenario: Scenario, samples: list[SampleShape] | None = None) -> None:
+        """Load the scenario; ``samples`` (e.g. a dataset's shapes) replace its trace when given."""
         self.scenario = scenario
         self.mllm = mllm_preset(scenario.model, training=scenario.training)
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
         self.cost = CostModel(self.mllm, self.cluster.device)
-        self.samples = load_trace(scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096),
-                                  seed=scenario.seed)
+        self.samples = samples if samples is not None else load_trace(
+            scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096), seed=scenario.seed)
         tokens, pairs = load_arrays(self.samples, self.mllm)
         self.costs = self.cost.costs_from_loads(tokens, pairs)
         self.tokens = tokens[:, self.cost.modules.index("llm")]
