@@ -192,6 +192,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_OVERRIDES = ["--parallel.llm_pp=2"]
+"""The demo is the default config with the LLM pipelined over 2 stages (configs/demo.toml spells it out)."""
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train as the config says (see `harmonia train --help` for every field)."""
+    from harmonia.config import load_config
+    from harmonia.train import run_training
+    from harmonia.train.report import summary_table
+
+    config = load_config(args.config, args.overrides)
+    result = run_training(config, console)
+    if result.records:
+        console.print(summary_table(result.records, result.accuracy))
+        console.print(f"metrics, timelines and summary in {config.log.dir}/")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on its embedded default (see README for what it runs today)."""
     out = Path(args.out)
@@ -259,6 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, help="directory for per-recipe PNG timelines and traces")
     p.set_defaults(func=cmd_simulate)
 
+    from harmonia.config import help_lines
+
+    p = sub.add_parser("train", help="train an MLLM as a config says (spawns the processes itself)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="config fields (TOML [section] key = value, or --section.key=value):\n  "
+                       + "\n  ".join(help_lines()))
+    p.add_argument("--config", default=None, help="TOML config (default: the built-in demo defaults)")
+    p.set_defaults(func=cmd_train)
+
     p = sub.add_parser("demo", help="run the main job on its embedded default")
     p.add_argument("--out", default="runs/demo", help="directory for the demo's outputs")
     p.set_defaults(func=cmd_demo)
@@ -266,7 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")
     try:
         return args.func(args)

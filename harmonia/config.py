@@ -64,12 +64,16 @@ class ParallelConfig:
     cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8")
     schedule: str = _f("1f1b", "pipeline schedule family when the plan does not fix one")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
+    llm_pp: int = _f(0, "LLM pipeline stages the plan search must use (0 = the search decides)")
+    timeout_s: float = _f(0.0, "stop every rank if the job runs longer than this (0 = no limit)")
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
         _require(self.schedule in ("gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
                  "gpipe, 1f1b, interleaved or zb")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
+        _require(self.llm_pp >= 0, "parallel.llm_pp", self.llm_pp, ">= 0")
+        _require(self.timeout_s >= 0, "parallel.timeout_s", self.timeout_s, ">= 0")
         if self.plan != "auto":
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
 

@@ -59,13 +59,26 @@ def _states(modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Opt
 def save_checkpoint(directory: str | Path, step: int, modules: dict[str, nn.Module],
                     optimizers: dict[str, torch.optim.Optimizer], trainer_state: dict) -> Path:
     """Save a checkpoint of ``step`` collectively (every rank calls it). Returns its directory."""
+    return save_state(directory, step, _states(modules, optimizers), trainer_state)
+
+
+def save_state(directory: str | Path, step: int, state: dict, trainer_state: dict) -> Path:
+    """Save a nested dict of tensors (DTensors sharded as they are) as checkpoint ``step``, collectively.
+
+    Args:
+        directory: the run's checkpoint directory (``step-N`` is written inside).
+        step: the step the state is after.
+        state: this rank's tensors, keyed so that the same key means the same tensor on every rank
+            and under every layout (e.g. whole-model parameter names).
+        trainer_state: JSON-able trainer state (data position, ...), written by rank 0.
+    """
     final = Path(directory) / f"step-{step}"
     tmp = Path(directory) / f"step-{step}.tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_states(modules, optimizers), checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(tmp))
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / f"rng-{_rank()}.pt")
     _barrier()
@@ -88,17 +101,30 @@ def load_checkpoint(directory: str | Path, modules: dict[str, nn.Module],
     Raises:
         ConfigError: when there is no checkpoint to load.
     """
+    states = _states(modules, optimizers)
+    trainer = load_state(directory, states, step, restore_rng)
+    for name, module in modules.items():
+        opt = optimizers.get(name)
+        set_state_dict(module, [opt] if opt else [], model_state_dict=states[f"model.{name}"],
+                       optim_state_dict=states.get(f"optim.{name}", {}))
+    return trainer
+
+
+def load_state(directory: str | Path, state: dict, step: int | None = None, restore_rng: bool = True) -> dict:
+    """Load checkpoint ``step`` (default: the newest) into ``state``'s tensors in place.
+
+    Each rank reads exactly the slices its tensors (or DTensor shards) hold, whatever layout wrote
+    them. Returns the trainer state saved with the checkpoint (``step`` included).
+
+    Raises:
+        ConfigError: when there is no checkpoint to load.
+    """
     step = latest_step(directory) if step is None else step
     path = Path(directory) / f"step-{step}"
     if step is None or not (path / "trainer.json").is_file():
         raise ConfigError(f"no complete checkpoint in {directory}; train without resume or point "
                           "checkpoint.dir at a run that saved one")
-    states = _states(modules, optimizers)
-    dcp.load(states, checkpoint_id=str(path))
-    for name, module in modules.items():
-        opt = optimizers.get(name)
-        set_state_dict(module, [opt] if opt else [], model_state_dict=states[f"model.{name}"],
-                       optim_state_dict=states.get(f"optim.{name}", {}))
+    dcp.load(state, checkpoint_id=str(path))
     rng_file = path / f"rng-{_rank()}.pt"
     if restore_rng and rng_file.is_file():
         rng = torch.load(rng_file, weights_only=False)

@@ -1,0 +1,173 @@
+"""Everything one iteration needs, built on the CPU a step ahead (in the prefetch thread).
+
+For step ``k``: the data order gives the global batch; its samples are decoded (bad ones reported
+and skipped by the data policy, identically on every rank); the cost model prices every module's
+work per sample; the balancer forms the global microbatches, LLM replicas and encoder replicas
+(`harmonia.schedule.iteration.assign_iteration`); the per-batch search picks the microbatch order
+that minimises the replayed step time (a fixed number of evaluations, so every rank gets the same
+schedule); the schedule is lowered and the rank's own tensors are cut from the batch. Rank 0 also
+simulates the step on the cluster model (the "simulated" time beside the measured one).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from harmonia.data.loader import MultimodalDataset
+from harmonia.errors import SampleError
+from harmonia.model.spec import MLLMSpec
+from harmonia.plan.plan import Plan
+from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch
+from harmonia.schedule import build_schedule, lower
+from harmonia.schedule.actions import IterationSchedule
+from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.iteration import IterationAssignment, assign_iteration
+from harmonia.sim.engine import Timeline
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec
+from harmonia.workload.work import load_arrays
+
+
+class DataOrder:
+    """Which dataset indices each step trains on: epoch-wise permutations of the usable samples.
+
+    Step ``k`` takes positions ``[k B, (k + 1) B)`` of the concatenated epochs, so the data
+    position of a run is its step: resuming at step ``k`` continues the same stream.
+    """
+
+    def __init__(self, indices: list[int], global_batch: int, seed: int) -> None:
+        if len(indices) < global_batch:
+            raise SampleError(f"the dataset has {len(indices)} usable samples, fewer than train.global_batch="
+                              f"{global_batch}; add data or lower the batch")
+        self.indices, self.global_batch, self.seed = np.asarray(indices), global_batch, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _epoch(self, e: int) -> np.ndarray:
+        if e not in self._perms:
+            self._perms[e] = np.random.default_rng([self.seed, e]).permutation(self.indices)
+        return self._perms[e]
+
+    def batch(self, step: int) -> list[int]:
+        n = len(self.indices)
+        start = step * self.global_batch
+        return [int(self._epoch(p // n)[p % n]) for p in range(start, start + self.global_batch)]
+
+    def epoch_of(self, step: int) -> float:
+        return step * self.global_batch / len(self.indices)
+
+
+@dataclass
+class PreparedIteration:
+    """One step's data and schedule on one rank.
+
+    Attributes:
+        step: the step (0-based).
+        sample_ids: dataset indices trained this step (decoded successfully).
+        skipped: samples of the step's batch dropped by the data policy.
+        assignment: global microbatches and replicas (batch positions).
+        schedule: the lowered schedule every rank follows.
+        batch: this rank's tensors.
+        n_tokens: LLM tokens of the step's batch.
+        predicted: the simulated step on the cluster model (rank 0 only).
+        prepare_s: seconds spent building this.
+    """
+
+    step: int
+    sample_ids: list[int]
+    skipped: int
+    assignment: IterationAssignment
+    schedule: IterationSchedule
+    batch: RankBatch
+    n_tokens: int
+    predicted: Timeline | None
+    prepare_s: float
+
+
+def module_costs(cost: CostModel, shapes: list, plan: Plan) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Per-sample work of the LLM and of every encoder with its projector, and LLM tokens.
+
+    Returns:
+        ``(costs, columns, tokens)``: costs (n, 1 + encoders) in seconds, column names (``llm``
+        first), and (n,) LLM tokens.
+    """
+    tokens, pairs = load_arrays(shapes, cost.mllm)
+    per_module = cost.costs_from_loads(tokens, pairs)
+    col = {m: j for j, m in enumerate(cost.modules)}
+    columns = [LLM, *plan.encoders]
+    out = np.zeros((len(shapes), len(columns)))
+    out[:, 0] = per_module[:, col[LLM]]
+    for k, e in enumerate(plan.encoders, start=1):
+        proj = per_module[:, col[f"{e}_proj"]] if f"{e}_proj" in col else 0.0
+        out[:, k] = per_module[:, col[e]] + proj
+    return out, columns, tokens[:, col[LLM]]
+
+
+class IterationBuilder:
+    """Builds `PreparedIteration` for any step, deterministically (the same on every rank).
+
+    Args:
+        spec: the MLLM.
+        plan: the job's plan.
+        dataset: the training set.
+        order: the data order.
+        cost: the cost model of the cluster's device (balancing and simulation).
+        cluster: the cluster model (simulated step time).
+        graph: one LLM replica's stage graph (`harmonia.train.rank.schedule_graph`).
+        rank: this process's rank.
+        search_evaluations: schedules the per-batch order search replays (0 = keep the balancer's).
+        simulate: also simulate the step (rank 0).
+    """
+
+    def __init__(self, spec: MLLMSpec, plan: Plan, dataset: MultimodalDataset, order: DataOrder, cost: CostModel,
+                 cluster: ClusterSpec, graph: StageGraph, rank: int, search_evaluations: int = 64,
+                 simulate: bool = False) -> None:
+        self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
+        self.cluster, self.graph, self.rank = cluster, graph, rank
+        self.search_evaluations, self.simulate = search_evaluations, simulate
+
+    def __call__(self, step: int) -> PreparedIteration:
+        t0 = time.perf_counter()
+        wanted = self.order.batch(step)
+        samples = self.dataset.load(wanted)
+        plan, llm = self.plan, self.plan.layouts[LLM]
+        if len(samples) < llm.dp * plan.n_microbatches:
+            raise SampleError(f"step {step}: only {len(samples)} of {len(wanted)} samples decoded, fewer than "
+                              f"llm dp x n_microbatches = {llm.dp * plan.n_microbatches}; fix the data")
+        shapes = [s.shape for s in samples]
+        costs, columns, tokens = module_costs(self.cost, shapes, plan)
+        assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
+                                      plan.n_microbatches, tokens=tokens, seed=step)
+        schedule, predicted = self._schedule(shapes, assignment)
+        micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
+        batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
+                                 {e: schedule.n_sub[e] for e in schedule.n_sub})
+        return PreparedIteration(step, [s.index for s in samples], len(wanted) - len(samples), assignment,
+                                 schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0)
+
+    def _schedule(self, shapes: list, assignment: IterationAssignment) -> tuple[IterationSchedule, Timeline | None]:
+        """The searched microbatch order's lowered schedule, and (rank 0) its simulated timeline."""
+        from harmonia.sim.engine import replay
+        from harmonia.sim.orders import cost_table, plan_orders
+        from harmonia.sim.search import search_order
+        from harmonia.sim.stagework import plan_iteration_work
+        from harmonia.sim.tasks import build_tasks
+
+        plan, n = self.plan, assignment.n_microbatches
+        per_replica = {d: [[assignment.microbatches[m][i] for i in assignment.llm_split[m][d]] for m in range(n)]
+                       for d in range(plan.layouts[LLM].dp)}
+        iw = plan_iteration_work(shapes, plan, self.cost, per_replica)
+        table = cost_table(plan, iw, 0)
+        order = list(range(n))
+        if self.search_evaluations and n > 1:
+            order = search_order(self.graph, table, n, (plan.schedule,), budget_s=float("inf"),
+                                 max_evaluations=self.search_evaluations).order
+        schedule = lower(build_schedule(self.graph, n, plan.schedule, order=order, costs=table))
+        predicted = None
+        if self.simulate:
+            orders = plan_orders(plan, self.cost, iw, order={d: order for d in per_replica})
+            tasks, queue, comm = build_tasks(plan, self.cost, iw, orders, self.cluster)
+            predicted = replay(tasks, queue, comm)
+        return schedule, predicted

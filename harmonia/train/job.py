@@ -1,0 +1,154 @@
+"""`harmonia train`: a whole job from a config, on local processes or under torchrun.
+
+Started plainly, the job does everything that can fail cheaply before any process starts: it
+validates the config, synthesizes the dataset if it is missing, reads every sample's shape (bad
+samples reported and skipped by policy), and loads or searches the plan (printed). Then it spawns
+``parallel.world_size`` processes (`harmonia.launch.launch`: a failing rank ends the job with its
+message, never a hang), and finally evaluates held-out answer accuracy of the initial and the
+trained model from the last checkpoint and prints the summary. Under torchrun every process runs
+`train_worker` directly and rank 0 does the preparation, sharing the plan with the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harmonia.config import Config
+from harmonia.plan.plan import Plan
+from harmonia.plan.search import PlanReport
+from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a finished job reports (the parent's view)."""
+
+    plan: Plan
+    records: list[dict]
+    losses: list[float]
+    start_step: int
+    accuracy: dict[str, tuple[float, float, int, float]] = field(default_factory=dict)
+    report: PlanReport | None = None
+
+
+def prepare_data(config: Config) -> Path:
+    """The dataset directory (``train/`` and ``heldout/`` inside), synthesized when missing."""
+    from harmonia.errors import ConfigError
+
+    root = Path(config.data.path)
+    if (root / "train").exists():
+        return root
+    if not config.data.synthesize:
+        raise ConfigError(f"config data.path={str(root)!r} has no train/ split and data.synthesize=0; point it "
+                          "at a dataset or set data.synthesize to a sample count")
+    from harmonia.data.synth import write_synthetic_dataset
+
+    spec = model_spec(config)
+    tile = next((e.image_size for e in spec.encoders.values() if not e.is_audio), 16)
+    trace = None
+    if config.data.trace:
+        from harmonia.workload.traces import load_trace
+
+        trace = load_trace(config.data.trace, n_samples=config.data.synthesize, seed=config.train.seed)
+    n = config.data.synthesize + config.data.heldout
+    write_synthetic_dataset(root, n, seed=config.train.seed, heldout=config.data.heldout / n, trace=trace, tile=tile)
+    return root
+
+
+def dataset_shapes(config: Config) -> list:
+    """Shapes of every usable training sample (bad ones counted, reported and skipped)."""
+    from harmonia.data.loader import MultimodalDataset
+
+    ds = MultimodalDataset(Path(config.data.path) / "train", model_spec(config), config.data.max_tokens,
+                           on_error=config.data.on_error)
+    return ds.shapes()
+
+
+def resolve_plan(config: Config) -> tuple[Plan, PlanReport | None]:
+    """The plan file of the config, or the best plan the search finds on the job's data."""
+    if config.parallel.plan != "auto":
+        return load_training_plan(config), None
+    report = search_training_plan(config, dataset_shapes(config))
+    return report.best, report
+
+
+def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[float, float, int, float]]:
+    """Held-out accuracy per task of the initial model and of the checkpoint: (before, after, n, chance)."""
+    import torch.distributed.checkpoint as dcp
+
+    from harmonia.data.evaluate import answer_accuracy, chance_accuracy
+    from harmonia.data.loader import MultimodalDataset
+    from harmonia.model.mllm import build_mllm_model
+    from harmonia.train.rank import initial_state
+
+    heldout = Path(config.data.path) / "heldout"
+    if not heldout.exists():
+        return {}
+    spec = model_spec(config)
+    ds = MultimodalDataset(heldout, spec, config.data.max_tokens, on_error="skip")
+    samples = ds.load(list(range(len(ds))))
+    model = build_mllm_model(spec)
+    model.load_state_dict(initial_state(spec, config.train.seed))
+    before = answer_accuracy(model, samples)
+    if checkpoint_step is None:
+        return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}
+    state = {"model": dict(model.state_dict())}
+    dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"))
+    after = answer_accuracy(model, samples)
+    return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
+
+
+def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"plan: {plan.placement.value}, {plan.schedule}, {plan.n_microbatches} microbatches "
+                        f"per LLM replica, global batch {plan.global_batch}")
+    for col in ("module", "ranks", "pp", "dp", "tp", "cp", "fsdp"):
+        table.add_column(col)
+    for module, lay in plan.layouts.items():
+        table.add_row(module, ",".join(map(str, lay.rank_list())), str(lay.pp), str(lay.dp), str(lay.tp),
+                      str(lay.cp), "yes" if lay.fsdp else "no")
+    console.print(table)
+    if report is not None:
+        console.print(f"searched {report.simulated} layouts in the simulator ({report.pruned} pruned by their "
+                      f"lower bound, {sum(report.rejected.values())} rejected: {dict(report.rejected)}) "
+                      f"in {report.seconds:.1f} s")
+
+
+def run_training(config: Config, console) -> TrainResult:
+    """Run the job on local processes (or in this process under torchrun); returns what rank 0 saw."""
+    from harmonia.launch import launch, under_torchrun
+    from harmonia.runtime.checkpoint import latest_step
+    from harmonia.train.loop import train_worker
+
+    log_dir = Path(config.log.dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    result_path = log_dir / "result.json"
+    result_path.unlink(missing_ok=True)
+    report = None
+    if under_torchrun():
+        train_worker(config, None, str(result_path))
+        if not result_path.exists():  # ranks other than 0
+            return TrainResult(Plan.load(log_dir / "plan.json"), [], [], 0)
+        plan = Plan.load(log_dir / "plan.json")
+    else:
+        check_cluster(config)
+        prepare_data(config)
+        plan, report = resolve_plan(config)
+        print_plan(plan, report, console)
+        plan.save(log_dir / "plan.json")
+        launch(train_worker, config.parallel.world_size, (config, plan.to_json(), str(result_path)),
+               timeout=config.parallel.timeout_s or None)
+    out = json.loads(result_path.read_text())
+    accuracy = evaluate(config, latest_step(config.checkpoint.dir))
+    result = TrainResult(plan, out["records"], out["losses"], out["start_step"], accuracy, report)
+    (log_dir / "summary.json").write_text(json.dumps({
+        "plan": json.loads(plan.to_json()), "losses": result.losses, "start_step": result.start_step,
+        "accuracy": {t: dict(zip(("before", "after", "n", "chance"), v)) for t, v in accuracy.items()},
+        "last": result.records[-1] if result.records else None}, indent=1, default=float))
+    return result

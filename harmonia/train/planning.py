@@ -1,0 +1,81 @@
+"""The plan a training job runs: a plan file, or one searched at start-up from the dataset's shapes.
+
+The search is the planner's (`harmonia.plan.search.search_plan`) on the job's own data: whole
+global batches drawn from the dataset's sample shapes are what every candidate layout is scored on. Candidates the executor cannot run and those outside the
+config's constraints (``parallel.llm_pp``) are rejected with their reason before simulating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from harmonia.config import Config
+from harmonia.errors import ConfigError
+from harmonia.model.spec import MLLMSpec, ModuleTraining
+from harmonia.plan.plan import Plan
+from harmonia.plan.search import PlanReport, search_plan
+from harmonia.sim.scenario import Scenario
+from harmonia.workload.devices import cluster_from_string
+from harmonia.workload.shapes import SampleShape
+
+
+def training_modes(config: Config) -> dict[str, str]:
+    """Module -> ``frozen`` / ``lora`` from the config (every other module trains fully)."""
+    return {**{m: "frozen" for m in config.model.frozen}, **{m: "lora" for m in config.model.lora}}
+
+
+def model_spec(config: Config) -> MLLMSpec:
+    """The MLLM of the job, with its training modes and LoRA rank."""
+    from harmonia.model.presets import mllm_preset
+
+    spec = mllm_preset(config.model.preset, training=training_modes(config))
+    modes = {m: ModuleTraining(t, lora_rank=config.model.lora_rank) for m, t in training_modes(config).items()}
+    return replace(spec, training=modes)
+
+
+def executor_limits(plan: Plan) -> str | None:
+    """Why the MLLM executor cannot run ``plan``, or None when it can."""
+    for module, layout in plan.layouts.items():
+        if layout.tp > 1 or layout.cp > 1:
+            return f"executor runs tp=1, cp=1 ({module} has tp={layout.tp}, cp={layout.cp})"
+    return None
+
+
+def _constraints(config: Config):
+    def accept(plan: Plan) -> str | None:
+        pp = config.parallel.llm_pp
+        if pp and plan.layouts["llm"].pp != pp:
+            return f"llm pp={plan.layouts['llm'].pp} (parallel.llm_pp={pp})"
+        return executor_limits(plan)
+
+    return accept
+
+
+def check_cluster(config: Config) -> None:
+    """The planner's cluster must have exactly ``parallel.world_size`` devices."""
+    cluster = cluster_from_string(config.parallel.cluster)
+    if cluster.world_size != config.parallel.world_size:
+        raise ConfigError(f"config parallel.cluster={config.parallel.cluster!r} has {cluster.world_size} devices "
+                          f"but parallel.world_size={config.parallel.world_size}; make them agree")
+
+
+def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:
+    """Search a plan for the job, profiling whole global batches of its dataset's shapes."""
+    check_cluster(config)
+    scenario = Scenario(name="train", model=config.model.preset, cluster=config.parallel.cluster,
+                        trace=config.data.path, global_batch=config.train.global_batch,
+                        training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed)
+    return search_plan(scenario, accept=_constraints(config), samples=shapes)
+
+
+def load_training_plan(config: Config) -> Plan:
+    """The plan file of ``parallel.plan``, checked against the job's model and world size."""
+    plan = Plan.load(config.parallel.plan)
+    if plan.world_size != config.parallel.world_size:
+        raise ConfigError(f"plan {config.parallel.plan} uses {plan.world_size} ranks but parallel.world_size="
+                          f"{config.parallel.world_size}; make them agree or plan again")
+    plan.validate(model_spec(config))
+    reason = executor_limits(plan)
+    if reason:
+        raise ConfigError(f"plan {config.parallel.plan}: {reason}; plan again with `harmonia train` (plan=auto)")
+    return replace(plan, global_batch=config.train.global_batch)

@@ -1,0 +1,114 @@
+"""One rank's share of the MLLM: its stage chunks of every module, projectors, executor, named state.
+
+Every rank builds the whole model's initial weights from the job's seed (so every layout starts
+from the same parameters as one process would), keeps the stage chunks its layouts give it, applies
+training modes (frozen, LoRA), then TP / FSDP as the plan says. Parameters keep their whole-model
+names (``llm.layers.3.attn.q.weight``), which is what checkpoints are keyed by: a checkpoint written
+under one plan loads under another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from harmonia.model.spec import MLLMSpec
+from harmonia.plan.plan import Plan
+from harmonia.runtime.meshes import ModuleMeshes
+from harmonia.runtime.mllm_executor import MLLMExecutor
+from harmonia.schedule.graph import LLM, StageGraph
+
+
+def prefix_of(module: str) -> str:
+    """Whole-model name prefix of a module's parameters (``llm.``, ``encoders.vision.``, ``projectors.x.``)."""
+    if module == LLM:
+        return "llm."
+    if module.endswith("_proj"):
+        return f"projectors.{module}."
+    return f"encoders.{module}."
+
+
+def initial_state(spec: MLLMSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights (LoRA adapters included), identical on every rank."""
+    from harmonia.model.mllm import build_mllm_model
+
+    torch.manual_seed(seed)
+    return build_mllm_model(spec).state_dict()
+
+
+def _load(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> None:
+    own = module.state_dict()
+    module.load_state_dict({k: state[prefix + k] for k in own})
+
+
+@dataclass
+class RankModel:
+    """What one rank trains.
+
+    Attributes:
+        executor: runs the iteration's actions and the optimizer steps.
+        named: whole-model name -> this rank's parameter or buffer (a DTensor when sharded).
+        owner: whole-model name of each trainable parameter -> the module whose optimizer holds it.
+    """
+
+    executor: MLLMExecutor
+    named: dict[str, torch.Tensor]
+    owner: dict[str, str]
+
+    def trainable_named(self) -> dict[str, nn.Parameter]:
+        return {n: t for n, t in self.named.items() if n in self.owner}
+
+
+def stage_flags(spec: MLLMSpec, plan: Plan) -> dict[str, tuple[bool, ...] | bool]:
+    """Per module, whether each stage chunk has anything to train (its projector counts on the last)."""
+    flags: dict[str, tuple[bool, ...] | bool] = {LLM: spec.training_of(LLM).trains}
+    for e in plan.encoders:
+        n = plan.layouts[e].n_stages
+        flags[e] = tuple(spec.training_of(e).trains or (c == n - 1 and spec.training_of(f"{e}_proj").trains)
+                         for c in range(n))
+    return flags
+
+
+def schedule_graph(spec: MLLMSpec, plan: Plan) -> StageGraph:
+    return StageGraph.from_layouts(plan.layouts, stage_flags(spec, plan), replica=0)
+
+
+def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
+                     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                     max_norm: float | None) -> RankModel:
+    """Build this rank's chunks, projectors and executor (collective: every rank calls it)."""
+    from harmonia.model.lora import apply_training
+    from harmonia.model.mllm import build_module
+    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
+
+    state = initial_state(spec, seed)
+    rank = meshes.rank
+    chunks: dict[str, dict[int, nn.Module]] = {}
+    projectors: dict[str, nn.Module] = {}
+    named: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
+
+    def keep(module: nn.Module, prefix: str, owned_by: str) -> None:
+        for n, t in [*module.named_parameters(), *module.named_buffers()]:
+            named[prefix + n] = t
+        owner.update({prefix + n: owned_by for n, p in module.named_parameters() if p.requires_grad})
+
+    for name in meshes.modules():
+        layout, mesh, prefix = plan.layouts[name], meshes.module_mesh(name), prefix_of(name)
+        chunks[name] = build_stage_modules(spec, name, layout, rank)
+        for module in chunks[name].values():
+            apply_training(module, spec.training_of(name))
+            _load(module, state, prefix)
+            parallelize_stage(module, mesh)
+            keep(module, prefix, name)
+        if name != LLM and layout.n_stages - 1 in chunks[name]:
+            proj = build_module(spec, f"{name}_proj")
+            apply_training(proj, spec.training_of(f"{name}_proj"))
+            _load(proj, state, prefix_of(f"{name}_proj"))
+            projectors[name] = proj
+            keep(proj, prefix_of(f"{name}_proj"), name)
+    executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm)
+    return RankModel(executor, named, owner)

@@ -1,0 +1,128 @@
+"""What people look at during and after training: progress bar, metrics, timelines, summary table.
+
+Rank 0 shows a rich progress bar (step, loss, tokens/s, ETA) and writes every step's record to
+``metrics.jsonl`` and TensorBoard (`harmonia.metrics.MetricsWriter`). One step's measured actions
+(every rank's, gathered to rank 0) become a timeline drawn exactly like the simulator's, next to
+the simulated timeline of the same step, so the two can be compared bar by bar.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from harmonia.config import Config
+from harmonia.metrics import MetricsWriter
+from harmonia.sim.engine import Task, Timeline
+
+console = Console(width=None if sys.stdout.isatty() else 140)
+
+
+class ProgressReporter:
+    """Rank 0's progress bar and metrics; a no-op elsewhere. Use as a context manager."""
+
+    def __init__(self, config: Config, start_step: int, enabled: bool) -> None:
+        self.config, self.enabled = config, enabled
+        self.records: list[dict] = []
+        self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard)
+        self.progress = Progress(TextColumn("[bold]train[/] step {task.completed}/{task.total}"), BarColumn(),
+                                 TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 console=console, disable=not enabled, transient=False)
+        self.task = self.progress.add_task("train", total=config.train.steps, completed=start_step,
+                                           loss=float("nan"), tps=0.0)
+
+    def __enter__(self) -> ProgressReporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+        self.writer.close()
+
+    def step(self, record: dict) -> None:
+        self.records.append(record)
+        if record["step"] % self.config.log.every == 0 or record["step"] == self.config.train.steps - 1:
+            self.writer.log(record["step"], record)
+        self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
+                             tps=record["tokens_per_s"])
+
+
+def measured_timeline(actions: dict[int, list[tuple[str, str, str, float, float]]]) -> Timeline:
+    """A `Timeline` of measured actions: rank -> (name, module, kind, start s, end s) from the step's start."""
+    tasks, start, end = [], [], []
+    busy = {r: 0.0 for r in sorted(actions)}
+    for r in sorted(actions):
+        for name, module, kind, s, e in actions[r]:
+            tasks.append(Task(name, r, e - s, module=module, kind=kind))
+            start.append(s)
+            end.append(e)
+            busy[r] += e - s
+    iteration = max(end, default=0.0)
+    return Timeline(tasks, np.asarray(start), np.asarray(end), sorted(actions), iteration, busy,
+                    {r: 0.0 for r in busy})
+
+
+def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeline | None, step_s: float) -> None:
+    """``timeline-measured.png`` / ``.json``, ``timeline-simulated.*`` and both stacked in ``timeline.png``."""
+    import matplotlib.image as mpimg
+    import matplotlib.pyplot as plt
+
+    from harmonia.sim.timeline import plot_timeline, to_chrome_trace
+
+    directory.mkdir(parents=True, exist_ok=True)
+    pictures = []
+    for label, timeline in (("measured", measured_timeline(actions)), ("simulated", simulated)):
+        if timeline is None:
+            continue
+        title = f"step {step} {label}" + (f" (wall {step_s * 1e3:.0f} ms)" if label == "measured" else "")
+        plot_timeline(timeline, directory / f"timeline-{label}.png", title=title)
+        to_chrome_trace(timeline, directory / f"timeline-{label}.json", title=title)
+        pictures.append(mpimg.imread(directory / f"timeline-{label}.png"))
+    fig, axes = plt.subplots(len(pictures), 1, figsize=(14, 3.2 * len(pictures)), squeeze=False)
+    for ax, pic in zip(axes[:, 0], pictures):
+        ax.imshow(pic)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(directory / "timeline.png", dpi=100)
+    plt.close(fig)
+
+
+def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
+    """The final table: loss first vs last, throughput, measured vs simulated step time, balance, data."""
+    table = Table(title="harmonia train: summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    if not records:
+        return table
+    steady = records[1:] or records  # the first step pays one-time set-up costs
+    first, last = records[0], records[-1]
+
+    def mean(key: str) -> float:
+        return float(np.mean([r[key] for r in steady]))
+
+    rows = [
+        ("steps", f"{first['step']}..{last['step']}"),
+        ("loss (first -> last)", f"{first['loss']:.4f} -> {last['loss']:.4f}"),
+        ("tokens/s", f"{mean('tokens_per_s'):,.0f}"),
+        ("samples/s", f"{mean('samples_per_s'):.2f}"),
+        ("step time measured (mean)", f"{mean('step_s') * 1e3:.1f} ms"),
+        ("step time simulated (mean)", f"{mean('simulated_step_s') * 1e3:.1f} ms"),
+        ("bubble measured (mean)", f"{mean('bubble_frac'):.1%}"),
+        ("microbatch work max/mean (mean)", f"{np.mean([r['balance']['microbatch_imbalance'] for r in steady]):.3f}"),
+        ("scheduling hidden behind training", f"{last['schedule_hidden_frac']:.0%}"),
+        ("samples skipped (bad data)", f"{last.get('data/skipped', 0)}"),
+        ("peak memory (rank 0)", f"{last['peak_memory_bytes'] / 2**20:,.0f} MiB"),
+    ]
+    for module, seconds in last["time"].items():
+        rows.append((f"time in {module} (last step, slowest rank)", f"{seconds * 1e3:.1f} ms"))
+    for task, (before, after, n, chance) in (accuracy or {}).items():
+        rows.append((f"held-out accuracy {task} (n={n}, chance {chance:.0%})", f"{before:.0%} -> {after:.0%}"))
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
