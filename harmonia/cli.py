@@ -15,7 +15,6 @@ from harmonia.errors import HarmoniaError
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-SCENARIOS = Path(__file__).resolve().parents[1] / "configs" / "scenarios"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -192,43 +191,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_OVERRIDES = ["--parallel.llm_pp=2"]
-"""The demo is the default config with the LLM pipelined over 2 stages (configs/demo.toml spells it out)."""
+DEMO_OVERRIDES = ["--parallel.llm_pp=2", "--checkpoint.every=20"]
+"""The demo is the default config with the LLM pipelined over 2 stages and a checkpoint half-way
+(configs/demo.toml spells the same job out field by field)."""
+
+
+def _train(config) -> int:
+    from harmonia.train import run_training
+    from harmonia.train.report import summary_table
+
+    result = run_training(config, console)
+    if result.records:
+        console.print(summary_table(result.records, result.accuracy))
+        console.print(f"metrics.jsonl, TensorBoard events, timeline.png and summary.json in {config.log.dir}/")
+    else:
+        console.print(f"nothing to train: the checkpoint in {config.checkpoint.dir} is already at step "
+                      f"{result.start_step} (train.steps={config.train.steps}); raise train.steps or start afresh "
+                      "with --checkpoint.resume=false")
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train as the config says (see `harmonia train --help` for every field)."""
     from harmonia.config import load_config
-    from harmonia.train import run_training
-    from harmonia.train.report import summary_table
 
-    config = load_config(args.config, args.overrides)
-    result = run_training(config, console)
-    if result.records:
-        console.print(summary_table(result.records, result.accuracy))
-        console.print(f"metrics, timelines and summary in {config.log.dir}/")
-    return 0
+    return _train(load_config(args.config, args.overrides))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job on its embedded default (see README for what it runs today)."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    console.rule("harmonia demo: models")
-    cmd_models(args)
-    trace = SHARED_TRACES / "ai2d.csv"
-    for spec in ([str(trace)] if trace.is_file() else []) + ["synthetic"]:
-        console.rule(f"harmonia demo: per-module work of {Path(spec).name}")
-        ns = argparse.Namespace(model="omni-8b", frozen="vision,audio", device="h100", calibration=None,
-                                trace=spec, samples=4096, seed=0)
-        cmd_workload(ns)
-    console.rule("harmonia demo: recipes side by side in the simulator (8 x H100, chartqa)")
-    cmd_simulate(argparse.Namespace(scenario=str(SCENARIOS / "d-qwen7b-internvit-8gpu.toml"),
-                                    recipes="megatron,cornstarch,disttrain,harmonia", iterations=4,
-                                    json=str(out / "simulate.json"), timeline=str(out / "timelines")))
-    console.rule("harmonia demo: calibrating the cost model on this machine")
-    return cmd_profile(argparse.Namespace(layer="internvit-300m-448", device="cpu", lengths="256,512",
-                                          repeats=3, out=str(out / "calibration.json")))
+    """The main job on its embedded default: train the tiny omni MLLM on 4 local processes.
+
+    A fresh run each time (the previous demo's checkpoints are removed; the synthesized data stays).
+    """
+    import shutil
+
+    from harmonia.config import load_config
+
+    config = load_config(None, DEMO_OVERRIDES + args.overrides)
+    shutil.rmtree(config.checkpoint.dir, ignore_errors=True)
+    return _train(config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="TOML config (default: the built-in demo defaults)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("demo", help="run the main job on its embedded default")
-    p.add_argument("--out", default="runs/demo", help="directory for the demo's outputs")
+    p = sub.add_parser("demo", help="the main job on its embedded default (configs/demo.toml); "
+                       "takes the same --section.key=value overrides as train")
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -295,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "train":
+    if extra and args.command not in ("train", "demo"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")

@@ -66,6 +66,8 @@ class ParallelConfig:
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
     llm_pp: int = _f(0, "LLM pipeline stages the plan search must use (0 = the search decides)")
     timeout_s: float = _f(0.0, "stop every rank if the job runs longer than this (0 = no limit)")
+    schedule_search: int = _f(16, "schedules the per-batch microbatch-order search replays each step, in the "
+                              "background (0 = keep the balancer's order)")
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
@@ -74,6 +76,7 @@ class ParallelConfig:
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
         _require(self.llm_pp >= 0, "parallel.llm_pp", self.llm_pp, ">= 0")
         _require(self.timeout_s >= 0, "parallel.timeout_s", self.timeout_s, ">= 0")
+        _require(self.schedule_search >= 0, "parallel.schedule_search", self.schedule_search, ">= 0")
         if self.plan != "auto":
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
 

@@ -5,13 +5,15 @@ environment and runs ``target(*args)``. The parent watches them: when a process 
 traceback comes back through a queue; when one dies without a word (killed, out of memory), its exit
 code or signal is reported. Either way the others are terminated (then killed after a grace
 period), so no rank waits forever in a collective, and `LaunchError` carries the failing rank's
-message. Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process.
+message. When one failure causes others (its peers lose their connections to it), the root cause
+is the one named. Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import time
@@ -48,7 +50,7 @@ def _entry(rank: int, world: int, port: int, target: Callable, args: tuple, erro
 
 
 def launch(target: Callable, world_size: int, args: tuple = (), timeout: float | None = None,
-           grace_s: float = 5.0) -> None:
+           grace_s: float = 5.0, settle_s: float = 0.5) -> None:
     """Run ``target(*args)`` on ``world_size`` local processes; raise `LaunchError` if any fails.
 
     Args:
@@ -57,6 +59,7 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
         args: arguments of ``target``.
         timeout: seconds before every rank is stopped (None = no limit).
         grace_s: seconds between terminate and kill when stopping ranks.
+        settle_s: after the first failure, how long to collect the others' before naming the root cause.
     """
     if under_torchrun():
         target(*args)
@@ -69,41 +72,61 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
     for p in procs:
         p.start()
     start = time.monotonic()
-    failure: tuple[int, str, str] | None = None
+    reports: list[tuple[int, str, str]] = []
     try:
         while any(p.is_alive() for p in procs):
-            try:
-                failure = errors.get(timeout=0.2)
-                break
-            except queue.Empty:
-                pass
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead:
-                time.sleep(0.3)  # let its own report arrive first
-                try:
-                    failure = errors.get_nowait()
-                except queue.Empty:
-                    r, code = dead[0]
-                    how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                    failure = (r, f"process ended with {how} and no Python error (killed or out of memory?)", "")
+            _drain(errors, reports, wait_s=0.2)
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if reports or dead:
+                time.sleep(settle_s)  # the other ranks' reports, and the root cause's own, arrive
+                _drain(errors, reports)
                 break
             if timeout is not None and time.monotonic() - start > timeout:
                 running = [r for r, p in enumerate(procs) if p.is_alive()]
-                failure = (running[0], f"ranks {running} still running after {timeout:.0f} s", "")
+                reports.append((running[0], f"ranks {running} still running after {timeout:.0f} s", ""))
                 break
-        if failure is None:
-            try:
-                failure = errors.get_nowait()
-            except queue.Empty:
-                pass
+        _drain(errors, reports)
     finally:
         _stop(procs, grace_s)
+    exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
+    failure = _root_cause(reports, exit_codes)
     if failure is not None:
         rank, message, tb = failure
-        raise LaunchError(f"rank {rank} failed: {message}" + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else ""))
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        others = sorted({r for r, _, _ in reports} - {rank})
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise LaunchError(f"rank {rank} failed: {message}{also}"
+                          + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else ""))
+    bad = [(r, code) for r, code in exit_codes.items() if code != 0]
     if bad:
         raise LaunchError(f"ranks {bad} ended with non-zero exit codes")
+
+
+PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|remote worker|"
+                         r"NCCL communicator was aborted|Socket Timeout|Connection refused")
+"""Errors a rank sees because another rank is gone: consequences, never the root cause."""
+
+
+def _drain(errors, reports: list, wait_s: float = 0.0) -> None:
+    try:
+        reports.append(errors.get(timeout=wait_s) if wait_s else errors.get_nowait())
+        while True:
+            reports.append(errors.get_nowait())
+    except queue.Empty:
+        pass
+
+
+def _root_cause(reports: list[tuple[int, str, str]], exit_codes: dict[int, int | None]):
+    """The failure to report: a rank's own error first, then a rank that died without a word (killed,
+    out of memory), then an error that only says a peer went away."""
+    own = [f for f in reports if not PEER_ERRORS.search(f[1])]
+    if own:
+        return own[0]
+    reported = {r for r, _, _ in reports}
+    for r, code in exit_codes.items():
+        if code not in (None, 0) and r not in reported and not (code < 0 and -code == signal.SIGTERM):
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            return (r, f"process ended with {how} and no Python error (killed or out of memory?)", "")
+    return reports[0] if reports else None
 
 
 def _stop(procs, grace_s: float) -> None:

@@ -98,7 +98,7 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     if checkpoint_step is None:
         return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}
     state = {"model": dict(model.state_dict())}
-    dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"))
+    dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"), no_dist=True)
     after = answer_accuracy(model, samples)
     return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
 

@@ -114,7 +114,8 @@ class Trainer:
         cluster = cluster_from_string(config.parallel.cluster)
         cost = CostModel(self.spec, cluster.device)
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
-                                        schedule_graph(self.spec, plan), rank, simulate=rank == 0)
+                                        schedule_graph(self.spec, plan), rank,
+                                        search_evaluations=config.parallel.schedule_search, simulate=rank == 0)
         self.modules = [LLM, *plan.encoders]
         self.start_step = 0
         self.losses: list[float] = []

@@ -1,8 +1,9 @@
 """The plan a training job runs: a plan file, or one searched at start-up from the dataset's shapes.
 
 The search is the planner's (`harmonia.plan.search.search_plan`) on the job's own data: whole
-global batches drawn from the dataset's sample shapes are what every candidate layout is scored on. Candidates the executor cannot run and those outside the
-config's constraints (``parallel.llm_pp``) are rejected with their reason before simulating.
+global batches drawn from the dataset's sample shapes are what every candidate layout is scored
+on. Candidates the executor cannot run and those outside the config's constraints
+(``parallel.llm_pp``) are rejected with their reason before simulating.
 """
 
 from __future__ import annotations

@@ -93,6 +93,14 @@ def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeli
     plt.close(fig)
 
 
+def sparkline(values: list[float], width: int = 40) -> str:
+    """``values`` as a row of block characters (min = lowest block), averaged into ``width`` bins."""
+    blocks = "▁▂▃▄▅▆▇█"
+    bins = [float(np.mean(chunk)) for chunk in np.array_split(np.asarray(values, dtype=float), min(width, len(values)))]
+    lo, hi = min(bins), max(bins)
+    return "".join(blocks[int((v - lo) / (hi - lo) * (len(blocks) - 1)) if hi > lo else 0] for v in bins)
+
+
 def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
     """The final table: loss first vs last, throughput, measured vs simulated step time, balance, data."""
     table = Table(title="harmonia train: summary")
@@ -109,6 +117,7 @@ def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
     rows = [
         ("steps", f"{first['step']}..{last['step']}"),
         ("loss (first -> last)", f"{first['loss']:.4f} -> {last['loss']:.4f}"),
+        ("loss curve", sparkline([r["loss"] for r in records])),
         ("tokens/s", f"{mean('tokens_per_s'):,.0f}"),
         ("samples/s", f"{mean('samples_per_s'):.2f}"),
         ("step time measured (mean)", f"{mean('step_s') * 1e3:.1f} ms"),

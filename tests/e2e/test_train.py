@@ -1,0 +1,114 @@
+"""`harmonia train` end to end on local CPU processes: a reduced demo, faults, resume.
+
+One small synthesized dataset serves every run. The runs are chained so that each spawn checks
+several things: an uninterrupted run is the reference; a run whose rank 1 raises at step 3 must
+end every rank with that rank's message and leave the step-2 checkpoint; resuming from it must
+reproduce the reference's losses exactly; resuming the same checkpoint under another layout (2
+processes instead of 4) must reproduce them up to rounding; a killed rank must end the job too.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from harmonia.cli import DEMO_OVERRIDES, main
+from harmonia.config import load_config
+from harmonia.launch import LaunchError
+from harmonia.train import run_training
+from harmonia.train.job import prepare_data
+from harmonia.train.loop import FAULT_ENV
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+
+def _config(tmp, name: str, *extra: str):
+    return load_config(None, [
+        f"--data.path={tmp / 'data'}", "--data.synthesize=96", "--data.heldout=16",
+        "--train.steps=4", "--train.global_batch=16", "--train.warmup=1", "--checkpoint.every=2",
+        "--parallel.llm_pp=2", "--parallel.timeout_s=240", "--log.tensorboard=false",
+        f"--log.dir={tmp / name}", f"--checkpoint.dir={tmp / name / 'ck'}", *extra])
+
+
+def _run(config):
+    out = io.StringIO()
+    result = run_training(config, Console(file=out, width=200))
+    return result, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("train")
+    prepare_data(_config(tmp, "prep"))
+    return tmp
+
+
+def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
+    # reference: 4 steps uninterrupted, the demo's 4-process layout search
+    ref, printed = _run(_config(tmp, "ref"))
+    assert [r["step"] for r in ref.records] == [0, 1, 2, 3] and ref.start_step == 0
+    assert ref.losses[-1] < ref.losses[0]
+    llm = ref.plan.layouts["llm"]
+    assert llm.pp == 2 and any(ref.plan.layouts[e] != llm for e in ref.plan.encoders), "layouts must differ"
+    assert "plan:" in printed and "searched" in printed
+    for name in ("metrics.jsonl", "summary.json", "plan.json", "timeline.png", "timeline-measured.json",
+                 "timeline-simulated.json"):
+        assert (tmp / "ref" / name).is_file(), name
+    record = ref.records[-1]
+    assert 0.0 <= record["bubble_frac"] < 1.0 and record["tokens_per_s"] > 0
+    assert set(record["time"]) == {"llm", *ref.plan.encoders} and record["simulated_step_s"] > 0
+    summary = json.loads((tmp / "ref" / "summary.json").read_text())
+    assert summary["losses"] == ref.losses and summary["accuracy"]
+
+    # a rank that raises at step 3: every rank ends, the message names it, step 2's checkpoint stays
+    monkeypatch.setenv(FAULT_ENV, "raise:1:3")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 failed: RuntimeError: injected fault on rank 1 at step 3"):
+        _run(_config(tmp, "resume"))
+    assert time.monotonic() - t0 < 120
+    monkeypatch.delenv(FAULT_ENV)
+    assert (tmp / "resume" / "ck" / "step-2").is_dir() and not (tmp / "resume" / "ck" / "step-4").exists()
+    shutil.copytree(tmp / "resume" / "ck", tmp / "other" / "ck")
+
+    # resuming gives exactly the uninterrupted run's losses
+    resumed, _ = _run(_config(tmp, "resume"))
+    assert resumed.start_step == 2 and [r["step"] for r in resumed.records] == [2, 3]
+    assert resumed.losses == ref.losses
+
+    # resuming the same checkpoint under another layout (2 processes) agrees up to rounding
+    other, _ = _run(_config(tmp, "other", "--parallel.world_size=2", "--parallel.cluster=cpu:1x2"))
+    assert other.plan.world_size == 2 and other.start_step == 2
+    assert other.losses[:2] == ref.losses[:2]
+    assert other.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
+
+    # a rank killed mid-training ends the job with its signal, no hang
+    monkeypatch.setenv(FAULT_ENV, "kill:2:1")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 2 failed: process ended with signal SIGKILL"):
+        _run(_config(tmp, "killed"))
+    assert time.monotonic() - t0 < 120
+
+
+def test_demo_config_file_is_the_embedded_default() -> None:
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+    assert load_config(demo) == load_config(None, DEMO_OVERRIDES)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--train.steps=0"], "train.steps"),
+    (["--parallel.world_size=3"], "parallel.world_size"),
+    (["--model.frozen=eyes"], "model.frozen"),
+    (["--train.nonsense=1"], "train.nonsense"),
+    (["--parallel.schedule=fast"], "parallel.schedule"),
+])
+def test_bad_config_fails_before_any_process_starts(argv, field, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("harmonia.launch.launch", lambda *a, **k: pytest.fail("spawned despite a bad config"))
+    assert main(["train", *argv]) != 0
+    captured = capsys.readouterr()
+    assert field in captured.out + captured.err
