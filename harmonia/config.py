@@ -83,7 +83,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _f(40, "optimizer steps")
+    steps: int = _f(120, "optimizer steps")
     global_batch: int = _f(32, "samples per step over all data-parallel replicas")
     n_microbatches: int = _f(4, "microbatches per LLM replica (the planner may change it)")
     lr: float = _f(3e-3, "peak learning rate (AdamW)")

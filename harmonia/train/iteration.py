@@ -26,7 +26,7 @@ from harmonia.schedule.actions import IterationSchedule
 from harmonia.schedule.graph import LLM, StageGraph
 from harmonia.schedule.iteration import IterationAssignment, assign_iteration
 from harmonia.sim.engine import Timeline
-from harmonia.workload.cost import CostModel
+from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import load_arrays
 
@@ -73,6 +73,7 @@ class PreparedIteration:
         n_tokens: LLM tokens of the step's batch.
         predicted: the simulated step on the cluster model (rank 0 only).
         prepare_s: seconds spent building this.
+        calibrated: whether ``predicted`` used a cost model fitted to measured steps.
     """
 
     step: int
@@ -84,6 +85,7 @@ class PreparedIteration:
     n_tokens: int
     predicted: Timeline | None
     prepare_s: float
+    calibrated: bool = False
 
 
 def module_costs(cost: CostModel, shapes: list, plan: Plan) -> tuple[np.ndarray, list[str], np.ndarray]:
@@ -127,6 +129,12 @@ class IterationBuilder:
         self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
+        self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
+
+    def calibrate(self, calibration: Calibration) -> None:
+        """Price later simulated steps with ``calibration`` (balancing and the order search keep the
+        shared cost model, so every rank still builds the same schedule)."""
+        self.sim_cost = CostModel(self.spec, self.cost.device, calibration, self.cost.act_bytes)
 
     def __call__(self, step: int) -> PreparedIteration:
         t0 = time.perf_counter()
@@ -140,14 +148,17 @@ class IterationBuilder:
         costs, columns, tokens = module_costs(self.cost, shapes, plan)
         assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
                                       plan.n_microbatches, tokens=tokens, seed=step)
-        schedule, predicted = self._schedule(shapes, assignment)
+        sim_cost = self.sim_cost
+        schedule, predicted = self._schedule(shapes, assignment, sim_cost)
         micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
                                  {e: schedule.n_sub[e] for e in schedule.n_sub})
         return PreparedIteration(step, [s.index for s in samples], len(wanted) - len(samples), assignment,
-                                 schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0)
+                                 schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
+                                 calibrated=sim_cost is not self.cost)
 
-    def _schedule(self, shapes: list, assignment: IterationAssignment) -> tuple[IterationSchedule, Timeline | None]:
+    def _schedule(self, shapes: list, assignment: IterationAssignment,
+                  sim_cost: CostModel) -> tuple[IterationSchedule, Timeline | None]:
         """The searched microbatch order's lowered schedule, and (rank 0) its simulated timeline."""
         from harmonia.sim.engine import replay
         from harmonia.sim.orders import cost_table, plan_orders
@@ -167,7 +178,9 @@ class IterationBuilder:
         schedule = lower(build_schedule(self.graph, n, plan.schedule, order=order, costs=table))
         predicted = None
         if self.simulate:
-            orders = plan_orders(plan, self.cost, iw, order={d: order for d in per_replica})
-            tasks, queue, comm = build_tasks(plan, self.cost, iw, orders, self.cluster)
+            if sim_cost is not self.cost:
+                iw = plan_iteration_work(shapes, plan, sim_cost, per_replica)
+            orders = plan_orders(plan, sim_cost, iw, order={d: order for d in per_replica})
+            tasks, queue, comm = build_tasks(plan, sim_cost, iw, orders, self.cluster)
             predicted = replay(tasks, queue, comm)
         return schedule, predicted

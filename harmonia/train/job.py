@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,15 @@ class TrainResult:
     start_step: int
     accuracy: dict[str, tuple[float, float, int, float]] = field(default_factory=dict)
     report: PlanReport | None = None
+
+
+def backend_of(config: Config) -> str:
+    """The process-group backend: the config's, or nccl where GPUs are visible and gloo elsewhere."""
+    import torch
+
+    if config.parallel.backend != "auto":
+        return config.parallel.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def prepare_data(config: Config) -> Path:
@@ -98,7 +109,9 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     if checkpoint_step is None:
         return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}
     state = {"model": dict(model.state_dict())}
-    dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"), no_dist=True)
+    with warnings.catch_warnings():  # loading in one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"), no_dist=True)
     after = answer_accuracy(model, samples)
     return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
 
@@ -138,9 +151,15 @@ def run_training(config: Config, console) -> TrainResult:
         plan = Plan.load(log_dir / "plan.json")
     else:
         check_cluster(config)
+        t0 = time.perf_counter()
+        existed = (Path(config.data.path) / "train").exists()
         prepare_data(config)
+        if not existed:
+            console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
+                          f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)")
         plan, report = resolve_plan(config)
         print_plan(plan, report, console)
+        console.print(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
         plan.save(log_dir / "plan.json")
         launch(train_worker, config.parallel.world_size, (config, plan.to_json(), str(result_path)),
                timeout=config.parallel.timeout_s or None)

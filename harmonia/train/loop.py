@@ -26,7 +26,9 @@ from harmonia.plan.plan import Plan
 from harmonia.schedule.graph import LLM
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
 from harmonia.train.planning import model_spec
-from harmonia.train.rank import RankModel, build_rank_model, schedule_graph
+from harmonia.train.job import backend_of
+from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
+from harmonia.train.report import write_timelines
 from harmonia.train.state import load_training, save_training
 
 FAULT_ENV = "HARMONIA_FAULT"
@@ -103,10 +105,11 @@ class Trainer:
 
         self.config, self.plan, self.rank = config, plan, rank
         self.spec = model_spec(config)
-        self.meshes = build_module_meshes(plan)
+        self.device = rank_device(backend_of(config))
+        self.meshes = build_module_meshes(plan, self.device.type)
         tc = config.train
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
-                                      tc.max_norm or None)
+                                      tc.max_norm or None, self.device)
         self.dataset = MultimodalDataset(Path(config.data.path) / "train", self.spec, config.data.max_tokens,
                                          on_error=config.data.on_error)
         usable = [s.sample_id for s in self.dataset.shapes()]
@@ -150,7 +153,9 @@ class Trainer:
         from harmonia.schedule.prefetch import SchedulePrefetcher
 
         tc, ck = self.config.train, self.config.checkpoint
-        timeline_step = min(self.start_step + 2, tc.steps - 1)
+        # step start+1 (warm) fits the simulation's cost model; start+4, prepared after that (the
+        # prefetcher works up to two steps ahead), is drawn measured beside simulated
+        calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
         with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps) as prefetch:
             for step in range(self.start_step, tc.steps):
                 it = prefetch.get(step)
@@ -159,7 +164,8 @@ class Trainer:
                 self.model.executor.action_times = []
                 dist.barrier()
                 t0 = time.perf_counter()
-                result = self.model.executor.step(it.schedule, it.batch)
+                batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
+                result = self.model.executor.step(it.schedule, batch)
                 step_s = time.perf_counter() - t0
                 if not math.isfinite(result.loss):
                     raise TrainingError(f"step {step}: loss is {result.loss} (gradient norm {result.grad_norm}); "
@@ -167,8 +173,13 @@ class Trainer:
                 self.losses.append(result.loss)
                 times = _step_times(self.model, step_s, self.modules)
                 module_s, bubble = _reduce_times(times, self.modules)
-                if step == timeline_step:
-                    self._timelines(it, t0, step_s)
+                if step in (calibration_step, timeline_step):
+                    actions = self._gather_actions(t0)
+                    if step == calibration_step and self.rank == 0 and it.predicted is not None:
+                        self._calibrate(actions, it)
+                    if step == timeline_step and self.rank == 0:
+                        write_timelines(Path(self.config.log.dir), step, actions, it.predicted, step_s,
+                                        calibrated=it.calibrated)
                 if self.rank == 0:
                     report(self._record(step, it, result, step_s, module_s, bubble, prefetch.stats))
                 if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
@@ -190,20 +201,27 @@ class Trainer:
                         "microbatch_samples_max": max(map(len, it.assignment.microbatches)),
                         "llm_work_max_over_mean": float(loads[:, 0].max() / max(loads[:, 0].mean(), 1e-30))},
             "simulated_step_s": it.predicted.iteration_s if it.predicted is not None else float("nan"),
+            "simulated_calibrated": it.calibrated,
             "schedule_prepare_s": it.prepare_s, "schedule_hidden_frac": stats.hidden_frac,
             "peak_memory_bytes": peak, "skipped": it.skipped, **self.dataset.stats.metrics(),
             "epoch": self.order.epoch_of(step + 1),
         }
 
-    def _timelines(self, it: PreparedIteration, t0: float, step_s: float) -> None:
-        """Gather every rank's measured actions of this step; rank 0 plots them beside the simulated step."""
-        from harmonia.train.report import write_timelines
-
+    def _gather_actions(self, t0: float) -> dict[int, list]:
+        """Every rank's measured actions of this step, on rank 0 (rank -> (name, module, kind, start, end))."""
         mine = [(str(a), a.module, a.kind.value, s - t0, e - t0) for a, s, e in self.model.executor.action_times or []]
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.rank, mine))
-        if self.rank == 0:
-            write_timelines(Path(self.config.log.dir), it.step, dict(gathered), it.predicted, step_s)
+        return dict(gathered)
+
+    def _calibrate(self, actions: dict[int, list], it: PreparedIteration) -> None:
+        """Fit the simulation's cost model to this measured step (rank 0)."""
+        from harmonia.train.calibrate import fit_calibration
+
+        calibration = fit_calibration(self.builder.cost, actions, it.predicted)
+        if calibration is not None:
+            self.builder.calibrate(calibration)
+            calibration.save(Path(self.config.log.dir) / "calibration.json")
 
 
 def _rss_bytes() -> int:
@@ -244,9 +262,7 @@ def train_worker(config: Config, plan_json: str | None, result_path: str) -> Non
     from harmonia.train.report import ProgressReporter
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = config.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend_of(config)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     try:

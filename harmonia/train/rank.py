@@ -9,6 +9,8 @@ under one plan loads under another.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -76,10 +78,33 @@ def schedule_graph(spec: MLLMSpec, plan: Plan) -> StageGraph:
     return StageGraph.from_layouts(plan.layouts, stage_flags(spec, plan), replica=0)
 
 
+def rank_device(backend: str) -> torch.device:
+    """This process's device: its local GPU under NCCL (made current), else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)
+    return device
+
+
+def to_device(obj, device: torch.device):
+    """``obj`` with every tensor inside (dataclasses, lists, tuples, dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
                      optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                     max_norm: float | None) -> RankModel:
-    """Build this rank's chunks, projectors and executor (collective: every rank calls it)."""
+                     max_norm: float | None, device: torch.device = torch.device("cpu")) -> RankModel:
+    """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it)."""
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
@@ -102,12 +127,14 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
         for module in chunks[name].values():
             apply_training(module, spec.training_of(name))
             _load(module, state, prefix)
+            module.to(device)
             parallelize_stage(module, mesh)
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
             proj = build_module(spec, f"{name}_proj")
             apply_training(proj, spec.training_of(f"{name}_proj"))
             _load(proj, state, prefix_of(f"{name}_proj"))
+            proj.to(device)
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm)

@@ -68,7 +68,8 @@ def measured_timeline(actions: dict[int, list[tuple[str, str, str, float, float]
                     {r: 0.0 for r in busy})
 
 
-def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeline | None, step_s: float) -> None:
+def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeline | None, step_s: float,
+                    calibrated: bool = False) -> None:
     """``timeline-measured.png`` / ``.json``, ``timeline-simulated.*`` and both stacked in ``timeline.png``."""
     import matplotlib.image as mpimg
     import matplotlib.pyplot as plt
@@ -80,7 +81,9 @@ def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeli
     for label, timeline in (("measured", measured_timeline(actions)), ("simulated", simulated)):
         if timeline is None:
             continue
-        title = f"step {step} {label}" + (f" (wall {step_s * 1e3:.0f} ms)" if label == "measured" else "")
+        note = f" (wall {step_s * 1e3:.0f} ms)" if label == "measured" else \
+            " (cost model fitted to a measured step)" if calibrated else " (nominal cost model)"
+        title = f"step {step} {label}{note}"
         plot_timeline(timeline, directory / f"timeline-{label}.png", title=title)
         to_chrome_trace(timeline, directory / f"timeline-{label}.json", title=title)
         pictures.append(mpimg.imread(directory / f"timeline-{label}.png"))
@@ -99,6 +102,14 @@ def sparkline(values: list[float], width: int = 40) -> str:
     bins = [float(np.mean(chunk)) for chunk in np.array_split(np.asarray(values, dtype=float), min(width, len(values)))]
     lo, hi = min(bins), max(bins)
     return "".join(blocks[int((v - lo) / (hi - lo) * (len(blocks) - 1)) if hi > lo else 0] for v in bins)
+
+
+def simulated_row(records: list[dict]) -> tuple[str, str]:
+    """Mean simulated step time, over the steps simulated with the fitted cost model when there are any."""
+    fitted = [r for r in records if r.get("simulated_calibrated")]
+    chosen = fitted or records
+    value = f"{np.mean([r['simulated_step_s'] for r in chosen]) * 1e3:.1f} ms"
+    return ("step time simulated (mean, " + ("fitted cost model)" if fitted else "nominal cost model)"), value)
 
 
 def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
@@ -121,7 +132,7 @@ def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
         ("tokens/s", f"{mean('tokens_per_s'):,.0f}"),
         ("samples/s", f"{mean('samples_per_s'):.2f}"),
         ("step time measured (mean)", f"{mean('step_s') * 1e3:.1f} ms"),
-        ("step time simulated (mean)", f"{mean('simulated_step_s') * 1e3:.1f} ms"),
+        simulated_row(steady),
         ("bubble measured (mean)", f"{mean('bubble_frac'):.1%}"),
         ("microbatch work max/mean (mean)", f"{np.mean([r['balance']['microbatch_imbalance'] for r in steady]):.3f}"),
         ("scheduling hidden behind training", f"{last['schedule_hidden_frac']:.0%}"),

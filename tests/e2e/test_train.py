@@ -57,7 +57,7 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     llm = ref.plan.layouts["llm"]
     assert llm.pp == 2 and any(ref.plan.layouts[e] != llm for e in ref.plan.encoders), "layouts must differ"
     assert "plan:" in printed and "searched" in printed
-    for name in ("metrics.jsonl", "summary.json", "plan.json", "timeline.png", "timeline-measured.json",
+    for name in ("metrics.jsonl", "summary.json", "plan.json", "calibration.json", "timeline.png", "timeline-measured.json",
                  "timeline-simulated.json"):
         assert (tmp / "ref" / name).is_file(), name
     record = ref.records[-1]
