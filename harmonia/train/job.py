@@ -119,8 +119,9 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
 def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
     from rich.table import Table
 
-    table = Table(title=f"plan: {plan.placement.value}, {plan.schedule}, {plan.n_microbatches} microbatches "
-                        f"per LLM replica, global batch {plan.global_batch}")
+    console.print(f"plan: {plan.placement.value}, {plan.schedule}, {plan.n_microbatches} microbatches per LLM "
+                  f"replica, global batch {plan.global_batch}")
+    table = Table()
     for col in ("module", "ranks", "pp", "dp", "tp", "cp", "fsdp"):
         table.add_column(col)
     for module, lay in plan.layouts.items():
