@@ -60,6 +60,26 @@ def plan_tp(module: nn.Module) -> dict[str, str]:
     return {re.sub(r"layers\.\d+\.", "layers.*.", k): v for k, v in plan.items()}
 
 
+def check_tp_degree(module: nn.Module, tp: int) -> None:
+    """Check that every attention of ``module`` can be split over ``tp`` ranks by whole heads.
+
+    Raises:
+        LayoutError: when ``tp`` does not divide an attention's query or key/value head count.
+    """
+    for name, sub in module.named_modules():
+        if not isinstance(sub, Attention):
+            continue
+        heads = {kind: _out_features(getattr(sub, proj)) // sub.head_dim
+                 for kind, proj in (("query", "q_proj"), ("key/value", "k_proj"))}
+        if any(n % tp for n in heads.values()):
+            raise LayoutError(f"{name or 'attention'}: tp={tp} does not divide its {heads['query']} "
+                              f"query and {heads['key/value']} key/value heads; pick a tp that divides both")
+
+
+def _out_features(linear: nn.Module) -> int:
+    return (linear.base if isinstance(linear, LoRALinear) else linear).out_features
+
+
 def tp_styles(plan: dict[str, str]) -> dict:
     """``torch.distributed.tensor.parallel`` styles for a plan from `plan_tp`."""
     from torch.distributed.tensor import Replicate

@@ -58,16 +58,24 @@ class DPGradSync:
 
 
 def start_fsdp_backward(module: nn.Module) -> None:
-    """Let an FSDP2 chunk accumulate unsharded gradients over the iteration's microbatches.
+    """Unshard an FSDP2 chunk for the iteration and let it accumulate unsharded gradients.
 
-    Parameters stay unsharded from the first forward to the end of the iteration: split backward
-    (B now, W later) differentiates w.r.t. the parameters the forward used, which are the unsharded
-    ones.
+    Parameters stay unsharded from the start of the iteration to its end: split backward (B now, W
+    later) differentiates w.r.t. the parameters the forward used, which are the unsharded ones. The
+    all-gathers run here, in module order, rather than in the first forward: an encoder replica may
+    have no items in some microbatches (the executor skips those actions) or in the whole iteration,
+    and the ``dp`` ranks must still meet in the same collectives at the same point.
     """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
     module.set_reshard_after_forward(False)
     module.set_is_last_backward(False)
     module.set_reshard_after_backward(False)
     module.set_requires_gradient_sync(False)
+    fully_shard.state(module)._lazy_init()  # what the first forward would do
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.unshard()
 
 
 def finish_fsdp_backward(module: nn.Module) -> None:
@@ -78,6 +86,9 @@ def finish_fsdp_backward(module: nn.Module) -> None:
     """
     from torch.distributed.fsdp import fully_shard
 
+    for p in module.parameters():  # the unsharded parameters (`start_fsdp_backward`)
+        if p.requires_grad and p.grad is None:  # a replica that ran no backward reduces zeros
+            p.grad = torch.zeros_like(p)
     module.set_is_last_backward(True)
     module.set_reshard_after_forward(True)
     module.set_reshard_after_backward(True)

@@ -72,14 +72,24 @@ class ModuleRunner:
         self.n_stages = layout.n_stages
         self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
         self.fsdp = layout.fsdp and layout.dp > 1
-        self.dp_sync = DPGradSync(self.mesh.group_of("dp")) if layout.dp > 1 and not self.fsdp else None
+        # Gradients all-reduced over dp: every one, or with FSDP (which reduce-scatters the chunks'
+        # own) the projector's, a whole replica on every dp rank.
+        self.all_reduced = {c: self.projector_weights(c) if self.fsdp else self.params[c]
+                            for c in self.chunks}
+        needs_sync = layout.dp > 1 and any(self.all_reduced.values())
+        self.dp_sync = DPGradSync(self.mesh.group_of("dp")) if needs_sync else None
         self.replication = layout.dp * layout.cp * layout.tp
 
     def weights(self, c: int) -> Iterator[nn.Parameter]:
         """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
         yield from (p for p in self.chunks[c].parameters() if p.requires_grad)
-        if c == self.n_stages - 1 and self.projector is not None:
-            yield from (p for p in self.projector.parameters() if p.requires_grad)
+        yield from self.projector_weights(c)
+
+    def projector_weights(self, c: int) -> list[nn.Parameter]:
+        """Trainable parameters of the projector, on the last chunk (else none)."""
+        if c != self.n_stages - 1 or self.projector is None:
+            return []
+        return [p for p in self.projector.parameters() if p.requires_grad]
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -89,8 +99,8 @@ class ModuleRunner:
         """Start chunk ``c``'s gradient reduction over ``dp`` (after its last backward)."""
         if self.fsdp:
             finish_fsdp_backward(self.chunks[c])
-        elif self.dp_sync is not None:
-            self.dp_sync.start(self.params[c])
+        if self.dp_sync is not None and self.all_reduced[c]:
+            self.dp_sync.start(self.all_reduced[c])
 
 
 class MLLMExecutor:
@@ -98,10 +108,11 @@ class MLLMExecutor:
 
     Args:
         meshes: every module's meshes and groups (`harmonia.runtime.meshes.build_module_meshes`).
-        chunks: module -> chunk index -> stage module, for the modules this rank runs (already
-            parallelized; encoder TP/CP and LLM TP/CP are not supported yet).
+        chunks: module -> chunk index -> stage module, for the modules this rank runs, already
+            parallelized (`harmonia.runtime.parallelize.parallelize_stage`: TP, FSDP).
         hidden: the LLM hidden size (width of the rows crossing every boundary).
-        projectors: encoder -> its projector, on ranks holding the encoder's last chunk.
+        projectors: encoder -> its projector, on ranks holding the encoder's last chunk (every TP
+            rank of it holds a whole replica: its input and output rows are replicated over ``tp``).
         optimizer: builds one module's optimizer from its trainable parameters (default AdamW).
         max_norm: clip the global gradient norm over all modules to this; None = no clipping.
         norm_group: ranks the norm, the loss and the target count are global over (default: world;
@@ -121,9 +132,9 @@ class MLLMExecutor:
         for name, mods in sorted(chunks.items()):
             mesh = meshes.module_mesh(name)
             layout, pp = mesh.layout, mesh.coords["pp"]
-            if layout.tp > 1 or layout.cp > 1:
-                raise LayoutError(f"module {name!r}: tp={layout.tp}, cp={layout.cp}; the MLLM executor "
-                                  "runs tp=1, cp=1 layouts (use dp, fsdp and pp)")
+            if layout.cp > 1:
+                raise LayoutError(f"module {name!r}: cp={layout.cp}; the MLLM executor runs cp=1 layouts "
+                                  "(use tp, dp, fsdp and pp)")
             if not mods or any(c % layout.pp != pp for c in mods):
                 raise LayoutError(f"rank {self.rank} ({name} pp={pp}) must hold chunks c with c % pp == "
                                   f"{pp}; got {sorted(mods)}")
@@ -203,7 +214,8 @@ class MLLMExecutor:
                 r.dp_sync.finish()
         for link in run.links.values():
             link.finish()
-        total = run.loss_sum.detach().double().clone()
+        counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0  # TP ranks repeat it
+        total = run.loss_sum.detach().double().clone() if counts else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
 

@@ -126,8 +126,9 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard the module's linears and embeddings with its TP plan (`harmonia.model.tp.plan_tp`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from harmonia.model.tp import plan_tp, tp_styles
+    from harmonia.model.tp import check_tp_degree, plan_tp, tp_styles
 
+    check_tp_degree(module, tp_mesh.size())
     parallelize_module(module, tp_mesh, tp_styles(plan_tp(module)))
 
 

@@ -3,7 +3,8 @@
 Every layout runs 3 optimizer steps (SGD with momentum, a global-norm clip over all modules that
 binds) on variable microbatches: each step's samples differ in text length, image tiles and audio
 length, each global microbatch in sample count, and each encoder deals its samples to its own DP
-replicas independently of the LLM. Two training setups cover the frozen paths: ``audio-frozen``
+replicas independently of the LLM (or leaves one replica idle, to check that its collectives still
+match its peers'). Two training setups cover the frozen paths: ``audio-frozen``
 (frozen audio encoder, trainable projector: W only on its last stage) and ``vision-frozen`` (frozen
 vision encoder and projector: no backward at all). Loss, gradient norm and final parameters must
 match a one-process run on the same samples (relative difference <= 1e-5; parameters elementwise,
@@ -53,6 +54,7 @@ class Case:
     n_microbatches: int = 3
     training: str = "audio-frozen"
     n_sub: dict = field(default_factory=dict)
+    idle: tuple[str, ...] = ()  # encoders whose last DP replica gets no sample in any step
 
     def layouts(self) -> dict[str, Layout]:
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
@@ -65,6 +67,7 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp2 -> llm pp2 zb, vision subs", L(dp=2), L(dp=2), L(pp=2), "zb",
              n_sub={"vision": 2}),
         Case("co enc pp2 -> llm dp2", L(pp=2), L(), L(dp=2), n_microbatches=2),
+        Case("co all tp2", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen"),
     ],
     4: [
         Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
@@ -74,6 +77,13 @@ CASES: dict[int, list[Case]] = {
         Case("co vision dp4, audio pp2 dp2 -> llm pp2 dp2", L(dp=4), L(pp=2, dp=2), L(pp=2, dp=2)),
         Case("co enc dp4 -> llm dp2 fsdp pp2 zb", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), "zb",
              training="vision-frozen", n_sub={"audio": 2}),
+        Case("dis vision tp2, audio dp2 -> llm pp2", L(tp=2), L(dp=2), L(pp=2, rank_offset=2)),
+        Case("co vision tp2 dp2, audio dp4 -> llm pp2 tp2 zb", L(tp=2, dp=2), L(dp=4), L(pp=2, tp=2), "zb",
+             n_sub={"vision": 2}),
+        Case("co enc pp2 tp2 -> llm dp2 tp2 fsdp", L(pp=2, tp=2), L(pp=2, tp=2), L(dp=2, tp=2, fsdp=True),
+             training="vision-frozen"),
+        Case("co vision fsdp dp2 tp2 (dp1 idle), audio pp2 tp2 -> llm dp2 tp2", L(dp=2, tp=2, fsdp=True),
+             L(pp=2, tp=2), L(dp=2, tp=2), idle=("vision",)),
     ],
 }
 
@@ -126,7 +136,10 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
         for e, layout in (("vision", case.vision), ("audio", case.audio)):
             order = list(range(k))
             rng.shuffle(order)
-            enc_split[e].append([sorted(order[d::layout.dp]) for d in range(layout.dp)])
+            split = [sorted(order[d::layout.dp]) for d in range(layout.dp)]
+            if e in case.idle:
+                split[0], split[-1] = sorted(split[0] + split[-1]), []
+            enc_split[e].append(split)
     return micro, llm_split, enc_split
 
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from harmonia.errors import ConfigError, SampleError
+from harmonia.errors import ConfigError, LayoutError, SampleError
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups, pack_samples
 from harmonia.model.lora import LoRALinear, merge_lora, trainable_parameters
 from harmonia.model.mllm import build_mllm_model, build_module
 from harmonia.model.presets import mllm_preset
-from harmonia.model.tp import plan_tp, tp_styles
+from harmonia.model.tp import check_tp_degree, plan_tp, tp_styles
 from harmonia.workload.shapes import ModalityItem, llm_tokens_of_item
 
 SPEC = mllm_preset("tiny-omni")
@@ -154,6 +154,14 @@ def test_tp_plan_names_real_linears():
     assert llm_plan["layers.*.attn.q_proj.base"] == "colwise"
     assert llm_plan["layers.*.attn.q_proj.lora_b"] == "colwise"
     assert llm_plan["layers.*.attn.o_proj.lora_a"] == "rowwise"
+
+
+def test_tp_degree_must_split_whole_heads():
+    llm = build_mllm_model(SPEC.with_training(llm="lora")).llm
+    body = SPEC.llm.body
+    check_tp_degree(llm, body.kv_heads)
+    with pytest.raises(LayoutError, match="does not divide"):
+        check_tp_degree(llm, body.n_heads * 2)
 
 
 def test_video_temporal_merge_averages_frame_groups():
