@@ -201,6 +201,8 @@ def _train(config) -> int:
     from harmonia.train.report import summary_table
 
     result = run_training(config, console)
+    if result is None:  # a rank other than 0 under torchrun: rank 0 reports
+        return 0
     if result.records:
         console.print(summary_table(result.records, result.accuracy))
         console.print(f"metrics.jsonl, TensorBoard events, timeline.png and summary.json in {config.log.dir}/")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -134,8 +135,9 @@ def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
                       f"in {report.seconds:.1f} s")
 
 
-def run_training(config: Config, console) -> TrainResult:
-    """Run the job on local processes (or in this process under torchrun); returns what rank 0 saw."""
+def run_training(config: Config, console) -> TrainResult | None:
+    """Run the job on local processes (or in this process under torchrun); returns what rank 0 saw
+    (None on the other ranks under torchrun)."""
     from harmonia.launch import launch, under_torchrun
     from harmonia.runtime.checkpoint import latest_step
     from harmonia.train.loop import train_worker
@@ -147,8 +149,8 @@ def run_training(config: Config, console) -> TrainResult:
     report = None
     if under_torchrun():
         train_worker(config, None, str(result_path))
-        if not result_path.exists():  # ranks other than 0
-            return TrainResult(Plan.load(log_dir / "plan.json"), [], [], 0)
+        if int(os.environ["RANK"]) != 0:
+            return None
         plan = Plan.load(log_dir / "plan.json")
     else:
         check_cluster(config)

@@ -32,7 +32,9 @@ from harmonia.train.report import write_timelines
 from harmonia.train.state import load_training, save_training
 
 FAULT_ENV = "HARMONIA_FAULT"
-"""``<raise|kill>:<rank>:<step>`` makes that rank fail at that step (to exercise fault handling)."""
+"""``<raise|kill|nan>:<rank>:<step>`` makes that rank fail at that step, to exercise fault handling:
+raise an exception, die by SIGKILL, or poison its weights so the step's loss is NaN. It fires on a
+job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted job gets past it."""
 
 
 class TrainingError(HarmoniaError):
@@ -48,15 +50,20 @@ def learning_rate(config: Config, step: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _inject_fault(rank: int, step: int) -> None:
+def _inject_fault(rank: int, step: int, model: RankModel) -> None:
     spec = os.environ.get(FAULT_ENV, "")
-    if not spec:
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
     kind, r, s = spec.split(":")
-    if int(r) == rank and int(s) == step:
-        if kind == "kill":
-            os.kill(os.getpid(), 9)
-        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+    if int(r) != rank or int(s) != step:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), 9)
+    if kind == "nan":
+        with torch.no_grad():
+            next(iter((model.trainable_named() or model.named).values())).fill_(float("nan"))
+        return
+    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
 
 @dataclass
@@ -160,7 +167,7 @@ class Trainer:
             for step in range(self.start_step, tc.steps):
                 it = prefetch.get(step)
                 self._set_lr(step)
-                _inject_fault(self.rank, step)
+                _inject_fault(self.rank, step, self.model)
                 self.model.executor.action_times = []
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -233,13 +240,15 @@ def _rss_bytes() -> int:
 
 def _shared_plan(config: Config, rank: int) -> str:
     """Under torchrun: rank 0 prepares the data and the plan; every rank gets the plan."""
-    from harmonia.train.job import prepare_data, resolve_plan
+    from harmonia.train.job import prepare_data, print_plan, resolve_plan
+    from harmonia.train.report import console
 
     box: list = [None]
     if rank == 0:
         try:
             prepare_data(config)
-            plan, _ = resolve_plan(config)
+            plan, report = resolve_plan(config)
+            print_plan(plan, report, console)
             Path(config.log.dir).mkdir(parents=True, exist_ok=True)
             plan.save(Path(config.log.dir) / "plan.json")
             box[0] = plan.to_json()
@@ -249,6 +258,16 @@ def _shared_plan(config: Config, rank: int) -> str:
     if isinstance(box[0], BaseException):
         raise box[0]
     return box[0]
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, its keys prefixed by the torchrun restart attempt.
+
+    A restarted attempt reuses the store of the failed one; without a prefix, gloo's connection
+    set-up can read the dead attempt's peer addresses and fail with "connection refused".
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    return dist.PrefixStore(f"harmonia/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def train_worker(config: Config, plan_json: str | None, result_path: str) -> None:
@@ -264,7 +283,9 @@ def train_worker(config: Config, plan_json: str | None, result_path: str) -> Non
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend_of(config)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+    timeout = datetime.timedelta(minutes=5)
+    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
     try:
         plan = Plan.from_json(plan_json or _shared_plan(config, rank))
         trainer = Trainer(config, plan, rank)

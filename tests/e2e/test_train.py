@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -87,6 +91,16 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     assert other.losses[:2] == ref.losses[:2]
     assert other.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
 
+    # ... and under a plan file with tensor parallelism (LLM tp2 x pp2, audio tp2 x dp2)
+    plan = json.loads((tmp / "ref" / "plan.json").read_text())
+    plan["layouts"]["llm"].update(tp=2, dp=1, fsdp=False)
+    plan["layouts"]["audio"].update(tp=2, dp=2, pp=1)
+    (tmp / "tp-plan.json").write_text(json.dumps(plan))
+    shutil.copytree(tmp / "other" / "ck" / "step-2", tmp / "tp" / "ck" / "step-2")
+    tp, _ = _run(_config(tmp, "tp", f"--parallel.plan={tmp / 'tp-plan.json'}"))
+    assert tp.plan.layouts["llm"].tp == 2 and tp.start_step == 2
+    assert tp.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
+
     # a rank killed mid-training ends the job with its signal, no hang
     monkeypatch.setenv(FAULT_ENV, "kill:2:1")
     t0 = time.monotonic()
@@ -112,3 +126,29 @@ def test_bad_config_fails_before_any_process_starts(argv, field, capsys, monkeyp
     assert main(["train", *argv]) != 0
     captured = capsys.readouterr()
     assert field in captured.out + captured.err
+
+
+def test_nan_loss_and_torchrun_restart(tmp, monkeypatch) -> None:
+    """A NaN loss stops the job naming step and batch; under torchrun with restarts, a failed
+    attempt is followed by one that resumes from the last checkpoint and finishes."""
+    monkeypatch.setenv(FAULT_ENV, "nan:0:1")
+    with pytest.raises(LaunchError, match=r"TrainingError: step 1: loss is nan .*batch samples \[\d+"):
+        _run(_config(tmp, "nan"))
+    monkeypatch.delenv(FAULT_ENV)
+
+    run_dir = tmp / "torchrun"
+    args = [f"--{a}" for a in ("data.path=" + str(tmp / "data"), "data.synthesize=96", "data.heldout=16",
+                                "train.steps=4", "train.global_batch=16", "train.warmup=1", "checkpoint.every=2",
+                                "parallel.llm_pp=2", "parallel.world_size=2", "parallel.cluster=cpu:1x2",
+                                "log.tensorboard=false", f"log.dir={run_dir}", f"checkpoint.dir={run_dir / 'ck'}")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "harmonia", "train", *args]
+    proc = subprocess.run(cmd, env={**os.environ, FAULT_ENV: "raise:1:3"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "injected fault on rank 1 at step 3" in proc.stdout + proc.stderr  # the first attempt failed
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["start_step"] == 2 and len(summary["losses"]) == 4  # the restart resumed at step 2
+    assert all(math.isfinite(x) for x in summary["losses"])
+    assert (run_dir / "ck" / "step-4").is_dir()
+
