@@ -97,15 +97,18 @@ class Layout:
             if not 0 <= c < n:
                 raise LayoutError(f"{axis} coordinate {c} is outside 0..{n - 1}")
         index = ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
-        return self.rank_list()[index]
+        return self.rank_offset + index if self.ranks is None else self.ranks[index]
 
     def coords(self, rank: int) -> dict[str, int]:
         """Grid coordinates of a global rank; raises if the rank is not in this layout."""
-        ranks = self.rank_list()
-        try:
-            index = ranks.index(rank)
-        except ValueError:
-            raise LayoutError(f"rank {rank} is not in this layout (ranks {ranks})") from None
+        if self.ranks is None and self.rank_offset <= rank < self.rank_offset + self.size:
+            index = rank - self.rank_offset
+        else:
+            ranks = self.rank_list()
+            try:
+                index = ranks.index(rank)
+            except ValueError:
+                raise LayoutError(f"rank {rank} is not in this layout (ranks {ranks})") from None
         out: dict[str, int] = {}
         for axis, n in zip(reversed(AXES), reversed(self._grid)):
             out[axis] = index % n

@@ -141,6 +141,22 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
 
 
+def homogeneous_candidates(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, global_batch: int,
+                           model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
+    """harmonia's plans restricted to one layout for all modules: every LLM factorisation that fits
+    (frozen-aware split), each encoder on the LLM's first pipeline stage with the LLM's tp and dp;
+    balanced per iteration, 1F1B or zero-bubble. The baseline that per-module layouts must beat."""
+    encoders = list(cost.mllm.encoders)
+    training = {m: t.mode.value for m, t in cost.mllm.training.items()}
+    for llm, n_mb in _llm_options(cost, cluster, cluster.world_size, 0, global_batch, profile, True, rejected):
+        first = tuple(llm.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(llm.dp) for c in range(llm.cp)
+                      for t in range(llm.tp))
+        layouts = {e: Layout(tp=llm.tp, dp=llm.dp * llm.cp, ranks=first) for e in encoders}
+        for schedule in ("1f1b", "zb"):
+            yield Candidate("harmonia", Plan(model, {**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb,
+                                             global_batch, training))
+
+
 def search_order_of(cands: list[Candidate], bounds: list[float]) -> list[int]:
     """Indices of candidates in the order a search should simulate them: by lower bound within each
     (placement, schedule) family, the families interleaved, so a budget of N simulations reaches

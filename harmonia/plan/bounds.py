@@ -1,0 +1,250 @@
+"""Communication-aware bounds on a plan's iteration time, computed without simulating.
+
+The planner ranks and prunes candidates with these numbers before it spends a simulation on
+them, so they must count what the simulator counts (`harmonia.sim.tasks`): compute, the
+collectives inside a stage, FSDP weight gathers and the DP gradient reduction. A compute-only
+bound ranks a communication-heavy layout (low TP on a 72B LLM, say) as good as any, although its
+gathers and reductions cost more than its compute.
+
+Derivation of `plan_bound`, per module stage chunk ``c`` on one rank of an average DP replica
+(the slowest replica is never faster than the average one), with ``T``, ``P`` the batch's tokens
+and attended pairs of the module divided by its ``dp``, ``n`` the microbatches of an LLM replica,
+``L`` the blocks of the chunk and ``h`` its width:
+
+- compute ``F, B, W``: the cost model's roofline of the replica's whole load; the simulator sums the
+  roofline per microbatch, and ``sum_i max(a_i, b_i) >= max(sum a_i, sum b_i)``;
+- TP: two ring all-reduces of ``tokens/cp * h`` activations per block in the forward and two in
+  the backward (B or BW, not W). A ring is affine in its bytes, ``2 (t-1)/t * bytes / bw +
+  2 (t-1) * latency``, so the microbatches of a replica sum to ``4 L (2 (t-1)/t * T/cp * h * a / bw
+  + n * 2 (t-1) * latency)`` (the latency term for the LLM, whose ``n`` is known);
+- CP: an all-gather of K and V per block in F and in the backward, ``L (c-1)/c * 2 T kv a / t / bw``;
+- FSDP: before every forward and backward of a microbatch the stage gathers its weights,
+  ``g = (dp-1)/dp * weights / tp / bw``, hidden behind that phase's compute, so the phase lasts
+  ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
+  (for a fused backward ``max(n g, B + W)``, which a split one never beats);
+- DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
+  group, started after the chunk's last weight gradient. Every F, B and W of the chunk precedes
+  its last W on the rank's one compute stream, so the reduction ends after ``busy_c + R_c``; the
+  reductions of one rank share its communication stream, so they end after
+  ``min_c busy_c + sum_c R_c``.
+
+A rank's compute stream runs everything placed on it (colocated encoders add their share), so
+``lower_s = max over ranks of max(busy, max_c (busy_c + R_c), min_c busy_c + sum_c R_c)``: no
+schedule, balancing or order beats it, and a candidate whose bound exceeds the best simulated
+time can be skipped.
+
+``estimate_s`` adds what a schedule cannot avoid but the bound cannot prove without the batch's
+microbatches: the pipeline fill and drain, about ``(pp - 1) / n`` of a stage's forward and
+backward under 1F1B (the backward only under zero-bubble, whose W fill the bubbles), and for
+disjoint encoders the wait of the LLM for the first microbatch's encoder forward and of the
+encoders for its last backward. It orders candidates; it prunes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from harmonia.plan.layout import Placement
+from harmonia.plan.plan import Plan
+from harmonia.plan.profiling import BatchProfile
+from harmonia.schedule import StageGraph
+from harmonia.schedule.actions import StageRef
+from harmonia.sim.orders import stage_trainable
+from harmonia.sim.stagework import stage_layer_range
+from harmonia.sim.tasks import ring_allreduce_s
+from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel, PhaseTimes
+from harmonia.workload.devices import ClusterSpec
+from harmonia.workload.work import ModuleLoad
+
+
+@dataclass(frozen=True)
+class ChunkBound:
+    """One stage chunk on one rank of an average replica.
+
+    Attributes:
+        compute: F + B + W seconds of the cost model's roofline.
+        comm: seconds the chunk's TP/CP collectives and exposed FSDP gathers add to its compute.
+        reduce: seconds of its DP gradient all-reduce.
+        forward: its forward seconds, exposed gathers included.
+        weight: its W seconds when its backward can be split into B and W (zero-bubble fills with W).
+    """
+
+    compute: float
+    comm: float
+    reduce: float
+    forward: float
+    weight: float
+
+    @property
+    def busy(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclass(frozen=True)
+class PlanBound:
+    """Bounds of one plan on one profiled batch mix.
+
+    Attributes:
+        lower_s: seconds no schedule beats (see module docstring).
+        estimate_s: ``lower_s`` plus pipeline fill/drain and encoder waits; orders candidates.
+        compute_s: the busiest rank's compute alone (the compute-only bound).
+        comm_s: seconds communication adds on that rank (TP/CP, FSDP, DP reduction).
+    """
+
+    lower_s: float
+    estimate_s: float
+    compute_s: float
+    comm_s: float
+
+
+def _mean_loads(profile: BatchProfile, batches: list[int] | None) -> dict[str, ModuleLoad]:
+    rows = slice(None) if batches is None else batches
+    tokens = profile.batch_tokens[rows].mean(axis=0)
+    pairs = profile.batch_pairs[rows].mean(axis=0)
+    return {m: ModuleLoad(int(tokens[j]), int(pairs[j]), 1) for j, m in enumerate(profile.modules)}
+
+
+def _scale(load: ModuleLoad, parts: int) -> ModuleLoad:
+    return ModuleLoad(load.tokens // parts, load.pairs // parts, 1)
+
+
+def _stage_ranks(plan: Plan, module: str, pp_rank: int) -> np.ndarray:
+    """Global ranks holding pipeline rank ``pp_rank`` of a module (grid order puts pp outermost)."""
+    layout = plan.layouts[module]
+    per = layout.dp * layout.cp * layout.tp
+    return np.asarray(layout.rank_list()[pp_rank * per:(pp_rank + 1) * per])
+
+
+def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: StageGraph, module: str, chunk: int,
+                 load: ModuleLoad, proj_load: ModuleLoad) -> ChunkBound:
+    layout = plan.layouts[module]
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    times = cost.stage_times(module, load, start, stop, tp, cp)
+    last = chunk == layout.n_stages - 1
+    if last and module != "llm":
+        times = times + cost.stage_times(f"{module}_proj", proj_load, tp=tp, cp=cp)
+    ref = StageRef(module, chunk)
+    has_b, has_w = graph.needs_b(ref), graph.needs_w(ref)
+    backward = times.B + times.W if (has_b or has_w) else 0.0
+    n_mb = plan.n_microbatches if module == "llm" else 0
+    ranks = _stage_ranks(plan, module, chunk % layout.pp)
+    blocks = layout.stage_split(len(cost.layers[module]) - 2)[chunk]
+    phases = 1 + (1 if has_b else 0)  # F, and B or BW (a W-only backward has no collectives)
+    comm = phases * _tp_s(cost, cluster, module, blocks, load.tokens, n_mb, tuple(ranks[:tp]), layout)
+    comm += phases * _cp_s(cost, cluster, module, blocks, load.tokens, tuple(ranks[:tp * cp:tp]), layout)
+    forward = times.F
+    if layout.fsdp and dp > 1 and n_mb:
+        gather = _gather_s(plan, cost, cluster, module, chunk, ranks)
+        comm += max(0.0, n_mb * gather - times.F)
+        if has_b:
+            comm += max(0.0, n_mb * gather - backward)
+        forward = max(n_mb * gather, times.F)
+    reduce = _reduce_s(plan, cost, cluster, module, chunk, ranks) if has_w else 0.0
+    return ChunkBound(times.F + backward, comm, reduce, forward, times.W if has_b and has_w else 0.0)
+
+
+def _tp_s(cost: CostModel, cluster: ClusterSpec, module: str, blocks: int, tokens: int, n_mb: int,
+          group: tuple[int, ...], layout) -> float:
+    """Two ring all-reduces of ``tokens/cp x hidden`` activations per block, summed over microbatches."""
+    if layout.tp <= 1:
+        return 0.0
+    hidden = cost.mllm.llm.hidden if module == "llm" else cost.mllm.encoders[module].out_dim
+    nbytes = tokens / layout.cp * hidden * cost.act_bytes
+    bytes_term = ring_allreduce_s(nbytes, group, cluster) - 2 * (layout.tp - 1) * cluster.device.latency_s
+    return 2 * blocks * (max(bytes_term, 0.0) + n_mb * 2 * (layout.tp - 1) * cluster.device.latency_s)
+
+
+def _cp_s(cost: CostModel, cluster: ClusterSpec, module: str, blocks: int, tokens: int,
+          group: tuple[int, ...], layout) -> float:
+    """An all-gather of K and V per block over the CP group."""
+    if layout.cp <= 1:
+        return 0.0
+    spec = cost.mllm.llm.body if module == "llm" else cost.mllm.encoders[module].body
+    kv = 2 * tokens * spec.kv_dim * cost.act_bytes / layout.tp
+    return blocks * (layout.cp - 1) / layout.cp * kv / cluster.group_bandwidth(group)
+
+
+def _dp_group(plan: Plan, module: str, chunk: int) -> tuple[int, ...]:
+    layout = plan.layouts[module]
+    return tuple(layout.rank_at(pp=chunk % layout.pp, dp=d) for d in range(layout.dp))
+
+
+def _gather_s(plan: Plan, cost: CostModel, cluster: ClusterSpec, module: str, chunk: int, ranks) -> float:
+    layout = plan.layouts[module]
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    weights = cost.param_count(module, start, stop)[0] * PARAM_BYTES / layout.tp
+    group = _dp_group(plan, module, chunk)
+    return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
+
+
+def _reduce_s(plan: Plan, cost: CostModel, cluster: ClusterSpec, module: str, chunk: int, ranks) -> float:
+    layout = plan.layouts[module]
+    if layout.dp <= 1:
+        return 0.0
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    trainable = cost.param_count(module, start, stop)[1]
+    if chunk == layout.n_stages - 1 and module != "llm":
+        trainable += cost.param_count(f"{module}_proj")[1]
+    return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, _dp_group(plan, module, chunk), cluster)
+
+
+def plan_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
+               batches: list[int] | None = None) -> PlanBound:
+    """Lower bound and estimate of a plan's iteration seconds on the profiled ``batches``."""
+    loads = _mean_loads(profile, batches)
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    world = cluster.world_size
+    busy = np.zeros(world)
+    compute = np.zeros(world)
+    chunk_busy: list[tuple[np.ndarray, float, float]] = []  # (ranks, busy_c, reduce_c)
+    fill = np.zeros(world)
+    chunks: dict[str, list[ChunkBound]] = {}
+    for module, layout in plan.layouts.items():
+        load = _scale(loads[module], layout.dp)
+        proj = _scale(loads.get(f"{module}_proj", ModuleLoad()), layout.dp)
+        chunks[module] = []
+        for chunk in range(layout.n_stages):
+            cb = _chunk_bound(plan, cost, cluster, graph, module, chunk, load, proj)
+            ranks = _stage_ranks(plan, module, chunk % layout.pp)
+            busy[ranks] += cb.busy
+            compute[ranks] += cb.compute
+            chunk_busy.append((ranks, cb.busy, cb.reduce))
+            chunks[module].append(cb)
+    lower = busy.copy()
+    first_busy = np.full(world, np.inf)
+    reduce_sum = np.zeros(world)
+    for ranks, b, r in chunk_busy:
+        lower[ranks] = np.maximum(lower[ranks], b + r)
+        if r > 0:
+            first_busy[ranks] = np.minimum(first_busy[ranks], b)
+            reduce_sum[ranks] += r
+    has_reduce = reduce_sum > 0
+    lower[has_reduce] = np.maximum(lower[has_reduce], first_busy[has_reduce] + reduce_sum[has_reduce])
+    worst = int(np.argmax(lower))
+    fill[:] = _fill_s(plan, chunks)
+    estimate = float(np.max(lower + fill))
+    return PlanBound(float(lower[worst]), max(estimate, float(lower[worst])), float(compute[worst]),
+                     float(lower[worst] - compute[worst]))
+
+
+def _fill_s(plan: Plan, chunks: dict[str, list[ChunkBound]]) -> float:
+    """Pipeline fill and drain the schedule cannot avoid, and the waits across a disjoint boundary."""
+    n_mb = plan.n_microbatches
+    llm = chunks["llm"]
+    stage = max(c.busy for c in llm)
+    per_mb = stage / n_mb
+    if plan.schedule == "zb":
+        split = max(llm, key=lambda c: c.busy)
+        per_mb = max(0.0, split.busy - 2 * split.weight) / n_mb
+    out = (plan.layouts["llm"].pp - 1) * per_mb
+    if plan.placement is Placement.DISJOINT:
+        llm_dp = plan.layouts["llm"].dp
+        for enc in plan.encoders:
+            # an encoder rank serves n_mb microbatches of each LLM replica it feeds; the LLM waits for
+            # the first one's forward, the encoder for the last one's gradient
+            units = n_mb * -(-llm_dp // plan.layouts[enc].dp)
+            out += sum(c.busy for c in chunks[enc]) / units
+    return out
