@@ -8,6 +8,9 @@ heads) runs unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +67,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
+@dataclass(frozen=True)
+class ShardedKeys:
+    """Attention of one context-parallel shard: this rank's queries against the keys of every CP rank.
+
+    Passed in place of the mask. Each CP rank holds any subset of the sequence's tokens; attention
+    projects and rotates its own tokens, gathers every rank's keys and values, and applies ``mask``.
+
+    Attributes:
+        mask: boolean ``(t, T)``: local query ``i`` may attend key ``j``, keys in gathered order.
+        gather: ``(t, *F) -> (T, *F)``, every CP rank's rows along dim 0 in gathered order;
+            differentiable (backward returns this rank's rows of the gradient summed over ranks).
+    """
+
+    mask: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local ``(B, nkv, t, hd)`` keys and values -> ``(B, nkv, T, hd)`` of every rank (one collective)."""
+        kv = torch.cat((k, v), dim=1).permute(2, 0, 1, 3).contiguous()  # (t, B, 2 nkv, hd)
+        kv = self.gather(kv).permute(1, 2, 0, 3)  # (B, 2 nkv, T, hd)
+        k, v = kv.chunk(2, dim=1)
+        return k, v
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with grouped key/value heads, optional qk-norm and rotary embedding."""
 
@@ -92,8 +119,8 @@ class Attention(nn.Module):
         Args:
             x: ``(B, T, h)``.
             mask: boolean ``(T, T)`` or ``(B, 1, T, T)``, True where a query may attend a key (SDPA),
-                or a flex_attention ``BlockMask`` (`flex_block_mask`); None attends everything (an
-                encoder sequence).
+                a flex_attention ``BlockMask`` (`flex_block_mask`), or `ShardedKeys` (``x`` is one
+                context-parallel shard); None attends everything (an encoder sequence).
             rope: ``(cos, sin)`` tables from `rope_cos_sin`, or None for no rotary embedding.
         """
         B, T, _ = x.shape
@@ -105,6 +132,9 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if isinstance(mask, ShardedKeys):
+            k, v = mask.gather_kv(k, v)  # (B, nkv, T, hd): every CP rank's tokens
+            mask = mask.mask  # (t, T)
         gqa = q.shape[1] != k.shape[1]
         if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
             from torch.nn.attention.flex_attention import flex_attention

@@ -77,7 +77,9 @@ class DecoderLM(nn.Module):
         Args:
             x: ``(B, T)`` token ids on the first stage, ``(B, T, h)`` hidden states otherwise.
             positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE).
-            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask`.
+            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask`, or
+                `harmonia.model.layers.ShardedKeys` when ``x`` is one context-parallel shard of the
+                sequence (``T`` its tokens, ``positions`` theirs).
             item_embeds: first stage only, see `embed_inputs`.
             item_index: first stage only, see `embed_inputs`.
 

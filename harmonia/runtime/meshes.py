@@ -2,8 +2,9 @@
 
 `build_module_meshes` creates, on every rank and in one deterministic order (modules sorted by
 name, then one boundary group per encoder), each module's ``DeviceMesh`` with named axes
-``(pp, dp, cp, tp)`` over its layout's ranks, the group of all its ranks, and a group per encoder ->
-LLM boundary over the union of both rank sets. Group creation is collective over the whole world,
+``(pp, dp, cp, tp)`` over its layout's ranks, the group of all its ranks, its ``dp x cp`` groups
+(where both exceed 1: the gradients of context-parallel replicas are summed over both), and a
+group per encoder -> LLM boundary over the union of both rank sets. Group creation is collective over the whole world,
 so every rank builds every group, including those of modules it does not run; a rank then reads
 only the groups of its own modules. Colocated modules list the same ranks, factorised their own way;
 disjoint ones own separate ranks. Nothing is stored in module-level state.
@@ -11,6 +12,7 @@ disjoint ones own separate ranks. Nothing is stored in module-level state.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ class ModuleMeshes:
         groups: module -> group of all its ranks, for the modules this rank runs.
         boundary_groups: encoder -> group over the encoder's and the LLM's ranks, for the encoders whose
             boundary this rank takes part in.
+        dp_cp_groups: module -> this rank's ``dp x cp`` group, for its modules with ``dp, cp > 1``.
     """
 
     rank: int
@@ -43,6 +46,7 @@ class ModuleMeshes:
     meshes: dict[str, DeviceMesh]
     groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     boundary_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
+    dp_cp_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
 
     def modules(self) -> list[str]:
         """Modules this rank runs, sorted by name."""
@@ -66,7 +70,8 @@ class ModuleMeshes:
     def module_mesh(self, module: str) -> ModuleMesh:
         """The executor's `ModuleMesh` of a module this rank runs."""
         self._member(module)
-        return ModuleMesh(module, self.layouts[module], self.meshes[module], self.groups[module], self.rank)
+        return ModuleMesh(module, self.layouts[module], self.meshes[module], self.groups[module], self.rank,
+                          self.dp_cp_groups.get(module))
 
     def boundary_group(self, encoder: str) -> dist.ProcessGroup:
         """Group over ``encoder``'s and the LLM's ranks (the boundary transfers' group)."""
@@ -119,6 +124,12 @@ def build_module_meshes(plan: Plan | Mapping[str, Layout], device_type: str = "c
         group = dist.new_group(ranks)
         if rank in ranks:
             out.groups[name] = group
+        if layout.dp > 1 and layout.cp > 1:
+            for pp, tp in itertools.product(range(layout.pp), range(layout.tp)):
+                members = sorted(layout.rank_at(pp, d, c, tp) for d in range(layout.dp) for c in range(layout.cp))
+                group = dist.new_group(members)
+                if rank in members:
+                    out.dp_cp_groups[name] = group
     if "llm" in layouts:
         llm_ranks = set(layouts["llm"].rank_list())
         for name in sorted(m for m in layouts if m != "llm"):

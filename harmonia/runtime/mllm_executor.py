@@ -18,7 +18,14 @@ timeline (`harmonia.schedule.costs.replay`), so ranks that merge stages of sever
 several replicas still follow one global order (no wait cycles). Communication is asynchronous:
 stage messages through `P2P` (one per module, on its group), boundary rows through `BoundaryLink`
 (one plan per microbatch and encoder). After the actions: gradient reduction over each module's
-``dp``, one global-norm clip over all modules, one optimizer step per module.
+``dp x cp``, one global-norm clip over all modules, one optimizer step per module.
+
+Context parallelism (LLM only; encoders run ``cp=1``): every CP rank of an LLM stage runs its own
+tokens of every microbatch (the batch's token-to-rank assignment, `RankBatch.llm_cp`), attention
+gathers keys and values over ``cp`` (`harmonia.runtime.context_parallel`), the boundary delivers
+each CP rank the item rows of its tokens, stage messages go between ranks of the same ``cp``
+coordinate, the loss sums each rank's own targets (divided by the global target count), and the
+gradients of the weights, replicated over ``cp``, are summed over ``dp x cp``.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ from torch import nn
 
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.llm import lm_loss
+from harmonia.model.layers import ShardedKeys
 from harmonia.model.mllm import group_mean
 from harmonia.runtime.boundary_link import BoundaryLink
+from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.executor import OptimizerFactory, StepResult, _default_optimizer
 from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, squared_norm_share,
                                     start_fsdp_backward)
@@ -72,12 +81,14 @@ class ModuleRunner:
         self.n_stages = layout.n_stages
         self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
         self.fsdp = layout.fsdp and layout.dp > 1
-        # Gradients all-reduced over dp: every one, or with FSDP (which reduce-scatters the chunks'
-        # own) the projector's, a whole replica on every dp rank.
+        # Gradients all-reduced over dp x cp (every rank holding the same weights): every one, or
+        # with FSDP (which reduce-scatters the chunks' own over dp) the projector's, a whole replica
+        # on every dp rank; FSDP shards are then all-reduced over cp (`cp_sync`).
         self.all_reduced = {c: self.projector_weights(c) if self.fsdp else self.params[c]
                             for c in self.chunks}
-        needs_sync = layout.dp > 1 and any(self.all_reduced.values())
-        self.dp_sync = DPGradSync(self.mesh.group_of("dp")) if needs_sync else None
+        needs_sync = layout.dp * layout.cp > 1 and any(self.all_reduced.values())
+        self.dp_sync = DPGradSync(self.mesh.grad_group()) if needs_sync else None
+        self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
         self.replication = layout.dp * layout.cp * layout.tp
 
     def weights(self, c: int) -> Iterator[nn.Parameter]:
@@ -96,11 +107,19 @@ class ModuleRunner:
         return [p for ps in self.params.values() for p in ps]
 
     def backward_done(self, c: int) -> None:
-        """Start chunk ``c``'s gradient reduction over ``dp`` (after its last backward)."""
+        """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
         if self.fsdp:
             finish_fsdp_backward(self.chunks[c])
+            if self.cp_sync is not None:
+                self.cp_sync.start([p for p in self.chunks[c].parameters() if p.requires_grad])
         if self.dp_sync is not None and self.all_reduced[c]:
             self.dp_sync.start(self.all_reduced[c])
+
+    def finish_reduction(self) -> None:
+        """Wait for every gradient reduction started by `backward_done`."""
+        for sync in (self.dp_sync, self.cp_sync):
+            if sync is not None:
+                sync.finish()
 
 
 class MLLMExecutor:
@@ -132,9 +151,9 @@ class MLLMExecutor:
         for name, mods in sorted(chunks.items()):
             mesh = meshes.module_mesh(name)
             layout, pp = mesh.layout, mesh.coords["pp"]
-            if layout.cp > 1:
-                raise LayoutError(f"module {name!r}: cp={layout.cp}; the MLLM executor runs cp=1 layouts "
-                                  "(use tp, dp, fsdp and pp)")
+            if layout.cp > 1 and name != LLM:
+                raise LayoutError(f"encoder {name!r}: cp={layout.cp}; encoders run cp=1 (only the LLM is "
+                                  "context-parallel); use tp, dp, fsdp and pp for encoders")
             if not mods or any(c % layout.pp != pp for c in mods):
                 raise LayoutError(f"rank {self.rank} ({name} pp={pp}) must hold chunks c with c % pp == "
                                   f"{pp}; got {sorted(mods)}")
@@ -210,11 +229,11 @@ class MLLMExecutor:
         run.execute(self.local_actions(schedule))
         for r in self.runners.values():
             r.p2p.wait_sends()
-            if r.dp_sync is not None:
-                r.dp_sync.finish()
+            r.finish_reduction()
         for link in run.links.values():
             link.finish()
-        counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0  # TP ranks repeat it
+        # TP ranks repeat the loss; CP ranks each hold the loss of their own tokens.
+        counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0
         total = run.loss_sum.detach().double().clone() if counts else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
@@ -247,7 +266,7 @@ class _MLLMIteration:
         self.loss_sum = torch.zeros(())
         self.enc_sizes: dict[tuple[str, int], list[int]] = {}
         self.pending_g: dict[Key, torch.Tensor | None] = {}
-        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor | ShardedKeys, CPShard | None]] = {}
         self.links: dict[str, BoundaryLink] = {}
         for e in self.graph.encoders:
             plans = batch.plans.get(e, [])
@@ -371,41 +390,57 @@ class _MLLMIteration:
                 del self.enc_rows[(name, m)]
                 self.links[name].send(m, rows)
 
+    def _attention_inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor | ShardedKeys, CPShard | None]:
+        """Rotary positions, mask and CP shard of LLM microbatch ``m`` on this rank (once per microbatch)."""
+        if m not in self.masks:
+            mb, mesh = self.batch.llm[m], self.ex.runners[LLM].mesh
+            if mesh.layout.cp == 1:
+                self.masks[m] = (mb.positions(), mb.mask(), None)  # (1, T), (T, T)
+            else:
+                if m >= len(self.batch.llm_cp):
+                    raise ScheduleError(f"LLM microbatch {m}: cp={mesh.layout.cp} but the batch has no CP "
+                                        "assignment for it; build it with build_rank_batch from the same layouts")
+                shard = build_cp_shard(mb, self.batch.llm_cp[m], mesh.coords["cp"], mesh.group_of("cp"),
+                                       mesh.layout.cp)
+                self.masks[m] = (shard.positions, shard.attention, shard)  # (1, t), (t, T) vs all keys
+        return self.masks[m]
+
     def _llm_forward(self, a: Action) -> None:
         r, key = self.ex.runners[LLM], self._key(a)
         _, c, m, _ = key
         mb = self.batch.llm[m]
-        if m not in self.masks:
-            self.masks[m] = (mb.positions(), mb.mask())  # (1, T), (T, T)
-        positions, mask = self.masks[m]
+        positions, mask, shard = self._attention_inputs(m)
         ref = a.stage_ref
         grad = self.graph.needs_backward(ref)
         embeds, index = [], []
         if c == 0:
-            x, inputs = mb.input_ids, []  # (1, T)
+            x, inputs = mb.input_ids if shard is None else mb.input_ids[:, shard.tokens], []  # (1, t)
             leaves = self.leaves.setdefault(m, {})
             for e in self.graph.encoders:
-                rows = self.links[e].take(m)  # (dst_rows, D) in media.index order
-                want = mb.media[e].index.numel() if e in mb.media else 0
-                if rows.shape[0] != want:
-                    raise LayoutError(f"microbatch {m}: {rows.shape[0]} {e} rows arrived for {want} item "
+                rows = self.links[e].take(m)  # (dst_rows, D) in media.index order (this CP rank's)
+                at = mb.media[e].index if e in mb.media else torch.zeros(0, dtype=torch.long)
+                if shard is not None:
+                    at = shard.item_rows(at)[1]
+                if rows.shape[0] != at.numel():
+                    raise LayoutError(f"microbatch {m}: {rows.shape[0]} {e} rows arrived for {at.numel()} item "
                                       "positions; build the boundary plans from the same sample split")
-                if want == 0:
+                if at.numel() == 0:
                     continue
                 if self.links[e].backward:
                     leaves[e] = rows.requires_grad_()
                     inputs.append(rows)
                 embeds.append(rows)
-                index.append(mb.media[e].index)
+                index.append(at)
         else:
-            x = self._take(self.fwd_in, key, "the activation")  # (1, T, h)
+            x = self._take(self.fwd_in, key, "the activation")  # (1, t, h)
             x.requires_grad_(self.graph.needs_b(ref))
             inputs = [x]
         with torch.set_grad_enabled(grad):
             y = r.chunks[c](x, positions, mask, torch.cat(embeds) if embeds else None,
-                            torch.cat(index) if index else None)  # (1, T, h) or logits (1, T, V)
+                            torch.cat(index) if index else None)  # (1, t, h) or logits (1, t, V)
             if c == r.n_stages - 1:
-                y = lm_loss(y, mb.labels, self.normalizer)
+                labels = mb.labels if shard is None else mb.labels[:, shard.tokens]  # this rank's targets
+                y = lm_loss(y, labels, self.normalizer)
                 self.loss_sum += y.detach()
         if grad:
             self.saved[key] = (inputs, y)

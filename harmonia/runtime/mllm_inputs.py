@@ -10,6 +10,11 @@ same way on every rank).
 
 Inside an encoder replica a microbatch's items may be cut into sub-microbatches (the schedule's
 ``n_sub``): contiguous runs of its items, so their outputs concatenate back to the replica's rows.
+
+With LLM ``cp > 1`` every token of an LLM replica's packed microbatch belongs to one CP rank (the
+balancer's assignment, `plan_cp_shards` by default); each CP rank keeps the whole packed batch and
+the assignment (`harmonia.runtime.context_parallel.build_cp_shard` cuts its tokens), and the
+boundary delivers each CP rank the item rows of its own tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from harmonia.errors import SampleError
 from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, pack_samples
 from harmonia.plan.layout import Layout
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
+from harmonia.schedule.cp_shards import plan_cp_shards
 from harmonia.schedule.graph import LLM
 
 Split = Sequence[Sequence[int]]
@@ -39,12 +46,15 @@ class RankBatch:
             items), for the encoders this rank runs.
         plans: encoder -> microbatch -> boundary plan (every encoder; the same on every rank).
         n_targets: target tokens of the whole iteration (the loss normalizer).
+        llm_cp: with LLM ``cp > 1``, per microbatch the ``(T,)`` CP rank of every token of this
+            replica's packed sequence (empty when ``cp == 1``).
     """
 
     llm: list[PackedBatch] = field(default_factory=list)
     media: dict[str, list[list[MediaInputs | None]]] = field(default_factory=dict)
     plans: dict[str, list[BoundaryPlan]] = field(default_factory=dict)
     n_targets: float = 0.0
+    llm_cp: list[torch.Tensor] = field(default_factory=list)
 
 
 def encoder_items(sample: TokenizedSample, encoder: str) -> list[tuple[ItemInputs, int]]:
@@ -77,10 +87,41 @@ def _cut(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+def item_positions(samples: Sequence[TokenizedSample], encoder: str) -> np.ndarray:
+    """Sequence positions of one encoder's item tokens when ``samples`` are packed in order (``media.index``)."""
+    out, offset = [], 0
+    for s in samples:
+        items = iter(s.items)
+        for kind, n in s.segments:
+            if kind == "item" and next(items).module == encoder:
+                out.append(np.arange(offset, offset + n))
+            offset += n
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+
+def cp_token_ranks(samples: Sequence[TokenizedSample], cp: int, block: int = 128, token_cost: float = 1.0,
+                   tile_cost: float = 1.0) -> np.ndarray:
+    """The balanced CP rank of every token of ``samples`` packed in order (`plan_cp_shards`).
+
+    The block shrinks to ``T // cp`` for sequences too short to give every rank a block of ``block``.
+
+    Returns:
+        ``(T,)`` CP rank per token.
+    """
+    n = sum(len(s) for s in samples)
+    if n < cp:
+        raise SampleError(f"a packed microbatch of {n} tokens cannot feed {cp} CP ranks; give each LLM "
+                          "replica more tokens per microbatch or use a smaller cp")
+    shards = plan_cp_shards([s.segments for s in samples], cp, block=max(1, min(block, n // cp)),
+                            token_cost=token_cost, tile_cost=tile_cost)
+    return shards.token_ranks()
+
+
 def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                      microbatches: Sequence[Sequence[TokenizedSample]], llm_split: Sequence[Split],
                      encoder_split: Mapping[str, Sequence[Split]],
-                     n_sub: Mapping[str, Sequence[int]] | None = None) -> RankBatch:
+                     n_sub: Mapping[str, Sequence[int]] | None = None,
+                     llm_cp: Sequence[Sequence[np.ndarray | Sequence[int]]] | None = None) -> RankBatch:
     """One rank's `RankBatch` from the iteration's global microbatches and their placement.
 
     Args:
@@ -90,9 +131,12 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         llm_split: per microbatch, per LLM DP replica, its sample positions (each non-empty).
         encoder_split: encoder -> per microbatch, per encoder DP replica, its sample positions.
         n_sub: encoder -> sub-microbatches per microbatch (default 1; the schedule's ``n_sub``).
+        llm_cp: with LLM ``cp > 1``: per microbatch, per LLM DP replica, the CP rank of every token of
+            its packed sequence (any assignment); None = `cp_token_ranks` (balanced, unit costs).
 
     Raises:
-        SampleError: a split does not hold every sample exactly once, or an LLM replica gets none.
+        SampleError: a split does not hold every sample exactly once, an LLM replica gets none, or a
+            CP assignment does not cover its replica's tokens.
     """
     llm = layouts[LLM]
     encoders = sorted(m for m in layouts if m != LLM)
@@ -104,13 +148,18 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                 raise SampleError(f"microbatch {m}: LLM replica {d} gets no sample; give every LLM "
                                   "replica at least one sample per microbatch")
         total += sum(int((s.labels != -100).sum()) for s in samples)
+        replicas = [[samples[i] for i in replica] for replica in llm_split[m]]
+        assign = _cp_assignment(llm.cp, replicas, None if llm_cp is None else llm_cp[m], m)
         if rank in llm.rank_list():
             d = llm.coords(rank)["dp"]
-            out.llm.append(pack_samples([samples[i] for i in llm_split[m][d]]))
+            out.llm.append(pack_samples(replicas[d]))
+            if assign is not None:
+                out.llm_cp.append(torch.from_numpy(assign[d]))
         for e in encoders:
             items = [encoder_items(s, e) for s in samples]
+            dst_assign = None if assign is None else [a[item_positions(r, e)] for a, r in zip(assign, replicas)]
             plan = plan_boundary(layouts[e], llm, [[n for _, n in its] for its in items],
-                                 encoder_split[e][m], llm_split[m])
+                                 encoder_split[e][m], llm_split[m], dst_cp_assign=dst_assign)
             out.plans.setdefault(e, []).append(plan)
             if rank not in layouts[e].rank_list():
                 continue
@@ -119,4 +168,24 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
             cuts = _cut(len(mine), parts[m] if parts else 1)
             out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in cuts])
     out.n_targets = float(total)
+    return out
+
+
+def _cp_assignment(cp: int, replicas: list[list[TokenizedSample]],
+                   given: Sequence[np.ndarray | Sequence[int]] | None, m: int) -> list[np.ndarray] | None:
+    """Per LLM replica, the ``(T,)`` CP rank of each token (None when ``cp == 1``)."""
+    if cp == 1:
+        return None
+    if given is None:
+        return [cp_token_ranks(r, cp) for r in replicas]
+    if len(given) != len(replicas):
+        raise SampleError(f"microbatch {m}: CP assignments for {len(given)} LLM replicas, expected {len(replicas)}")
+    out = []
+    for d, (a, r) in enumerate(zip(given, replicas)):
+        a = np.asarray(a, dtype=np.int64)
+        n = sum(len(s) for s in r)
+        if a.shape != (n,) or a.min() < 0 or a.max() >= cp or np.unique(a).size != cp:
+            raise SampleError(f"microbatch {m}, LLM replica {d}: the CP assignment must give each of its {n} "
+                              f"tokens a CP rank in 0..{cp - 1}, every rank at least one (got shape {a.shape})")
+        out.append(a)
     return out

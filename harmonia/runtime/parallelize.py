@@ -36,6 +36,8 @@ class ModuleMesh:
         mesh: ``(pp, dp, cp, tp)`` mesh over the layout's ranks.
         group: every rank of the layout (loss reporting, default group of the gradient norm).
         rank: this process's global rank.
+        dp_cp_group: the ranks of this rank's ``(pp, tp)`` position over ``dp`` and ``cp`` together,
+            where both exceed 1 (`grad_group`).
     """
 
     name: str
@@ -43,6 +45,7 @@ class ModuleMesh:
     mesh: DeviceMesh
     group: dist.ProcessGroup
     rank: int
+    dp_cp_group: dist.ProcessGroup | None = None
 
     @property
     def coords(self) -> dict[str, int]:
@@ -56,6 +59,17 @@ class ModuleMesh:
     def group_of(self, axis: str) -> dist.ProcessGroup:
         """The process group along ``axis`` through this rank."""
         return self.mesh.get_group(axis)
+
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same weights: gradients of replicated weights are summed over ``dp x cp``."""
+        if self.layout.cp == 1:
+            return self.group_of("dp")
+        if self.layout.dp == 1:
+            return self.group_of("cp")
+        if self.dp_cp_group is None:
+            raise LayoutError(f"module {self.name!r}: dp={self.layout.dp} x cp={self.layout.cp} needs its dp_cp "
+                              "group; build meshes with harmonia.runtime.meshes.build_module_meshes")
+        return self.dp_cp_group
 
 
 def build_module_mesh(name: str, layout: Layout, device_type: str = "cpu") -> ModuleMesh:

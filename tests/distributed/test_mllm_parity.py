@@ -55,6 +55,7 @@ class Case:
     training: str = "audio-frozen"
     n_sub: dict = field(default_factory=dict)
     idle: tuple[str, ...] = ()  # encoders whose last DP replica gets no sample in any step
+    cp_block: int = 4  # tokens per block of the balanced CP assignment (llm cp > 1)
 
     def layouts(self) -> dict[str, Layout]:
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
@@ -68,6 +69,7 @@ CASES: dict[int, list[Case]] = {
              n_sub={"vision": 2}),
         Case("co enc pp2 -> llm dp2", L(pp=2), L(), L(dp=2), n_microbatches=2),
         Case("co all tp2", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen"),
+        Case("co enc dp2 -> llm cp2", L(dp=2), L(dp=2), L(cp=2)),
     ],
     4: [
         Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
@@ -84,6 +86,14 @@ CASES: dict[int, list[Case]] = {
              training="vision-frozen"),
         Case("co vision fsdp dp2 tp2 (dp1 idle), audio pp2 tp2 -> llm dp2 tp2", L(dp=2, tp=2, fsdp=True),
              L(pp=2, tp=2), L(dp=2, tp=2), idle=("vision",)),
+        Case("co vision dp4, audio pp2 dp2 -> llm cp2 pp2 zb, audio subs", L(dp=4), L(pp=2, dp=2),
+             L(pp=2, cp=2), "zb", n_sub={"audio": 2}),
+        Case("co enc dp4 -> llm cp2 dp2", L(dp=4), L(dp=4), L(dp=2, cp=2), training="vision-frozen"),
+        Case("co vision tp2 dp2, audio dp4 -> llm cp2 tp2", L(tp=2, dp=2), L(dp=4), L(cp=2, tp=2),
+             n_sub={"vision": 2}),
+        Case("co enc dp4 (dp3 idle) -> llm cp2 dp2 fsdp", L(dp=4), L(dp=4), L(dp=2, cp=2, fsdp=True),
+             idle=("audio",)),
+        Case("co enc dp4 -> llm cp4", L(dp=4), L(dp=4), L(cp=4), cp_block=3),
     ],
 }
 
@@ -141,6 +151,17 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
                 split[0], split[-1] = sorted(split[0] + split[-1]), []
             enc_split[e].append(split)
     return micro, llm_split, enc_split
+
+
+def cp_assignment(micro: list[list[TokenizedSample]], llm_split: list, case: Case) -> list | None:
+    """Per microbatch and LLM replica, the balanced CP rank of every token (`plan_cp_shards`; None
+    when llm cp == 1)."""
+    if case.llm.cp == 1:
+        return None
+    from harmonia.runtime.mllm_inputs import cp_token_ranks
+
+    return [[cp_token_ranks([mb[i] for i in replica], case.llm.cp, block=case.cp_block, tile_cost=4.0)
+             for replica in split] for mb, split in zip(micro, llm_split)]
 
 
 def initial_state() -> dict[str, torch.Tensor]:
@@ -215,7 +236,8 @@ def run_case(case: Case, rank: int) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         micro, llm_split, enc_split = placement(step, case)
-        batch = build_rank_batch(layouts, rank, micro, llm_split, enc_split, n_sub)
+        batch = build_rank_batch(layouts, rank, micro, llm_split, enc_split, n_sub,
+                                 llm_cp=cp_assignment(micro, llm_split, case))
         result = executor.step(schedule, batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
@@ -254,6 +276,21 @@ def results() -> dict:
         return cache[world]
 
     return get
+
+
+def test_cp_cases_use_balanced_non_contiguous_shards() -> None:
+    """The CP cases run the balancer's assignment, which is not one contiguous run per rank."""
+    cases = [c for cs in CASES.values() for c in cs if c.llm.cp > 1]
+    assert {c.llm.cp for c in cases} >= {2, 4} and any(c.family == "zb" for c in cases)
+    for case in cases:
+        runs = []
+        for step in range(STEPS):
+            micro, llm_split, _ = placement(step, case)
+            for per_replica in cp_assignment(micro, llm_split, case):
+                for ranks in per_replica:
+                    assert sorted(set(ranks.tolist())) == list(range(case.llm.cp)), "every CP rank gets tokens"
+                    runs.append(int((ranks[1:] != ranks[:-1]).sum()) + 1)
+        assert max(runs) > case.llm.cp, f"{case.name}: some CP rank must hold several separate token runs"
 
 
 _REFERENCES: dict[str, dict] = {}
