@@ -33,6 +33,13 @@ A rank's compute stream runs everything placed on it (colocated encoders add the
 schedule, balancing or order beats it, and a candidate whose bound exceeds the best simulated
 time can be skipped.
 
+`work_bound` is the second, sharper level, for one batch once its microbatches are known (the
+balancer's assignment and the stage work of `harmonia.sim.stagework`, both cheap next to a
+simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
+lasting its compute plus its in-stage collectives, so the iteration lasts at least the largest sum
+of those durations on one rank. This sees what averages hide: an encoder replica fed more items
+than its peers, LLM replicas the balancer could not even out.
+
 ``estimate_s`` adds what a schedule cannot avoid but the bound cannot prove without the batch's
 microbatches: the pipeline fill and drain, about ``(pp - 1) / n`` of a stage's forward and
 backward under 1F1B (the backward only under zero-bubble, whose W fill the bubbles), and for
@@ -52,8 +59,8 @@ from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import StageRef
 from harmonia.sim.orders import stage_trainable
-from harmonia.sim.stagework import stage_layer_range
-from harmonia.sim.tasks import ring_allreduce_s
+from harmonia.sim.stagework import IterationWork, stage_layer_range
+from harmonia.sim.tasks import collective_extra, ring_allreduce_s
 from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel, PhaseTimes
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -248,3 +255,26 @@ def _fill_s(plan: Plan, chunks: dict[str, list[ChunkBound]]) -> float:
             units = n_mb * -(-llm_dp // plan.layouts[enc].dp)
             out += sum(c.busy for c in chunks[enc]) / units
     return out
+
+
+def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork) -> float:
+    """Seconds no schedule of this iteration's stage work beats: the busiest rank's compute plus
+    in-stage collectives, each task timed exactly as `harmonia.sim.tasks.build_tasks` times it."""
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    split = plan.schedule == "zb"
+    kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
+    busy: dict[int, float] = {}
+    gathers: dict = {}
+    for (key, mb), work in iw.work.items():
+        t = work.times
+        backward = kinds[StageRef(key.module, key.stage)]
+        seconds = t.F + collective_extra(plan, cost, iw, key, mb, "F", cluster, gathers)
+        for kind in backward:
+            if kind.value == "W" and len(backward) == 1:  # W-only stage: its W backpropagates too
+                seconds += t.B + t.W
+            else:
+                seconds += {"B": t.B, "W": t.W, "BW": t.B + t.W}[kind.value]
+            seconds += collective_extra(plan, cost, iw, key, mb, kind.value, cluster, gathers)
+        for rank in iw.stage_ranks[key]:
+            busy[rank] = busy.get(rank, 0.0) + seconds
+    return max(busy.values(), default=0.0)

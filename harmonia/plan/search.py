@@ -32,13 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError, LayoutError
-from harmonia.plan.bounds import plan_bound
+from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.plan import Plan
 from harmonia.schedule import StageGraph
 from harmonia.sim.orders import stage_trainable
-from harmonia.sim.recipes import Candidate, candidates, homogeneous_candidates
+from harmonia.sim.recipes import Candidate, assign, candidates, homogeneous_candidates, simulate_work
 from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.sim.stagework import plan_iteration_work
 from harmonia.workload.cost import CostModel
 from harmonia.workload.shapes import SampleShape
 
@@ -118,17 +119,17 @@ def _branch_and_bound(run: ScenarioRun, cands: list[Candidate], batches: list[in
     Returns:
         (ranked candidates, candidates simulated at least once, single-batch simulations run).
     """
-    n_batches = len(batches)
     keys = [simulation_key(c, run.cost) for c in cands]
-    bounds = _batch_bounds(run, cands, keys, batches)  # (candidate, batch) -> lower bound
-    times: dict[tuple, list[float | None]] = {k: [None] * n_batches for k in keys}
+    scorer = _Scorer(run, batches)
+    states = {}
+    for cand, key in zip(cands, keys):
+        if key not in states:
+            states[key] = [[ANALYTIC, b] for b in scorer.analytic(cand)]
     failed: dict[tuple, str] = {}
     touched: set[int] = set()
-    timelines = 0
 
     def bound_of(i: int) -> float:
-        t = times[keys[i]]
-        return sum(bounds[i][j] if t[j] is None else t[j] for j in range(n_batches)) / n_batches
+        return sum(v for _, v in states[keys[i]]) / len(batches)
 
     heap = [(bound_of(i), i) for i in range(len(cands))]
     heapq.heapify(heap)
@@ -140,24 +141,75 @@ def _branch_and_bound(run: ScenarioRun, cands: list[Candidate], batches: list[in
             rejected[failed[key]] += 1
             continue
         current = bound_of(i)
-        if current > value:  # a shared simulation raised it since it was pushed
+        if current > value:  # a shared refinement raised it since it was pushed
             heapq.heappush(heap, (current, i))
             continue
-        t = times[key]
-        if None not in t:
+        state = states[key]
+        j = min(range(len(batches)), key=lambda j: state[j][0])
+        if state[j][0] == SIMULATED:
             ranked.append((current, run.scenario.global_batch / current, cands[i]))
             continue
-        j = t.index(None)
-        touched.add(i)
         try:
-            t[j] = float(run._timeline(cands[i], batches[j], 0.0).iteration_s)
-            timelines += 1
+            if state[j][0] == ANALYTIC:
+                state[j] = [WORK, max(state[j][1], scorer.work(cands[i], key, j))]
+            else:
+                touched.add(i)
+                state[j] = [SIMULATED, scorer.simulate(cands[i], key, j)]
         except HarmoniaError as err:
             failed[key] = f"schedule: {err}"[:80]
             rejected[failed[key]] += 1
             continue
         heapq.heappush(heap, (bound_of(i), i))
-    return ranked, len(touched), timelines
+    return ranked, len(touched), scorer.timelines
+
+
+ANALYTIC, WORK, SIMULATED = 0, 1, 2
+"""What a candidate's value on one batch is: the analytic bound, the bound of the batch's stage work,
+or the simulated time (each at least the one before)."""
+
+
+class _Scorer:
+    """The three levels of a candidate's value on a search batch, with the work they share cached:
+    the balancer's assignment per (dp, microbatches, batch) and the last few iterations' stage work."""
+
+    def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 8) -> None:
+        self.run, self.batches, self.keep = run, batches, keep
+        self.assignments: dict[tuple, tuple] = {}
+        self.work_cache: dict[tuple, tuple] = {}
+        self.timelines = 0
+
+    def analytic(self, cand: Candidate) -> list[float]:
+        """Per batch, the larger of the communication-aware and compute-only bounds."""
+        run = self.run
+        return [max(plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
+                    lower_bound_s(run.profile, cand.plan.layouts, [k])) for k in self.batches]
+
+    def _iteration(self, cand: Candidate, key: tuple, j: int):
+        if (key, j) in self.work_cache:
+            return self.work_cache[(key, j)]
+        run, k = self.run, self.batches[j]
+        plan = cand.plan
+        akey = (cand.recipe, plan.layouts["llm"].dp, plan.n_microbatches, k)
+        if akey not in self.assignments:
+            batch = run.profile.batches[k]
+            self.assignments[akey] = assign(cand, batch, run.costs[batch], run.tokens[batch])
+        microbatches, order = self.assignments[akey]
+        iw = plan_iteration_work(run.samples, plan, run.cost, microbatches)
+        if len(self.work_cache) >= self.keep:
+            self.work_cache.pop(next(iter(self.work_cache)))
+        self.work_cache[(key, j)] = (iw, order)
+        return iw, order
+
+    def work(self, cand: Candidate, key: tuple, j: int) -> float:
+        """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`)."""
+        iw, _ = self._iteration(cand, key, j)
+        return work_bound(cand.plan, self.run.cost, self.run.cluster, iw)
+
+    def simulate(self, cand: Candidate, key: tuple, j: int) -> float:
+        """Simulated seconds of batch ``j`` (the balancer's order; no per-batch order search)."""
+        iw, order = self._iteration(cand, key, j)
+        self.timelines += 1
+        return float(simulate_work(cand, iw, order, self.run.cost, self.run.cluster, 0.0).iteration_s)
 
 
 def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
@@ -174,20 +226,6 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
             schedule = "1f1b"
     return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches,
             tuple(sorted(plan.layouts.items())))
-
-
-def _batch_bounds(run: ScenarioRun, cands: list[Candidate], keys: list[tuple],
-                  batches: list[int]) -> list[list[float]]:
-    """Per candidate and search batch, the larger of the communication-aware and compute-only
-    lower bounds (computed once per distinct simulation)."""
-    cache: dict[tuple, list[float]] = {}
-    out = []
-    for cand, key in zip(cands, keys):
-        if key not in cache:
-            cache[key] = [max(plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
-                              lower_bound_s(run.profile, cand.plan.layouts, [k])) for k in batches]
-        out.append(cache[key])
-    return out
 
 
 def _no_layout_error(scenario: Scenario, rejected: Counter, homogeneous: bool) -> LayoutError:

@@ -37,7 +37,7 @@ from harmonia.schedule import StageGraph
 from harmonia.schedule.dp_balance import balance_dp
 from harmonia.sim.orders import cost_table, fuse_encoders_into_first_stage, plan_orders, stage_trainable
 from harmonia.sim.search import search_order
-from harmonia.sim.stagework import plan_iteration_work
+from harmonia.sim.stagework import IterationWork, plan_iteration_work
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -211,6 +211,12 @@ def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
     microbatches, order = assign(candidate, batch, costs, tokens)
     iw = plan_iteration_work(samples, candidate.plan, cost, microbatches)
+    return simulate_work(candidate, iw, order, cost, cluster, search_budget_s)
+
+
+def simulate_work(candidate: Candidate, iw: IterationWork, order: dict[int, list[int]] | None, cost: CostModel,
+                  cluster: ClusterSpec, search_budget_s: float = 0.1) -> Timeline:
+    """The second half of `simulate`: order, lower and replay an iteration's stage work."""
     if candidate.recipe == "harmonia" and search_budget_s > 0:
         order = search_orders(candidate.plan, cost, iw, search_budget_s)
     orders = plan_orders(candidate.plan, cost, iw, order=order)

@@ -56,7 +56,7 @@ def _fsdp_gather_s(plan: Plan, cost: CostModel, key: StageKey, rank: int, cluste
     return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
 
 
-def _collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
+def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
                       cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces and CP K/V all-gathers inside a stage for one phase."""
     layout = plan.layouts[key.module]
@@ -74,9 +74,10 @@ def _collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: Stage
         cp_group = ranks[:: layout.tp]
         extra += blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
     if layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW"):
-        if key not in cache:
-            cache[key] = _fsdp_gather_s(plan, cost, key, ranks[0], cluster)
-        gather = cache[key]
+        # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
+        if (key.module, key.stage) not in cache:
+            cache[(key.module, key.stage)] = _fsdp_gather_s(plan, cost, key, ranks[0], cluster)
+        gather = cache[(key.module, key.stage)]
         compute = {"F": work.times.F, "B": work.times.B, "BW": work.times.B + work.times.W}[kind]
         extra += max(0.0, gather - compute)
     return extra
@@ -88,7 +89,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
     tasks: list[Task] = []
     index: dict[tuple[ComputeKey, int], int] = {}
     queue: dict[int, list[int]] = {r: [] for r in orders}
-    gathers: dict[StageKey, float] = {}
+    gathers: dict[tuple[str, int], float] = {}
     has_w = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] == "W"}
     has_b = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] in ("B", "BW")}
     for rank, keys in orders.items():
@@ -101,7 +102,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
             # its own interior for its weight gradients: that work runs inside its W
             w_only = kind == "W" and (module, replica, chunk, mb) not in has_b
             duration = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
-            duration += _collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
+            duration += collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
             flops_share = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W,
                            "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
             if kind == "F":
@@ -179,6 +180,7 @@ def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders,
                          cluster: ClusterSpec) -> dict[int, list[int]]:
     """One DP gradient all-reduce per trainable stage and rank, after its last weight gradient."""
     comm: dict[int, list[int]] = {r: [] for r in orders}
+    seconds_of: dict[tuple, float | None] = {}  # (module, chunk, cp, tp) -> seconds: one DP group's reduction
     for rank, keys in orders.items():
         last: dict[tuple[str, int, int], int] = {}
         for ck in keys:
@@ -188,17 +190,20 @@ def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders,
             layout = plan.layouts[module]
             if layout.dp <= 1:
                 continue
-            start, stop = stage_layer_range(cost, plan, module, chunk)
-            _, trainable = cost.param_count(module, start, stop)
-            if chunk == layout.n_stages - 1 and module != "llm":
-                trainable += cost.param_count(f"{module}_proj")[1]
-            if trainable == 0:
-                continue
-            pp_rank = chunk % layout.pp
             coords = layout.coords(rank)
-            group = tuple(layout.rank_at(pp=pp_rank, dp=d, cp=coords["cp"], tp=coords["tp"])
-                          for d in range(layout.dp))
-            seconds = ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
+            group_key = (module, chunk, coords["cp"], coords["tp"])
+            if group_key not in seconds_of:
+                start, stop = stage_layer_range(cost, plan, module, chunk)
+                _, trainable = cost.param_count(module, start, stop)
+                if chunk == layout.n_stages - 1 and module != "llm":
+                    trainable += cost.param_count(f"{module}_proj")[1]
+                group = tuple(layout.rank_at(pp=chunk % layout.pp, dp=d, cp=coords["cp"], tp=coords["tp"])
+                              for d in range(layout.dp))
+                seconds_of[group_key] = (ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
+                                         if trainable else None)
+            seconds = seconds_of[group_key]
+            if seconds is None:
+                continue
             comm[rank].append(len(tasks))
             tasks.append(Task(f"{module}.r{replica}.s{chunk}.allreduce", rank, seconds, [(i, 0.0)], module, "C"))
     return comm

@@ -106,6 +106,18 @@ class CostModel:
         self.layers: dict[str, list[LayerCost]] = module_layers(mllm)
         self.modules: list[str] = mllm.module_names
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
+        self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, int, int]] = {}
+
+    def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, int, int]:
+        """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
+        coefficients, parameters, activation elements kept and elements moved per token."""
+        stop = len(self.layers[module]) if stop is None else stop
+        key = (module, start, stop)
+        if key not in self._ranges:
+            layers = self.layers[module][start:stop]
+            self._ranges[key] = (self._coefficients(module, start, stop), sum(x.params for x in layers),
+                                 sum(x.act_elems_tok for x in layers), sum(x.io_elems_tok for x in layers))
+        return self._ranges[key]
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def _coefficients(self, module: str, start: int, stop: int) -> np.ndarray:
@@ -118,7 +130,7 @@ class CostModel:
     def flops(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None) -> np.ndarray:
         """F, B, W FLOPs (shape (3,)) of layers [start, stop) of ``module`` for a load."""
         coef = self._coef[module] if (start, stop) in ((0, None), (0, len(self.layers[module]))) \
-            else self._coefficients(module, start, len(self.layers[module]) if stop is None else stop)
+            else self._range(module, start, stop)[0]
         return coef @ np.array([load.tokens, load.pairs], dtype=float)
 
     def efficiency(self, phase: str) -> float:
@@ -136,9 +148,9 @@ class CostModel:
         """
         stop = len(self.layers[module]) if stop is None else stop
         flops = self.flops(module, load, start, stop) / (tp * cp)
-        layers = self.layers[module][start:stop]
-        weight_bytes = sum(layer.params for layer in layers) * PARAM_BYTES / tp
-        io_bytes = sum(layer.io_elems_tok for layer in layers) * load.tokens * self.act_bytes / (tp * cp)
+        _, params, _, io_elems = self._range(module, start, stop)
+        weight_bytes = params * PARAM_BYTES / tp
+        io_bytes = io_elems * load.tokens * self.act_bytes / (tp * cp)
         bw = self.device.mem_bw * self.device.bw_efficiency
         times = []
         for phase, f in zip(PHASES, flops):
@@ -201,8 +213,7 @@ class CostModel:
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1) -> float:
         """Bytes kept for backward by one microbatch of ``tokens`` through layers [start, stop)."""
-        layers = self.layers[module][start:stop]
-        return sum(x.act_elems_tok for x in layers) * tokens * self.act_bytes / (tp * cp)
+        return self._range(module, start, stop)[2] * tokens * self.act_bytes / (tp * cp)
 
     def needs_backward(self, module: str) -> bool:
         """Whether any layer of the module runs B or W."""
