@@ -27,9 +27,10 @@ import torch
 
 from harmonia.errors import SampleError
 from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, pack_samples
+from harmonia.model.spec import TransformerSpec
 from harmonia.plan.layout import Layout
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
-from harmonia.schedule.cp_shards import plan_cp_shards
+from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
 from harmonia.schedule.graph import LLM
 
 Split = Sequence[Sequence[int]]
@@ -100,10 +101,18 @@ def item_positions(samples: Sequence[TokenizedSample], encoder: str) -> np.ndarr
 
 
 def cp_token_ranks(samples: Sequence[TokenizedSample], cp: int, block: int = 128, token_cost: float = 1.0,
-                   tile_cost: float = 1.0) -> np.ndarray:
+                   tile_cost: float = 1.0, body: TransformerSpec | None = None) -> np.ndarray:
     """The balanced CP rank of every token of ``samples`` packed in order (`plan_cp_shards`).
 
     The block shrinks to ``T // cp`` for sequences too short to give every rank a block of ``block``.
+
+    Args:
+        samples: one LLM replica's packed samples, in order.
+        cp: CP ranks.
+        block: tokens per block (at most).
+        token_cost: cost of a token's linear/MLP work.
+        tile_cost: cost of one attention tile.
+        body: the LLM's blocks; when given, both costs are its FLOPs (`attention_unit_costs`).
 
     Returns:
         ``(T,)`` CP rank per token.
@@ -112,8 +121,11 @@ def cp_token_ranks(samples: Sequence[TokenizedSample], cp: int, block: int = 128
     if n < cp:
         raise SampleError(f"a packed microbatch of {n} tokens cannot feed {cp} CP ranks; give each LLM "
                           "replica more tokens per microbatch or use a smaller cp")
-    shards = plan_cp_shards([s.segments for s in samples], cp, block=max(1, min(block, n // cp)),
-                            token_cost=token_cost, tile_cost=tile_cost)
+    block = max(1, min(block, n // cp))
+    if body is not None:
+        token_cost, tile_cost = attention_unit_costs(body, block)
+    shards = plan_cp_shards([s.segments for s in samples], cp, block=block, token_cost=token_cost,
+                            tile_cost=tile_cost)
     return shards.token_ranks()
 
 

@@ -3,7 +3,8 @@
 For step ``k``: the data order gives the global batch; its samples are decoded (bad ones reported
 and skipped by the data policy, identically on every rank); the cost model prices every module's
 work per sample; the balancer forms the global microbatches, LLM replicas and encoder replicas
-(`harmonia.schedule.iteration.assign_iteration`); the per-batch search picks the microbatch order
+(`harmonia.schedule.iteration.assign_iteration`) and, with LLM ``cp > 1``, each replica's CP token
+shards (`harmonia.runtime.mllm_inputs.cp_token_ranks`); the per-batch search picks the microbatch order
 that minimises the replayed step time (a fixed number of evaluations, so every rank gets the same
 schedule); the schedule is lowered and the rank's own tensors are cut from the batch. Rank 0 also
 simulates the step on the cluster model (the "simulated" time beside the measured one).
@@ -20,7 +21,7 @@ from harmonia.data.loader import MultimodalDataset
 from harmonia.errors import SampleError
 from harmonia.model.spec import MLLMSpec
 from harmonia.plan.plan import Plan
-from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch
+from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule import build_schedule, lower
 from harmonia.schedule.actions import IterationSchedule
 from harmonia.schedule.graph import LLM, StageGraph
@@ -151,8 +152,12 @@ class IterationBuilder:
         sim_cost = self.sim_cost
         schedule, predicted = self._schedule(shapes, assignment, sim_cost)
         micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
+        llm_cp = None
+        if llm.cp > 1:  # each replica's tokens over its CP ranks, balanced on the LLM's FLOPs
+            llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=self.spec.llm.body)
+                       for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
-                                 {e: schedule.n_sub[e] for e in schedule.n_sub})
+                                 {e: schedule.n_sub[e] for e in schedule.n_sub}, llm_cp=llm_cp)
         return PreparedIteration(step, [s.index for s in samples], len(wanted) - len(samples), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost)

@@ -37,8 +37,8 @@ def model_spec(config: Config) -> MLLMSpec:
 def executor_limits(plan: Plan) -> str | None:
     """Why the MLLM executor cannot run ``plan``, or None when it can."""
     for module, layout in plan.layouts.items():
-        if layout.cp > 1:
-            return f"executor runs cp=1 ({module} has cp={layout.cp})"
+        if layout.cp > 1 and module != "llm":
+            return f"executor runs encoders with cp=1 ({module} has cp={layout.cp})"
     return None
 
 

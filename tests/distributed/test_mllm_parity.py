@@ -94,6 +94,7 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp4 (dp3 idle) -> llm cp2 dp2 fsdp", L(dp=4), L(dp=4), L(dp=2, cp=2, fsdp=True),
              idle=("audio",)),
         Case("co enc dp4 -> llm cp4", L(dp=4), L(dp=4), L(cp=4), cp_block=3),
+        Case("dis vision tp2, audio dp2 -> llm cp2", L(tp=2), L(dp=2), L(cp=2, rank_offset=2)),
     ],
 }
 

@@ -101,6 +101,14 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     assert tp.plan.layouts["llm"].tp == 2 and tp.start_step == 2
     assert tp.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
 
+    # ... and under a plan file with context parallelism (LLM cp2 x pp2: balanced CP token shards)
+    plan["layouts"]["llm"].update(tp=1, cp=2, dp=1, fsdp=False)
+    (tmp / "cp-plan.json").write_text(json.dumps(plan))
+    shutil.copytree(tmp / "other" / "ck" / "step-2", tmp / "cp" / "ck" / "step-2")
+    cp, _ = _run(_config(tmp, "cp", f"--parallel.plan={tmp / 'cp-plan.json'}"))
+    assert cp.plan.layouts["llm"].cp == 2 and cp.start_step == 2
+    assert cp.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
+
     # a rank killed mid-training ends the job with its signal, no hang
     monkeypatch.setenv(FAULT_ENV, "kill:2:1")
     t0 = time.monotonic()
