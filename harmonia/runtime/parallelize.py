@@ -76,13 +76,15 @@ def build_module_mesh(name: str, layout: Layout, device_type: str = "cpu") -> Mo
     """A module's mesh. Collective: every rank of the default group calls it, in the same order.
 
     Raises:
-        LayoutError: when this process is not one of the layout's ranks, or ``cp > 1``.
+        LayoutError: when this process is not one of the layout's ranks, or ``cp > 1`` (the
+            single-module `harmonia.runtime.executor.PipelineExecutor` has no context parallelism).
     """
     rank = dist.get_rank()
     ranks = layout.rank_list()
     if layout.cp > 1:
-        raise LayoutError(f"module {name!r}: context parallelism (cp={layout.cp}) is not supported "
-                          "by the executor yet; use cp=1")
+        raise LayoutError(f"module {name!r}: cp={layout.cp}; the single-module pipeline executor runs cp=1. "
+                          "Context parallelism runs in the MLLM executor (meshes from "
+                          "harmonia.runtime.meshes.build_module_meshes)")
     grid = torch.tensor(ranks, dtype=torch.int).view(layout.pp, layout.dp, layout.cp, layout.tp)
     mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
     group = dist.new_group(list(ranks))
