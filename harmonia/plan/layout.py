@@ -6,6 +6,7 @@ adjacent ranks (same node) and PP stages are the outermost blocks (as Megatron-L
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -135,6 +136,11 @@ class Layout:
                     f"but the module has {n_layers} layers"
                 )
             return self.stage_layers
-        chunks = self.n_stages
-        base, extra = divmod(n_layers, chunks)
-        return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+        return _even_split(n_layers, self.n_stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _even_split(n_layers: int, chunks: int) -> tuple[int, ...]:
+    """``n_layers`` over ``chunks`` as evenly as possible, the first ones one layer longer."""
+    base, extra = divmod(n_layers, chunks)
+    return tuple(base + (1 if i < extra else 0) for i in range(chunks))

@@ -67,7 +67,7 @@ class PlanReport:
     seconds: float = 0.0
 
 
-def search_plan(scenario: Scenario, top: int = 10, accept: Callable[[Plan], str | None] | None = None,
+def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str | None] | None = None,
                 samples: list[SampleShape] | None = None, homogeneous: bool = False) -> PlanReport:
     """Search harmonia's candidates for a scenario.
 

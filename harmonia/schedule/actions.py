@@ -60,6 +60,7 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.W, Kind.BW})
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_VALID_MODULES: set[str] = set()  # names already checked against _NAME
 _KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(
     rf"^(?P<module>{_NAME})\.s(?P<stage>\d+)\.(?P<kind>{_KINDS})(?P<mb>\d+)(?:\.(?P<sub>\d+))?"
@@ -102,8 +103,10 @@ class Action:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", Kind(self.kind))
-        if not re.fullmatch(_NAME, self.module):
-            raise ScheduleError(f"module name {self.module!r} is invalid: use letters, digits, _")
+        if self.module not in _VALID_MODULES:
+            if not re.fullmatch(_NAME, self.module):
+                raise ScheduleError(f"module name {self.module!r} is invalid: use letters, digits, _")
+            _VALID_MODULES.add(self.module)
         if self.stage < 0 or self.microbatch < 0 or (self.sub is not None and self.sub < 0):
             raise ScheduleError(f"action {self}: stage, microbatch and sub must be >= 0")
         if self.kind.is_compute and (self.peer is not None or self.peer_rank is not None):

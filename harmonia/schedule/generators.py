@@ -134,6 +134,7 @@ class _State:
     held: dict = field(default_factory=dict)
     deferred: dict = field(default_factory=dict)  # gate -> W pending after their B
     f_left: dict = field(default_factory=dict)  # stage -> forwards not yet started
+    producers: dict = field(default_factory=dict)  # action -> its producers (computed once)
 
 
 def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
@@ -177,7 +178,9 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
 
 
 def _ready(skeleton: IterationSchedule, state: _State, a: Action, grad) -> bool:
-    deps = skeleton.graph.producers(a, skeleton.subs, lambda ref: grad[ref])
+    deps = state.producers.get(a)
+    if deps is None:
+        deps = state.producers[a] = skeleton.graph.producers(a, skeleton.subs, lambda ref: grad[ref])
     return all(d in state.done for d in deps)
 
 

@@ -171,6 +171,7 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
             flops += float(cost.flops(proj, proj_load).sum())
             act += cost.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
         key = StageKey(module, replica, chunk)
-        out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
+        if key not in out.stage_ranks:
+            out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
         out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens)
