@@ -31,7 +31,7 @@ from torch import nn
 
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.batch import PackedBatch
-from harmonia.model.llm import lm_loss
+from harmonia.model.llm import DecoderLM, lm_loss
 from harmonia.runtime.grads import (
     DPGradSync,
     clip_grad_norm,
@@ -98,6 +98,9 @@ class PipelineExecutor:
         self.norm_group = norm_group if norm_group is not None else mesh.group
         device = next(p for m in self.chunks.values() for p in m.parameters()).device
         self.p2p = P2P(dtype=dtype, device=device)
+        self.hidden = _stage_width(self.chunks)
+        """Width of the activations between stages when every chunk is a `DecoderLM` (the same on
+        every rank): messages then carry no shape header, each side knows ``(1, T, hidden)``."""
         layout = mesh.layout
         self.fsdp = layout.fsdp and layout.dp > 1
         self.dp_sync = DPGradSync(mesh.group_of("dp")) if layout.dp > 1 and not self.fsdp else None
@@ -209,6 +212,11 @@ class PipelineExecutor:
             self.dp_sync.start(self.params[chunk])
 
 
+def _stage_width(chunks: dict[int, nn.Module]) -> int | None:
+    widths = {m.spec.body.hidden if isinstance(m, DecoderLM) else None for m in chunks.values()}
+    return widths.pop() if len(widths) == 1 else None
+
+
 class _Iteration:
     """Tensors in flight during one iteration on one rank, keyed by (chunk, microbatch)."""
 
@@ -228,7 +236,7 @@ class _Iteration:
         ex = self.ex
         for a in actions:
             if a.kind.is_recv:
-                ex.p2p.expect(a)
+                ex.p2p.expect(a, self._shape(a.microbatch))
         last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind in (Kind.B, Kind.W, Kind.BW)}
         for i, a in enumerate(actions):
             ex.p2p.poll()
@@ -245,7 +253,13 @@ class _Iteration:
     # -- communication --------------------------------------------------------------------------
     def send(self, a: Action) -> None:
         direction = "F" if a.kind is Kind.SEND_F else "B"
-        self.ex.p2p.send(a, self.outbox.pop((direction, a.stage, a.microbatch)))
+        self.ex.p2p.send(a, self.outbox.pop((direction, a.stage, a.microbatch)), announce=self.ex.hidden is None)
+
+    def _shape(self, m: int) -> tuple[int, int, int] | None:
+        """The (1, T, h) of microbatch ``m``'s activations and their gradients, when known."""
+        if self.ex.hidden is None:
+            return None
+        return (1, self.microbatches[m].input_ids.shape[-1], self.ex.hidden)
 
     def recv(self, a: Action) -> None:
         box = self.fwd_in if a.kind is Kind.RECV_F else self.bwd_in

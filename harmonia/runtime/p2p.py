@@ -8,8 +8,10 @@ so transfers between the same two ranks may complete in any order.
 
 A receive is posted as a header receive as early as possible (`P2P.expect`); `P2P.poll` turns
 every header that has arrived into a data receive, so data flows while the rank computes; `P2P.take`
-waits for the data only when a compute action needs it. Sends return at once; their buffers stay
-alive until `P2P.wait_sends`.
+waits for the data only when a compute action needs it. When both sides can derive a message's
+shape from the iteration's data (the executor knows every microbatch's token count), the header is
+skipped: the sender passes ``announce=False`` and the receiver the shape, which posts the data
+receive at once. Sends return at once; their buffers stay alive until `P2P.wait_sends`.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ def message_tag(action: Action) -> int:
 class _Pending:
     src: int
     tag: int
-    header: torch.Tensor
-    header_work: dist.Work
+    header: torch.Tensor | None
+    header_work: dist.Work | None
     data: torch.Tensor | None = None
     data_work: dist.Work | None = None
 
@@ -63,31 +65,44 @@ class P2P:
     _pending: dict[int, _Pending] = field(default_factory=dict)
     _sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
 
-    def send(self, action: Action, tensor: torch.Tensor) -> None:
-        """Send ``tensor`` (any shape, up to 7 dims) to the action's peer rank without blocking."""
+    def send(self, action: Action, tensor: torch.Tensor, announce: bool = True) -> None:
+        """Send ``tensor`` (any shape, up to 7 dims) to the action's peer rank without blocking.
+
+        ``announce=False`` sends no shape header: the receiver must pass the shape to `expect`.
+        """
         if tensor.dim() > MAX_DIMS:
             raise ScheduleError(f"{action}: tensors of more than {MAX_DIMS} dims cannot be sent")
         tag = message_tag(action)
-        header = torch.zeros(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        header[0] = tensor.dim()
-        header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        data = tensor.detach().to(self.dtype).contiguous()
-        for buf, t in ((header, tag), (data, tag + 1)):
+        bufs = [(tensor.detach().to(self.dtype).contiguous(), tag + 1)]
+        if announce:
+            header = torch.zeros(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+            header[0] = tensor.dim()
+            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            bufs.insert(0, (header, tag))
+        for buf, t in bufs:
             self._sends.append((dist.isend(buf, action.peer_rank, group=self.group, tag=t), buf))
 
-    def expect(self, action: Action) -> None:
-        """Post the header receive of a receive action (call early; the data follows in `poll`)."""
+    def expect(self, action: Action, shape: tuple[int, ...] | None = None) -> None:
+        """Post the receive of a receive action (call early): its header receive, whose data
+        receive follows in `poll`, or with a known ``shape`` (the sender sends no header) the data
+        receive itself."""
         tag = message_tag(action)
         if tag in self._pending:
             raise ScheduleError(f"{action} is received twice in one iteration")
-        header = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
-        work = dist.irecv(header, action.peer_rank, group=self.group, tag=tag)
-        self._pending[tag] = _Pending(action.peer_rank, tag, header, work)
+        if shape is not None:
+            p = _Pending(action.peer_rank, tag, None, None)
+            self._post_data(p, shape)
+        else:
+            header = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=self.device)
+            work = dist.irecv(header, action.peer_rank, group=self.group, tag=tag)
+            p = _Pending(action.peer_rank, tag, header, work)
+        self._pending[tag] = p
 
-    def _post_data(self, p: _Pending) -> None:
-        p.header_work.wait()
-        ndim = int(p.header[0])
-        shape = [int(s) for s in p.header[1:1 + ndim]]
+    def _post_data(self, p: _Pending, shape: tuple[int, ...] | None = None) -> None:
+        if shape is None:
+            p.header_work.wait()
+            ndim = int(p.header[0])
+            shape = tuple(int(s) for s in p.header[1:1 + ndim])
         p.data = torch.empty(shape, dtype=self.dtype, device=self.device)
         p.data_work = dist.irecv(p.data, p.src, group=self.group, tag=p.tag + 1)
 
