@@ -68,8 +68,9 @@ class PlanReport:
 
 
 def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str | None] | None = None,
-                samples: list[SampleShape] | None = None, homogeneous: bool = False) -> PlanReport:
-    """Search harmonia's candidates for a scenario.
+                samples: list[SampleShape] | None = None, homogeneous: bool = False,
+                recipe: str = "harmonia") -> PlanReport:
+    """Search a recipe's candidates (harmonia's by default) for a scenario.
 
     Args:
         top: candidates ranked exactly (each one further costs the simulations of the candidates
@@ -79,6 +80,8 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
         samples: sample shapes to profile instead of the scenario's trace (a dataset's own).
         homogeneous: search only plans with one layout for all modules (each encoder on the LLM's
             first pipeline stage with the LLM's tp and dp), the baseline per-module layouts beat.
+        recipe: whose rules the candidates follow (`harmonia.sim.recipes.RECIPES`); the bounds hold
+            for every recipe, so each baseline also gets the best layout its rules allow.
 
     Raises:
         LayoutError: when no candidate fits, naming what to change.
@@ -86,8 +89,12 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
     t0 = time.perf_counter()
     run = ScenarioRun(scenario, samples)
     rejected: Counter = Counter()
-    enumerate_ = homogeneous_candidates if homogeneous else _harmonia_candidates
-    cands = list(enumerate_(run.cost, run.cluster, run.profile, scenario.global_batch, scenario.model, rejected))
+    if homogeneous:
+        cands = list(homogeneous_candidates(run.cost, run.cluster, run.profile, scenario.global_batch,
+                                            scenario.model, rejected))
+    else:
+        cands = list(candidates(recipe, run.cost, run.cluster, run.profile, scenario.global_batch, scenario.model,
+                                rejected))
     if accept is not None:
         kept = []
         for c in cands:
@@ -106,10 +113,6 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
                           f"({dict(rejected)}); change the global batch or the cluster")
     return PlanReport(ranked[0][2].plan, ranked, rejected, simulated, len(cands) - simulated, timelines,
                       time.perf_counter() - t0)
-
-
-def _harmonia_candidates(cost, cluster, profile, global_batch, model, rejected):
-    return candidates("harmonia", cost, cluster, profile, global_batch, model, rejected)
 
 
 def _branch_and_bound(run: ScenarioRun, cands: list[Candidate], batches: list[int], top: int,
