@@ -157,20 +157,6 @@ def homogeneous_candidates(cost: CostModel, cluster: ClusterSpec, profile: Batch
                                              global_batch, training))
 
 
-def search_order_of(cands: list[Candidate], bounds: list[float]) -> list[int]:
-    """Indices of candidates in the order a search should simulate them: by lower bound within each
-    (placement, schedule) family, the families interleaved, so a budget of N simulations reaches
-    every family's most promising layouts instead of only the family with the lowest bounds."""
-    groups: dict[tuple, list[int]] = {}
-    for i, c in enumerate(cands):
-        groups.setdefault((c.plan.placement.value, c.plan.schedule), []).append(i)
-    ranked = [sorted(g, key=lambda i: bounds[i]) for g in groups.values()]
-    out = []
-    for k in range(max((len(g) for g in ranked), default=0)):
-        out.extend(sorted((g[k] for g in ranked if k < len(g)), key=lambda i: bounds[i]))
-    return out
-
-
 def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:
     if not choices:
         yield ()

@@ -1,8 +1,10 @@
 """Scenarios: a model, a cluster, a trace and a batch size, run under every recipe.
 
-Each recipe's best plan is found by simulating its candidates on a few profiled batches
-(candidates ordered by their lower bound; one whose bound exceeds the best time found is skipped
-unsimulated), then the winner runs ``iterations`` sampled batches and its averages are reported.
+Each recipe's best plan is the one with the smallest mean simulated time on a few profiled batches
+among every candidate its rules allow, found by the planner's branch and bound
+(`harmonia.plan.search`): its bounds hold for every recipe, so the search is exact for baselines
+and harmonia alike, and no recipe is judged on a truncated candidate list. The winner then runs
+``iterations`` sampled batches and its averages are reported.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from harmonia.errors import ConfigError, HarmoniaError
+from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.profiling import profile_batches
 from harmonia.sim.engine import Timeline
-from harmonia.sim.recipes import RECIPES, Candidate, candidates, search_order_of, simulate
+from harmonia.sim.recipes import RECIPES, Candidate, simulate
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string
 from harmonia.workload.shapes import SampleShape
@@ -42,7 +43,6 @@ class Scenario:
         global_batch: samples per iteration.
         iterations: batches averaged in the report.
         search_batches: batches each candidate is scored on during the search.
-        max_candidates: candidates simulated per recipe at most (by lower bound).
         seed: sampling seed.
     """
 
@@ -54,7 +54,6 @@ class Scenario:
     training: dict[str, str] = field(default_factory=dict)
     iterations: int = 20
     search_batches: int = 2
-    max_candidates: int = 48
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -130,32 +129,22 @@ class ScenarioRun:
         return simulate(cand, self.samples, batch, self.costs[batch], self.tokens[batch], self.cost, self.cluster,
                         search_budget_s)
 
-    def search(self, recipe: str) -> tuple[Candidate | None, int, float]:
-        """The recipe's best candidate on the search batches, candidates tried, seconds spent."""
+    def search(self, recipe: str) -> tuple[Candidate | None, int, float, str]:
+        """The recipe's best candidate on the search batches, candidates simulated, seconds spent,
+        and why there is none when no candidate of the recipe fits the cluster."""
+        from harmonia.plan.search import search_plan  # the planner builds on this module
+
         t0 = time.perf_counter()
-        cands = list(candidates(recipe, self.cost, self.cluster, self.profile, self.scenario.global_batch,
-                                self.scenario.model))
-        search = list(range(self.scenario.iterations, self.scenario.iterations + self.scenario.search_batches))
-        bounds = [lower_bound_s(self.profile, c.plan.layouts, search) for c in cands]
-        best, best_s, tried = None, float("inf"), 0
-        for i in search_order_of(cands, bounds)[: self.scenario.max_candidates]:
-            if bounds[i] >= best_s:
-                continue
-            try:
-                # layouts are scored with the balancer's own order; the per-batch search runs at train time
-                score = float(np.mean([self._timeline(cands[i], k, 0.0).iteration_s for k in search]))
-            except HarmoniaError:
-                continue
-            tried += 1
-            if score < best_s:
-                best, best_s = cands[i], score
-        return best, tried, time.perf_counter() - t0
+        try:
+            report = search_plan(self.scenario, recipe=recipe, samples=self.samples)
+        except LayoutError as err:
+            return None, 0, time.perf_counter() - t0, str(err)
+        return report.ranked[0][2], report.simulated, time.perf_counter() - t0, ""
 
     def run(self, recipe: str) -> RecipeResult:
-        best, tried, search_s = self.search(recipe)
+        best, tried, search_s, error = self.search(recipe)
         if best is None:
-            return RecipeResult(recipe, None, tried=tried, search_s=search_s,
-                                error="no layout of this recipe fits the cluster's memory")
+            return RecipeResult(recipe, None, tried=tried, search_s=search_s, error=error)
         timelines = [self._timeline(best, k) for k in range(self.scenario.iterations)]
         iteration = float(np.mean([t.iteration_s for t in timelines]))
         peak = self.cluster.device.peak_flops

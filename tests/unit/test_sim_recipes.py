@@ -16,8 +16,7 @@ BASELINES = ("megatron", "cornstarch", "disttrain")
 @pytest.fixture(scope="module")
 def run(shared_traces) -> ScenarioRun:
     return ScenarioRun(Scenario("small", "internvl-8b", "h100:1x8", str(shared_traces / "ai2d.csv"), 64,
-                                training={"vision": "frozen"}, iterations=2, search_batches=1,
-                                max_candidates=6))
+                                training={"vision": "frozen"}, iterations=2, search_batches=1))
 
 
 def test_assignments_place_every_sample_once() -> None:
