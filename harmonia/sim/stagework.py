@@ -8,7 +8,7 @@ boundary bytes an encoder's last stage sends to the LLM's first stage.
 
 Encoder replicas and LLM replicas are matched round-robin: with ``enc_dp >= llm_dp`` LLM replica
 ``d`` is fed by encoder replicas ``{e : e % llm_dp == d}``, which split the items of its
-microbatch between them (largest first, onto the least loaded); with ``enc_dp < llm_dp`` encoder
+microbatches between them (largest first, onto the replica least loaded so far this iteration); with ``enc_dp < llm_dp`` encoder
 replica ``e`` serves LLM replicas ``{d : d % enc_dp == e}`` one microbatch after another.
 """
 
@@ -89,24 +89,31 @@ def _ranks_of(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, .
                  for c in range(layout.cp) for t in range(layout.tp))
 
 
-def _encoder_shares(samples: list[SampleShape], plan: Plan, cost: CostModel, encoder: str,
-                    idx: list[int], n_shares: int) -> list[list[tuple[int, int]]]:
-    """Split the items of ``encoder`` in samples ``idx`` over ``n_shares`` replicas (LPT on tokens).
+def _encoder_shares(samples: list[SampleShape], cost: CostModel, encoder: str, idx: list[int],
+                    loads: list[float]) -> list[list[tuple[int, int]]]:
+    """Split the items of ``encoder`` in samples ``idx`` over the replicas whose running loads (FLOPs
+    so far this iteration) are ``loads``: largest item first onto the least loaded replica (LPT).
 
-    Returns per share a list of (sample index, item index) pairs.
+    The loads carry over from one microbatch to the next, so replicas that got the heaviest items of
+    one microbatch get lighter ones in the next; restarting from zero every microbatch would hand
+    the heaviest item of every microbatch to the same replica, and none at all to the replicas
+    beyond a microbatch's item count.
+
+    Returns per replica a list of (sample index, item index) pairs; ``loads`` is updated in place.
     """
     spec = cost.mllm.encoders[encoder]
     items = []
     for i in idx:
         for j, item in enumerate(samples[i].items):
             if item.modality in spec.modalities:
-                items.append((sum(n * n for n in encoder_sequences(item, spec)) + sum(encoder_sequences(item, spec)), i, j))
-    shares: list[list[tuple[int, int]]] = [[] for _ in range(n_shares)]
-    loads = [0] * n_shares
-    for weight, i, j in sorted(items, reverse=True):
+                seqs = encoder_sequences(item, spec)
+                flops = float(cost.flops(encoder, ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))).sum())
+                items.append((flops, i, j))
+    shares: list[list[tuple[int, int]]] = [[] for _ in loads]
+    for flops, i, j in sorted(items, reverse=True):
         k = loads.index(min(loads))
         shares[k].append((i, j))
-        loads[k] += weight
+        loads[k] += flops
     return shares
 
 
@@ -127,21 +134,27 @@ def plan_iteration_work(samples: list[SampleShape], plan: Plan, cost: CostModel,
     h_llm = cost.mllm.llm.hidden
     llm = plan.layouts["llm"]
     for d, mbs in microbatches.items():
+        running = {enc: [0.0] * len(_feeding_replicas(plan, enc, d)) for enc in plan.encoders}
         for m, idx in enumerate(mbs):
             load = ModuleLoad()
             for i in idx:
                 load += sample_loads(samples[i], cost.mllm)["llm"]
             _add_module_work(out, plan, cost, "llm", d, (d, m), load, ModuleLoad(), h_llm, llm.tp, llm.cp)
             for enc in plan.encoders:
-                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm)
+                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm, running[enc])
     return out
 
 
-def _add_encoder_work(out: IterationWork, samples, plan: Plan, cost: CostModel, enc: str, d: int, m: int,
-                      idx: list[int], h_llm: int) -> None:
+def _feeding_replicas(plan: Plan, enc: str, d: int) -> list[int]:
+    """Encoder replicas that feed LLM replica ``d`` (round-robin, see the module docstring)."""
     enc_dp, llm_dp = plan.layouts[enc].dp, plan.layouts["llm"].dp
-    replicas = [e for e in range(enc_dp) if e % llm_dp == d] if enc_dp >= llm_dp else [d % enc_dp]
-    shares = _encoder_shares(samples, plan, cost, enc, idx, len(replicas))
+    return [e for e in range(enc_dp) if e % llm_dp == d] if enc_dp >= llm_dp else [d % enc_dp]
+
+
+def _add_encoder_work(out: IterationWork, samples, plan: Plan, cost: CostModel, enc: str, d: int, m: int,
+                      idx: list[int], h_llm: int, running: list[float]) -> None:
+    replicas = _feeding_replicas(plan, enc, d)
+    shares = _encoder_shares(samples, cost, enc, idx, running)
     feeds = []
     layout = plan.layouts[enc]
     for e, share in zip(replicas, shares):
