@@ -1,10 +1,10 @@
 """The MLLM executor trains tiny-omni (vision + audio encoders, projectors, LLM) exactly as one process does.
 
-Every layout runs 3 optimizer steps (SGD with momentum, a global-norm clip over all modules that
-binds) on variable microbatches: each step's samples differ in text length, image tiles and audio
-length, each global microbatch in sample count, and each encoder deals its samples to its own DP
-replicas independently of the LLM (or leaves one replica idle, to check that its collectives still
-match its peers'). Two training setups cover the frozen paths: ``audio-frozen``
+Every layout (on 1, 2, 4 or 8 processes) runs 3 optimizer steps (SGD with momentum, a global-norm
+clip over all modules that binds) on variable microbatches: each step's samples differ in text
+length, image tiles and audio length, each global microbatch in sample count (at random, or from
+the balancer), and each encoder deals its samples to its own DP replicas independently of the LLM
+(or leaves one replica idle, to check that its collectives still match its peers'). Two training setups cover the frozen paths: ``audio-frozen``
 (frozen audio encoder, trainable projector: W only on its last stage) and ``vision-frozen`` (frozen
 vision encoder and projector: no backward at all). Loss, gradient norm and final parameters must
 match a one-process run on the same samples (relative difference <= 1e-5; parameters elementwise,
@@ -56,15 +56,19 @@ class Case:
     n_sub: dict = field(default_factory=dict)
     idle: tuple[str, ...] = ()  # encoders whose last DP replica gets no sample in any step
     cp_block: int = 4  # tokens per block of the balanced CP assignment (llm cp > 1)
+    balanced: bool = False  # LLM replicas and microbatches from the balancer (`balance_dp`)
 
     def layouts(self) -> dict[str, Layout]:
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
 
 
 CASES: dict[int, list[Case]] = {
+    1: [
+        Case("one process, zb, vision and audio subs", L(), L(), L(), "zb", n_sub={"vision": 2, "audio": 2}),
+    ],
     2: [
         Case("dis enc (r0) -> llm (r1)", L(), L(), L(rank_offset=1)),
-        Case("co all dp2", L(dp=2), L(dp=2), L(dp=2), training="vision-frozen"),
+        Case("co all dp2, balanced", L(dp=2), L(dp=2), L(dp=2), training="vision-frozen", balanced=True),
         Case("co enc dp2 -> llm pp2 zb, vision subs", L(dp=2), L(dp=2), L(pp=2), "zb",
              n_sub={"vision": 2}),
         Case("co enc pp2 -> llm dp2", L(pp=2), L(), L(dp=2), n_microbatches=2),
@@ -76,7 +80,8 @@ CASES: dict[int, list[Case]] = {
         Case("dis enc dp2 -> llm pp2", L(dp=2), L(dp=2), L(pp=2, rank_offset=2), training="vision-frozen"),
         Case("dis vision pp2 -> llm dp2, audio on llm", L(pp=2), L(dp=2, rank_offset=2),
              L(dp=2, rank_offset=2), "gpipe"),
-        Case("co vision dp4, audio pp2 dp2 -> llm pp2 dp2", L(dp=4), L(pp=2, dp=2), L(pp=2, dp=2)),
+        Case("co vision dp4, audio pp2 dp2 -> llm pp2 dp2, balanced", L(dp=4), L(pp=2, dp=2), L(pp=2, dp=2),
+             balanced=True),
         Case("co enc dp4 -> llm dp2 fsdp pp2 zb", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), "zb",
              training="vision-frozen", n_sub={"audio": 2}),
         Case("dis vision tp2, audio dp2 -> llm pp2", L(tp=2), L(dp=2), L(pp=2, rank_offset=2)),
@@ -95,6 +100,18 @@ CASES: dict[int, list[Case]] = {
              idle=("audio",)),
         Case("co enc dp4 -> llm cp4", L(dp=4), L(dp=4), L(cp=4), cp_block=3),
         Case("dis vision tp2, audio dp2 -> llm cp2", L(tp=2), L(dp=2), L(cp=2, rank_offset=2)),
+        Case("co enc dp4 -> llm pp2 interleaved v2", L(dp=4), L(dp=4), L(pp=2, dp=2, virtual_stages=2),
+             "interleaved", n_microbatches=4),
+    ],
+    8: [
+        Case("co enc dp8 -> llm pp2 dp2 tp2 zb, balanced", L(dp=8), L(dp=8), L(pp=2, dp=2, tp=2), "zb",
+             balanced=True),
+        Case("dis vision tp2 dp2 (r0-3), audio dp2 (r4-5) -> llm cp2 (r6-7)", L(tp=2, dp=2),
+             L(dp=2, rank_offset=4), L(cp=2, rank_offset=6), n_sub={"vision": 2}),
+        Case("co vision pp2 dp4, audio tp2 dp4 -> llm pp2 v2 dp2 tp2 interleaved", L(pp=2, dp=4),
+             L(tp=2, dp=4), L(pp=2, dp=2, tp=2, virtual_stages=2), "interleaved", n_microbatches=4),
+        Case("co vision dp8 fsdp, audio dp8 -> llm pp4 dp2 fsdp zb", L(dp=8, fsdp=True), L(dp=8),
+             L(pp=4, dp=2, fsdp=True), "zb", training="vision-frozen"),
     ],
 }
 
@@ -135,15 +152,18 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
     batch = samples(step)
     rng = random.Random(step)
     n, dp = case.n_microbatches, case.llm.dp
-    sizes = [dp] * n  # every LLM replica gets a sample of every microbatch; the rest at random
-    for _ in range(len(batch) - dp * n):
-        sizes[rng.randrange(n)] += 1
-    bounds = [0, *itertools.accumulate(sizes)]
-    micro = [batch[a:b] for a, b in itertools.pairwise(bounds)]
-    llm_split, enc_split = [], {"vision": [], "audio": []}
+    if case.balanced:
+        micro, llm_split = balanced_placement(batch, n, dp)
+    else:
+        sizes = [dp] * n  # every LLM replica gets a sample of every microbatch; the rest at random
+        for _ in range(len(batch) - dp * n):
+            sizes[rng.randrange(n)] += 1
+        bounds = [0, *itertools.accumulate(sizes)]
+        micro = [batch[a:b] for a, b in itertools.pairwise(bounds)]
+        llm_split = [[list(range(len(mb) * d // dp, len(mb) * (d + 1) // dp)) for d in range(dp)] for mb in micro]
+    enc_split = {"vision": [], "audio": []}
     for mb in micro:
         k = len(mb)
-        llm_split.append([list(range(k * d // dp, k * (d + 1) // dp)) for d in range(dp)])
         for e, layout in (("vision", case.vision), ("audio", case.audio)):
             order = list(range(k))
             rng.shuffle(order)
@@ -152,6 +172,23 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
                 split[0], split[-1] = sorted(split[0] + split[-1]), []
             enc_split[e].append(split)
     return micro, llm_split, enc_split
+
+
+def balanced_placement(batch: list[TokenizedSample], n: int, dp: int) -> tuple[list, list]:
+    """Global microbatches from `balance_dp` on each sample's work (LLM tokens, image tiles,
+    audio chunks): microbatch ``k`` is every replica's ``k``-th, in replica order."""
+    from harmonia.schedule.dp_balance import balance_dp
+
+    work = torch.tensor([[len(s.input_ids), sum(i.module == "vision" for i in s.items),
+                          sum(i.inputs.shape[0] for i in s.items if i.module == "audio")] for s in batch])
+    per_replica = balance_dp(work.double().numpy(), dp, n_microbatches=n).microbatches
+    micro, llm_split = [], []
+    for k in range(n):
+        groups = [per_replica[d][k] for d in range(dp)]
+        micro.append([batch[i] for g in groups for i in g])
+        offsets = [0, *itertools.accumulate(len(g) for g in groups)]
+        llm_split.append([list(range(a, b)) for a, b in itertools.pairwise(offsets)])
+    return micro, llm_split
 
 
 def cp_assignment(micro: list[list[TokenizedSample]], llm_split: list, case: Case) -> list | None:
