@@ -64,21 +64,24 @@ def plan_stage_split(
     best[0, 0] = 0.0
     peak[0, 0] = 0.0
     min_len = 0 if allow_empty else 1
+    # (j, i): the last stage holds layers i .. j-1; a start must leave it at least min_len layers
+    starts = np.arange(n + 1)
+    allowed = starts[None, :] <= starts[:, None] - min_len
+    stage_cost = cost[:, None] - cost[None, :]
+    stage_mem = mem[:, None] - mem[None, :]
+    allowed &= stage_mem <= cap
     for k in range(1, n_stages + 1):
-        for j in range(n + 1):
-            i = np.arange(j - min_len + 1)  # candidate starts of the last stage
-            if i.size == 0:
-                continue
-            stage_mem = mem[j] - mem[i]
-            value = np.maximum(best[k - 1, i], cost[j] - cost[i])
-            value[(stage_mem > cap) | (best[k - 1, i] == inf)] = inf
-            lowest = value.min()
-            if lowest == inf:
-                continue
-            ties = np.flatnonzero(value <= lowest + 1e-15)
-            peaks = np.maximum(peak[k - 1, ties], stage_mem[ties])
-            pick = ties[int(np.argmin(peaks))]
-            best[k, j], peak[k, j], arg[k, j] = value[pick], peaks.min(), pick
+        value = np.maximum(best[k - 1][None, :], stage_cost)
+        value[~allowed | (best[k - 1] == inf)[None, :]] = inf
+        lowest = value.min(axis=1)
+        ties = (value <= lowest[:, None] + 1e-15) & (lowest[:, None] < inf)
+        peaks = np.where(ties, np.maximum(peak[k - 1][None, :], stage_mem), inf)
+        pick = np.argmin(peaks, axis=1)  # the smallest peak among ties, then the earliest boundary
+        reached = lowest < inf
+        rows = np.flatnonzero(reached)
+        best[k, rows] = value[rows, pick[rows]]
+        peak[k, rows] = peaks[rows, pick[rows]]
+        arg[k, rows] = pick[rows]
     if best[n_stages, n] == inf:
         heaviest = float(np.max(np.diff(mem))) if n else 0.0
         hint = ("a single layer needs more than the cap; shard it further (tp/fsdp)"
