@@ -6,10 +6,14 @@ DP replica, its microbatches as lists of sample indices — this computes, for e
 group, the activation bytes the microbatch keeps there, the bytes sent to the next stage, and the
 boundary bytes an encoder's last stage sends to the LLM's first stage.
 
-Encoder replicas and LLM replicas are matched round-robin: with ``enc_dp >= llm_dp`` LLM replica
-``d`` is fed by encoder replicas ``{e : e % llm_dp == d}``, which split the items of its
-microbatches between them (largest first, onto the replica least loaded so far this iteration); with ``enc_dp < llm_dp`` encoder
-replica ``e`` serves LLM replicas ``{d : d % enc_dp == e}`` one microbatch after another.
+Encoder replicas and LLM replicas are matched by rank when every encoder replica lies inside one
+LLM replica's ranks (colocated encoders): LLM replica ``d`` is fed by the encoder replicas on its
+own ranks, so its pipeline never waits for encoder work queued behind another replica's LLM work,
+and boundary rows stay on the replica's ranks. Otherwise they are matched round-robin: with
+``enc_dp >= llm_dp`` LLM replica ``d`` is fed by encoder replicas ``{e : e % llm_dp == d}``; with
+``enc_dp < llm_dp`` encoder replica ``e`` serves LLM replicas ``{d : d % enc_dp == e}`` one
+microbatch after another. The replicas feeding one microbatch split its items largest first onto
+the replica least loaded so far this iteration.
 """
 
 from __future__ import annotations
@@ -90,16 +94,17 @@ def _ranks_of(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, .
 
 
 def _encoder_shares(samples: list[SampleShape], cost: CostModel, encoder: str, idx: list[int],
-                    loads: list[float]) -> list[list[tuple[int, int]]]:
-    """Split the items of ``encoder`` in samples ``idx`` over the replicas whose running loads (FLOPs
-    so far this iteration) are ``loads``: largest item first onto the least loaded replica (LPT).
+                    replicas: list[int], loads: list[float]) -> list[list[tuple[int, int]]]:
+    """Split the items of ``encoder`` in samples ``idx`` over ``replicas``: largest item first onto
+    the replica with the smallest running load (``loads[e]``: FLOPs so far this iteration).
 
     The loads carry over from one microbatch to the next, so replicas that got the heaviest items of
     one microbatch get lighter ones in the next; restarting from zero every microbatch would hand
     the heaviest item of every microbatch to the same replica, and none at all to the replicas
     beyond a microbatch's item count.
 
-    Returns per replica a list of (sample index, item index) pairs; ``loads`` is updated in place.
+    Returns per replica (in ``replicas`` order) a list of (sample index, item index) pairs;
+    ``loads`` is updated in place.
     """
     spec = cost.mllm.encoders[encoder]
     items = []
@@ -109,11 +114,11 @@ def _encoder_shares(samples: list[SampleShape], cost: CostModel, encoder: str, i
                 seqs = encoder_sequences(item, spec)
                 flops = float(cost.flops(encoder, ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))).sum())
                 items.append((flops, i, j))
-    shares: list[list[tuple[int, int]]] = [[] for _ in loads]
+    shares: list[list[tuple[int, int]]] = [[] for _ in replicas]
     for flops, i, j in sorted(items, reverse=True):
-        k = loads.index(min(loads))
+        k = min(range(len(replicas)), key=lambda k: loads[replicas[k]])
         shares[k].append((i, j))
-        loads[k] += flops
+        loads[replicas[k]] += flops
     return shares
 
 
@@ -133,28 +138,44 @@ def plan_iteration_work(samples: list[SampleShape], plan: Plan, cost: CostModel,
     out = IterationWork(microbatches=microbatches)
     h_llm = cost.mllm.llm.hidden
     llm = plan.layouts["llm"]
+    feeds = {enc: feeding_replicas(plan, enc) for enc in plan.encoders}
+    loads = {enc: [0.0] * plan.layouts[enc].dp for enc in plan.encoders}  # FLOPs per encoder replica so far
     for d, mbs in microbatches.items():
-        running = {enc: [0.0] * len(_feeding_replicas(plan, enc, d)) for enc in plan.encoders}
         for m, idx in enumerate(mbs):
             load = ModuleLoad()
             for i in idx:
                 load += sample_loads(samples[i], cost.mllm)["llm"]
             _add_module_work(out, plan, cost, "llm", d, (d, m), load, ModuleLoad(), h_llm, llm.tp, llm.cp)
             for enc in plan.encoders:
-                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm, running[enc])
+                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm, feeds[enc][d], loads[enc])
     return out
 
 
-def _feeding_replicas(plan: Plan, enc: str, d: int) -> list[int]:
-    """Encoder replicas that feed LLM replica ``d`` (round-robin, see the module docstring)."""
-    enc_dp, llm_dp = plan.layouts[enc].dp, plan.layouts["llm"].dp
-    return [e for e in range(enc_dp) if e % llm_dp == d] if enc_dp >= llm_dp else [d % enc_dp]
+def feeding_replicas(plan: Plan, enc: str) -> list[list[int]]:
+    """Per LLM replica, the encoder replicas that feed it (see the module docstring): those on its
+    own ranks when every encoder replica lies inside one LLM replica, else round-robin."""
+    enc_layout, llm = plan.layouts[enc], plan.layouts["llm"]
+    enc_dp, llm_dp = enc_layout.dp, llm.dp
+    owner = {r: llm.coords(r)["dp"] for r in llm.rank_list()}
+    inside: list[list[int]] = [[] for _ in range(llm_dp)]
+    for e in range(enc_dp):
+        ranks = [enc_layout.rank_at(pp=p, dp=e, cp=c, tp=t) for p in range(enc_layout.pp)
+                 for c in range(enc_layout.cp) for t in range(enc_layout.tp)]
+        replicas = {owner.get(r) for r in ranks}
+        if len(replicas) != 1 or None in replicas:
+            break
+        inside[replicas.pop()].append(e)
+    else:
+        if all(inside):
+            return inside
+    if enc_dp >= llm_dp:
+        return [[e for e in range(enc_dp) if e % llm_dp == d] for d in range(llm_dp)]
+    return [[d % enc_dp] for d in range(llm_dp)]
 
 
 def _add_encoder_work(out: IterationWork, samples, plan: Plan, cost: CostModel, enc: str, d: int, m: int,
-                      idx: list[int], h_llm: int, running: list[float]) -> None:
-    replicas = _feeding_replicas(plan, enc, d)
-    shares = _encoder_shares(samples, cost, enc, idx, running)
+                      idx: list[int], h_llm: int, replicas: list[int], loads: list[float]) -> None:
+    shares = _encoder_shares(samples, cost, enc, idx, replicas, loads)
     feeds = []
     layout = plan.layouts[enc]
     for e, share in zip(replicas, shares):
