@@ -13,8 +13,10 @@ recipe          layout rules                                                    
                 stages each), frozen-aware layer split; fixed-size microbatches; 1F1B
 ``disttrain``   disjoint encoder and LLM rank sets sized to their work share, any           DistTrain
                 factorisation; samples reordered across microbatches on total work; 1F1B
-``harmonia``    disjoint or colocated, rank sets by work share, frozen-aware split;         harmonia
-                every module balanced per iteration; 1F1B or zero-bubble, whichever wins
+``harmonia``    disjoint (rank sets by work share) or colocated (encoders on every rank),   harmonia
+                and every placement above (encoders on the LLM's first stage, or on
+                stages of their own); frozen-aware split; every module balanced per
+                iteration; 1F1B or zero-bubble, whichever wins
 ==============  ==========================================================================  =========
 """
 
@@ -104,21 +106,8 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
             layouts = {e: Layout(tp=llm.tp, dp=llm.dp, ranks=first) for e in encoders}
             yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, "1f1b", n_mb), fused=True)
     elif recipe == "cornstarch":
-        for tp in sorted({lay.tp for lay in llm_layouts(cost.mllm, cluster, world, 0, global_batch, max_cp=1)}):
-            for dp in (d for d in range(1, world // tp + 1) if world % (tp * d) == 0):
-                group = tp * dp
-                for enc_pp in (1, 2):
-                    llm_ranks = world - len(encoders) * enc_pp * group
-                    if llm_ranks < group:
-                        continue
-                    offset = len(encoders) * enc_pp * group
-                    options = _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True, rejected)
-                    for llm, n_mb in options:
-                        if llm.tp != tp or llm.dp != dp:
-                            continue
-                        layouts = {e: Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group)
-                                   for i, e in enumerate(encoders)}
-                        yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, "1f1b", n_mb))
+        for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
+            yield Candidate(recipe, plan(layouts, Placement.DISJOINT, "1f1b", n_mb))
     elif recipe in ("disttrain", "harmonia"):
         schedules = ("1f1b",) if recipe == "disttrain" else ("1f1b", "zb")
         for sizes in disjoint_sizes(profile, encoders, world):
@@ -137,8 +126,35 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
                 layouts = {e: Layout(dp=world) for e in encoders}
                 for schedule in schedules:
                     yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
+            # the other recipes' placements, so harmonia's rules contain theirs
+            for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
+                for schedule in schedules:
+                    yield Candidate(recipe, plan(layouts, Placement.DISJOINT, schedule, n_mb))
+            yield from homogeneous_candidates(cost, cluster, profile, global_batch, model, rejected)
     else:
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
+
+
+def _encoder_stage_layouts(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, global_batch: int,
+                           rejected: Counter | None) -> Iterator[tuple[dict[str, Layout], int]]:
+    """Cornstarch's shapes: each encoder on one or two pipeline stages of its own ranks with the
+    LLM's tp and dp, then the LLM's stages (frozen-aware split), as (layouts, microbatches)."""
+    world = cluster.world_size
+    encoders = list(cost.mllm.encoders)
+    for tp in sorted({lay.tp for lay in llm_layouts(cost.mllm, cluster, world, 0, global_batch, max_cp=1)}):
+        for dp in (d for d in range(1, world // tp + 1) if world % (tp * d) == 0):
+            group = tp * dp
+            for enc_pp in (1, 2):
+                llm_ranks = world - len(encoders) * enc_pp * group
+                if llm_ranks < group:
+                    continue
+                offset = len(encoders) * enc_pp * group
+                for llm, n_mb in _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True, rejected):
+                    if llm.tp != tp or llm.dp != dp:
+                        continue
+                    layouts = {e: Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group)
+                               for i, e in enumerate(encoders)}
+                    yield {**layouts, "llm": llm}, n_mb
 
 
 def homogeneous_candidates(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, global_batch: int,

@@ -1,5 +1,7 @@
 """Recipes: their candidates follow their rules, their plans validate, and the search is monotone."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -56,3 +58,35 @@ def test_each_baseline_runs_and_its_schedule_validates(run) -> None:
         validate(build_schedule(graph, plan.n_microbatches, plan.schedule))
         d = result.as_dict()
         assert set(d) >= {"iteration_s", "bubble_frac", "mfu", "plan", "schedule"}
+
+
+@pytest.mark.parametrize("scenario", [
+    Scenario("vlm-8", "internvl-8b", "h100:1x8", "chartqa.csv", 64, iterations=2, search_batches=1),
+    Scenario("omni-16", "omni-8b", "h100:2x8", "synthetic", 128, iterations=2, search_batches=1),
+])
+def test_harmonia_never_loses_to_a_baseline(scenario, shared_traces) -> None:
+    """harmonia's rules contain every baseline's placements, and each recipe's search is exact, so
+    its chosen plan is at least as fast as every baseline's on the same sampled batches."""
+    if scenario.trace.endswith(".csv"):
+        scenario = replace(scenario, trace=str(shared_traces / scenario.trace))
+    run = ScenarioRun(scenario)
+    results = {r: run.run(r) for r in (*BASELINES, "harmonia")}
+    best_baseline = min(results[r].iteration_s for r in BASELINES)
+    assert results["harmonia"].iteration_s <= best_baseline, {r: v.iteration_s for r, v in results.items()}
+
+
+def test_harmonia_candidates_contain_each_baselines_layouts(run) -> None:
+    """Every layout a baseline may pick is one harmonia may pick (placement and per-module degrees)."""
+    def shape(c):
+        return c.plan.placement, tuple((m, x.tp, x.dp, x.pp, x.rank_list()) for m, x in sorted(c.plan.layouts.items()))
+    ours = {shape(c) for c in candidates("harmonia", run.cost, run.cluster, run.profile, 64, "internvl-8b")}
+    for recipe in ("cornstarch", "disttrain"):
+        theirs = {shape(c) for c in candidates(recipe, run.cost, run.cluster, run.profile, 64, "internvl-8b")}
+        assert theirs <= ours, recipe
+    megatron = {(m, x.tp, x.dp, x.rank_list()) for c in candidates("megatron", run.cost, run.cluster, run.profile,
+                                                                  64, "internvl-8b")
+                for m, x in c.plan.layouts.items() if m != "llm"}
+    fused = {(m, x.tp, x.dp, x.rank_list()) for c in candidates("harmonia", run.cost, run.cluster, run.profile,
+                                                               64, "internvl-8b")
+             for m, x in c.plan.layouts.items() if m != "llm"}
+    assert megatron <= fused
