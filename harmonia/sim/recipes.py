@@ -22,6 +22,7 @@ recipe          layout rules                                                    
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -197,14 +198,30 @@ def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
 
 
 def search_orders(plan: Plan, cost: CostModel, iw, budget_s: float) -> dict[int, list[int]]:
-    """Per LLM replica, the microbatch order the per-batch search finds within the budget."""
+    """Per LLM replica, the microbatch order the per-batch search finds, all within ``budget_s``.
+
+    The slowest replica sets the iteration time, so replicas are searched heaviest first, each with
+    an equal share of what is left of the budget. A replica is searched only while the time left
+    fits its start and one more schedule (timed like the slowest seen so far); the others keep the
+    balancer's order, so the search costs at most about the budget at any DP degree.
+    """
+    deadline = time.perf_counter() + budget_s
     trainable = stage_trainable(plan, cost)
-    per_replica = budget_s / max(1, len(iw.microbatches))
-    out = {}
-    for d, mbs in iw.microbatches.items():
+    weight: dict[int, float] = {d: 0.0 for d in iw.microbatches}
+    for (key, _), work in iw.work.items():
+        if key.module == "llm":
+            weight[key.replica] += work.times.total
+    replicas = sorted(iw.microbatches, key=lambda d: -weight[d])
+    per_schedule, out = 0.0, {}
+    for k, d in enumerate(replicas):
+        left = deadline - time.perf_counter()
+        if left <= 2 * per_schedule:
+            break
         graph = StageGraph.from_layouts(plan.layouts, trainable, replica=d)
-        out[d] = search_order(graph, cost_table(plan, iw, d), len(mbs), (plan.schedule,),
-                              budget_s=per_replica, seed=d).order
+        found = search_order(graph, cost_table(plan, iw, d), len(iw.microbatches[d]), (plan.schedule,),
+                             budget_s=left / (len(replicas) - k), seed=d)
+        out[d] = found.order
+        per_schedule = max(per_schedule, found.seconds / max(found.evaluated, 1))
     return out
 
 

@@ -8,7 +8,8 @@ costs a few milliseconds, so it fits a budget of ~100 ms per batch:
 1. seeds: the given order, light-heavy-light ("light ones at both ends" shortens warm-up and
    cool-down), heavy-first and light-first, each under every allowed family;
 2. local search from the best seed: swap two microbatches, keep the swap if the makespan drops;
-   random pairs until the budget is spent (deterministic for a seed).
+   random pairs until the budget is spent (deterministic for a seed). A schedule is only scored
+   when one more, timed like the mean one so far, still fits the budget.
 
 The result is never worse than the starting order under its family, because that order is a seed.
 """
@@ -63,7 +64,9 @@ def search_order(graph: StageGraph, costs: CostTable, n_microbatches: int, famil
     limit = max_evaluations or 1 << 30
 
     def spent() -> bool:
-        return time.perf_counter() - t0 > budget_s or evaluated >= limit
+        """True when the next schedule, timed like the mean one so far, would overrun the budget."""
+        elapsed = time.perf_counter() - t0
+        return elapsed * (1 + 1 / max(evaluated, 1)) > budget_s or evaluated >= limit
 
     start = list(range(n_microbatches)) if start is None else list(start)
     weights = [sum(costs.phase("llm", s, m).F + costs.phase("llm", s, m).B + costs.phase("llm", s, m).W

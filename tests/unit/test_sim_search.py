@@ -33,3 +33,26 @@ def test_search_never_worse_and_deterministic() -> None:
         x = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
         y = search_order(graph, costs, 8, ("1f1b",), budget_s=10.0, seed=seed, max_evaluations=12)
         assert x.order == y.order and x.evaluated == 12
+
+
+def test_search_of_every_replica_fits_its_budget(shared_traces) -> None:
+    """search_orders shares one budget over all LLM replicas (heaviest first) and stops in time."""
+    import time
+
+    from harmonia.sim.recipes import assign, candidates, search_orders
+    from harmonia.sim.scenario import Scenario, ScenarioRun
+    from harmonia.sim.stagework import plan_iteration_work
+
+    run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x8", str(shared_traces / "ai2d.csv"), 256,
+                               iterations=1, search_batches=1))
+    cand = next(c for c in candidates("harmonia", run.cost, run.cluster, run.profile, 256, "internvl-8b")
+                if c.plan.layouts["llm"].dp == 4 and c.plan.layouts["llm"].pp == 2 and c.plan.n_microbatches == 8)
+    batch = run.profile.batches[0]
+    microbatches, _ = assign(cand, batch, run.costs[batch], run.tokens[batch])
+    iw = plan_iteration_work(run.samples, cand.plan, run.cost, microbatches)
+    for budget in (0.0, 0.03):
+        t0 = time.perf_counter()
+        orders = search_orders(cand.plan, run.cost, iw, budget)
+        assert time.perf_counter() - t0 <= budget + 0.02
+        assert all(sorted(o) == list(range(8)) for o in orders.values())
+    assert orders, "a 30 ms budget searches at least the heaviest replica"
