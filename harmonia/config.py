@@ -91,9 +91,12 @@ class TrainConfig:
     warmup: int = _f(4, "linear warm-up steps")
     max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
     seed: int = _f(0, "seed of weights, data order and schedules")
+    precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(self.precision in ("auto", "fp32", "bf16"), "train.precision", self.precision,
+                 "auto, fp32 or bf16")
         _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
         _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
         _require(self.lr > 0, "train.lr", self.lr, "a positive number")

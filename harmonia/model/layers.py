@@ -171,10 +171,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + attn(norm x)``, then ``x + mlp(norm x)``, optional layer scale."""
+    """Pre-norm transformer block: ``x + attn(norm x)``, then ``x + mlp(norm x)``, optional layer scale.
+
+    Attributes:
+        recompute: keep only the block's input for backward and run its forward again there
+            (activation checkpointing, non-reentrant); set by `harmonia.runtime.parallelize`.
+    """
 
     def __init__(self, spec: TransformerSpec) -> None:
         super().__init__()
+        self.recompute = False
         self.attn_norm = build_norm(spec.norm, spec.hidden, spec.norm_eps)
         self.attn = Attention(spec)
         self.mlp_norm = build_norm(spec.norm, spec.hidden, spec.norm_eps)
@@ -191,6 +197,13 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, x, mask, rope, use_reentrant=False)
+        return self._forward(x, mask, rope)
+
+    def _forward(self, x: torch.Tensor, mask, rope) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), mask, rope)
         x = x + (a if self.attn_scale is None else a * self.attn_scale)
         m = self.mlp(self.mlp_norm(x))

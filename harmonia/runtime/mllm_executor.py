@@ -30,6 +30,7 @@ gradients of the weights, replicated over ``cp``, are summed over ``dp x cp``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,13 +138,17 @@ class MLLMExecutor:
         norm_group: ranks the norm, the loss and the target count are global over (default: world;
             every rank of it calls `step`).
         dtype: dtype of activations and gradients between stages and across boundaries.
+        autocast: compute dtype of every forward (``torch.bfloat16`` for mixed precision on GPUs:
+            matmuls in bf16, reductions and the loss in fp32, parameters and their gradients
+            stay fp32); None = the parameters' dtype.
     """
 
     def __init__(self, meshes: ModuleMeshes, chunks: dict[str, dict[int, nn.Module]], hidden: int,
                  projectors: dict[str, nn.Module] | None = None, optimizer: OptimizerFactory | None = None,
                  max_norm: float | None = 1.0, norm_group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
         projectors = projectors or {}
+        self.autocast = autocast
         self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
         self.hidden = hidden
         self.runners: dict[str, ModuleRunner] = {}
@@ -372,7 +377,7 @@ class _MLLMIteration:
                 x = self._take(self.fwd_in, key, "the activation")  # (N, P', h)
                 x.requires_grad_(self.graph.needs_b(ref))
             grad = self.graph.needs_backward(ref)
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(grad), self._autocast():
                 y = r.chunks[c](x)
                 if last:
                     y = r.projector(y)  # (N, P, D)
@@ -389,6 +394,12 @@ class _MLLMIteration:
                 self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
                 del self.enc_rows[(name, m)]
                 self.links[name].send(m, rows)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        dtype = self.ex.autocast
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.ex.device).type, dtype=dtype)
 
     def _attention_inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor | ShardedKeys, CPShard | None]:
         """Rotary positions, mask and CP shard of LLM microbatch ``m`` on this rank (once per microbatch)."""
@@ -435,7 +446,7 @@ class _MLLMIteration:
             x = self._take(self.fwd_in, key, "the activation")  # (1, t, h)
             x.requires_grad_(self.graph.needs_b(ref))
             inputs = [x]
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), self._autocast():
             y = r.chunks[c](x, positions, mask, torch.cat(embeds) if embeds else None,
                             torch.cat(index) if index else None)  # (1, t, h) or logits (1, t, V)
             if c == r.n_stages - 1:

@@ -148,24 +148,46 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(module, tp_mesh, tp_styles(plan_tp(module)))
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh) -> None:
-    """FSDP2 per block, then the chunk; gradients are summed over ``dp`` (the loss is already global)."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool = False) -> None:
+    """FSDP2 per block, then the chunk; gradients are summed over ``dp`` (the loss is already global).
+    ``mixed_precision``: bf16 parameters in forward and backward, fp32 gradient reduction."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
     for block in getattr(module, "layers", {}).values():
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(module, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):  # each fully_shard unit reduces its own gradients
             sub.set_gradient_divide_factor(1.0)
             sub.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
-def parallelize_stage(module: nn.Module, mesh: ModuleMesh) -> nn.Module:
-    """TP, then FSDP, as the module's layout says. Returns the (same) module, changed in place."""
+def apply_recompute(module: nn.Module) -> int:
+    """Activation checkpointing on every transformer block of a stage module; returns how many."""
+    from harmonia.model.layers import Block
+
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.recompute = True
+    return len(blocks)
+
+
+def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: bool = False,
+                      mixed_precision: bool = False) -> nn.Module:
+    """TP, activation checkpointing, then FSDP, as the plan says for the module. Returns the (same)
+    module, changed in place.
+
+    Args:
+        recompute: recompute each block's activations in backward (the plan's ``recompute``).
+        mixed_precision: with FSDP, gather parameters and compute in bf16, reduce gradients in
+            fp32 (FSDP2's `MixedPrecisionPolicy`); without FSDP the executor's autocast does it.
+    """
     layout = mesh.layout
     if layout.tp > 1:
         apply_tp(module, mesh.submesh("tp"))
+    if recompute:
+        apply_recompute(module)
     if layout.fsdp and layout.dp > 1:
-        apply_fsdp(module, mesh.submesh("dp"))  # TP DTensors on the same root mesh become 2-D
+        apply_fsdp(module, mesh.submesh("dp"), mixed_precision)  # TP DTensors on the root mesh become 2-D
     return module

@@ -103,8 +103,14 @@ def to_device(obj, device: torch.device):
 
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
                      optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                     max_norm: float | None, device: torch.device = torch.device("cpu")) -> RankModel:
-    """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it)."""
+                     max_norm: float | None, device: torch.device = torch.device("cpu"),
+                     precision: str = "auto") -> RankModel:
+    """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it).
+
+    The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
+    (``auto``: on GPUs) runs every forward under bf16 autocast and gathers FSDP parameters in bf16,
+    with fp32 parameters, gradient reduction and optimizer states.
+    """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
@@ -115,6 +121,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     projectors: dict[str, nn.Module] = {}
     named: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
+    mixed = precision == "bf16" or (precision == "auto" and device.type == "cuda")
 
     def keep(module: nn.Module, prefix: str, owned_by: str) -> None:
         for n, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -128,7 +135,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             apply_training(module, spec.training_of(name))
             _load(module, state, prefix)
             module.to(device)
-            parallelize_stage(module, mesh)
+            parallelize_stage(module, mesh, recompute=name in plan.recompute, mixed_precision=mixed)
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
             proj = build_module(spec, f"{name}_proj")
@@ -137,5 +144,6 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             proj.to(device)
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
-    executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm)
+    executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,
+                            autocast=torch.bfloat16 if mixed else None)
     return RankModel(executor, named, owner)

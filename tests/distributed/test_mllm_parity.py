@@ -35,6 +35,7 @@ TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "fr
 STEPS = 3
 MAX_NORM = 0.5
 RTOL = 1e-5
+BF16_RTOL = 2e-2  # bf16 keeps 8 mantissa bits: a few ulps of drift over 3 steps
 N_SAMPLES = 12
 
 
@@ -57,6 +58,8 @@ class Case:
     idle: tuple[str, ...] = ()  # encoders whose last DP replica gets no sample in any step
     cp_block: int = 4  # tokens per block of the balanced CP assignment (llm cp > 1)
     balanced: bool = False  # LLM replicas and microbatches from the balancer (`balance_dp`)
+    recompute: tuple[str, ...] = ()  # modules whose blocks recompute their activations in backward
+    bf16: bool = False  # mixed precision (autocast; FSDP's bf16 parameters): compared at BF16_RTOL
 
     def layouts(self) -> dict[str, Layout]:
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
@@ -72,7 +75,8 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp2 -> llm pp2 zb, vision subs", L(dp=2), L(dp=2), L(pp=2), "zb",
              n_sub={"vision": 2}),
         Case("co enc pp2 -> llm dp2", L(pp=2), L(), L(dp=2), n_microbatches=2),
-        Case("co all tp2", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen"),
+        Case("co enc dp2 -> llm pp2 zb, bf16", L(dp=2), L(dp=2), L(pp=2), "zb", bf16=True),
+        Case("co all tp2, llm recompute", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen", recompute=("llm",)),
         Case("co enc dp2 -> llm cp2", L(dp=2), L(dp=2), L(cp=2)),
     ],
     4: [
@@ -82,8 +86,8 @@ CASES: dict[int, list[Case]] = {
              L(dp=2, rank_offset=2), "gpipe"),
         Case("co vision dp4, audio pp2 dp2 -> llm pp2 dp2, balanced", L(dp=4), L(pp=2, dp=2), L(pp=2, dp=2),
              balanced=True),
-        Case("co enc dp4 -> llm dp2 fsdp pp2 zb", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), "zb",
-             training="vision-frozen", n_sub={"audio": 2}),
+        Case("co enc dp4 -> llm dp2 fsdp pp2 zb, all recompute", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), "zb",
+             training="vision-frozen", n_sub={"audio": 2}, recompute=("vision", "audio", "llm")),
         Case("dis vision tp2, audio dp2 -> llm pp2", L(tp=2), L(dp=2), L(pp=2, rank_offset=2)),
         Case("co vision tp2 dp2, audio dp4 -> llm pp2 tp2 zb", L(tp=2, dp=2), L(dp=4), L(pp=2, tp=2), "zb",
              n_sub={"vision": 2}),
@@ -93,13 +97,15 @@ CASES: dict[int, list[Case]] = {
              L(pp=2, tp=2), L(dp=2, tp=2), idle=("vision",)),
         Case("co vision dp4, audio pp2 dp2 -> llm cp2 pp2 zb, audio subs", L(dp=4), L(pp=2, dp=2),
              L(pp=2, cp=2), "zb", n_sub={"audio": 2}),
-        Case("co enc dp4 -> llm cp2 dp2", L(dp=4), L(dp=4), L(dp=2, cp=2), training="vision-frozen"),
+        Case("co enc dp4 -> llm cp2 dp2, llm recompute", L(dp=4), L(dp=4), L(dp=2, cp=2), training="vision-frozen",
+             recompute=("llm",)),
         Case("co vision tp2 dp2, audio dp4 -> llm cp2 tp2", L(tp=2, dp=2), L(dp=4), L(cp=2, tp=2),
              n_sub={"vision": 2}),
         Case("co enc dp4 (dp3 idle) -> llm cp2 dp2 fsdp", L(dp=4), L(dp=4), L(dp=2, cp=2, fsdp=True),
              idle=("audio",)),
         Case("co enc dp4 -> llm cp4", L(dp=4), L(dp=4), L(cp=4), cp_block=3),
         Case("dis vision tp2, audio dp2 -> llm cp2", L(tp=2), L(dp=2), L(cp=2, rank_offset=2)),
+        Case("co enc dp4 -> llm pp2 dp2 fsdp, bf16", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), bf16=True),
         Case("co enc dp4 -> llm pp2 interleaved v2", L(dp=4), L(dp=4), L(pp=2, dp=2, virtual_stages=2),
              "interleaved", n_microbatches=4),
     ],
@@ -253,7 +259,7 @@ def run_case(case: Case, rank: int) -> dict:
         chunks[name] = build_stage_modules(s, name, layout, rank, sub)
         for module in chunks[name].values():
             apply_training(module, s.training_of(name))
-            parallelize_stage(module, mesh)
+            parallelize_stage(module, mesh, recompute=name in case.recompute, mixed_precision=case.bf16)
             named.update({PREFIX[name] + n: p for n, p in module.named_parameters()})
         if name != "llm" and layout.n_stages - 1 in chunks[name]:
             proj = build_module(s, f"{name}_proj")
@@ -262,7 +268,8 @@ def run_case(case: Case, rank: int) -> dict:
             apply_training(proj, s.training_of(f"{name}_proj"))
             projectors[name] = proj
             named.update({pre + n: p for n, p in proj.named_parameters()})
-    executor = MLLMExecutor(meshes, chunks, s.llm.hidden, projectors, optimizer=optimizer, max_norm=MAX_NORM)
+    executor = MLLMExecutor(meshes, chunks, s.llm.hidden, projectors, optimizer=optimizer, max_norm=MAX_NORM,
+                            autocast=torch.bfloat16 if case.bf16 else None)
     flags = {"llm": s.training_of("llm").trains}
     for e in ("vision", "audio"):
         n = layouts[e].n_stages
@@ -346,9 +353,17 @@ def test_layout_matches_one_process(results, world: int, case: Case) -> None:
         _REFERENCES[case.training] = reference(case.training)
     ref = _REFERENCES[case.training]
     assert ref["norms"][0] > MAX_NORM, "clipping must bind for the check to cover the global norm"
+    rtol = BF16_RTOL if case.bf16 else RTOL
     for r, g in enumerate(got):
-        assert g["losses"] == pytest.approx(ref["losses"], rel=RTOL), f"rank {r} losses"
-        assert g["norms"] == pytest.approx(ref["norms"], rel=RTOL), f"rank {r} gradient norms"
+        assert g["losses"] == pytest.approx(ref["losses"], rel=rtol), f"rank {r} losses"
+        assert g["norms"] == pytest.approx(ref["norms"], rel=rtol), f"rank {r} gradient norms"
+    if case.bf16:
+        assert got[0]["losses"] != pytest.approx(ref["losses"], rel=1e-6), "bf16 compute must actually run"
+        for g in got:  # fp32 master weights: updates computed from bf16 activations
+            for n, t in g["params"].items():
+                b = ref["params"][n]  # zero-initialised key biases stay ~0: an absolute floor
+                assert float((t - b).norm()) <= rtol * float(b.norm()) + 1e-6, f"parameter {n} after {STEPS} steps"
+        return
     params = {n: t for g in got for n, t in g["params"].items()}
     assert set(params) == set(ref["params"]), "every parameter is held by some rank"
     for g in got:  # elementwise |a - b| <= atol + rtol |b|: zero-initialised key biases get ~0 gradient
