@@ -258,23 +258,78 @@ def _fill_s(plan: Plan, chunks: dict[str, list[ChunkBound]]) -> float:
 
 
 def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork) -> float:
-    """Seconds no schedule of this iteration's stage work beats: the busiest rank's compute plus
-    in-stage collectives, each task timed exactly as `harmonia.sim.tasks.build_tasks` times it."""
+    """Seconds no schedule of this iteration's stage work beats (see the module docstring): the
+    busiest rank, each task timed exactly as `harmonia.sim.tasks.build_tasks` times it, and every
+    LLM pipeline stage's fill and drain (`_pipeline_bound`)."""
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     split = plan.schedule == "zb"
     kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
     busy: dict[int, float] = {}
+    seconds: dict = {}
     gathers: dict = {}
     for (key, mb), work in iw.work.items():
         t = work.times
         backward = kinds[StageRef(key.module, key.stage)]
-        seconds = t.F + collective_extra(plan, cost, iw, key, mb, "F", cluster, gathers)
+        total = t.F + collective_extra(plan, cost, iw, key, mb, "F", cluster, gathers)
         for kind in backward:
             if kind.value == "W" and len(backward) == 1:  # W-only stage: its W backpropagates too
-                seconds += t.B + t.W
+                total += t.B + t.W
             else:
-                seconds += {"B": t.B, "W": t.W, "BW": t.B + t.W}[kind.value]
-            seconds += collective_extra(plan, cost, iw, key, mb, kind.value, cluster, gathers)
+                total += {"B": t.B, "W": t.W, "BW": t.B + t.W}[kind.value]
+            total += collective_extra(plan, cost, iw, key, mb, kind.value, cluster, gathers)
+        seconds[(key, mb)] = total
         for rank in iw.stage_ranks[key]:
-            busy[rank] = busy.get(rank, 0.0) + seconds
-    return max(busy.values(), default=0.0)
+            busy[rank] = busy.get(rank, 0.0) + total
+    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, seconds))
+
+
+def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, seconds: dict) -> float:
+    """Fill and drain of every LLM stage ``s`` of every replica, from the iteration's microbatches.
+
+    Stage ``s`` starts with a forward, which waits for some microbatch's forward through the
+    encoders (the slowest feeding replica) and stages ``0 .. s-1``; it ends, unless its backward
+    is split into B and W (its last task may then be a W nothing waits for), with an input
+    gradient whose microbatch still needs the gradients of stages ``s-1 .. 0`` and the encoders'
+    backward. The stage's own tasks run one after another in between, so the iteration lasts at
+    least ``min_m head(m) + stage work + min_m tail(m)``. Chains use compute seconds only (the
+    transfers between them are not counted, so it stays a lower bound).
+    """
+    llm = plan.layouts["llm"]
+    if llm.n_stages != llm.pp:  # interleaved chunks share ranks: the chain argument is per rank
+        return 0.0
+    from harmonia.sim.stagework import StageKey
+
+    out = 0.0
+    for d, mbs in iw.microbatches.items():
+        ms = range(len(mbs))
+        enc_f, enc_b = [0.0] * len(mbs), [0.0] * len(mbs)
+        for m in ms:
+            for enc in plan.encoders:
+                layout = plan.layouts[enc]
+                for e in iw.encoder_feeds.get((enc, d, m), []):
+                    works = [iw.work.get((StageKey(enc, e, c), (d, m))) for c in range(layout.n_stages)]
+                    works = [w for w in works if w is not None]
+                    enc_f[m] = max(enc_f[m], sum(w.times.F for w in works))
+                    if works and all(kinds[StageRef(enc, c)] for c in range(layout.n_stages)):
+                        # one chunk: its B then W (or fused BW) follow the LLM's gradient; over several
+                        # chunks only the input gradients are sure to form a chain
+                        chain = sum(w.times.B + (w.times.W if layout.n_stages == 1 else 0.0) for w in works)
+                        enc_b[m] = max(enc_b[m], chain)
+        head = list(enc_f)
+        tail = [0.0] * len(mbs)
+        tail_open = [True] * len(mbs)  # the gradient chain below the stage reaches the encoders
+        for s in range(llm.n_stages):
+            key = StageKey("llm", d, s)
+            works = [iw.work[(key, (d, m))] for m in ms]
+            stage_kinds = [k.value for k in kinds[StageRef("llm", s)]]
+            own = sum(seconds[(key, (d, m))] for m in ms)
+            drains = bool(stage_kinds) and stage_kinds[0] in ("B", "BW") and len(stage_kinds) == 1
+            after = min(tail[m] + (enc_b[m] if tail_open[m] else 0.0) for m in ms) if drains else 0.0
+            out = max(out, min(head) + own + after)
+            for m, w in zip(ms, works):
+                head[m] += w.times.F
+                if stage_kinds and stage_kinds[0] in ("B", "BW") and tail_open[m]:
+                    tail[m] += w.times.B + (w.times.W if stage_kinds[0] == "BW" else 0.0)
+                else:
+                    tail_open[m] = False
+    return out

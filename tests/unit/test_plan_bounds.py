@@ -1,0 +1,96 @@
+"""The bounds the plan search prunes with never exceed the simulated iteration time.
+
+The branch and bound skips a candidate once a bound on its time exceeds the best simulated score,
+so a bound above the simulation would lose the optimum. Checked on every recipe's placements
+(colocated, disjoint, encoders fused into the LLM's first stage), pp 1/2/4, 1F1B, zero-bubble and
+interleaved schedules, trainable and frozen encoders.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+import harmonia.plan.bounds as bounds
+from harmonia.plan.bounds import plan_bound, work_bound
+from harmonia.plan.candidates import lower_bound_s
+from harmonia.plan.layout import Layout
+from harmonia.sim.recipes import RECIPES, Candidate, assign, candidates, homogeneous_candidates, simulate_work
+from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.sim.stagework import plan_iteration_work
+
+TOLERANCE = 1e-9
+
+
+def _scenario(name: str, traces) -> Scenario:
+    specs = {
+        "internvl-8b frozen vision, 8 GPUs": ("internvl-8b", "h100:1x8", str(traces / "chartqa.csv"),
+                                              {"vision": "frozen"}),
+        "llava-siglip-8b trainable, 16 GPUs": ("llava-siglip-8b", "h100:2x8", str(traces / "ai2d.csv"), {}),
+        "omni-8b frozen encoders, 16 GPUs": ("omni-8b", "h100:2x8", "synthetic",
+                                             {"vision": "frozen", "audio": "frozen"}),
+    }
+    model, cluster, trace, training = specs[name]
+    return Scenario(name, model, cluster, trace, 32, training, iterations=1, search_batches=1)
+
+
+def _interleaved(cand: Candidate) -> Candidate | None:
+    """The candidate with two stage chunks per LLM pipeline rank, under interleaved 1F1B."""
+    llm, plan = cand.plan.layouts["llm"], cand.plan
+    if llm.pp < 2 or cand.fused or plan.n_microbatches % llm.pp:
+        return None
+    chunked = Layout(llm.tp, llm.cp, llm.dp, llm.pp, llm.rank_offset, llm.ranks, None, 2, llm.fsdp)
+    return replace(cand, plan=replace(plan, layouts={**plan.layouts, "llm": chunked}, schedule="interleaved"))
+
+
+def _spread(run: ScenarioRun, per_family: int = 2) -> list[Candidate]:
+    """A few candidates of every (recipe, placement, schedule, llm pp) family, plus interleaved ones."""
+    s = run.scenario
+    every = [c for r in RECIPES for c in candidates(r, run.cost, run.cluster, run.profile, s.global_batch, s.model)]
+    every += list(homogeneous_candidates(run.cost, run.cluster, run.profile, s.global_batch, s.model))
+    families: dict[tuple, list[Candidate]] = {}
+    for c in every:
+        key = (c.recipe, c.fused, c.plan.placement, c.plan.schedule, c.plan.layouts["llm"].pp)
+        families.setdefault(key, []).append(c)
+    picked = [c for group in families.values() for c in group[:: max(1, len(group) // per_family)][:per_family]]
+    return picked + [x for x in map(_interleaved, picked) if x is not None]
+
+
+def _bounds_and_time(run: ScenarioRun, cand: Candidate, k: int) -> tuple[dict[str, float], float, object]:
+    batch = run.profile.batches[k]
+    microbatches, order = assign(cand, batch, run.costs[batch], run.tokens[batch])
+    iw = plan_iteration_work(run.samples, cand.plan, run.cost, microbatches)
+    simulated = float(simulate_work(cand, iw, order, run.cost, run.cluster, 0.0).iteration_s)
+    found = {
+        "work_bound": work_bound(cand.plan, run.cost, run.cluster, iw),
+        "plan_bound": plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
+        "lower_bound_s": lower_bound_s(run.profile, cand.plan.layouts, [k]),
+    }
+    return found, simulated, iw
+
+
+def _describe(cand: Candidate) -> str:
+    p = cand.plan
+    layouts = " ".join(f"{m}:tp{x.tp}pp{x.pp}dp{x.dp}v{x.virtual_stages}" for m, x in p.layouts.items())
+    return f"{cand.recipe}{' fused' if cand.fused else ''} {p.placement.value} {p.schedule}x{p.n_microbatches} {layouts}"
+
+
+@pytest.mark.parametrize("name", ["internvl-8b frozen vision, 8 GPUs", "llava-siglip-8b trainable, 16 GPUs",
+                                  "omni-8b frozen encoders, 16 GPUs"])
+def test_bounds_never_exceed_the_simulated_time(name: str, shared_traces, monkeypatch) -> None:
+    run = ScenarioRun(_scenario(name, shared_traces))
+    picked = _spread(run)
+    assert {c.plan.schedule for c in picked} >= {"1f1b", "zb", "interleaved"}
+    assert {c.plan.layouts["llm"].pp for c in picked} >= {1, 2, 4}
+    assert {c.plan.placement.value for c in picked} == {"colocated", "disjoint"}
+    violations, sharper = [], 0
+    for cand in picked:
+        found, simulated, iw = _bounds_and_time(run, cand, 1)
+        for what, value in found.items():
+            if value > simulated * (1 + TOLERANCE):
+                violations.append(f"{what} {value:.6f} > simulated {simulated:.6f}: {_describe(cand)}")
+        with monkeypatch.context() as m:  # the busiest rank alone, without pipeline fill and drain
+            m.setattr(bounds, "_pipeline_bound", lambda *args: 0.0)
+            busiest = work_bound(cand.plan, run.cost, run.cluster, iw)
+        sharper += found["work_bound"] > busiest * (1 + 1e-6)
+    assert not violations, "\n".join(violations)
+    assert sharper > 0, "the pipeline fill and drain never raised the work bound: the check exercises nothing"
