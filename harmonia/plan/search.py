@@ -173,7 +173,9 @@ or the simulated time (each at least the one before)."""
 
 class _Scorer:
     """The three levels of a candidate's value on a search batch, with the work they share cached:
-    the balancer's assignment per (dp, microbatches, batch) and the last few iterations' stage work."""
+    the balancer's assignment per (dp, microbatches, batch) and the last few iterations' stage work,
+    which depends on the layouts and the assignment but not on the schedule (a 1F1B candidate and
+    its zero-bubble twin share it)."""
 
     def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 8) -> None:
         self.run, self.batches, self.keep = run, batches, keep
@@ -187,11 +189,13 @@ class _Scorer:
         return [max(plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
                     lower_bound_s(run.profile, cand.plan.layouts, [k])) for k in self.batches]
 
-    def _iteration(self, cand: Candidate, key: tuple, j: int):
-        if (key, j) in self.work_cache:
-            return self.work_cache[(key, j)]
-        run, k = self.run, self.batches[j]
+    def _iteration(self, cand: Candidate, j: int):
         plan = cand.plan
+        wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches,
+                tuple(sorted(plan.layouts.items())), j)
+        if wkey in self.work_cache:
+            return self.work_cache[wkey]
+        run, k = self.run, self.batches[j]
         akey = (cand.recipe, plan.layouts["llm"].dp, plan.n_microbatches, k)
         if akey not in self.assignments:
             batch = run.profile.batches[k]
@@ -200,17 +204,17 @@ class _Scorer:
         iw = plan_iteration_work(run.samples, plan, run.cost, microbatches)
         if len(self.work_cache) >= self.keep:
             self.work_cache.pop(next(iter(self.work_cache)))
-        self.work_cache[(key, j)] = (iw, order)
+        self.work_cache[wkey] = (iw, order)
         return iw, order
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`)."""
-        iw, _ = self._iteration(cand, key, j)
+        iw, _ = self._iteration(cand, j)
         return work_bound(cand.plan, self.run.cost, self.run.cluster, iw)
 
     def simulate(self, cand: Candidate, key: tuple, j: int) -> float:
         """Simulated seconds of batch ``j`` (the balancer's order; no per-batch order search)."""
-        iw, order = self._iteration(cand, key, j)
+        iw, order = self._iteration(cand, j)
         self.timelines += 1
         return float(simulate_work(cand, iw, order, self.run.cost, self.run.cluster, 0.0).iteration_s)
 
