@@ -27,6 +27,7 @@ from harmonia.schedule.actions import IterationSchedule
 from harmonia.schedule.graph import LLM, StageGraph
 from harmonia.schedule.iteration import IterationAssignment, assign_iteration
 from harmonia.sim.engine import Timeline
+from harmonia.sim.stagework import feeding_replicas
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import load_arrays
@@ -131,6 +132,7 @@ class IterationBuilder:
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
+        self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}  # where the simulator prices encoder work
 
     def calibrate(self, calibration: Calibration) -> None:
         """Price later simulated steps with ``calibration`` (balancing and the order search keep the
@@ -148,7 +150,7 @@ class IterationBuilder:
         shapes = [s.shape for s in samples]
         costs, columns, tokens = module_costs(self.cost, shapes, plan)
         assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
-                                      plan.n_microbatches, tokens=tokens, seed=step)
+                                      plan.n_microbatches, tokens=tokens, seed=step, feeds=self.feeds)
         sim_cost = self.sim_cost
         schedule, predicted = self._schedule(shapes, assignment, sim_cost)
         micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
