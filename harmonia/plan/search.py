@@ -28,12 +28,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s
+from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.plan import Plan
 from harmonia.schedule import StageGraph
 from harmonia.sim.orders import stage_trainable
@@ -41,6 +42,7 @@ from harmonia.sim.recipes import Candidate, assign, candidates, homogeneous_cand
 from harmonia.sim.scenario import Scenario, ScenarioRun
 from harmonia.sim.stagework import plan_iteration_work
 from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
 
 
@@ -84,28 +86,27 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
             for every recipe, so each baseline also gets the best layout its rules allow.
 
     Raises:
-        LayoutError: when no candidate fits, naming what to change.
+        LayoutError: when no candidate fits the devices' memory (naming the smallest device count on
+            which one does), or no layout factorises the world size with every replica fed by the
+            global batch (naming the smallest global batch and the largest world size that work).
     """
     t0 = time.perf_counter()
     run = ScenarioRun(scenario, samples)
-    rejected: Counter = Counter()
-    if homogeneous:
-        cands = list(homogeneous_candidates(run.cost, run.cluster, run.profile, scenario.global_batch,
-                                            scenario.model, rejected))
-    else:
-        cands = list(candidates(recipe, run.cost, run.cluster, run.profile, scenario.global_batch, scenario.model,
-                                rejected))
-    if accept is not None:
-        kept = []
-        for c in cands:
-            reason = accept(c.plan)
+
+    def enumerate_(cluster: ClusterSpec, global_batch: int, rejected: Counter | None) -> Iterator[Candidate]:
+        args = (run.cost, cluster, run.profile, global_batch, scenario.model, rejected)
+        found = homogeneous_candidates(*args) if homogeneous else candidates(recipe, *args)
+        for c in found:
+            reason = None if accept is None else accept(c.plan)
             if reason is None:
-                kept.append(c)
-            else:
+                yield c
+            elif rejected is not None:
                 rejected[reason] += 1
-        cands = kept
+
+    rejected: Counter = Counter()
+    cands = list(enumerate_(run.cluster, scenario.global_batch, rejected))
     if not cands:
-        raise _no_layout_error(scenario, rejected, homogeneous)
+        raise no_layout_error(run, enumerate_, rejected, "homogeneous layout" if homogeneous else "layout")
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
     ranked, simulated, timelines = _branch_and_bound(run, cands, batches, top, rejected)
     if not ranked:
@@ -233,29 +234,3 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
             schedule = "1f1b"
     return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches,
             tuple(sorted(plan.layouts.items())))
-
-
-def _no_layout_error(scenario: Scenario, rejected: Counter, homogeneous: bool) -> LayoutError:
-    kind = "homogeneous layout" if homogeneous else "layout"
-    need = _smallest_fitting_world(scenario)
-    return LayoutError(
-        f"no {kind} of {scenario.model} fits {scenario.cluster} ({dict(rejected) or 'no factorisation'}); "
-        + (f"use at least {need} devices" if need else "use devices with more memory or a smaller model")
-    )
-
-
-def _smallest_fitting_world(scenario: Scenario) -> int | None:
-    """The smallest power-of-two multiple of the node size on which some layout fits."""
-    from dataclasses import replace
-
-    from harmonia.workload.devices import cluster_from_string
-
-    cluster = cluster_from_string(scenario.cluster)
-    for nodes in (1, 2, 4, 8, 16, 32, 64, 128):
-        if nodes * cluster.gpus_per_node <= cluster.world_size:
-            continue
-        bigger = replace(scenario, cluster=f"{cluster.device.name}:{nodes}x{cluster.gpus_per_node}")
-        run = ScenarioRun(bigger)
-        if next(candidates("harmonia", run.cost, run.cluster, run.profile, bigger.global_batch, bigger.model), None):
-            return nodes * cluster.gpus_per_node
-    return None

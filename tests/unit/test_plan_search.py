@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from harmonia.cli import main
-from harmonia.errors import LayoutError
+from harmonia.errors import ConfigError, LayoutError
 from harmonia.plan.plan import Plan
 from harmonia.plan.search import search_plan
 from harmonia.sim.recipes import candidates
@@ -42,11 +42,51 @@ def test_search_within_two_percent_of_exhaustive(model, cluster, trace, training
     assert report.ranked == sorted(report.ranked, key=lambda r: r[0])
 
 
-def test_model_that_cannot_fit_says_how_many_devices() -> None:
+def _has_candidates(model: str, cluster: str, trace: str, global_batch: int) -> bool:
+    run = ScenarioRun(Scenario("s", model, cluster, trace, global_batch, iterations=1, search_batches=1))
+    return next(candidates("harmonia", run.cost, run.cluster, run.profile, global_batch, model), None) is not None
+
+
+def test_model_that_cannot_fit_says_the_smallest_device_count() -> None:
     scenario = Scenario("big", "internvl-76b", "h100:1x2", "synthetic:image=1", 64, iterations=1, search_batches=1)
-    with pytest.raises(LayoutError, match=r"use at least (\d+) devices") as err:
+    with pytest.raises(LayoutError, match=r"exceeds device memory.*use at least (\d+) devices \(h100:(\d+)x2\)") as err:
         search_plan(scenario)
-    assert int(re.search(r"at least (\d+)", str(err.value)).group(1)) >= 16
+    nodes = int(re.search(r"\(h100:(\d+)x2\)", str(err.value)).group(1))
+    assert _has_candidates("internvl-76b", f"h100:{nodes}x2", "synthetic:image=1", 64)
+    assert not _has_candidates("internvl-76b", f"h100:{nodes - 1}x2", "synthetic:image=1", 64)
+
+
+def test_world_size_that_no_layout_factorises_names_one_that_does(shared_traces) -> None:
+    # 16 ranks of an LLM with 4 blocks and 2 KV heads: tp <= 2 and pp <= 4, so dp >= 2 replicas
+    # need at least 2 samples each; a global batch of 2 feeds none of them
+    trace = str(shared_traces / "ai2d.csv")
+    scenario = Scenario("odd", "tiny-vlm", "cpu:2x8", trace, 2, iterations=1, search_batches=1)
+    with pytest.raises(LayoutError, match=r"factor its 16 devices.*or (\d+) devices \(cpu:1x(\d+)\)") as err:
+        search_plan(scenario)
+    per_node = int(re.search(r"\(cpu:1x(\d+)\)", str(err.value)).group(1))
+    assert _has_candidates("tiny-vlm", f"cpu:1x{per_node}", trace, 2)
+
+
+def test_global_batch_that_feeds_no_replicas_names_the_smallest_that_does(shared_traces) -> None:
+    trace = str(shared_traces / "ai2d.csv")
+    scenario = Scenario("small", "internvl-8b", "h100:8x8", trace, 4, iterations=1, search_batches=1)
+    with pytest.raises(LayoutError, match=r"use a global batch of at least (\d+)") as err:
+        search_plan(scenario)
+    batch = int(re.search(r"global batch of at least (\d+)", str(err.value)).group(1))
+    assert _has_candidates("internvl-8b", "h100:8x8", trace, batch)
+    assert not _has_candidates("internvl-8b", "h100:8x8", trace, batch - 1)
+
+
+@pytest.mark.parametrize("model, cluster, says", [
+    ("internvl-9b", "h100:1x8", r"unknown MLLM preset 'internvl-9b'; known: \[.*'internvl-8b'.*\]"),
+    ("internvl-8b", "h900:1x8", r"unknown device 'h900'; known devices: \[.*'h100'.*\]"),
+    ("internvl-8b", "h100:ax8", r"expected DEVICE\[xGPUS\] or DEVICE:NODESxGPUS, e.g. h100:4x8"),
+    ("internvl-8b", "h100:0x8", r"n_nodes=0 must be >= 1"),
+])
+def test_unknown_preset_or_cluster_spec_says_what_is_known(model, cluster, says, shared_traces) -> None:
+    scenario = Scenario("bad", model, cluster, str(shared_traces / "ai2d.csv"), 32, iterations=1, search_batches=1)
+    with pytest.raises(ConfigError, match=says):
+        search_plan(scenario)
 
 
 def test_cli_writes_a_valid_plan(tmp_path, shared_traces) -> None:
