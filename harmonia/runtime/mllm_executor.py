@@ -15,7 +15,9 @@ stage, so that stage emits ``(rows, D)`` item embeddings in LLM width. Actions::
 The schedule is one LLM replica's (`StageGraph.from_layouts`); every rank takes the actions of its
 own stage chunks from it, whichever replica of each module it is, ordered by the schedule's own
 timeline (`harmonia.schedule.costs.replay`), so ranks that merge stages of several modules or serve
-several replicas still follow one global order (no wait cycles). Communication is asynchronous:
+several replicas still follow one global order (no wait cycles). A colocated encoder stage held by
+several LLM ranks has one copy of its actions per holder: a rank takes the copy of the holder at
+its own LLM pipeline position (the primary's when that position holds none). Communication is asynchronous:
 stage messages through `P2P` (one per module, on its group), boundary rows through `BoundaryLink`
 (one plan per microbatch and encoder). After the actions: gradient reduction over each module's
 ``dp x cp``, one global-norm clip over all modules, one optimizer step per module.
@@ -188,13 +190,23 @@ class MLLMExecutor:
         """Compute actions of this rank's stage chunks, in the order of the schedule's timeline."""
         compute = strip_communication(schedule)
         times = replay(compute)
+        graph = schedule.graph
         mine = {StageRef(n, c) for n, r in self.runners.items() for c in r.chunks}
+        holder = {ref: self._holder(graph, ref) for ref in mine}
         out = []
         for rank, acts in compute.orders.items():
             for pos, a in enumerate(acts):
-                if a.stage_ref in mine:
+                if a.stage_ref in mine and rank == holder[a.stage_ref]:
                     out.append((times[(rank, pos)][0], rank, pos, a))
         return [a for *_, a in sorted(out, key=lambda t: t[:3])]
+
+    def _holder(self, graph: StageGraph, ref: StageRef) -> int:
+        """The schedule rank whose copy of ``ref``'s actions this rank runs."""
+        holders = graph.holders_of(ref)
+        if len(holders) == 1 or LLM not in self.runners:
+            return holders[0]
+        mine = graph.llm.ranks[self.runners[LLM].mesh.coords["pp"]]
+        return mine if mine in holders else holders[0]
 
     def _peer(self, name: str, chunk: int) -> int:
         """The rank holding ``name``'s chunk ``chunk`` in this rank's replica."""

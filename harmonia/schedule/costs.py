@@ -47,6 +47,9 @@ class CostTable:
 
     entries: Mapping[CostKey, PhaseCost] = field(default_factory=dict)
     default: PhaseCost = PhaseCost()
+    shares: Mapping[tuple[int, str, int, int], PhaseCost] = field(default_factory=dict)
+    """``(rank, module, stage, microbatch)`` -> one holder's share of a stage held by several ranks
+    (split over sub-microbatches like ``entries``); holders without one take ``entries``."""
 
     @staticmethod
     def uniform(F: float = 1.0, B: float = 1.0, W: float = 1.0) -> CostTable:
@@ -71,10 +74,13 @@ class CostTable:
             return whole
         return PhaseCost(whole.F / split, whole.B / split, whole.W / split)
 
-    def duration(self, action: Action, split: int = 1) -> float:
-        """Seconds of a compute action (zero for communication)."""
+    def duration(self, action: Action, split: int = 1, rank: int | None = None) -> float:
+        """Seconds of a compute action (zero for communication), on ``rank`` when it has a share."""
         if not action.kind.is_compute:
             return 0.0
+        share = self.shares.get((rank, action.module, action.stage, action.microbatch)) if self.shares else None
+        if share is not None:
+            return share.of(action.kind) / (split if action.sub is not None else 1)
         return self.phase(action.module, action.stage, action.microbatch, action.sub,
                           split).of(action.kind)
 
@@ -83,7 +89,8 @@ def replay(schedule: IterationSchedule, costs: CostTable | None = None) -> dict[
     """Start and end time of every action, each rank running its list in order.
 
     A compute action starts when its rank is free and its producers have ended; communication
-    takes no time (a receive ends when the matching compute on the peer ends).
+    takes no time (a receive ends when the matching compute on the peer ends). An action of a
+    stage held by several ranks has ended when every holder's share has.
 
     Returns:
         ``(rank, position in the rank's list)`` -> ``(start, end)``.
@@ -94,6 +101,7 @@ def replay(schedule: IterationSchedule, costs: CostTable | None = None) -> dict[
     costs = costs or CostTable.uniform()
     checker = Checker(schedule)
     ends: dict[Action, float] = {}
+    shares: dict[Action, list[float]] = {}  # ends of a shared stage's action on its holders so far
     times: dict[tuple[int, int], tuple[float, float]] = {}
     pos = {r: 0 for r in schedule.orders}
     free = {r: 0.0 for r in schedule.orders}
@@ -107,8 +115,15 @@ def replay(schedule: IterationSchedule, costs: CostTable | None = None) -> dict[
                 if any(d not in ends for d in deps):
                     break
                 start = max([free[rank], *(ends[d] for d in deps)])
-                end = start + costs.duration(a, len(schedule.subs(a.module, a.microbatch)))
-                ends[checker.done_key(a)] = end
+                end = start + costs.duration(a, len(schedule.subs(a.module, a.microbatch)), rank)
+                key = checker.done_key(a)
+                copies = checker.copies(a)
+                if copies > 1:
+                    shares.setdefault(key, []).append(end)
+                    if len(shares[key]) == copies:
+                        ends[key] = max(shares[key])
+                else:
+                    ends[key] = end
                 times[(rank, pos[rank])] = (start, end)
                 free[rank] = end
                 pos[rank] += 1

@@ -29,13 +29,24 @@ def _class(graph: StageGraph, a: Action, split: bool) -> str:
 
 
 def _priority(graph: StageGraph, split: bool, rank_of_class: dict[str, int]):
+    """Sort key of an action on its rank: its class first (the family's), then microbatch position.
+
+    A colocated encoder's forward of a microbatch goes right ahead of the LLM forwards of the same
+    position (the LLM's first stage consumes it next); its backwards come after every LLM class,
+    so they run only in the rank's bubbles. Elsewhere, at equal class and position, the LLM's
+    gradients go first (they are on the critical path).
+    """
+    colocated = {ref for ref in graph.stages() if is_colocated(graph, ref)}
+    fill = max(rank_of_class.values()) + 1
+
     def key(a: Action, position: int) -> tuple:
         cls = _class(graph, a, split)
-        if cls == "F":  # colocated encoders run their forwards before the LLM's
-            module_rank = 0 if is_colocated(graph, a.stage_ref) else 1
-        else:  # the LLM's gradients are on the critical path; encoders' backwards fill gaps
-            module_rank = 0 if a.module == LLM else 1
-        return rank_of_class[cls], module_rank, position, a.sub or 0, -a.stage
+        if a.stage_ref in colocated:
+            if cls == "F":
+                return rank_of_class[cls], position, 0, a.sub or 0, -a.stage
+            return fill, position, 0, a.sub or 0, -a.stage
+        module_rank = 1 if cls == "F" or a.module == LLM else 2
+        return rank_of_class[cls], position, module_rank, a.sub or 0, -a.stage
     return key
 
 

@@ -20,10 +20,11 @@ family         priority on a rank                           memory gate (activat
 
 Frozen-awareness comes from the graph: stages with nothing trainable upstream run no B, frozen
 stages run no W, so their ranks have time the priority fills with other work. Encoders colocated
-with the LLM (sharing a rank with an LLM stage) run ungated: their forwards for all microbatches
-first, the LLM pipeline, and their backwards as soon as the gradients arrive (filling bubbles).
-Encoder stages may split each microbatch into sub-microbatches (``n_sub``); the LLM's first stage
-waits for all of them.
+with the LLM (sharing ranks with LLM stages) run ungated on every rank that holds a share of them
+(`StageGraph.holders_of`): a microbatch's encoder forward goes ahead of the LLM forwards of later
+microbatches (so it is ready when the LLM's first stage needs it), and encoder backwards run only
+when no LLM work is ready on the rank (filling bubbles). Encoder stages may split each microbatch
+into sub-microbatches (``n_sub``); the LLM's first stage waits for all of them, on every holder.
 """
 
 from __future__ import annotations
@@ -113,24 +114,25 @@ def stage_actions(skeleton: IterationSchedule, ref: StageRef, order: list[int],
 
 
 def default_lanes(skeleton: IterationSchedule, order: list[int], split: bool) -> dict[int, list[deque]]:
-    """Per rank, one queue per stage and action class, in microbatch order."""
+    """Per rank, one queue per stage and action class, in microbatch order (on every holder)."""
     lanes: dict[int, list[deque]] = {r: [] for r in skeleton.graph.ranks()}
     for ref in skeleton.graph.stages():
         for acts in stage_actions(skeleton, ref, order, split).values():
-            if acts:
-                lanes[skeleton.graph.rank_of(ref)].append(deque(acts))
+            for rank in skeleton.graph.holders_of(ref) if acts else ():
+                lanes[rank].append(deque(acts))
     return lanes
 
 
 def is_colocated(graph: StageGraph, ref: StageRef) -> bool:
-    """An encoder stage on a rank that also holds an LLM stage."""
-    return ref.module != LLM and graph.rank_of(ref) in graph.llm.ranks
+    """An encoder stage on ranks that also hold LLM stages."""
+    return ref.module != LLM and any(r in graph.llm.ranks for r in graph.holders_of(ref))
 
 
 # -- the list scheduler --------------------------------------------------------------------------
 @dataclass
 class _State:
     done: set = field(default_factory=set)
+    copies_left: dict = field(default_factory=dict)  # action of a shared stage -> holders still running it
     held: dict = field(default_factory=dict)
     deferred: dict = field(default_factory=dict)  # gate -> W pending after their B
     f_left: dict = field(default_factory=dict)  # stage -> forwards not yet started
@@ -144,7 +146,8 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
     lanes = policy.lanes if policy.lanes is not None else default_lanes(skeleton, order, policy.split)
     position = {m: i for i, m in enumerate(order)}
     grad = {s: (Kind.BW if Kind.BW in g.backward_kinds(s, policy.split) else Kind.B) for s in g.stages()}
-    state = _State(f_left={s: sum(len(skeleton.subs(s.module, m)) for m in order) for s in g.stages()})
+    state = _State(f_left={s: len(g.holders_of(s)) * sum(len(skeleton.subs(s.module, m)) for m in order)
+                           for s in g.stages()})
     orders: dict[int, list[Action]] = {r: [] for r in lanes}
     busy: dict[int, bool] = {r: False for r in lanes}
     running: list[tuple[float, int, int, Action]] = []
@@ -165,7 +168,7 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
             queue.popleft()
             _start(skeleton, policy, state, a)
             split = len(skeleton.subs(a.module, a.microbatch))
-            heapq.heappush(running, (t + costs.duration(a, split), seq, rank, a))
+            heapq.heappush(running, (t + costs.duration(a, split, rank), seq, rank, a))
             seq, busy[rank], remaining = seq + 1, True, remaining - 1
             orders[rank].append(a)
         if not running and remaining:
@@ -232,7 +235,11 @@ def _start(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action
 
 
 def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> None:
-    state.done.add(a)
+    holders = len(skeleton.graph.holders_of(a.stage_ref))
+    if holders > 1:  # a shared stage's action is done once every holder has run its share
+        state.copies_left[a] = state.copies_left.get(a, holders) - 1
+    if holders == 1 or state.copies_left[a] == 0:
+        state.done.add(a)
     if a.kind is not Kind.F:
         key = policy.gate(a.stage_ref)
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)

@@ -5,6 +5,13 @@ that ends in the loss. Several encoders may run on disjoint ranks (in parallel) 
 ranks (colocated, one after another). One graph describes one pipeline replica: each stage chunk
 sits on one pipeline rank (the representative of its TP x CP group).
 
+A colocated encoder is held by several of the replica's pipeline ranks at once: every LLM rank
+holding one of its replicas encodes its own share of each microbatch (the encoder replicas that
+feed the replica are the ones on its ranks). Such a stage lists all those ranks as its
+``holders``; each holder runs the stage's actions for its share, and a consumer waits for every
+holder. ``ranks`` names the primary holder (the LLM's first-stage rank when it holds a share), the
+rank messages of the stage are named after.
+
 Frozen-awareness (per stage):
 
 - ``needs_w``: the stage holds trainable parameters, so it computes weight gradients.
@@ -41,15 +48,26 @@ class ModuleStages:
         name: module name; ``llm`` for the language model, anything else is an encoder.
         ranks: rank holding each stage chunk, in stage order (a rank may hold several chunks).
         trainable: whether each stage chunk has trainable parameters.
+        holders: per stage chunk, every rank running a share of its work (the primary rank
+            first); None = each chunk on its own rank only.
     """
 
     name: str
     ranks: tuple[int, ...]
     trainable: tuple[bool, ...]
+    holders: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "trainable", tuple(bool(t) for t in self.trainable))
+        holders = self.holders or tuple((r,) for r in self.ranks)
+        holders = tuple(tuple(dict.fromkeys(int(r) for r in hs)) for hs in holders)
+        object.__setattr__(self, "holders", holders)
+        if len(holders) != len(self.ranks) or any(not hs or hs[0] != r for hs, r in zip(holders, self.ranks)):
+            raise ScheduleError(
+                f"module {self.name!r}: holders {holders} must give, for each of the {len(self.ranks)} "
+                f"stage chunks, its ranks starting with the chunk's rank ({self.ranks})"
+            )
         if not self.ranks:
             raise ScheduleError(f"module {self.name!r} has no stages: give at least one rank")
         if len(self.trainable) != len(self.ranks):
@@ -117,11 +135,21 @@ class StageGraph:
             raise ScheduleError(f"stage {ref} is not in the stage graph")
         return self.module(ref.module).ranks[ref.stage]
 
+    def holders_of(self, ref: StageRef) -> tuple[int, ...]:
+        """Every rank running a share of the stage's work, the primary rank (`rank_of`) first."""
+        if not self.has_stage(ref):
+            raise ScheduleError(f"stage {ref} is not in the stage graph")
+        return self.module(ref.module).holders[ref.stage]
+
+    def is_shared(self, ref: StageRef) -> bool:
+        """Several ranks each run a share of the stage's work."""
+        return len(self.holders_of(ref)) > 1
+
     def ranks(self) -> list[int]:
-        return sorted({r for m in self.modules for r in m.ranks})
+        return sorted({r for m in self.modules for hs in m.holders for r in hs})
 
     def stages_on(self, rank: int) -> list[StageRef]:
-        return [s for s in self.stages() if self.rank_of(s) == rank]
+        return [s for s in self.stages() if rank in self.holders_of(s)]
 
     def is_last(self, ref: StageRef) -> bool:
         return ref.stage == self.module(ref.module).n_stages - 1
@@ -194,7 +222,9 @@ class StageGraph:
 
         Stage chunk ``c`` of a module sits on pipeline rank ``c % pp`` (round-robin, as interleaved
         schedules expect); its representative rank is the first rank of that stage's TP x CP
-        group in DP replica ``replica % dp``.
+        group in DP replica ``replica % dp``. An encoder colocated with the LLM (every replica of
+        it inside one LLM replica's ranks) is held instead by the LLM ranks of replica ``replica``
+        that hold its replicas (`colocated_holders`), primary the LLM's first-stage rank.
 
         Args:
             layouts: module -> layout; must include ``llm``.
@@ -203,11 +233,59 @@ class StageGraph:
         """
         modules = []
         for name, layout in layouts.items():
-            ranks = tuple(layout.rank_at(pp=c % layout.pp, dp=replica % layout.dp)
-                          for c in range(layout.n_stages))
+            holders = tuple((layout.rank_at(pp=c % layout.pp, dp=replica % layout.dp),)
+                            for c in range(layout.n_stages))
+            if name != LLM:
+                holders = tuple(_primary_first(tuple(shared), layouts[LLM], replica) if shared else own
+                                for own, shared in zip(holders, _shared_holders(layouts, name, replica)))
             flags = trainable.get(name, True)
             if isinstance(flags, bool):
                 flags = (flags,) * layout.n_stages
-            modules.append(ModuleStages(name, ranks, tuple(flags)))
+            modules.append(ModuleStages(name, tuple(hs[0] for hs in holders), tuple(flags), holders))
         return StageGraph(tuple(modules))
+
+
+def colocated_holders(layouts: Mapping[str, Layout], encoder: str, chunk: int,
+                      replica: int) -> dict[int, list[int]] | None:
+    """Where a colocated encoder's chunk runs inside LLM replica ``replica``.
+
+    Returns:
+        LLM pipeline rank (the representative of its TP x CP group in ``replica``) -> the encoder
+        replicas whose chunk ``chunk`` runs on that group; None when some encoder replica is not
+        inside one LLM replica's ranks (the encoder is not colocated).
+    """
+    enc, llm = layouts[encoder], layouts[LLM]
+    llm_ranks = set(llm.rank_list())
+    out: dict[int, list[int]] = {}
+    for e in range(enc.dp):
+        coords = []
+        for p in range(enc.pp):
+            for c in range(enc.cp):
+                for t in range(enc.tp):
+                    rank = enc.rank_at(pp=p, dp=e, cp=c, tp=t)
+                    if rank not in llm_ranks:
+                        return None
+                    coords.append(llm.coords(rank))
+        if len({c["dp"] for c in coords}) != 1:
+            return None
+        if coords[0]["dp"] != replica % llm.dp:
+            continue
+        mine = coords[(chunk % enc.pp) * enc.cp * enc.tp]
+        out.setdefault(llm.rank_at(pp=mine["pp"], dp=replica % llm.dp), []).append(e)
+    return out or None
+
+
+def _shared_holders(layouts: Mapping[str, Layout], encoder: str, replica: int) -> list[list[int]]:
+    """Per stage chunk, the LLM ranks of ``replica`` holding a colocated encoder ([] if disjoint)."""
+    out = []
+    for chunk in range(layouts[encoder].n_stages):
+        held = colocated_holders(layouts, encoder, chunk, replica)
+        out.append(sorted(held) if held else [])
+    return out
+
+
+def _primary_first(holders: tuple[int, ...], llm: Layout, replica: int) -> tuple[int, ...]:
+    """Holders with the LLM's first-stage rank first when it is one of them."""
+    first = llm.rank_at(pp=0, dp=replica % llm.dp)
+    return (first, *(r for r in holders if r != first)) if first in holders else holders
 

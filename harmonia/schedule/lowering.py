@@ -11,7 +11,9 @@ send right after the producer, and the consumer's rank a receive right before th
 
 Every communication names its peer rank. Sends never block, so a deadlock-free compute order
 stays deadlock-free (`harmonia.schedule.validator.validate` checks it). Producer and consumer on
-the same rank (colocated modules, a V-shaped layout) exchange nothing.
+the same rank (colocated modules, a V-shaped layout) exchange nothing. A stage held by several ranks
+(a colocated encoder) sends from its primary rank; the executor gathers every holder's share of
+the boundary rows itself.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def lower(schedule: IterationSchedule) -> IterationSchedule:
     for rank, acts in schedule.orders.items():
         for a in acts:
             for p in graph.producers(a, schedule.subs, checker.grad_kind):
-                if graph.rank_of(p.stage_ref) == rank:
+                if rank in graph.holders_of(p.stage_ref):
                     continue
                 msg = data_message(p, a)
                 sends_after.setdefault(p, []).append(_comm(msg, True, graph.rank_of))
@@ -59,7 +61,8 @@ def lower(schedule: IterationSchedule) -> IterationSchedule:
         for a in acts:
             out.extend(recvs_before.get((rank, a), []))
             out.append(a)
-            out.extend(sends_after.get(a, []))
+            if graph.rank_of(a.stage_ref) == rank:
+                out.extend(sends_after.get(a, []))
         orders[rank] = out
     return replace(schedule, orders=orders)
 

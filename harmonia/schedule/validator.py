@@ -3,13 +3,13 @@
 `validate` runs three passes and raises `ScheduleError` with a step x rank table on the first
 failing one, the offending cells marked ``>>like this<<``:
 
-1. Static: every action sits on the rank that holds its stage; every stage runs F (and B, W or BW
-   where the stage needs them, see `StageGraph`) exactly once per (sub-)microbatch; every send has
-   exactly one matching receive on the peer rank.
+1. Static: every action sits on a rank that holds its stage; every stage runs F (and B, W or BW
+   where the stage needs them, see `StageGraph`) exactly once per (sub-)microbatch on each of its
+   holders; every send has exactly one matching receive on the peer rank.
 2. Dry run: all ranks advance in lock-step, one action per step, an action running once what it
    consumes exists (a compute on another rank, or, in a lowered schedule, the local receive; a
-   receive once the matching send ran). Sends never block. A rank whose next action can never run
-   is a deadlock.
+   receive once the matching send ran; a shared stage's compute once every holder ran it). Sends
+   never block. A rank whose next action can never run is a deadlock.
 3. Memory: activations in flight per rank (a stage's (sub-)microbatch counts from its F until its
    last backward action; a sub-microbatch counts as a fraction) stay under ``max_in_flight``.
 """
@@ -67,6 +67,10 @@ class Checker:
     def done_key(self, action: Action) -> Hashable:
         """The key under which an action's completion is recorded."""
         return done_key(action)
+
+    def copies(self, action: Action) -> int:
+        """How many ranks run the action: every holder of a shared stage's compute, else one."""
+        return len(self.graph.holders_of(action.stage_ref)) if action.kind.is_compute else 1
 
     def producers(self, action: Action) -> list[Hashable]:
         """Keys that must be done before ``action`` can run."""
@@ -145,9 +149,9 @@ def static_problems(schedule: IterationSchedule) -> list[tuple[str, list[tuple[i
             if not g.has_stage(a.stage_ref):
                 problems.append((f"{a}: stage {a.stage_ref} is not in the stage graph", cell))
                 continue
-            if g.rank_of(a.stage_ref) != rank:
+            if rank not in g.holders_of(a.stage_ref):
                 problems.append((f"{a} is on rank {rank}, but {a.stage_ref} lives on rank "
-                                 f"{g.rank_of(a.stage_ref)}", cell))
+                                 f"{'/'.join(map(str, g.holders_of(a.stage_ref)))}", cell))
             if not a.kind.is_compute:
                 problems.extend(_comm_problems(schedule, a, cell))
             elif not _unit_exists(schedule, a):
@@ -155,11 +159,11 @@ def static_problems(schedule: IterationSchedule) -> list[tuple[str, list[tuple[i
                                  f"{schedule.n_microbatches}, n_sub {schedule.n_sub.get(a.module)})", cell))
                 continue
             key = done_key(a)
-            if key in seen:
-                problems.append((f"{a} appears twice", [seen[key], (rank, i)]))
-            seen[key] = (rank, i)
+            if (key, rank) in seen:
+                problems.append((f"{a} appears twice", [seen[(key, rank)], (rank, i)]))
+            seen[(key, rank)] = (rank, i)
             if a.kind.is_compute:
-                kinds.setdefault((a.stage_ref, a.microbatch, a.sub), set()).add(a.kind)
+                kinds.setdefault((a.stage_ref, a.microbatch, a.sub, rank), set()).add(a.kind)
     problems.extend(_coverage_problems(schedule, kinds, seen))
     return problems
 
@@ -183,18 +187,22 @@ def _coverage_problems(schedule: IterationSchedule, kinds, seen) -> list:
     for ref in schedule.graph.stages():
         for mb in range(schedule.n_microbatches):
             for sub in schedule.subs(ref.module, mb):
-                got = kinds.get((ref, mb, sub), set())
                 accepted = expected_compute(schedule, ref, mb, sub)
-                if got not in accepted:
-                    name = f"{ref}.mb{mb}" + (f".{sub}" if sub is not None else "")
-                    want = " or ".join("{" + ",".join(sorted(k.value for k in s)) + "}" for s in accepted)
-                    cells = [seen[Action(ref.module, ref.stage, k, mb, sub)] for k in got]
-                    problems.append((f"{name} runs {{{','.join(sorted(k.value for k in got))}}}; "
-                                     f"expected {want} (frozen-aware)", cells))
-    for key, cell in seen.items():
-        if isinstance(key, tuple) and key[0] in ("send", "recv"):
+                holders = schedule.graph.holders_of(ref)
+                for rank in holders:
+                    got = kinds.get((ref, mb, sub, rank), set())
+                    if got not in accepted:
+                        name = f"{ref}.mb{mb}" + (f".{sub}" if sub is not None else "")
+                        name += f" on rank {rank}" if len(holders) > 1 else ""
+                        want = " or ".join("{" + ",".join(sorted(k.value for k in s)) + "}" for s in accepted)
+                        cells = [seen[(Action(ref.module, ref.stage, k, mb, sub), rank)] for k in got]
+                        problems.append((f"{name} runs {{{','.join(sorted(k.value for k in got))}}}; "
+                                         f"expected {want} (frozen-aware)", cells))
+    messages = {key for key, _ in seen if isinstance(key, tuple) and key[0] in ("send", "recv")}
+    for (key, _), cell in seen.items():
+        if key in messages:
             other = ("recv" if key[0] == "send" else "send", key[1])
-            if other not in seen:
+            if other not in messages:
                 problems.append((f"{key[0]} of message {_fmt_message(key[1])} has no matching {other[0]}",
                                  [cell]))
     return problems
@@ -211,6 +219,7 @@ def dry_run(schedule: IterationSchedule, max_in_flight: float | Mapping[int, flo
     checker = Checker(schedule)
     orders = schedule.orders
     done: set[Hashable] = set()
+    ran: dict[Hashable, int] = {}  # compute key -> holders that ran it so far
     pos = {r: 0 for r in orders}
     held = {r: 0.0 for r in orders}
     result = DryRun(peak_in_flight={r: 0.0 for r in orders})
@@ -222,7 +231,10 @@ def dry_run(schedule: IterationSchedule, max_in_flight: float | Mapping[int, flo
             raise ScheduleError(_deadlock_message(result, stuck, checker, done))
         result.grid.append(row)
         for rank, a in row.items():
-            done.add(checker.done_key(a))
+            key = checker.done_key(a)
+            ran[key] = ran.get(key, 0) + 1
+            if ran[key] == checker.copies(a):
+                done.add(key)
             pos[rank] += 1
             held[rank] += _memory_delta(schedule, checker, a)
             result.peak_in_flight[rank] = max(result.peak_in_flight[rank], held[rank])

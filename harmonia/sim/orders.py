@@ -2,10 +2,13 @@
 expand each stage's representative rank to its whole TP x CP group and to every encoder replica.
 
 The generators (`harmonia.schedule`) order one LLM replica's pipeline with the iteration's real
-per-microbatch costs. Each LLM DP replica gets its own schedule. A rank that serves several
-replicas (an encoder replica feeding several LLM replicas, or encoders colocated on LLM ranks)
-merges its actions by their start times in the generators' replay, so its order follows the
-time at which each piece of work is ready.
+per-microbatch costs. Each LLM DP replica gets its own schedule. An encoder colocated with the LLM
+is held by every LLM rank of the replica that holds one of its replicas feeding it
+(`StageGraph.holders_of`): each holder's copy of an action stands for the encoder replicas on that
+holder's TP x CP group, so their work lands in the order the generator gave that rank. A rank that
+serves several replicas (an encoder replica feeding several LLM replicas) merges its actions by
+their start times in the generators' replay, so its order follows the time at which each piece of
+work is ready.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections import defaultdict
 
 from harmonia.plan.plan import Plan
 from harmonia.schedule import CostTable, PhaseCost, StageGraph, build_schedule, replay
+from harmonia.schedule.graph import colocated_holders
 from harmonia.sim.stagework import IterationWork, StageKey, stage_layer_range
 from harmonia.sim.tasks import ComputeKey
 from harmonia.workload.cost import CostModel
@@ -40,7 +44,31 @@ def _encoder_replicas(plan: Plan, iw: IterationWork, enc: str, d: int, m: int) -
 
 
 def cost_table(plan: Plan, iw: IterationWork, d: int) -> CostTable:
-    """Per-microbatch stage durations of LLM replica ``d`` (encoders: the slowest feeding replica)."""
+    """Per-microbatch stage durations of LLM replica ``d`` (encoders: the slowest feeding replica;
+    a colocated encoder on each holder: the slowest of the encoder replicas on its ranks)."""
+    return CostTable(_stage_costs(plan, iw, d), shares=_share_costs(plan, iw, d))
+
+
+def _slowest(works: list) -> PhaseCost:
+    return PhaseCost(max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
+
+
+def _share_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
+    out = {}
+    for enc in plan.encoders:
+        for chunk in range(plan.layouts[enc].n_stages):
+            held = colocated_holders(plan.layouts, enc, chunk, d)
+            if held is None or len(held) < 2:
+                continue
+            for m in range(len(iw.microbatches[d])):
+                for rank, replicas in held.items():
+                    works = [iw.work[(StageKey(enc, e, chunk), (d, m))] for e in replicas
+                             if (StageKey(enc, e, chunk), (d, m)) in iw.work]
+                    out[(rank, enc, chunk, m)] = _slowest(works) if works else PhaseCost(0.0, 0.0, 0.0)
+    return out
+
+
+def _stage_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
     entries = {}
     for m in range(len(iw.microbatches[d])):
         for module, layout in plan.layouts.items():
@@ -51,10 +79,8 @@ def cost_table(plan: Plan, iw: IterationWork, d: int) -> CostTable:
                 if not works:
                     entries[(module, chunk, m, None)] = PhaseCost(0.0, 0.0, 0.0)
                     continue
-                entries[(module, chunk, m, None)] = PhaseCost(max(w.times.F for w in works),
-                                                              max(w.times.B for w in works),
-                                                              max(w.times.W for w in works))
-    return CostTable(entries)
+                entries[(module, chunk, m, None)] = _slowest(works)
+    return entries
 
 
 def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | None = None,
@@ -76,12 +102,16 @@ def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | No
         table = cost_table(plan, iw, d)
         schedule = build_schedule(graph, len(mbs), family, order=(order or {}).get(d), costs=table)
         times = replay(schedule, table)
+        shares = {ref: colocated_holders(plan.layouts, ref.module, ref.stage, d)
+                  for ref in graph.stages() if graph.is_shared(ref)}
         for rep_rank, actions in schedule.orders.items():
             for pos, a in enumerate(actions):
                 if not a.kind.is_compute:
                     continue
                 m = a.microbatch
                 replicas = [d] if a.module == "llm" else _encoder_replicas(plan, iw, a.module, d, m)
+                if a.stage_ref in shares:  # this holder's copy: the encoder replicas on its ranks
+                    replicas = [e for e in replicas if e in shares[a.stage_ref][rep_rank]]
                 for e in replicas:
                     skey = StageKey(a.module, e, a.stage)
                     if (skey, (d, m)) not in iw.work:

@@ -10,6 +10,7 @@ from harmonia.schedule import (CostTable, Kind, ModuleStages, StageGraph, build_
                                build_interleaved_1f1b, build_schedule, build_zero_bubble, lower, makespan,
                                replay, strip_communication, validate)
 from harmonia.schedule.actions import StageRef
+from harmonia.schedule.costs import PhaseCost
 
 FAMILIES = ("gpipe", "1f1b", "zb")
 
@@ -93,12 +94,15 @@ def test_frozen_encoder_frees_the_llm_first_stage_from_input_gradients():
     validate(lower(s))
 
 
-def test_colocated_encoder_runs_forwards_first_and_backwards_late():
+def test_colocated_encoder_forwards_just_ahead_and_backwards_late():
     g = StageGraph((ModuleStages("vision", (0, 1), (True, True)), ModuleStages("llm", (0, 1, 2, 3), (True,) * 4)))
     s = build_1f1b(g, 4)
     rank0 = [str(a) for a in s.orders[0]]
-    assert rank0[:4] == ["vision.s0.F0", "vision.s0.F1", "vision.s0.F2", "vision.s0.F3"]
-    assert rank0.index("vision.s0.W3") > rank0.index("llm.s0.BW3")
+    # the LLM's first stage starts as soon as its first microbatch's encoder work is done
+    assert rank0.index("llm.s0.F0") < rank0.index("vision.s0.F3")
+    for m in range(4):
+        assert rank0.index(f"vision.s0.F{m}") < rank0.index(f"llm.s0.F{m}")
+        assert rank0.index(f"vision.s0.W{m}") > rank0.index(f"llm.s0.BW{m}")
     lowered = lower(s)
     validate(lowered)
     # colocated stages exchange nothing; vision.s0 -> vision.s1 crosses ranks 0 -> 1
@@ -204,3 +208,57 @@ def test_every_generated_schedule_validates(problem, family):
 def test_interleaved_validates(pp, v, rounds_mb, split):
     n = pp * rounds_mb if rounds_mb > 1 else min(pp, 3)
     validate(lower(build_interleaved_1f1b(llm_only(pp, v), n, split=split)))
+
+
+def shared_vision(trains: bool) -> StageGraph:
+    """A one-stage encoder colocated on both ranks of an LLM pp2 pipeline: each rank encodes a share."""
+    return StageGraph((ModuleStages("vision", (0,), (trains,), ((0, 1),)), ModuleStages("llm", (0, 1), (True, True))))
+
+
+def test_shared_encoder_runs_on_every_holder_before_the_llm_consumes_it():
+    # vision F = 1 per share, LLM F = B = W = 2; frozen vision: llm.s0 runs W only, llm.s1 BW.
+    # rank 0: vF0 [0,1] F0 [1,3] vF1 [3,4] F1 [4,6] W0 [9,11] W1 [15,17]
+    # rank 1: vF0 [0,1] vF1 [1,2] F0 [3,5] BW0 [5,9] F1 [9,11] BW1 [11,15]
+    costs = CostTable({("vision", 0, m, None): PhaseCost(1, 0, 0) for m in range(2)}, PhaseCost(2, 2, 2))
+    s = build_1f1b(shared_vision(False), 2, costs=costs)
+    assert [str(a) for a in s.orders[0]] == ["vision.s0.F0", "llm.s0.F0", "vision.s0.F1", "llm.s0.F1",
+                                             "llm.s0.W0", "llm.s0.W1"]
+    assert [str(a) for a in s.orders[1]] == ["vision.s0.F0", "vision.s0.F1", "llm.s1.F0", "llm.s1.BW0",
+                                             "llm.s1.F1", "llm.s1.BW1"]
+    assert makespan(s, costs) == 17.0
+    validate(s)
+    validate(lower(s))
+
+
+def test_shared_encoder_waits_for_its_slowest_holder():
+    # rank 1's share of microbatch 0 takes 3 s: the LLM's first forward starts at 3, not 1
+    costs = CostTable({("vision", 0, m, None): PhaseCost(1, 0, 0) for m in range(2)}, PhaseCost(2, 2, 2),
+                      shares={(1, "vision", 0, 0): PhaseCost(3, 0, 0)})
+    s = build_1f1b(shared_vision(False), 2, costs=costs)
+    times = replay(s, costs)
+    f0 = s.orders[0].index(next(a for a in s.orders[0] if str(a) == "llm.s0.F0"))
+    assert times[(0, f0)] == (3.0, 5.0)
+
+
+def test_shared_encoder_backwards_fill_bubbles_after_the_llm_gradient():
+    s = build_zero_bubble(shared_vision(True), 4)
+    validate(lower(s))
+    for rank in (0, 1):
+        order = [str(a) for a in s.orders[rank]]
+        assert sum(a.startswith("vision.s0.F") for a in order) == 4
+        for m in range(4):
+            assert order.index(f"vision.s0.W{m}") > order.index(f"vision.s0.F{m}")
+        assert order.index("vision.s0.W0") > order.index("llm.s0.B0") if rank == 0 else True
+
+
+def test_from_layouts_holds_a_colocated_encoder_on_every_llm_rank_of_the_replica():
+    # llm tp2 pp2 dp2 on ranks 0-7 (grid pp, dp, tp): replica 1 is ranks 2, 3 (pp0) and 6, 7 (pp1)
+    layouts = {"vision": Layout(dp=8), "llm": Layout(tp=2, pp=2, dp=2)}
+    g = StageGraph.from_layouts(layouts, {"vision": False, "llm": True}, replica=1)
+    assert g.llm.ranks == (2, 6)
+    assert g.holders_of(StageRef("vision", 0)) == (2, 6)
+    assert g.rank_of(StageRef("vision", 0)) == 2
+    # an encoder on ranks of its own is not shared
+    disjoint = {"vision": Layout(dp=2, rank_offset=8), "llm": Layout(tp=2, pp=2, dp=2)}
+    g = StageGraph.from_layouts(disjoint, {"vision": False, "llm": True}, replica=1)
+    assert g.holders_of(StageRef("vision", 0)) == (9,)
