@@ -166,6 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write plan.json."""
     from harmonia.plan.search import search_plan
     from harmonia.sim.scenario import Scenario
+    from harmonia.workload.devices import cluster_from_string
 
     training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
     scenario = Scenario("plan", args.model, args.cluster, args.trace, args.global_batch, training,
@@ -173,19 +174,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     with console.status("profiling batches and searching layouts"):
         report = search_plan(scenario, top=args.top)
     table = Table(title=f"best {len(report.ranked)} plans for {args.model} on {args.cluster} "
-                        f"(global batch {args.global_batch})")
-    for col in ("#", "iteration s", "samples/s", "plan"):
+                        f"(global batch {args.global_batch}), simulated on {args.batches} profiled batches")
+    for col in ("#", "iteration s", "samples/s", "peak GiB/rank", "plan"):
         table.add_column(col, justify="left" if col == "plan" else "right")
-    for i, (secs, rate, cand) in enumerate(report.ranked, 1):
+    capacity = cluster_from_string(args.cluster).device.mem_bytes
+    for i, ((secs, rate, cand), peak) in enumerate(zip(report.ranked, report.peak_bytes), 1):
         plan = cand.plan
         layouts = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
                             for m, x in plan.layouts.items())
-        table.add_row(str(i), f"{secs:.3f}", f"{rate:.1f}",
+        over = " (over)" if peak > capacity else ""
+        table.add_row(str(i), f"{secs:.3f}", f"{rate:.1f}", f"{peak / 2**30:.1f}{over}",
                       f"{plan.placement.value}, {plan.schedule} x{plan.n_microbatches}: {layouts}")
     console.print(table)
-    rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.items()) or "none"
-    console.print(f"simulated {report.simulated}, pruned by lower bound {report.pruned}, rejected: {rejected}; "
-                  f"{report.seconds:.1f}s")
+    rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.most_common()) or "none"
+    console.print(f"{report.simulated + report.pruned} candidates: {report.simulated} simulated "
+                  f"({report.timelines} single-batch simulations), {report.pruned} pruned by lower bounds; "
+                  f"rejected before scoring: {rejected}; {report.seconds:.1f} s")
     report.best.save(args.json)
     console.print(f"plan written to {args.json}")
     return 0
@@ -265,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
     p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
-    p.add_argument("--top", type=int, default=3,
+    p.add_argument("--top", type=int, default=10,
                    help="plans ranked exactly (the best is always exact; each further one may cost simulations)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", default="plan.json", help="where the best plan is written")

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from harmonia.model.spec import MLLMSpec, TransformerSpec
 from harmonia.plan.layout import Layout
 from harmonia.plan.partition import plan_module_stages
+from harmonia.plan.plan import Plan
 from harmonia.plan.profiling import BatchProfile
+from harmonia.sim.stagework import stage_layer_range
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -140,6 +142,25 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
         return layout
     return Layout(layout.tp, layout.cp, layout.dp, layout.pp, layout.rank_offset, layout.ranks,
                   tuple(blocks), layout.virtual_stages, layout.fsdp)
+
+
+def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
+    """Weights, gradients and optimizer states each rank holds: every stage chunk placed on it
+    (FSDP shards over ``dp``; a projector lives on its encoder's last chunk)."""
+    out: dict[int, float] = {}
+    for module, layout in plan.layouts.items():
+        shards = layout.dp if layout.fsdp else 1
+        ranks = layout.rank_list()
+        per = layout.size // layout.pp
+        for chunk in range(layout.n_stages):
+            start, stop = stage_layer_range(cost, plan, module, chunk)
+            nbytes = cost.state_bytes(module, start, stop, layout.tp, shards)
+            if module != "llm" and chunk == layout.n_stages - 1:
+                nbytes += cost.state_bytes(f"{module}_proj", tp=layout.tp, fsdp_shards=shards)
+            pp_rank = chunk % layout.pp
+            for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
+                out[rank] = out.get(rank, 0.0) + nbytes
+    return out
 
 
 def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], batches: list[int] | None = None) -> float:

@@ -21,6 +21,10 @@ So a layout whose first simulated batch already exceeds the best score is never 
 and one whose bound exceeds it is never simulated at all. Plans the simulator cannot tell apart
 (zero-bubble where no stage has both an input and a weight gradient: it runs as 1F1B) share one
 simulation.
+
+The report gives each ranked plan's simulated peak bytes on one rank (its stages' states plus the
+activations its schedule keeps in flight); the memory filter before scoring accounts activations
+under 1F1B, so a schedule that runs forwards further ahead can exceed it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound
-from harmonia.plan.candidates import lower_bound_s
+from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.plan import Plan
 from harmonia.schedule import StageGraph
@@ -53,6 +57,8 @@ class PlanReport:
     Attributes:
         best: the plan with the smallest mean simulated iteration time.
         ranked: the ``top`` best candidates, best first, as (iteration s, samples/s, candidate).
+        peak_bytes: per ranked candidate, the most bytes one rank holds in its simulations:
+            weights, gradients and optimizer states of its stages plus its activation peak.
         rejected: reasons candidates were dropped (memory, an ``accept`` filter, a schedule error).
         simulated: candidates simulated on at least one batch.
         pruned: candidates never simulated (their lower bound exceeded the scores ranked).
@@ -62,6 +68,7 @@ class PlanReport:
 
     best: Plan
     ranked: list[tuple[float, float, Candidate]]
+    peak_bytes: list[float] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)
     simulated: int = 0
     pruned: int = 0
@@ -108,23 +115,25 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
     if not cands:
         raise no_layout_error(run, enumerate_, rejected, "homogeneous layout" if homogeneous else "layout")
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
-    ranked, simulated, timelines = _branch_and_bound(run, cands, batches, top, rejected)
+    scorer = _Scorer(run, batches)
+    ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
     if not ranked:
         raise LayoutError(f"no candidate layout of {scenario.model} on {scenario.cluster} could be scheduled "
                           f"({dict(rejected)}); change the global batch or the cluster")
-    return PlanReport(ranked[0][2].plan, ranked, rejected, simulated, len(cands) - simulated, timelines,
-                      time.perf_counter() - t0)
+    peaks = [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked]
+    return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) - simulated,
+                      scorer.timelines, time.perf_counter() - t0)
 
 
-def _branch_and_bound(run: ScenarioRun, cands: list[Candidate], batches: list[int], top: int,
-                      rejected: Counter) -> tuple[list[tuple[float, float, Candidate]], int, int]:
+def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int], top: int,
+                      rejected: Counter) -> tuple[list[tuple[float, float, Candidate]], int]:
     """The ``top`` best candidates by mean simulated time over ``batches`` (see the module docstring).
 
     Returns:
-        (ranked candidates, candidates simulated at least once, single-batch simulations run).
+        (ranked candidates, candidates simulated at least once).
     """
+    run = scorer.run
     keys = [simulation_key(c, run.cost) for c in cands]
-    scorer = _Scorer(run, batches)
     states = {}
     for cand, key in zip(cands, keys):
         if key not in states:
@@ -164,7 +173,7 @@ def _branch_and_bound(run: ScenarioRun, cands: list[Candidate], batches: list[in
             rejected[failed[key]] += 1
             continue
         heapq.heappush(heap, (bound_of(i), i))
-    return ranked, len(touched), scorer.timelines
+    return ranked, len(touched)
 
 
 ANALYTIC, WORK, SIMULATED = 0, 1, 2
@@ -182,6 +191,7 @@ class _Scorer:
         self.run, self.batches, self.keep = run, batches, keep
         self.assignments: dict[tuple, tuple] = {}
         self.work_cache: dict[tuple, tuple] = {}
+        self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
         self.timelines = 0
 
     def analytic(self, cand: Candidate) -> list[float]:
@@ -217,7 +227,11 @@ class _Scorer:
         """Simulated seconds of batch ``j`` (the balancer's order; no per-batch order search)."""
         iw, order = self._iteration(cand, j)
         self.timelines += 1
-        return float(simulate_work(cand, iw, order, self.run.cost, self.run.cluster, 0.0).iteration_s)
+        timeline = simulate_work(cand, iw, order, self.run.cost, self.run.cluster, 0.0)
+        states = state_bytes_per_rank(self.run.cost, cand.plan)
+        peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)
+        return float(timeline.iteration_s)
 
 
 def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
