@@ -189,7 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.most_common()) or "none"
     console.print(f"{report.simulated + report.pruned} candidates: {report.simulated} simulated "
                   f"({report.timelines} single-batch simulations), {report.pruned} pruned by lower bounds; "
-                  f"rejected before scoring: {rejected}; {report.seconds:.1f} s")
+                  f"rejected: {rejected}; {report.seconds:.1f} s")
     report.best.save(args.json)
     console.print(f"plan written to {args.json}")
     return 0

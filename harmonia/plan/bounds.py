@@ -38,7 +38,11 @@ balancer's assignment and the stage work of `harmonia.sim.stagework`, both cheap
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
 lasting its compute plus its in-stage collectives, so the iteration lasts at least the largest sum
 of those durations on one rank. This sees what averages hide: an encoder replica fed more items
-than its peers, LLM replicas the balancer could not even out.
+than its peers, LLM replicas the balancer could not even out. It also counts every LLM stage's
+fill and drain (`_pipeline_bound`): the stage's first task is a forward that waits for some
+microbatch's chain of forwards through the encoders and the earlier stages, and, unless its
+backward is split into B and W, its last task is a backward whose gradient still runs down the
+earlier stages and the encoders; its own tasks run one after another in between.
 
 ``estimate_s`` adds what a schedule cannot avoid but the bound cannot prove without the batch's
 microbatches: the pipeline fill and drain, about ``(pp - 1) / n`` of a stage's forward and

@@ -100,4 +100,4 @@ def test_cli_writes_a_valid_plan_and_prints_the_top_ten(tmp_path, shared_traces,
     assert "best 10 plans" in printed and "peak GiB/rank" in printed
     rows = [line for line in printed.splitlines() if re.match(r"^\W*\d+ \W+\d+\.\d+ \W+\d+\.\d+ \W+\d+\.\d", line)]
     assert len(rows) == 10
-    assert re.search(r"\d+ candidates: \d+ simulated .* \d+ pruned by lower bounds; rejected before scoring: ", printed)
+    assert re.search(r"\d+ candidates: \d+ simulated .* \d+ pruned by lower bounds; rejected: ", printed)
