@@ -249,7 +249,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and batches (a smoke run)")
     args = parser.parse_args()
-    steps, n_batches = (4, 2) if args.quick else (20, 8)
+    steps, n_batches = (4, 2) if args.quick else (20, 12)
     lines = [f"harmonia executor benchmark, {datetime.date.today()}, {os.cpu_count()} CPU cores, "
              f"torch {torch.__version__}, LLM {SPEC.body.n_layers} layers x {SPEC.body.hidden} wide, gloo"]
     lines += ["", "1. identical static-shape work, 1F1B, forward+backward of one iteration (median of "
