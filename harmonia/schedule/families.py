@@ -51,9 +51,14 @@ def _priority(graph: StageGraph, split: bool, rank_of_class: dict[str, int]):
 
 
 def _stage_gates(graph: StageGraph, cap: float | None) -> tuple:
-    """1F1B gates: one per stage (colocated encoders ungated), limit = depth to the LLM's end."""
+    """1F1B gates: one per stage (per holder of a shared stage), limit = depth to the LLM's end.
+
+    Encoders are gated as the LLM's stages are, wherever they run: forward m + k waits for backward
+    m (or, on a stage with no backward, for the consumer to take the rows of m), k = the stages
+    from the encoder's to the LLM's last, so no encoder runs arbitrarily far ahead of the LLM.
+    """
     def gate(ref: StageRef):
-        return None if is_colocated(graph, ref) else ref
+        return ref
     limits = {ref: float(graph.depth_to_end(ref) if cap is None else cap) for ref in graph.stages()}
     return gate, limits
 

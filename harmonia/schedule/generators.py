@@ -19,12 +19,16 @@ family         priority on a rank                           memory gate (activat
 =============  ===========================================  ========================================
 
 Frozen-awareness comes from the graph: stages with nothing trainable upstream run no B, frozen
-stages run no W, so their ranks have time the priority fills with other work. Encoders colocated
-with the LLM (sharing ranks with LLM stages) run ungated on every rank that holds a share of them
-(`StageGraph.holders_of`): a microbatch's encoder forward goes ahead of the LLM forwards of later
-microbatches (so it is ready when the LLM's first stage needs it), and encoder backwards run only
-when no LLM work is ready on the rank (filling bubbles). Encoder stages may split each microbatch
-into sub-microbatches (``n_sub``); the LLM's first stage waits for all of them, on every holder.
+stages run no W, so their ranks have time the priority fills with other work. The gates hold for
+encoder stages too, disjoint or colocated, as in a real pipeline: forward m + k waits for the
+backward of m (k = the stages to the LLM's end); a stage with no backward frees its activations
+after the forward but waits until its consumer's forward has taken the rows of m. Encoders
+colocated with the LLM (sharing ranks with LLM stages) run on every rank that holds a share of
+them (`StageGraph.holders_of`), each holder gated on its own share: a microbatch's encoder forward
+goes ahead of the LLM forwards of later microbatches (so it is ready when the LLM's first stage
+needs it), and encoder backwards run only when no LLM work is ready on the rank (filling
+bubbles). Encoder stages may split each microbatch into sub-microbatches (``n_sub``); the LLM's
+first stage waits for all of them, on every holder.
 """
 
 from __future__ import annotations
@@ -157,16 +161,16 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
         while running and running[0][0] <= t:
             _, _, rank, a = heapq.heappop(running)
             busy[rank] = False
-            _finish(skeleton, policy, state, a)
+            _finish(skeleton, policy, state, a, rank)
         for rank, queues in lanes.items():
             if busy[rank]:
                 continue
-            pick = _choose(skeleton, policy, state, queues, position, grad)
+            pick = _choose(skeleton, policy, state, queues, position, grad, rank)
             if pick is None:
                 continue
             queue, a = pick
             queue.popleft()
-            _start(skeleton, policy, state, a)
+            _start(skeleton, policy, state, a, rank)
             split = len(skeleton.subs(a.module, a.microbatch))
             heapq.heappush(running, (t + costs.duration(a, split, rank), seq, rank, a))
             seq, busy[rank], remaining = seq + 1, True, remaining - 1
@@ -187,28 +191,51 @@ def _ready(skeleton: IterationSchedule, state: _State, a: Action, grad) -> bool:
     return all(d in state.done for d in deps)
 
 
-def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> bool:
+def _gate_key(skeleton: IterationSchedule, policy: Policy, ref: StageRef, rank: int):
+    """The memory gate an action of ``ref`` on ``rank`` counts against (None = ungated).
+
+    Every holder of a shared stage keeps its own share of each microbatch, so it has its own gate.
+    """
+    key = policy.gate(ref)
+    if key is None or not skeleton.graph.is_shared(ref):
+        return key
+    return key, rank
+
+
+def _sends_rows(graph: StageGraph, ref: StageRef) -> bool:
+    """A stage with no backward whose forward output waits for a consumer (gated by what it took)."""
+    return not graph.needs_backward(ref) and not (ref.module == LLM and graph.is_last(ref))
+
+
+def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action, rank: int) -> bool:
+    """Whether the rank's memory gate lets ``a`` start.
+
+    A stage with a backward holds a microbatch's activations from its forward until its backward
+    (1F1B's warm-up depth: forward m + k waits for backward m); a stage with none frees them after
+    the forward, but holds the rows it sent until its consumer's forward takes them.
+    """
     ref = a.stage_ref
     if a.kind is not Kind.F:
         return not policy.backward_after_forward or state.f_left[ref] == 0
-    key = policy.gate(ref)
-    if key is None or not skeleton.graph.needs_backward(ref):
+    base = policy.gate(ref)
+    if base is None or not (skeleton.graph.needs_backward(ref) or _sends_rows(skeleton.graph, ref)):
         return True
+    key = _gate_key(skeleton, policy, ref, rank)
     share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
-    if state.deferred.get(key, 0.0) >= policy.w_limits.get(key, _INF) - 1e-9:
+    if state.deferred.get(key, 0.0) >= policy.w_limits.get(base, _INF) - 1e-9:
         return False
-    return state.held.get(key, 0.0) + share <= policy.limits.get(key, _INF) + 1e-9
+    return state.held.get(key, 0.0) + share <= policy.limits.get(base, _INF) + 1e-9
 
 
 def _choose(skeleton: IterationSchedule, policy: Policy, state: _State, queues: list[deque],
-            position: dict[int, int], grad: dict[StageRef, Kind]) -> tuple[deque, Action] | None:
+            position: dict[int, int], grad: dict[StageRef, Kind], rank: int) -> tuple[deque, Action] | None:
     """The best ready and admitted head among a rank's queues."""
     best = None
     for queue in queues:
         if not queue:
             continue
         a = queue[0]
-        if not (_admitted(skeleton, policy, state, a) and _ready(skeleton, state, a, grad)):
+        if not (_admitted(skeleton, policy, state, a, rank) and _ready(skeleton, state, a, grad)):
             continue
         key = policy.priority(a, position[a.microbatch])
         if best is None or key < best[0]:
@@ -227,21 +254,33 @@ def _held_delta(skeleton: IterationSchedule, policy: Policy, a: Action) -> float
     return -share
 
 
-def _start(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> None:
-    if a.kind is Kind.F:
-        state.f_left[a.stage_ref] -= 1
-        key = policy.gate(a.stage_ref)
+def _start(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action, rank: int) -> None:
+    if a.kind is not Kind.F:
+        return
+    g = skeleton.graph
+    ref = a.stage_ref
+    state.f_left[ref] -= 1
+    key = _gate_key(skeleton, policy, ref, rank)
+    if g.needs_backward(ref):
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
+    elif _sends_rows(g, ref):
+        state.held[key] = state.held.get(key, 0.0) + 1.0 / len(skeleton.subs(a.module, a.microbatch))
+    for p in state.producers[a]:  # this forward takes the rows its producers with no backward sent
+        if _sends_rows(g, p.stage_ref):
+            share = 1.0 / len(skeleton.subs(p.module, p.microbatch))
+            for holder in g.holders_of(p.stage_ref):
+                pkey = _gate_key(skeleton, policy, p.stage_ref, holder)
+                state.held[pkey] = state.held.get(pkey, 0.0) - share
 
 
-def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> None:
+def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action, rank: int) -> None:
     holders = len(skeleton.graph.holders_of(a.stage_ref))
     if holders > 1:  # a shared stage's action is done once every holder has run its share
         state.copies_left[a] = state.copies_left.get(a, holders) - 1
     if holders == 1 or state.copies_left[a] == 0:
         state.done.add(a)
     if a.kind is not Kind.F:
-        key = policy.gate(a.stage_ref)
+        key = _gate_key(skeleton, policy, a.stage_ref, rank)
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
         if len(skeleton.graph.backward_kinds(a.stage_ref, policy.split)) == 2:
             share = 1.0 / len(skeleton.subs(a.module, a.microbatch))

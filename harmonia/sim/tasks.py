@@ -105,14 +105,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
             duration += collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
             flops_share = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W,
                            "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
-            if kind == "F":
-                mem = work.act_bytes
-            elif kind == "B" and (module, replica, chunk, mb) in has_w:
-                mem = -0.5 * work.act_bytes
-            elif kind == "W":
-                mem = -0.5 * work.act_bytes
-            else:
-                mem = -work.act_bytes
+            mem = _activation_delta(kind, work.act_bytes, w_only, (module, replica, chunk, mb) in has_w)
             index[(ck, rank)] = len(tasks)
             queue[rank].append(len(tasks))
             tasks.append(Task(f"{module}.r{replica}.s{chunk}.{kind}{mb[0]}.{mb[1]}", rank, duration, [],
@@ -121,6 +114,16 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
         tasks[i].deps = _deps(plan, iw, ck, rank, index, cluster)
     comm = _gradient_reductions(plan, cost, iw, orders, tasks, index, cluster)
     return tasks, queue, comm
+
+
+def _activation_delta(kind: str, act_bytes: float, w_only: bool, has_w: bool) -> float:
+    """Activation bytes a task allocates (+) or frees (-): F keeps them; a split backward frees half
+    at B and half at W; a fused BW, or a W that is the stage's whole backward, frees them all."""
+    if kind == "F":
+        return act_bytes
+    if (kind == "B" and has_w) or (kind == "W" and not w_only):
+        return -0.5 * act_bytes
+    return -act_bytes
 
 
 def _peer(iw: IterationWork, key: StageKey, position: int) -> int:

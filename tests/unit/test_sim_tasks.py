@@ -93,3 +93,29 @@ def test_generated_orders_expand_to_every_rank_and_replay(family) -> None:
     assert 0 < tl.mfu(989e12) < 0.6 and 0 < tl.bubble_frac < 1
     fused = fuse_encoders_into_first_stage(orders)
     assert sorted(fused[0]) == sorted(orders[0])
+
+
+@pytest.mark.parametrize("vision", ["full", "frozen"])
+@pytest.mark.parametrize("family", ["1f1b", "zb"])
+def test_every_rank_frees_the_activations_it_keeps(vision, family) -> None:
+    # a trainable first encoder stage has no input gradient: its W is its whole backward and frees
+    # everything its forward kept, so every rank ends the iteration holding no activations
+    from harmonia.sim.orders import plan_orders
+
+    mllm = mllm_preset("internvl-8b", training={"vision": vision})
+    cost = CostModel(mllm, device_preset("h100"))
+    plan = Plan("internvl-8b", {"vision": Layout(dp=1), "llm": Layout(pp=2, dp=2, rank_offset=1)},
+                "disjoint", schedule=family, global_batch=16, n_microbatches=4)
+    samples = synthesize_trace(16, {"image": 1.0}, seed=0)
+    mbs = {d: [list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(4)] for d in range(2)}
+    iw = plan_iteration_work(samples, plan, cost, mbs)
+    tasks, queue, comm = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster_from_string("h100x8"))
+    held: dict[int, float] = {}
+    for t in tasks:
+        held[t.rank] = held.get(t.rank, 0.0) + t.mem_delta
+    assert all(abs(v) < 1e-6 * max(t.mem_delta for t in tasks) for v in held.values())
+    peak = replay(tasks, queue, comm).peak_mem
+    kept = max(iw.work[(key, mb)].act_bytes for key, mb in iw.work if key.module == "vision")
+    if vision == "full":  # the encoder serves both LLM replicas: at most each one's warm-up depth
+        depth = 1 + plan.layouts["llm"].pp
+        assert 0 < peak[0] <= 2 * depth * kept * (2 if family == "zb" else 1)
