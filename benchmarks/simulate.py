@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def plan_text(result) -> str:
     if result.candidate is None:
-        return result.error
+        return "no plan fits" if result.error.startswith("no plan fits") else result.error[:100]
     plan = result.candidate.plan
     mods = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" for m, x in plan.layouts.items())
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}"
@@ -62,9 +62,13 @@ def main(paths: list[str]) -> int:
                             f"samples ({time.perf_counter() - t0:.0f} s)")
         for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "plan", "searched"):
             table.add_column(col, justify="left" if col in ("recipe", "plan") else "right")
-        base = results["megatron"].iteration_s
-        others = min(results[r].iteration_s for r in ("megatron", "cornstarch", "disttrain"))
+        base = results["megatron"].iteration_s  # NaN when no megatron plan fits
+        fitted = [results[r].iteration_s for r in ("megatron", "cornstarch", "disttrain") if results[r].candidate]
+        others = min(fitted, default=float("nan"))
         for name, r in results.items():
+            if r.candidate is None:
+                table.add_row(name, "-", "-", "-", "-", "-", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
+                continue
             table.add_row(name, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", f"{base / r.iteration_s:.2f}x",
                           f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
         table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}",
@@ -73,10 +77,11 @@ def main(paths: list[str]) -> int:
         h = results["harmonia"].iteration_s
         console.print(f"harmonia vs megatron {base / h:.2f}x (target 1.40x); vs best other baseline "
                       f"{others / h:.2f}x (target 1.15x)")
-        search_ms = order_search_ms(run, results["harmonia"])
-        console.print(f"per-batch schedule search on {run.cluster.world_size} GPUs "
-                      f"({results['harmonia'].candidate.plan.layouts['llm'].dp} LLM replicas): mean "
-                      f"{np.mean(search_ms):.0f} ms, max {max(search_ms):.0f} ms (budget 100 ms)\n")
+        search_ms = order_search_ms(run, results["harmonia"]) if results["harmonia"].candidate else [float("nan")]
+        if results["harmonia"].candidate:
+            console.print(f"per-batch schedule search on {run.cluster.world_size} GPUs "
+                          f"({results['harmonia'].candidate.plan.layouts['llm'].dp} LLM replicas): mean "
+                          f"{np.mean(search_ms):.0f} ms, max {max(search_ms):.0f} ms (budget 100 ms)\n")
         summary[scenario.name] = {r: v.as_dict() for r, v in results.items()} | {
             "lower_bound_s": bound, "order_search_ms": search_ms}
     stamp = f"{datetime.date.today()}" + ("" if not paths else "-" + "-".join(f.stem.split("-")[0] for f in files))

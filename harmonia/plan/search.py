@@ -22,9 +22,12 @@ and one whose bound exceeds it is never simulated at all. Plans the simulator ca
 (zero-bubble where no stage has both an input and a weight gradient: it runs as 1F1B) share one
 simulation.
 
-The report gives each ranked plan's simulated peak bytes on one rank (its stages' states plus the
-activations its schedule keeps in flight); the memory filter before scoring accounts activations
-under 1F1B, so a schedule that runs forwards further ahead can exceed it.
+Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
+of every module, activations of the microbatches its schedule keeps in flight:
+`harmonia.plan.memory`) must fit the device with headroom. While scoring, a candidate whose
+simulated peak on some rank (its stages' states plus its activation peak, on any batch simulated)
+exceeds the device memory is rejected as soon as it does, with the peak as its reason: for every
+recipe, baselines included. The report gives each ranked plan's simulated peak bytes on one rank.
 """
 
 from __future__ import annotations
@@ -118,8 +121,10 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
     scorer = _Scorer(run, batches)
     ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
     if not ranked:
-        raise LayoutError(f"no candidate layout of {scenario.model} on {scenario.cluster} could be scheduled "
-                          f"({dict(rejected)}); change the global batch or the cluster")
+        memory = sum(n for why, n in rejected.items() if why.startswith("memory"))
+        raise LayoutError(f"no plan fits: none of the {len(cands)} candidate layouts of {scenario.model} on "
+                          f"{scenario.cluster} could be scheduled within device memory ({memory} over memory "
+                          f"when simulated; {dict(rejected)}); use more devices or a smaller global batch")
     peaks = [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked]
     return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) - simulated,
                       scorer.timelines, time.perf_counter() - t0)
@@ -172,6 +177,11 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
             failed[key] = f"schedule: {err}"[:80]
             rejected[failed[key]] += 1
             continue
+        over = scorer.over_memory(key)
+        if over:  # a plan that cannot run on the devices is no plan, whatever its time
+            failed[key] = over
+            rejected[over] += 1
+            continue
         heapq.heappush(heap, (bound_of(i), i))
     return ranked, len(touched)
 
@@ -217,6 +227,13 @@ class _Scorer:
             self.work_cache.pop(next(iter(self.work_cache)))
         self.work_cache[wkey] = (iw, order)
         return iw, order
+
+    def over_memory(self, key: tuple) -> str | None:
+        """Why a simulated candidate cannot run: its peak on some rank exceeds the device (None if it fits)."""
+        peak, capacity = self.peak_bytes.get(key, 0.0), self.run.cluster.device.mem_bytes
+        if peak <= capacity:
+            return None
+        return f"memory: simulated peak {peak / 2**30:.0f} GiB > {capacity / 2**30:.0f} GiB"
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`)."""

@@ -92,8 +92,29 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
 
 def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
                global_batch: int, model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
-    """Every plan a recipe's rules allow on this cluster (memory-feasible; misfits counted in
-    ``rejected`` by reason)."""
+    """Every plan a recipe's rules allow on this cluster that fits device memory on every rank
+    (`harmonia.plan.memory`); misfits are counted in ``rejected`` by reason."""
+    found = _recipe_candidates(recipe, cost, cluster, profile, global_batch, model, rejected)
+    return fitting(found, cost, cluster, profile, rejected)
+
+
+def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
+            rejected: Counter | None = None) -> Iterator[Candidate]:
+    """The candidates whose estimated peak on every rank (states of every module plus in-flight
+    activations under the schedule) fits the device; the others counted in ``rejected``."""
+    from harmonia.plan.memory import plan_peak_bytes  # the planner's memory model builds on this package
+
+    cap = cluster.device.mem_bytes * MEMORY_HEADROOM
+    for cand in found:
+        if max(plan_peak_bytes(cost, cand.plan, profile, cand.fused).values()) <= cap:
+            yield cand
+        elif rejected is not None:
+            rejected["plan exceeds device memory (estimate)"] += 1
+
+
+def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
+                       global_batch: int, model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
+    """Every plan a recipe's rules allow whose LLM fits in memory (misfits counted in ``rejected``)."""
     world = cluster.world_size
     encoders = list(cost.mllm.encoders)
     training = {m: t.mode.value for m, t in cost.mllm.training.items()}
@@ -131,7 +152,7 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
             for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
                 for schedule in schedules:
                     yield Candidate(recipe, plan(layouts, Placement.DISJOINT, schedule, n_mb))
-            yield from homogeneous_candidates(cost, cluster, profile, global_batch, model, rejected)
+            yield from _homogeneous(cost, cluster, profile, global_batch, model, rejected)
     else:
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
 
@@ -163,6 +184,12 @@ def homogeneous_candidates(cost: CostModel, cluster: ClusterSpec, profile: Batch
     """harmonia's plans restricted to one layout for all modules: every LLM factorisation that fits
     (frozen-aware split), each encoder on the LLM's first pipeline stage with the LLM's tp and dp;
     balanced per iteration, 1F1B or zero-bubble. The baseline that per-module layouts must beat."""
+    found = _homogeneous(cost, cluster, profile, global_batch, model, rejected)
+    return fitting(found, cost, cluster, profile, rejected)
+
+
+def _homogeneous(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, global_batch: int,
+                 model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
     encoders = list(cost.mllm.encoders)
     training = {m: t.mode.value for m, t in cost.mllm.training.items()}
     for llm, n_mb in _llm_options(cost, cluster, cluster.world_size, 0, global_batch, profile, True, rejected):

@@ -1,0 +1,85 @@
+"""Per-rank memory of a plan before simulating it: every module's states and in-flight activations.
+
+A rank holds the weights, gradients and optimizer states of every stage chunk placed on it (FSDP
+shards them over ``dp``; `state_bytes_per_rank`), plus the activations of the microbatches its
+stages keep in flight under the plan's schedule. The schedule's gates set the count on each stage
+chunk (`harmonia.schedule.generators`): forward m + k waits for the backward of m, with k the
+stages from the chunk to the LLM's last, at most the microbatches there are. Counted per chunk:
+
+- 1F1B: ``k`` microbatches, from forward to backward.
+- zero bubble, on a stage that splits its backward: ``k`` until B, then up to ``k`` deferred weight
+  gradients keeping half of theirs (B frees the half only the input gradient needed): ``1.5 k``.
+- encoders fused into the LLM's first stage (Megatron): as many as that stage, ``min(pp, n)``.
+- an encoder replica serving several LLM replicas keeps ``k`` for each of them.
+
+A microbatch's activations are those of the profiled mean sample times the samples per
+microbatch (an encoder's split over the encoder replicas feeding one LLM replica); frozen layers
+with no backward keep none. The estimate prunes plans that cannot fit before they are simulated;
+the simulated peak (actual microbatches, actual order) decides after scoring.
+"""
+
+from __future__ import annotations
+
+import math
+
+from harmonia.plan.candidates import state_bytes_per_rank
+from harmonia.plan.layout import Layout
+from harmonia.plan.plan import Plan
+from harmonia.plan.profiling import BatchProfile
+from harmonia.schedule import StageGraph
+from harmonia.schedule.actions import StageRef
+from harmonia.sim.orders import stage_trainable
+from harmonia.sim.stagework import stage_layer_range
+from harmonia.workload.cost import CostModel
+
+LLM = "llm"
+
+
+def in_flight(graph: StageGraph, plan: Plan, ref: StageRef, fused: bool = False) -> float:
+    """Microbatches of activations a stage chunk keeps at most, per LLM replica it serves."""
+    n = plan.n_microbatches
+    if fused and ref.module != LLM:
+        return float(min(graph.llm.n_stages, n))
+    depth = float(min(graph.depth_to_end(ref), n))
+    splits = graph.needs_b(ref) and graph.needs_w(ref)
+    return 1.5 * depth if plan.schedule == "zb" and splits else depth
+
+
+def served_replicas(plan: Plan, module: str) -> int:
+    """LLM replicas one replica of ``module`` feeds (round-robin when it has fewer replicas)."""
+    llm_dp, dp = plan.layouts[LLM].dp, plan.layouts[module].dp
+    return 1 if module == LLM or dp >= llm_dp else math.ceil(llm_dp / dp)
+
+
+def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str,
+                                chunk: int) -> float:
+    """Activation bytes one mean microbatch keeps on one rank of a stage chunk (projector included
+    on an encoder's last chunk)."""
+    layout: Layout = plan.layouts[module]
+    llm_dp = plan.layouts[LLM].dp
+    samples = plan.global_batch / (llm_dp * plan.n_microbatches)
+    feeders = 1 if module == LLM else max(1, layout.dp // llm_dp)
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    tokens = profile.sample_load(module).tokens * samples / feeders
+    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp)
+    if module != LLM and chunk == layout.n_stages - 1:
+        proj = f"{module}_proj"
+        act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * samples / feeders,
+                                     tp=layout.tp, cp=layout.cp)
+    return act
+
+
+def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: bool = False) -> dict[int, float]:
+    """Per rank, states plus the activations its stage chunks keep in flight (module docstring)."""
+    out = state_bytes_per_rank(cost, plan)
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    for module, layout in plan.layouts.items():
+        ranks = layout.rank_list()
+        per = layout.size // layout.pp
+        for chunk in range(layout.n_stages):
+            count = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module)
+            act = count * microbatch_activation_bytes(cost, plan, profile, module, chunk)
+            pp_rank = chunk % layout.pp
+            for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
+                out[rank] = out.get(rank, 0.0) + act
+    return out

@@ -1,0 +1,106 @@
+"""The planner's memory model: every module on every rank, in-flight activations under the schedule,
+and the search's rejection of plans whose simulated peak exceeds the device."""
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from harmonia.model.presets import mllm_preset
+from harmonia.plan.candidates import state_bytes_per_rank
+from harmonia.plan.layout import Layout
+from harmonia.plan.memory import plan_peak_bytes
+from harmonia.plan.plan import Plan
+from harmonia.plan.profiling import profile_batches
+from harmonia.plan.search import _branch_and_bound, _Scorer
+from harmonia.sim.engine import replay
+from harmonia.sim.orders import plan_orders
+from harmonia.sim.recipes import candidates
+from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.sim.stagework import plan_iteration_work
+from harmonia.sim.tasks import build_tasks
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import cluster_from_string, device_preset
+from harmonia.workload.traces import synthesize_trace
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def equal_samples():
+    """One image sample repeated: every microbatch alike, so the estimate is exact in microbatches."""
+    mllm = mllm_preset("internvl-8b")
+    cost = CostModel(mllm, device_preset("h100"))
+    samples = [synthesize_trace(1, {"image": 1.0}, seed=3)[0]] * 64
+    return cost, samples, profile_batches(samples, cost, BATCH, 1)
+
+
+def _plan(layouts, schedule):
+    return Plan("internvl-8b", layouts, "disjoint", schedule, n_microbatches=4, global_batch=BATCH)
+
+
+def _simulated_peaks(cost, samples, plan):
+    mbs = {d: [list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(4)] for d in range(2)}
+    iw = plan_iteration_work(samples, plan, cost, mbs)
+    tasks, queue, comm = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster_from_string("h100x8"))
+    states = state_bytes_per_rank(cost, plan)
+    acts = replay(tasks, queue, comm).peak_mem
+    return {r: states.get(r, 0.0) + acts.get(r, 0.0) for r in states}, acts
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+@pytest.mark.parametrize("vision", [Layout(dp=1), Layout(dp=2)], ids=["serves-2", "serves-1"])
+def test_estimate_bounds_the_simulated_peak_of_every_rank(equal_samples, schedule, vision) -> None:
+    cost, samples, profile = equal_samples
+    plan = _plan({"vision": vision, "llm": Layout(pp=2, dp=2, rank_offset=vision.dp)}, schedule)
+    estimate = plan_peak_bytes(cost, plan, profile)
+    simulated, acts = _simulated_peaks(cost, samples, plan)
+    assert set(estimate) == set(simulated) == set(range(vision.dp + 4))  # encoder ranks included
+    for rank in simulated:
+        assert simulated[rank] <= estimate[rank] * (1 + 1e-9), rank
+    # the encoder's gate is what the estimate counts: its rank reaches it (to within a microbatch)
+    states = state_bytes_per_rank(cost, plan)
+    per_mb = max(acts[0] / 3, 1.0)
+    assert estimate[0] - states[0] - acts[0] <= per_mb * (2 if vision.dp == 1 else 1) * 1.5
+
+
+def test_an_encoder_replica_serving_more_llm_replicas_holds_more(equal_samples) -> None:
+    cost, _, profile = equal_samples
+    one = plan_peak_bytes(cost, _plan({"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)}, "1f1b"),
+                          profile)
+    two = plan_peak_bytes(cost, _plan({"vision": Layout(dp=1), "llm": Layout(pp=2, dp=2, rank_offset=1)}, "1f1b"),
+                          profile)
+    states = cost.state_bytes("vision") + cost.state_bytes("vision_proj")
+    # dp1 serves both LLM replicas their whole microbatches; dp2 serves one each
+    assert two[0] - states == pytest.approx(2 * (one[0] - states))
+
+
+def test_colocated_encoders_add_to_the_llm_ranks(equal_samples) -> None:
+    cost, _, profile = equal_samples
+    llm = Layout(pp=2, dp=2)
+    alone = plan_peak_bytes(cost, _plan({"vision": Layout(dp=2, rank_offset=4), "llm": llm}, "1f1b"), profile)
+    shared = plan_peak_bytes(cost, replace(_plan({"vision": Layout(dp=4), "llm": llm}, "1f1b"),
+                                           placement="colocated"), profile)
+    assert all(shared[r] > alone[r] for r in range(4))
+
+
+def test_search_rejects_plans_whose_simulated_peak_exceeds_the_device(shared_traces) -> None:
+    scenario = Scenario("m", "internvl-8b", "h100:1x4", str(shared_traces / "chartqa.csv"), 32,
+                        iterations=1, search_batches=1)
+    run = ScenarioRun(scenario)
+    cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, 32, scenario.model))
+    scorer = _Scorer(run, [1])
+    ranked, _ = _branch_and_bound(scorer, cands, [1], len(cands), Counter())
+    peaks = sorted(scorer.peak_bytes.values())
+    # a device just below the median simulated peak: the plans above it must go, with their peak
+    cap = peaks[len(peaks) // 2] * 0.999
+    run.cluster = replace(run.cluster, device=replace(run.cluster.device, mem_bytes=cap))
+    scorer, rejected = _Scorer(run, [1]), Counter()
+    kept, _ = _branch_and_bound(scorer, cands, [1], len(cands), rejected)
+    over = {why: n for why, n in rejected.items() if why.startswith("memory: simulated peak")}
+    assert over and all(why.endswith(f"> {cap / 2**30:.0f} GiB") for why in over)
+    assert 0 < len(kept) < len(ranked)
+    from harmonia.plan.search import simulation_key
+    assert all(scorer.peak_bytes[simulation_key(c, run.cost)] <= cap for _, _, c in kept)
+    assert [c for _, _, c in kept] == [c for _, _, c in ranked
+                                       if scorer.peak_bytes.get(simulation_key(c, run.cost), 0.0) <= cap]
