@@ -8,7 +8,8 @@ recipe          layout rules                                                    
 ==============  ==========================================================================  =========
 ``megatron``    one layout for all modules: the LLM's (tp, pp, dp); each encoder runs        Megatron-LM,
                 inside the LLM's first pipeline stage on its ranks; layers split evenly;   torchtitan
-                fixed-size microbatches in dataset order; 1F1B                              VLM
+                fixed-size microbatches in dataset order; 1F1B or interleaved 1F1B          VLM
+                (two virtual stages per pipeline rank)
 ``cornstarch``  encoders on pipeline stages of their own (the LLM's tp and dp, one or two    Cornstarch
                 stages each), frozen-aware layer split; fixed-size microbatches; 1F1B
 ``disttrain``   disjoint encoder and LLM rank sets sized to their work share, any           DistTrain
@@ -16,7 +17,7 @@ recipe          layout rules                                                    
 ``harmonia``    disjoint (rank sets by work share) or colocated (encoders on every rank),   harmonia
                 and every placement above (encoders on the LLM's first stage, or on
                 stages of their own); frozen-aware split; every module balanced per
-                iteration; 1F1B or zero-bubble, whichever wins
+                iteration; 1F1B, interleaved 1F1B or zero-bubble, whichever wins
 ==============  ==========================================================================  =========
 """
 
@@ -58,6 +59,25 @@ class Candidate:
     recipe: str
     plan: Plan
     fused: bool = False  # encoders fused into the LLM's first stage (Megatron)
+
+
+def _interleaved(cost: CostModel, llm: Layout, n_mb: int) -> Layout | None:
+    """The LLM layout with two stage chunks per pipeline rank, split evenly (Megatron-LM's virtual
+    pipeline), when its blocks and microbatches allow it (``n_mb`` a multiple of ``pp``)."""
+    blocks = len(cost.layers["llm"]) - 2  # embedding and head live on the first and last chunk
+    if llm.pp < 2 or n_mb % llm.pp or blocks < 2 * llm.pp:
+        return None
+    return replace(llm, virtual_stages=2, stage_layers=None)
+
+
+def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...]) -> Iterator[tuple[Layout, str]]:
+    """(LLM layout, schedule family) pairs: each family of ``families`` on ``llm``, ``interleaved``
+    on its two-virtual-stage form."""
+    for family in families:
+        if family != "interleaved":
+            yield llm, family
+        elif (virtual := _interleaved(cost, llm, n_mb)) is not None:
+            yield virtual, family
 
 
 def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
@@ -123,35 +143,36 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
         return Plan(model, layouts, placement, schedule, n_mb, global_batch, training)
 
     if recipe == "megatron":
-        for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False, rejected):
-            first = tuple(llm.rank_at(pp=0, dp=d, tp=t) for d in range(llm.dp) for t in range(llm.tp))
-            layouts = {e: Layout(tp=llm.tp, dp=llm.dp, ranks=first) for e in encoders}
-            yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, "1f1b", n_mb), fused=True)
+        for base, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False, rejected):
+            first = tuple(base.rank_at(pp=0, dp=d, tp=t) for d in range(base.dp) for t in range(base.tp))
+            layouts = {e: Layout(tp=base.tp, dp=base.dp, ranks=first) for e in encoders}
+            for llm, schedule in _schedules(cost, base, n_mb, ("1f1b", "interleaved")):
+                yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb), fused=True)
     elif recipe == "cornstarch":
         for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
             yield Candidate(recipe, plan(layouts, Placement.DISJOINT, "1f1b", n_mb))
     elif recipe in ("disttrain", "harmonia"):
-        schedules = ("1f1b",) if recipe == "disttrain" else ("1f1b", "zb")
+        schedules = ("1f1b",) if recipe == "disttrain" else ("1f1b", "zb", "interleaved")
         for sizes in disjoint_sizes(profile, encoders, world):
             offset, enc_choices = 0, []
             for e in encoders:
                 enc_choices.append(list(encoder_layouts(cost.mllm, e, cluster, sizes[e], offset))[:2])
                 offset += sizes[e]
             options = _llm_options(cost, cluster, world - offset, offset, global_batch, profile, True, rejected)
-            for llm, n_mb in options:
+            for base, n_mb in options:
                 for combo in _product(enc_choices):
-                    for schedule in schedules:
+                    for llm, schedule in _schedules(cost, base, n_mb, schedules):
                         layouts = dict(zip(encoders, combo))
                         yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
         if recipe == "harmonia":
-            for llm, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True, rejected):
+            for base, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True, rejected):
                 layouts = {e: Layout(dp=world) for e in encoders}
-                for schedule in schedules:
+                for llm, schedule in _schedules(cost, base, n_mb, schedules):
                     yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
             # the other recipes' placements, so harmonia's rules contain theirs
             for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
-                for schedule in schedules:
-                    yield Candidate(recipe, plan(layouts, Placement.DISJOINT, schedule, n_mb))
+                for llm, schedule in _schedules(cost, layouts["llm"], n_mb, schedules):
+                    yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
             yield from _homogeneous(cost, cluster, profile, global_batch, model, rejected)
     else:
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
