@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def plan_text(result) -> str:
     if result.candidate is None:
-        return "no plan fits" if result.error.startswith("no plan fits") else result.error[:100]
+        why = "memory" if "memory" in result.error else result.error[:80]
+        return f"no plan fits ({why})" if "fits" in result.error else result.error[:100]
     plan = result.candidate.plan
     mods = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" for m, x in plan.layouts.items())
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}"
@@ -75,8 +76,9 @@ def main(paths: list[str]) -> int:
                       f"{base / bound:.2f}x", "0.0%", "", "all work spread evenly over every rank", "")
         console.print(table)
         h = results["harmonia"].iteration_s
-        console.print(f"harmonia vs megatron {base / h:.2f}x (target 1.40x); vs best other baseline "
-                      f"{others / h:.2f}x (target 1.15x)")
+        if results["harmonia"].candidate:
+            console.print(f"harmonia vs megatron {base / h:.2f}x (target 1.40x); vs best other baseline "
+                          f"{others / h:.2f}x (target 1.15x)")
         search_ms = order_search_ms(run, results["harmonia"]) if results["harmonia"].candidate else [float("nan")]
         if results["harmonia"].candidate:
             console.print(f"per-batch schedule search on {run.cluster.world_size} GPUs "
