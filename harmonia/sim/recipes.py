@@ -61,22 +61,32 @@ class Candidate:
     fused: bool = False  # encoders fused into the LLM's first stage (Megatron)
 
 
-def _interleaved(cost: CostModel, llm: Layout, n_mb: int) -> Layout | None:
-    """The LLM layout with two stage chunks per pipeline rank, split evenly (Megatron-LM's virtual
-    pipeline), when its blocks and microbatches allow it (``n_mb`` a multiple of ``pp``)."""
+def _microbatch_load(profile: BatchProfile, global_batch: int, dp: int, n_mb: int) -> ModuleLoad:
+    """The LLM load of a typical microbatch: the profile's mean sample times samples per microbatch."""
+    k = max(1, global_batch // dp // n_mb)
+    mean = profile.sample_load("llm")
+    return ModuleLoad(mean.tokens * k, mean.pairs * k, 1)
+
+
+def _interleaved(cost: CostModel, llm: Layout, n_mb: int, load: ModuleLoad | None) -> Layout | None:
+    """The LLM layout with two stage chunks per pipeline rank (Megatron-LM's virtual pipeline), when
+    its blocks and microbatches allow it (``n_mb`` a multiple of ``pp``): split evenly, or by the
+    frozen-aware partitioner for ``load`` when given."""
     blocks = len(cost.layers["llm"]) - 2  # embedding and head live on the first and last chunk
     if llm.pp < 2 or n_mb % llm.pp or blocks < 2 * llm.pp:
         return None
-    return replace(llm, virtual_stages=2, stage_layers=None)
+    virtual = replace(llm, virtual_stages=2, stage_layers=None)
+    return virtual if load is None else balanced_split(cost, "llm", virtual, load)
 
 
-def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...]) -> Iterator[tuple[Layout, str]]:
+def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...],
+               load: ModuleLoad | None = None) -> Iterator[tuple[Layout, str]]:
     """(LLM layout, schedule family) pairs: each family of ``families`` on ``llm``, ``interleaved``
-    on its two-virtual-stage form."""
+    on its two-virtual-stage form (frozen-aware split for ``load`` when given)."""
     for family in families:
         if family != "interleaved":
             yield llm, family
-        elif (virtual := _interleaved(cost, llm, n_mb)) is not None:
+        elif (virtual := _interleaved(cost, llm, n_mb, load)) is not None:
             yield virtual, family
 
 
@@ -101,8 +111,7 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
             if key in seen:
                 continue
             seen.add(key)
-            tokens = profile.sample_load("llm").tokens * max(1, per_replica // n_mb)
-            load = ModuleLoad(tokens, profile.sample_load("llm").pairs * max(1, per_replica // n_mb), 1)
+            load = _microbatch_load(profile, global_batch, base.dp, n_mb)
             layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
             if check_memory(cost, "llm", layout, load, n_mb, cap).fits:
                 yield layout, n_mb
@@ -161,17 +170,20 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
             options = _llm_options(cost, cluster, world - offset, offset, global_batch, profile, True, rejected)
             for base, n_mb in options:
                 for combo in _product(enc_choices):
-                    for llm, schedule in _schedules(cost, base, n_mb, schedules):
+                    load = _microbatch_load(profile, global_batch, base.dp, n_mb)
+                    for llm, schedule in _schedules(cost, base, n_mb, schedules, load):
                         layouts = dict(zip(encoders, combo))
                         yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
         if recipe == "harmonia":
             for base, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True, rejected):
                 layouts = {e: Layout(dp=world) for e in encoders}
-                for llm, schedule in _schedules(cost, base, n_mb, schedules):
+                load = _microbatch_load(profile, global_batch, base.dp, n_mb)
+                for llm, schedule in _schedules(cost, base, n_mb, schedules, load):
                     yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
             # the other recipes' placements, so harmonia's rules contain theirs
             for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
-                for llm, schedule in _schedules(cost, layouts["llm"], n_mb, schedules):
+                load = _microbatch_load(profile, global_batch, layouts["llm"].dp, n_mb)
+                for llm, schedule in _schedules(cost, layouts["llm"], n_mb, schedules, load):
                     yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
             yield from _homogeneous(cost, cluster, profile, global_batch, model, rejected)
     else:
@@ -213,11 +225,12 @@ def _homogeneous(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, g
                  model: str, rejected: Counter | None = None) -> Iterator[Candidate]:
     encoders = list(cost.mllm.encoders)
     training = {m: t.mode.value for m, t in cost.mllm.training.items()}
-    for llm, n_mb in _llm_options(cost, cluster, cluster.world_size, 0, global_batch, profile, True, rejected):
-        first = tuple(llm.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(llm.dp) for c in range(llm.cp)
-                      for t in range(llm.tp))
-        layouts = {e: Layout(tp=llm.tp, dp=llm.dp * llm.cp, ranks=first) for e in encoders}
-        for schedule in ("1f1b", "zb"):
+    for base, n_mb in _llm_options(cost, cluster, cluster.world_size, 0, global_batch, profile, True, rejected):
+        first = tuple(base.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(base.dp) for c in range(base.cp)
+                      for t in range(base.tp))
+        layouts = {e: Layout(tp=base.tp, dp=base.dp * base.cp, ranks=first) for e in encoders}
+        load = _microbatch_load(profile, global_batch, base.dp, n_mb)
+        for llm, schedule in _schedules(cost, base, n_mb, ("1f1b", "zb", "interleaved"), load):
             yield Candidate("harmonia", Plan(model, {**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb,
                                              global_batch, training))
 
