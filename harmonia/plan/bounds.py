@@ -18,6 +18,8 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
   2 (t-1) * latency``, so the microbatches of a replica sum to ``4 L (2 (t-1)/t * T/cp * h * a / bw
   + n * 2 (t-1) * latency)`` (the latency term for the LLM, whose ``n`` is known);
 - CP: an all-gather of K and V per block in F and in the backward, ``L (c-1)/c * 2 T kv a / t / bw``;
+- recompute (a module in ``plan.recompute``): the backward runs the blocks' forward again, its
+  compute (the cost model's ``B + F_blocks``) and its TP and CP collectives (a third phase of each);
 - FSDP: before every forward and backward of a microbatch the stage gathers its weights,
   ``g = (dp-1)/dp * weights / tp / bw``, hidden behind that phase's compute, so the phase lasts
   ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
@@ -133,7 +135,8 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     layout = plan.layouts[module]
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     start, stop = stage_layer_range(cost, plan, module, chunk)
-    times = cost.stage_times(module, load, start, stop, tp, cp)
+    recompute = module in plan.recompute
+    times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
     last = chunk == layout.n_stages - 1
     if last and module != "llm":
         times = times + cost.stage_times(f"{module}_proj", proj_load, tp=tp, cp=cp)
@@ -143,7 +146,8 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     n_mb = plan.n_microbatches if module == "llm" else 0
     ranks = _stage_ranks(plan, module, chunk % layout.pp)
     blocks = layout.stage_split(len(cost.layers[module]) - 2)[chunk]
-    phases = 1 + (1 if has_b else 0)  # F, and B or BW (a W-only backward has no collectives)
+    # F, and B or BW (a W-only backward has no collectives), whose recompute runs F's collectives again
+    phases = 1 + ((2 if recompute else 1) if has_b else 0)
     comm = phases * _tp_s(cost, cluster, module, blocks, load.tokens, n_mb, tuple(ranks[:tp]), layout)
     comm += phases * _cp_s(cost, cluster, module, blocks, load.tokens, tuple(ranks[:tp * cp:tp]), layout)
     forward = times.F

@@ -111,8 +111,9 @@ class MemoryCheck:
 
 
 def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: ModuleLoad,
-                 n_microbatches: int, capacity: float, extra: float = 0.0) -> MemoryCheck:
-    """The most loaded stage's states + in-flight activations under 1F1B (worst chunk per rank)."""
+                 n_microbatches: int, capacity: float, extra: float = 0.0, recompute: bool = False) -> MemoryCheck:
+    """The most loaded stage's states + in-flight activations under 1F1B (worst chunk per rank);
+    with ``recompute`` the blocks keep only their inputs, plus one block's recomputed activations."""
     shards = layout.dp if layout.fsdp else 1
     n_blocks = len(cost.layers[module]) - 2
     split = layout.stage_split(n_blocks)
@@ -123,7 +124,10 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
         hi = start + n if chunk < len(split) - 1 else len(cost.layers[module])
         in_flight = min(layout.pp - chunk % layout.pp, n_microbatches)
         states = cost.state_bytes(module, lo, hi, layout.tp, shards)
-        acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp)
+        acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
+                                                 recompute)
+        if recompute:
+            acts += cost.recompute_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp)
         peak = max(peak, states * layout.virtual_stages + acts)
         start += n
     return MemoryCheck(peak + extra, capacity)

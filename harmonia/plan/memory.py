@@ -14,7 +14,9 @@ stages from the chunk to the LLM's last, at most the microbatches there are. Cou
 
 A microbatch's activations are those of the profiled mean sample times the samples per
 microbatch (an encoder's split over the encoder replicas feeding one LLM replica); frozen layers
-with no backward keep none. The estimate prunes plans that cannot fit before they are simulated;
+with no backward keep none. A module in ``plan.recompute`` keeps only its blocks' inputs
+(`harmonia.workload.cost`), and a rank holding recomputed stages adds, once, the largest block's
+activations one of them recomputes during a backward (a rank runs one backward at a time). The estimate prunes plans that cannot fit before they are simulated;
 the simulated peak (actual microbatches, actual order) decides after scoring.
 """
 
@@ -51,27 +53,45 @@ def served_replicas(plan: Plan, module: str) -> int:
     return 1 if module == LLM or dp >= llm_dp else math.ceil(llm_dp / dp)
 
 
+def _microbatch_share(plan: Plan, module: str) -> float:
+    """Mean samples of one microbatch a replica of ``module`` runs (split over the encoder replicas
+    feeding one LLM replica)."""
+    layout: Layout = plan.layouts[module]
+    llm_dp = plan.layouts[LLM].dp
+    feeders = 1 if module == LLM else max(1, layout.dp // llm_dp)
+    return plan.global_batch / (llm_dp * plan.n_microbatches) / feeders
+
+
 def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str,
                                 chunk: int) -> float:
     """Activation bytes one mean microbatch keeps on one rank of a stage chunk (projector included
     on an encoder's last chunk)."""
     layout: Layout = plan.layouts[module]
-    llm_dp = plan.layouts[LLM].dp
-    samples = plan.global_batch / (llm_dp * plan.n_microbatches)
-    feeders = 1 if module == LLM else max(1, layout.dp // llm_dp)
+    share = _microbatch_share(plan, module)
     start, stop = stage_layer_range(cost, plan, module, chunk)
-    tokens = profile.sample_load(module).tokens * samples / feeders
-    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp)
+    tokens = profile.sample_load(module).tokens * share
+    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, module in plan.recompute)
     if module != LLM and chunk == layout.n_stages - 1:
         proj = f"{module}_proj"
-        act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * samples / feeders,
-                                     tp=layout.tp, cp=layout.cp)
+        act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * share, tp=layout.tp, cp=layout.cp)
     return act
+
+
+def recompute_transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int) -> float:
+    """Bytes a mean microbatch's backward holds on one rank of a recomputed stage chunk beyond what
+    it keeps: one block's recomputed activations (0 when ``module`` does not recompute)."""
+    if module not in plan.recompute:
+        return 0.0
+    layout: Layout = plan.layouts[module]
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
+    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp)
 
 
 def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: bool = False) -> dict[int, float]:
     """Per rank, states plus the activations its stage chunks keep in flight (module docstring)."""
     out = state_bytes_per_rank(cost, plan)
+    transient: dict[int, float] = {}
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     for module, layout in plan.layouts.items():
         ranks = layout.rank_list()
@@ -79,7 +99,11 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
         for chunk in range(layout.n_stages):
             count = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module)
             act = count * microbatch_activation_bytes(cost, plan, profile, module, chunk)
+            again = recompute_transient_bytes(cost, plan, profile, module, chunk)
             pp_rank = chunk % layout.pp
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
                 out[rank] = out.get(rank, 0.0) + act
+                transient[rank] = max(transient.get(rank, 0.0), again)
+    for rank, nbytes in transient.items():
+        out[rank] += nbytes
     return out

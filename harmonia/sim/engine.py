@@ -33,6 +33,7 @@ class Task:
         kind: ``F``, ``B``, ``W``, ``BW`` or ``C`` (a collective on the communication stream).
         mem_delta: activation bytes allocated (+) or freed (-) when the task ends.
         flops: useful FLOPs of the task (for MFU).
+        transient: bytes held only while the task runs (a recomputed block's activations in B).
     """
 
     name: str
@@ -43,6 +44,7 @@ class Task:
     kind: str = "F"
     mem_delta: float = 0.0
     flops: float = 0.0
+    transient: float = 0.0
 
 
 @dataclass
@@ -159,15 +161,17 @@ def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int,
 
 
 def _peak_memory(tasks: list[Task], end: np.ndarray, ranks: list[int]) -> dict[int, float]:
-    """Peak over time of the running sum of ``mem_delta`` per rank (allocations before frees at ties)."""
+    """Peak over time of the running sum of ``mem_delta`` per rank (allocations before frees at ties),
+    each task's ``transient`` counted on top of the level it runs at (before its own delta)."""
     peak = {r: 0.0 for r in ranks}
-    by_rank: dict[int, list[tuple[float, float]]] = {}
+    by_rank: dict[int, list[tuple[float, float, float]]] = {}
     for t, e in zip(tasks, end):
-        if t.mem_delta:
-            by_rank.setdefault(t.rank, []).append((e, -t.mem_delta))
+        if t.mem_delta or t.transient:
+            by_rank.setdefault(t.rank, []).append((e, -t.mem_delta, t.transient))
     for r, events in by_rank.items():
         level = 0.0
-        for _, neg in sorted(events):
+        for _, neg, transient in sorted(events):
+            peak[r] = max(peak[r], level + transient)
             level -= neg
             peak[r] = max(peak[r], level)
     return peak

@@ -19,6 +19,10 @@ recipe          layout rules                                                    
                 stages of their own); frozen-aware split; every module balanced per
                 iteration; 1F1B, interleaved 1F1B or zero-bubble, whichever wins
 ==============  ==========================================================================  =========
+
+A plan that does not fit device memory is retried, under every recipe alike, recomputing the
+LLM's activations and then every trainable module's (`recompute_options`), as Megatron-LM's full
+recompute does; only what fits in none of these counts as a memory misfit.
 """
 
 from __future__ import annotations
@@ -98,8 +102,8 @@ def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
 def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: int, global_batch: int,
                  profile: BatchProfile, frozen_aware: bool,
                  rejected: Counter | None = None) -> Iterator[tuple[Layout, int]]:
-    """LLM layouts (cp = 1) with microbatch counts that fit in memory; misfits are counted in
-    ``rejected`` by reason."""
+    """LLM layouts (cp = 1) with microbatch counts that fit in memory, recomputing its activations if
+    need be; misfits are counted in ``rejected`` by reason."""
     seen = set()
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=1):
@@ -113,7 +117,7 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
             seen.add(key)
             load = _microbatch_load(profile, global_batch, base.dp, n_mb)
             layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
-            if check_memory(cost, "llm", layout, load, n_mb, cap).fits:
+            if any(check_memory(cost, "llm", layout, load, n_mb, cap, recompute=r).fits for r in (False, True)):
                 yield layout, n_mb
             elif rejected is not None:
                 rejected["llm exceeds device memory"] += 1
@@ -127,18 +131,41 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
     return fitting(found, cost, cluster, profile, rejected)
 
 
+def recompute_options(cost: CostModel, plan: Plan) -> list[tuple[str, ...]]:
+    """What a plan may recompute, least first: nothing, the LLM, every module with a backward.
+
+    Every recipe gets the same rule (Megatron-LM's ``--recompute-granularity full``, torchtitan's
+    full activation checkpointing). Zero-bubble plans are not retried: their deferred W keeps the
+    linear inputs its B recomputed, which the memory model does not follow from B to W; the same
+    layout under 1F1B is a candidate of its own and is retried.
+    """
+    options: list[tuple[str, ...]] = [plan.recompute]
+    if plan.schedule == "zb":
+        return options
+    for modules in (("llm",), tuple(m for m in ("llm", *plan.encoders) if cost.needs_backward(m))):
+        modules = tuple(m for m in modules if cost.needs_backward(m))
+        if modules and set(modules) - set(options[-1]):
+            options.append(tuple(dict.fromkeys((*options[-1], *modules))))
+    return options
+
+
 def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
             rejected: Counter | None = None) -> Iterator[Candidate]:
     """The candidates whose estimated peak on every rank (states of every module plus in-flight
-    activations under the schedule) fits the device; the others counted in ``rejected``."""
+    activations under the schedule) fits the device, each with the least recompute
+    (`recompute_options`) it needs; those that fit with none counted in ``rejected``."""
     from harmonia.plan.memory import plan_peak_bytes  # the planner's memory model builds on this package
 
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for cand in found:
-        if max(plan_peak_bytes(cost, cand.plan, profile, cand.fused).values()) <= cap:
-            yield cand
-        elif rejected is not None:
-            rejected["plan exceeds device memory (estimate)"] += 1
+        for modules in recompute_options(cost, cand.plan):
+            plan = replace(cand.plan, recompute=modules)
+            if max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap:
+                yield replace(cand, plan=plan)
+                break
+        else:
+            if rejected is not None:
+                rejected["plan exceeds device memory (estimate)"] += 1
 
 
 def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,

@@ -4,7 +4,9 @@ Given a plan (layouts, stage splits), the cost model and the iteration's assignm
 DP replica, its microbatches as lists of sample indices — this computes, for every
 ``(module, replica, stage, microbatch)``, the F, B and W seconds on one rank of that stage's TP x CP
 group, the activation bytes the microbatch keeps there, the bytes sent to the next stage, and the
-boundary bytes an encoder's last stage sends to the LLM's first stage.
+boundary bytes an encoder's last stage sends to the LLM's first stage. A module in
+``plan.recompute`` keeps only its blocks' inputs and runs their forward again in B
+(`harmonia.workload.cost`).
 
 Encoder replicas and LLM replicas are matched by rank when every encoder replica lies inside one
 LLM replica's ranks (colocated encoders): LLM replica ``d`` is fed by the encoder replicas on its
@@ -44,6 +46,7 @@ class MicrobatchWork:
     send_bytes: float = 0.0  # activations to the next stage (gradients back are the same size)
     flops: float = 0.0  # useful FLOPs on one rank of the stage's TP x CP group
     tokens: int = 0
+    transient: float = 0.0  # bytes held only during the backward: a recomputed block's activations
 
 
 @dataclass
@@ -193,11 +196,13 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
                      mb: tuple[int, int], load: ModuleLoad, proj_load: ModuleLoad, hidden: int,
                      tp: int, cp: int) -> None:
     layout = plan.layouts[module]
+    recompute = module in plan.recompute
     for chunk in range(layout.n_stages):
         start, stop = stage_layer_range(cost, plan, module, chunk)
-        times = cost.stage_times(module, load, start, stop, tp, cp)
+        times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
         flops = float(cost.flops(module, load, start, stop).sum())
-        act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp)
+        act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+        transient = cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp) if recompute else 0.0
         last = chunk == layout.n_stages - 1
         if last and module != "llm":  # the projector runs on the encoder's last stage
             proj = f"{module}_proj"
@@ -208,4 +213,4 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         if key not in out.stage_ranks:
             out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
-        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens)
+        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)

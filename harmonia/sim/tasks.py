@@ -14,7 +14,9 @@ dependencies are the pipeline's data flow:
   communication stream: a ring all-reduce, ``2 (dp-1)/dp * bytes / bandwidth``.
 
 TP adds two all-reduces of the activations per block forward and two per backward, CP an
-all-gather of K and V per block; both are added to the compute duration (they are synchronous).
+all-gather of K and V per block; both are added to the compute duration (they are synchronous). A
+recomputed module's backward (B or BW) runs its blocks' forward again, collectives included: two
+more all-reduces and one more K/V all-gather per block.
 FSDP gathers a stage's weights over its DP group before the forward and again before the backward
 (weights resharded after forward, FSDP2's default); prefetching overlaps the gather with compute,
 so only the part longer than the compute adds time.
@@ -65,14 +67,16 @@ def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageK
     ranks = iw.stage_ranks[key]
     hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
     extra = 0.0
+    passes = 2 if kind in ("B", "BW") and key.module in plan.recompute else 1  # recompute: forward again
     if layout.tp > 1 and kind != "W":
         tp_group = ranks[: layout.tp]
-        extra += 2 * blocks * ring_allreduce_s(work.tokens / layout.cp * hidden * cost.act_bytes, tp_group, cluster)
+        extra += passes * 2 * blocks * ring_allreduce_s(work.tokens / layout.cp * hidden * cost.act_bytes,
+                                                        tp_group, cluster)
     if layout.cp > 1 and kind in ("F", "B", "BW"):
         spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
         kv = 2 * work.tokens * spec.kv_dim * cost.act_bytes / layout.tp
         cp_group = ranks[:: layout.tp]
-        extra += blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
+        extra += passes * blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
     if layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW"):
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
         if (key.module, key.stage) not in cache:
@@ -106,10 +110,12 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int
             flops_share = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W,
                            "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
             mem = _activation_delta(kind, work.act_bytes, w_only, (module, replica, chunk, mb) in has_w)
+            recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
             index[(ck, rank)] = len(tasks)
             queue[rank].append(len(tasks))
             tasks.append(Task(f"{module}.r{replica}.s{chunk}.{kind}{mb[0]}.{mb[1]}", rank, duration, [],
-                              module, kind, mem, work.flops * flops_share))
+                              module, kind, mem, work.flops * flops_share,
+                              work.transient if recomputes else 0.0))
     for (ck, rank), i in index.items():
         tasks[i].deps = _deps(plan, iw, ck, rank, index, cluster)
     comm = _gradient_reductions(plan, cost, iw, orders, tasks, index, cluster)

@@ -7,6 +7,16 @@ device's achievable fraction, optionally replaced per phase (F, B, W) by a measu
 ``tp``; context parallelism divides tokens and pairs by ``cp`` (balanced shards). Communication is
 the simulator's business (`harmonia.sim`), not this module's.
 
+Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, "full" recompute, as in
+Megatron-LM's ``--recompute-granularity full``): a recomputed module checkpoints every transformer
+block that runs a backward (``harmonia.runtime.parallelize.apply_recompute``, non-reentrant). The
+forward keeps only each block's input, ``tokens x hidden`` elements per block (replicated over TP,
+which runs without sequence parallelism, so divided by ``cp`` only), instead of the block's
+``act_elems_tok``; the backward of each such block first runs the block's forward again, so a
+stage's B grows by exactly the F of those blocks (``B' = B + F_blocks``; W is unchanged, the
+front end, post layer, head and projector are not checkpointed). While one block runs its
+backward its full activations exist again: `recompute_transient_bytes`.
+
 Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam): 2 bytes per bf16 weight,
 plus for each trainable weight 2 bytes of gradient and 12 bytes of fp32 master weight and Adam
 moments (K = 12), the 14 trainable bytes divided by the FSDP shard degree.
@@ -107,6 +117,7 @@ class CostModel:
         self.modules: list[str] = mllm.module_names
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
         self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, int, int]] = {}
+        self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
 
     def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, int, int]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
@@ -118,6 +129,25 @@ class CostModel:
             self._ranges[key] = (self._coefficients(module, start, stop), sum(x.params for x in layers),
                                  sum(x.act_elems_tok for x in layers), sum(x.io_elems_tok for x in layers))
         return self._ranges[key]
+
+    def _backward_blocks(self, module: str, start: int, stop: int | None) -> tuple[int, int, float, float]:
+        """The blocks of layers [start, stop) that recompute: ``(lo, hi, n, act)``, the layer range
+        [lo, hi) from the first to the last block running a backward (B or W), their count, and
+        the largest activation elements per token one of them keeps without recompute. Blocks with
+        a backward are contiguous: everything downstream of a trainable weight needs B."""
+        stop = len(self.layers[module]) if stop is None else stop
+        key = (module, start, stop)
+        if key not in self._blocks:
+            idx = [i for i in range(start, stop) if self.layers[module][i].kind == "block"
+                   and (self.layers[module][i].needs_b or self.layers[module][i].needs_w)]
+            self._blocks[key] = ((idx[0], idx[-1] + 1, float(len(idx)),
+                                  max(self.layers[module][i].act_elems_tok for i in idx)) if idx
+                                 else (start, start, 0.0, 0.0))
+        return self._blocks[key]
+
+    def hidden(self, module: str) -> int:
+        """Width of a module's transformer blocks (the LLM's or an encoder's body)."""
+        return self.mllm.llm.body.hidden if module == "llm" else self.mllm.encoders[module].body.hidden
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def _coefficients(self, module: str, start: int, stop: int) -> np.ndarray:
@@ -140,13 +170,20 @@ class CostModel:
 
     # ---- time --------------------------------------------------------------------------------
     def stage_times(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
-                    tp: int = 1, cp: int = 1) -> PhaseTimes:
+                    tp: int = 1, cp: int = 1, recompute: bool = False) -> PhaseTimes:
         """Seconds of F, B, W for layers [start, stop) of ``module`` on one rank of a TP x CP group.
 
         Each phase is a roofline: FLOPs at the phase's efficiency, or the bytes it moves (weights
-        once, activations per token) at memory bandwidth, whichever is slower.
+        once, activations per token) at memory bandwidth, whichever is slower. With ``recompute``
+        B also runs the forward of every block with a backward again (module docstring):
+        ``B + F`` of those blocks, each term its own roofline.
         """
         stop = len(self.layers[module]) if stop is None else stop
+        if recompute:
+            plain = self.stage_times(module, load, start, stop, tp, cp)
+            lo, hi, n, _ = self._backward_blocks(module, start, stop)
+            again = self.stage_times(module, load, lo, hi, tp, cp).F if n else 0.0
+            return PhaseTimes(plain.F, plain.B + again, plain.W)
         flops = self.flops(module, load, start, stop) / (tp * cp)
         _, params, _, io_elems = self._range(module, start, stop)
         weight_bytes = params * PARAM_BYTES / tp
@@ -211,9 +248,25 @@ class CostModel:
         return per_rank / fsdp_shards
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
-                         tp: int = 1, cp: int = 1) -> float:
-        """Bytes kept for backward by one microbatch of ``tokens`` through layers [start, stop)."""
-        return self._range(module, start, stop)[2] * tokens * self.act_bytes / (tp * cp)
+                         tp: int = 1, cp: int = 1, recompute: bool = False) -> float:
+        """Bytes kept for backward by one microbatch of ``tokens`` through layers [start, stop).
+
+        With ``recompute`` each block with a backward keeps only its input, ``tokens / cp x
+        hidden`` elements (replicated over TP), and the other layers keep theirs.
+        """
+        kept = self._range(module, start, stop)[2]
+        if not recompute:
+            return kept * tokens * self.act_bytes / (tp * cp)
+        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        blocks = sum(x.act_elems_tok for x in self.layers[module][lo:hi] if x.kind == "block")
+        inputs = n * self.hidden(module) * tokens * self.act_bytes / cp
+        return (kept - blocks) * tokens * self.act_bytes / (tp * cp) + inputs
+
+    def recompute_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
+                                  tp: int = 1, cp: int = 1) -> float:
+        """Bytes a recomputed stage holds beyond its kept activations while one block runs its
+        backward: that block's recomputed activations (the largest block of layers [start, stop))."""
+        return self._backward_blocks(module, start, stop)[3] * tokens * self.act_bytes / (tp * cp)
 
     def needs_backward(self, module: str) -> bool:
         """Whether any layer of the module runs B or W."""
