@@ -3,7 +3,7 @@
 The branch and bound skips a candidate once a bound on its time exceeds the best simulated score,
 so a bound above the simulation would lose the optimum. Checked on every recipe's placements
 (colocated, disjoint, encoders fused into the LLM's first stage), pp 1/2/4, 1F1B, zero-bubble and
-interleaved schedules, trainable and frozen encoders.
+interleaved schedules, trainable and frozen encoders, with and without activation recomputation.
 """
 
 from dataclasses import replace
@@ -14,7 +14,8 @@ import harmonia.plan.bounds as bounds
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s
 from harmonia.plan.layout import Layout
-from harmonia.sim.recipes import RECIPES, Candidate, assign, candidates, homogeneous_candidates, simulate_work
+from harmonia.sim.recipes import (RECIPES, Candidate, assign, candidates, homogeneous_candidates, recompute_options,
+                                  simulate_work)
 from harmonia.sim.scenario import Scenario, ScenarioRun
 from harmonia.sim.stagework import plan_iteration_work
 
@@ -52,7 +53,14 @@ def _spread(run: ScenarioRun, per_family: int = 2) -> list[Candidate]:
         key = (c.recipe, c.fused, c.plan.placement, c.plan.schedule, c.plan.layouts["llm"].pp)
         families.setdefault(key, []).append(c)
     picked = [c for group in families.values() for c in group[:: max(1, len(group) // per_family)][:per_family]]
-    return picked + [x for x in map(_interleaved, picked) if x is not None]
+    picked += [x for x in map(_interleaved, picked) if x is not None]
+    return picked + [x for x in (_recomputed(run.cost, c) for c in picked) if x is not None]
+
+
+def _recomputed(cost, cand: Candidate) -> Candidate | None:
+    """The candidate recomputing every module with a backward (as the recipes retry a misfit)."""
+    modules = recompute_options(cost, cand.plan)[-1]
+    return replace(cand, plan=replace(cand.plan, recompute=modules)) if modules else None
 
 
 def _bounds_and_time(run: ScenarioRun, cand: Candidate, k: int) -> tuple[dict[str, float], float, object]:
@@ -82,6 +90,7 @@ def test_bounds_never_exceed_the_simulated_time(name: str, shared_traces, monkey
     assert {c.plan.schedule for c in picked} >= {"1f1b", "zb", "interleaved"}
     assert {c.plan.layouts["llm"].pp for c in picked} >= {1, 2, 4}
     assert {c.plan.placement.value for c in picked} == {"colocated", "disjoint"}
+    assert any(c.plan.recompute for c in picked)
     violations, sharper = [], 0
     for cand in picked:
         found, simulated, iw = _bounds_and_time(run, cand, 1)

@@ -1,0 +1,142 @@
+"""Activation recomputation in the cost model, simulator and planner: B runs the blocks' forward
+again, the stage keeps only each block's input, and a plan that fits only with recompute gets it."""
+
+from dataclasses import replace
+
+import pytest
+
+from harmonia.cli import main
+from harmonia.model.presets import mllm_preset
+from harmonia.plan.candidates import state_bytes_per_rank
+from harmonia.plan.layout import Layout
+from harmonia.plan.memory import plan_peak_bytes
+from harmonia.plan.plan import Plan
+from harmonia.plan.profiling import profile_batches
+from harmonia.sim.engine import replay
+from harmonia.sim.orders import plan_orders
+from harmonia.sim.stagework import StageKey, plan_iteration_work, stage_layer_range
+from harmonia.sim.tasks import build_tasks
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import cluster_from_string, device_preset
+from harmonia.workload.traces import synthesize_trace
+from harmonia.workload.work import ModuleLoad, sample_loads
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def setup():
+    mllm = mllm_preset("internvl-8b")
+    cost = CostModel(mllm, device_preset("h100"))
+    samples = [synthesize_trace(1, {"image": 1.0}, seed=3)[0]] * 64
+    return cost, samples, profile_batches(samples, cost, BATCH, 1)
+
+
+def _plan(recompute, schedule="1f1b", llm=Layout(pp=4, dp=1, tp=2, rank_offset=2)):
+    return Plan("internvl-8b", {"vision": Layout(dp=2), "llm": llm}, "disjoint", schedule, n_microbatches=4,
+                global_batch=BATCH, recompute=recompute)
+
+
+def _work(cost, samples, plan):
+    mbs = {d: [list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(plan.n_microbatches)]
+           for d in range(plan.layouts["llm"].dp)}
+    return plan_iteration_work(samples, plan, cost, mbs)
+
+
+def _blocks(cost, module, start, stop):
+    """[lo, hi) of the transformer blocks among layers [start, stop)."""
+    idx = [i for i in range(start, stop) if cost.layers[module][i].kind == "block"]
+    return idx[0], idx[-1] + 1
+
+
+def test_recomputed_stage_backward_is_plain_backward_plus_its_blocks_forward(setup) -> None:
+    cost, samples, _ = setup
+    plain, again = _plan(()), _plan(("llm", "vision"))
+    iw_plain, iw_again = _work(cost, samples, plain), _work(cost, samples, again)
+    checked = 0
+    for (key, mb), work in iw_plain.work.items():
+        redo = iw_again.work[(key, mb)]
+        start, stop = stage_layer_range(cost, plain, key.module, key.stage)
+        lo, hi = _blocks(cost, key.module, start, stop)
+        layout = plain.layouts[key.module]
+        load = (sum((sample_loads(samples[i], cost.mllm)["llm"] for i in plain_mb(iw_plain, mb)), ModuleLoad())
+                if key.module == "llm" else None)
+        if load is not None:
+            forward = cost.stage_times("llm", load, lo, hi, layout.tp, layout.cp).F
+            assert redo.times.B == pytest.approx(work.times.B + forward, rel=1e-12)
+            assert forward > 0.2 * work.times.F  # the blocks are most of the stage
+            checked += 1
+        assert redo.times.F == work.times.F and redo.times.W == work.times.W
+        assert redo.times.B >= work.times.B
+    assert checked == 4 * 4
+    # the simulator's B tasks add that compute and, at tp 2, the recomputed forward's all-reduces
+    cluster = cluster_from_string("h100x8")
+    b = {}
+    for plan, iw in ((plain, iw_plain), (again, iw_again)):
+        tasks, _, _ = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster)
+        b[plan.recompute] = {t.name: t.duration for t in tasks if t.kind == "B" and t.module == "llm"}
+    for name, seconds in b[again.recompute].items():
+        key = StageKey("llm", 0, int(name.split(".s")[1].split(".")[0]))
+        mb = (0, int(name.rsplit(".", 1)[1]))
+        extra = iw_again.work[(key, mb)].times.B - iw_plain.work[(key, mb)].times.B
+        assert seconds > b[()][name] + extra
+
+
+def plain_mb(iw, mb):
+    return iw.microbatches[mb[0]][mb[1]]
+
+
+def test_recomputed_stage_keeps_only_each_block_input(setup) -> None:
+    cost, samples, _ = setup
+    hidden = cost.mllm.llm.body.hidden
+    for tp, cp in ((1, 1), (2, 1), (2, 2), (4, 2)):
+        for start, stop in ((1, 9), (5, 20)):  # blocks only: no embedding or head
+            tokens = 4096
+            kept = cost.activation_bytes("llm", tokens, start, stop, tp, cp, recompute=True)
+            assert kept == pytest.approx((stop - start) * tokens / cp * hidden * cost.act_bytes, rel=1e-12)
+            full = cost.activation_bytes("llm", tokens, start, stop, tp, cp)
+            assert kept < full
+    plan = _plan(("llm",))
+    iw = _work(cost, samples, plan)
+    for (key, mb), work in iw.work.items():
+        if key.module == "llm" and 0 < key.stage < 3:  # middle stages hold blocks only
+            start, stop = stage_layer_range(cost, plan, "llm", key.stage)
+            assert work.act_bytes == pytest.approx((stop - start) * work.tokens * hidden * cost.act_bytes, rel=1e-12)
+            assert work.transient > 0
+
+
+@pytest.mark.parametrize("recompute", [("llm",), ("llm", "vision")])
+def test_recompute_lowers_the_simulated_peak_and_the_estimate_bounds_it(setup, recompute) -> None:
+    cost, samples, profile = setup
+    cluster = cluster_from_string("h100x8")
+    peaks = {}
+    for modules in ((), recompute):
+        plan = _plan(modules, llm=Layout(pp=2, dp=2, rank_offset=2))
+        iw = _work(cost, samples, plan)
+        tasks, queue, comm = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster)
+        acts = replay(tasks, queue, comm).peak_mem
+        states = state_bytes_per_rank(cost, plan)
+        simulated = {r: states[r] + acts.get(r, 0.0) for r in states}
+        estimate = plan_peak_bytes(cost, plan, profile)
+        for rank in simulated:
+            assert simulated[rank] <= estimate[rank] * (1 + 1e-9), rank
+        peaks[modules] = simulated
+    for rank in plan.layouts["llm"].rank_list():
+        assert peaks[recompute][rank] < peaks[()][rank]
+
+
+def test_plan_that_fits_only_with_recompute_gets_it(tmp_path) -> None:
+    """internvl-8b with a 64-sample batch on 2 H100s: no layout fits without recompute."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "internvl-8b", "--cluster", "h100:1x2", "--trace", "synthetic:image=1",
+                 "--global-batch", "64", "--batches", "1", "--top", "3", "--json", str(out)]) == 0
+    plan = Plan.load(out)
+    assert "llm" in plan.recompute
+    # and without it the same plan is over the device
+    from harmonia.sim.scenario import Scenario, ScenarioRun
+
+    run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x2", "synthetic:image=1", 64, iterations=1,
+                               search_batches=1))
+    cap = run.cluster.device.mem_bytes * 0.9
+    assert max(plan_peak_bytes(run.cost, replace(plan, recompute=()), run.profile).values()) > cap
+    assert max(plan_peak_bytes(run.cost, plan, run.profile).values()) <= cap
