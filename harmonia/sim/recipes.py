@@ -153,15 +153,19 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
             rejected: Counter | None = None) -> Iterator[Candidate]:
     """The candidates whose estimated peak on every rank (states of every module plus in-flight
     activations under the schedule) fits the device, each with the least recompute
-    (`recompute_options`) it needs; those that fit with none counted in ``rejected``."""
+    (`recompute_options`) it needs and with every larger recompute option: the estimate is for
+    the profile's mean microbatch, and a batch with heavier microbatches than the mean may fit
+    only with more recompute when simulated. Those that fit with none are counted in ``rejected``."""
     from harmonia.plan.memory import plan_peak_bytes  # the planner's memory model builds on this package
 
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for cand in found:
-        for modules in recompute_options(cost, cand.plan):
+        options = recompute_options(cost, cand.plan)
+        for i, modules in enumerate(options):
             plan = replace(cand.plan, recompute=modules)
             if max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap:
                 yield replace(cand, plan=plan)
+                yield from (replace(cand, plan=replace(cand.plan, recompute=more)) for more in options[i + 1:])
                 break
         else:
             if rejected is not None:
