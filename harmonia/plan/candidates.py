@@ -14,6 +14,7 @@ no schedule beats; candidates whose bound exceeds the best simulated time are pr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -133,12 +134,19 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
     return MemoryCheck(peak + extra, capacity)
 
 
+@functools.lru_cache(maxsize=4096)
+def _stage_split(cost: CostModel, module: str, load: ModuleLoad, n_stages: int, tp: int, cp: int) -> tuple[int, ...]:
+    """`plan_module_stages`, once per distinct request: candidates repeat the same LLM split for
+    every encoder layout, placement and schedule they pair it with."""
+    return plan_module_stages(cost, module, load, n_stages, tp, cp)
+
+
 def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoad) -> Layout:
     """The layout with its stages split by the frozen-aware partitioner."""
     if layout.n_stages == 1:
         return layout
     # partition over blocks only: front end and head stay with the first and last chunk
-    split = plan_module_stages(cost, module, load, layout.n_stages, layout.tp, layout.cp)
+    split = _stage_split(cost, module, load, layout.n_stages, layout.tp, layout.cp)
     blocks = list(split)
     blocks[0] -= 1
     blocks[-1] -= 1
