@@ -27,6 +27,11 @@ from harmonia.sim.stagework import plan_iteration_work
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def times(a: float, b: float) -> str:
+    """``a / b`` as a speed-up, or ``-`` when either side has no plan (NaN)."""
+    return f"{a / b:.2f}x" if np.isfinite(a) and np.isfinite(b) else "-"
+
+
 def plan_text(result) -> str:
     if result.candidate is None:
         why = "memory" if "memory" in result.error else result.error[:80]
@@ -72,15 +77,15 @@ def main(paths: list[str]) -> int:
             if r.candidate is None:
                 table.add_row(name, "-", "-", "-", "-", "-", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
                 continue
-            table.add_row(name, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", f"{base / r.iteration_s:.2f}x",
+            table.add_row(name, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", times(base, r.iteration_s),
                           f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
         table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}",
-                      f"{base / bound:.2f}x", "0.0%", "", "all work spread evenly over every rank", "")
+                      times(base, bound), "0.0%", "", "all work spread evenly over every rank", "")
         console.print(table)
         h = results["harmonia"].iteration_s
         if results["harmonia"].candidate:
-            console.print(f"harmonia vs megatron {base / h:.2f}x (target 1.40x); vs best other baseline "
-                          f"{others / h:.2f}x (target 1.15x)")
+            console.print(f"harmonia vs megatron {times(base, h)} (target 1.40x); vs best other baseline "
+                          f"{times(others, h)} (target 1.15x)")
         search_ms = order_search_ms(run, results["harmonia"]) if results["harmonia"].candidate else [float("nan")]
         if results["harmonia"].candidate:
             console.print(f"per-batch schedule search on {run.cluster.world_size} GPUs "
