@@ -135,8 +135,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     base = results.get("megatron")
     for recipe, r in results.items():
         d = r.as_dict()
-        speed = (base.iteration_s / r.iteration_s) if base and base.candidate and r.candidate else float("nan")
-        table.add_row(recipe, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", f"{speed:.2f}x",
+        if r.candidate is None:  # no plan of this recipe fits: say why instead of NaN cells
+            table.add_row(recipe, "-", "-", "-", "-", "-", _plan_summary(d), f"{r.tried} in {r.search_s:.1f}s")
+            continue
+        speed = f"{base.iteration_s / r.iteration_s:.2f}x" if base and base.candidate else "-"
+        table.add_row(recipe, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", speed,
                       f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", _plan_summary(d),
                       f"{r.tried} in {r.search_s:.1f}s")
     table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "", 
