@@ -75,7 +75,7 @@ def _deal_encoder(weights: np.ndarray, replicas_of: Sequence[Sequence[int]], llm
     encoder replicas that feed it, against the iteration's running ``loads``."""
     split: list[list[int]] = [[] for _ in loads]
     for d, positions in enumerate(llm_split):
-        replicas = list(replicas_of[d % len(replicas_of)])
+        replicas = list(replicas_of[d])
         sub = loads[replicas]
         for k, picks in enumerate(deal_longest_first(weights[positions], len(replicas), sub)):
             split[replicas[k]].extend(positions[i] for i in picks)

@@ -6,12 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from harmonia.model.presets import mllm_preset
 from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.layout import Layout
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.plan import Plan
-from harmonia.plan.profiling import profile_batches
 from harmonia.plan.search import _branch_and_bound, _Scorer
 from harmonia.sim.engine import replay
 from harmonia.sim.orders import plan_orders
@@ -19,20 +17,14 @@ from harmonia.sim.recipes import candidates
 from harmonia.sim.scenario import Scenario, ScenarioRun
 from harmonia.sim.stagework import plan_iteration_work
 from harmonia.sim.tasks import build_tasks
-from harmonia.workload.cost import CostModel
-from harmonia.workload.devices import cluster_from_string, device_preset
-from harmonia.workload.traces import synthesize_trace
+from harmonia.workload.devices import cluster_from_string
 
 BATCH = 16
 
 
 @pytest.fixture(scope="module")
-def equal_samples():
-    """One image sample repeated: every microbatch alike, so the estimate is exact in microbatches."""
-    mllm = mllm_preset("internvl-8b")
-    cost = CostModel(mllm, device_preset("h100"))
-    samples = [synthesize_trace(1, {"image": 1.0}, seed=3)[0]] * 64
-    return cost, samples, profile_batches(samples, cost, BATCH, 1)
+def equal_samples(equal_image_samples):
+    return equal_image_samples
 
 
 def _plan(layouts, schedule):

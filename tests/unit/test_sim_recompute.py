@@ -6,30 +6,23 @@ from dataclasses import replace
 import pytest
 
 from harmonia.cli import main
-from harmonia.model.presets import mllm_preset
 from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.layout import Layout
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.plan import Plan
-from harmonia.plan.profiling import profile_batches
 from harmonia.sim.engine import replay
 from harmonia.sim.orders import plan_orders
 from harmonia.sim.stagework import StageKey, plan_iteration_work, stage_layer_range
 from harmonia.sim.tasks import build_tasks
-from harmonia.workload.cost import CostModel
-from harmonia.workload.devices import cluster_from_string, device_preset
-from harmonia.workload.traces import synthesize_trace
+from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.work import ModuleLoad, sample_loads
 
 BATCH = 16
 
 
 @pytest.fixture(scope="module")
-def setup():
-    mllm = mllm_preset("internvl-8b")
-    cost = CostModel(mllm, device_preset("h100"))
-    samples = [synthesize_trace(1, {"image": 1.0}, seed=3)[0]] * 64
-    return cost, samples, profile_batches(samples, cost, BATCH, 1)
+def setup(equal_image_samples):
+    return equal_image_samples
 
 
 def _plan(recompute, schedule="1f1b", llm=Layout(pp=4, dp=1, tp=2, rank_offset=2)):
