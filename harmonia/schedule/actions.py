@@ -22,6 +22,7 @@ import csv
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,7 +103,8 @@ class Action:
     peer_rank: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))
+        if not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", Kind(self.kind))
         if self.module not in _VALID_MODULES:
             if not re.fullmatch(_NAME, self.module):
                 raise ScheduleError(f"module name {self.module!r} is invalid: use letters, digits, _")
@@ -113,7 +115,7 @@ class Action:
             raise ScheduleError(f"compute action {self.module}.s{self.stage}.{self.kind.value} "
                                 "cannot name a peer; only sends and receives do")
 
-    @property
+    @cached_property
     def stage_ref(self) -> StageRef:
         return StageRef(self.module, self.stage)
 

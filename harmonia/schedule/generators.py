@@ -133,6 +133,24 @@ def is_colocated(graph: StageGraph, ref: StageRef) -> bool:
 
 
 # -- the list scheduler --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Facts:
+    """What the scheduler asks of one stage per action, computed once per schedule."""
+
+    gate: object  # the policy's gate key for the stage (None = ungated)
+    shared: bool  # several holders, each with its own gate
+    holders: tuple[int, ...]
+    kinds: tuple[Kind, ...]  # backward kinds under the policy
+    backward: bool  # the stage holds activations until its backward
+    sends_rows: bool  # no backward; holds sent rows until the consumer's forward takes them
+
+    @staticmethod
+    def of(graph: StageGraph, policy: Policy, ref: StageRef) -> _Facts:
+        holders = graph.holders_of(ref)
+        return _Facts(policy.gate(ref), len(holders) > 1, holders, graph.backward_kinds(ref, policy.split),
+                      graph.needs_backward(ref), _sends_rows(graph, ref))
+
+
 @dataclass
 class _State:
     done: set = field(default_factory=set)
@@ -141,6 +159,7 @@ class _State:
     deferred: dict = field(default_factory=dict)  # gate -> W pending after their B
     f_left: dict = field(default_factory=dict)  # stage -> forwards not yet started
     producers: dict = field(default_factory=dict)  # action -> its producers (computed once)
+    facts: dict = field(default_factory=dict)  # stage -> _Facts
 
 
 def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
@@ -151,7 +170,8 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
     position = {m: i for i, m in enumerate(order)}
     grad = {s: (Kind.BW if Kind.BW in g.backward_kinds(s, policy.split) else Kind.B) for s in g.stages()}
     state = _State(f_left={s: len(g.holders_of(s)) * sum(len(skeleton.subs(s.module, m)) for m in order)
-                           for s in g.stages()})
+                           for s in g.stages()},
+                   facts={s: _Facts.of(g, policy, s) for s in g.stages()})
     orders: dict[int, list[Action]] = {r: [] for r in lanes}
     busy: dict[int, bool] = {r: False for r in lanes}
     running: list[tuple[float, int, int, Action]] = []
@@ -191,13 +211,13 @@ def _ready(skeleton: IterationSchedule, state: _State, a: Action, grad) -> bool:
     return all(d in state.done for d in deps)
 
 
-def _gate_key(skeleton: IterationSchedule, policy: Policy, ref: StageRef, rank: int):
-    """The memory gate an action of ``ref`` on ``rank`` counts against (None = ungated).
+def _gate_key(facts: _Facts, rank: int):
+    """The memory gate an action of the stage on ``rank`` counts against (None = ungated).
 
     Every holder of a shared stage keeps its own share of each microbatch, so it has its own gate.
     """
-    key = policy.gate(ref)
-    if key is None or not skeleton.graph.is_shared(ref):
+    key = facts.gate
+    if key is None or not facts.shared:
         return key
     return key, rank
 
@@ -217,10 +237,11 @@ def _admitted(skeleton: IterationSchedule, policy: Policy, state: _State, a: Act
     ref = a.stage_ref
     if a.kind is not Kind.F:
         return not policy.backward_after_forward or state.f_left[ref] == 0
-    base = policy.gate(ref)
-    if base is None or not (skeleton.graph.needs_backward(ref) or _sends_rows(skeleton.graph, ref)):
+    facts = state.facts[ref]
+    base = facts.gate
+    if base is None or not (facts.backward or facts.sends_rows):
         return True
-    key = _gate_key(skeleton, policy, ref, rank)
+    key = _gate_key(facts, rank)
     share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
     if state.deferred.get(key, 0.0) >= policy.w_limits.get(base, _INF) - 1e-9:
         return False
@@ -243,10 +264,9 @@ def _choose(skeleton: IterationSchedule, policy: Policy, state: _State, queues: 
     return None if best is None else (best[1], best[2])
 
 
-def _held_delta(skeleton: IterationSchedule, policy: Policy, a: Action) -> float:
-    ref = a.stage_ref
+def _held_delta(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action) -> float:
     share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
-    kinds = skeleton.graph.backward_kinds(ref, policy.split)
+    kinds = state.facts[a.stage_ref].kinds
     if not kinds or a.kind is Kind.F:
         return share if kinds and a.kind is Kind.F else 0.0
     if len(kinds) == 2:
@@ -257,31 +277,33 @@ def _held_delta(skeleton: IterationSchedule, policy: Policy, a: Action) -> float
 def _start(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action, rank: int) -> None:
     if a.kind is not Kind.F:
         return
-    g = skeleton.graph
     ref = a.stage_ref
     state.f_left[ref] -= 1
-    key = _gate_key(skeleton, policy, ref, rank)
-    if g.needs_backward(ref):
-        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
-    elif _sends_rows(g, ref):
+    facts = state.facts[ref]
+    key = _gate_key(facts, rank)
+    if facts.backward:
+        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, state, a)
+    elif facts.sends_rows:
         state.held[key] = state.held.get(key, 0.0) + 1.0 / len(skeleton.subs(a.module, a.microbatch))
     for p in state.producers[a]:  # this forward takes the rows its producers with no backward sent
-        if _sends_rows(g, p.stage_ref):
+        pfacts = state.facts[p.stage_ref]
+        if pfacts.sends_rows:
             share = 1.0 / len(skeleton.subs(p.module, p.microbatch))
-            for holder in g.holders_of(p.stage_ref):
-                pkey = _gate_key(skeleton, policy, p.stage_ref, holder)
+            for holder in pfacts.holders:
+                pkey = _gate_key(pfacts, holder)
                 state.held[pkey] = state.held.get(pkey, 0.0) - share
 
 
 def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Action, rank: int) -> None:
-    holders = len(skeleton.graph.holders_of(a.stage_ref))
+    facts = state.facts[a.stage_ref]
+    holders = len(facts.holders)
     if holders > 1:  # a shared stage's action is done once every holder has run its share
         state.copies_left[a] = state.copies_left.get(a, holders) - 1
     if holders == 1 or state.copies_left[a] == 0:
         state.done.add(a)
     if a.kind is not Kind.F:
-        key = _gate_key(skeleton, policy, a.stage_ref, rank)
-        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, a)
-        if len(skeleton.graph.backward_kinds(a.stage_ref, policy.split)) == 2:
+        key = _gate_key(facts, rank)
+        state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, state, a)
+        if len(facts.kinds) == 2:
             share = 1.0 / len(skeleton.subs(a.module, a.microbatch))
             state.deferred[key] = state.deferred.get(key, 0.0) + (share if a.kind is Kind.B else -share)

@@ -102,13 +102,16 @@ class StageGraph:
             raise ScheduleError(f"stage graph modules {names} repeat a name; names must be unique")
         for name in names:
             Action(name, 0, Kind.F, 0)  # checks the name is a valid identifier
+        # lookups the schedulers make per action, computed once (not fields: eq and hash ignore them)
+        object.__setattr__(self, "_by_name", {m.name: m for m in self.modules})
+        object.__setattr__(self, "_needs_b", {})
 
     # -- structure ---------------------------------------------------------------------------
     def module(self, name: str) -> ModuleStages:
-        for m in self.modules:
-            if m.name == name:
-                return m
-        raise ScheduleError(f"module {name!r} is not in the stage graph ({self.module_names})")
+        found = self._by_name.get(name)
+        if found is None:
+            raise ScheduleError(f"module {name!r} is not in the stage graph ({self.module_names})")
+        return found
 
     @property
     def module_names(self) -> list[str]:
@@ -128,7 +131,8 @@ class StageGraph:
         return [StageRef(n, s) for n in order for s in range(self.module(n).n_stages)]
 
     def has_stage(self, ref: StageRef) -> bool:
-        return ref.module in self.module_names and 0 <= ref.stage < self.module(ref.module).n_stages
+        found = self._by_name.get(ref.module)
+        return found is not None and 0 <= ref.stage < found.n_stages
 
     def rank_of(self, ref: StageRef) -> int:
         if not self.has_stage(ref):
@@ -169,12 +173,12 @@ class StageGraph:
 
     def needs_b(self, ref: StageRef) -> bool:
         """The stage passes input gradients back (something strictly upstream trains)."""
-        own = self.module(ref.module).trainable[: ref.stage]
-        if any(own):
-            return True
-        if ref.module == LLM:
-            return any(any(self.module(e).trainable) for e in self.encoders)
-        return False
+        known = self._needs_b.get(ref)
+        if known is None:
+            own = self.module(ref.module).trainable[: ref.stage]
+            known = any(own) or (ref.module == LLM and any(any(self.module(e).trainable) for e in self.encoders))
+            self._needs_b[ref] = known
+        return known
 
     def needs_backward(self, ref: StageRef) -> bool:
         return self.needs_b(ref) or self.needs_w(ref)

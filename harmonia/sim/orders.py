@@ -96,12 +96,16 @@ def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | No
     """
     family = family or plan.schedule
     trainable = stage_trainable(plan, cost)
-    timed: dict[int, list[tuple[float, int, int, ComputeKey]]] = defaultdict(list)
+    # per rank: (source replica, source rank, position, key); a rank fed by one source keeps its
+    # order, a rank fed by several merges them by start time in each source's replay
+    placed: dict[int, list[tuple[int, int, int, ComputeKey]]] = defaultdict(list)
+    sources: dict[int, set[tuple[int, int]]] = defaultdict(set)
+    built: dict[int, tuple] = {}
     for d, mbs in iw.microbatches.items():
         graph = StageGraph.from_layouts(plan.layouts, trainable, replica=d)
         table = cost_table(plan, iw, d)
         schedule = build_schedule(graph, len(mbs), family, order=(order or {}).get(d), costs=table)
-        times = replay(schedule, table)
+        built[d] = (schedule, table)
         shares = {ref: colocated_holders(plan.layouts, ref.module, ref.stage, d)
                   for ref in graph.stages() if graph.is_shared(ref)}
         for rep_rank, actions in schedule.orders.items():
@@ -118,8 +122,18 @@ def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | No
                         continue
                     key: ComputeKey = (a.module, e, a.stage, a.kind.value, (d, m))
                     for rank in iw.stage_ranks[skey]:
-                        timed[rank].append((times[(rep_rank, pos)][0], d, pos, key))
-    return {rank: [k for *_, k in sorted(items)] for rank, items in timed.items()}
+                        placed[rank].append((d, rep_rank, pos, key))
+                        sources[rank].add((d, rep_rank))
+    times: dict[int, dict] = {}
+    out = {}
+    for rank, items in placed.items():
+        if len(sources[rank]) == 1:
+            out[rank] = [k for *_, k in items]
+            continue
+        for d in {d for d, _ in sources[rank]} - set(times):
+            times[d] = replay(*built[d])
+        out[rank] = [k for *_, k in sorted((times[d][(r, pos)][0], d, pos, k) for d, r, pos, k in items)]
+    return out
 
 
 def fuse_encoders_into_first_stage(orders: dict[int, list[ComputeKey]]) -> dict[int, list[ComputeKey]]:
