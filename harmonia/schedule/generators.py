@@ -153,7 +153,8 @@ class _Facts:
 
 @dataclass
 class _State:
-    done: set = field(default_factory=set)
+    missing: dict = field(default_factory=dict)  # action -> producers not yet done
+    consumers: dict = field(default_factory=dict)  # action -> actions that wait for it
     copies_left: dict = field(default_factory=dict)  # action of a shared stage -> holders still running it
     held: dict = field(default_factory=dict)
     deferred: dict = field(default_factory=dict)  # gate -> W pending after their B
@@ -172,8 +173,14 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
     state = _State(f_left={s: len(g.holders_of(s)) * sum(len(skeleton.subs(s.module, m)) for m in order)
                            for s in g.stages()},
                    facts={s: _Facts.of(g, policy, s) for s in g.stages()})
+    for queues in lanes.values():
+        for queue in queues:
+            for a in queue:
+                _register(skeleton, state, a, grad)
     orders: dict[int, list[Action]] = {r: [] for r in lanes}
     busy: dict[int, bool] = {r: False for r in lanes}
+    near = _nearby_ranks(g)
+    dirty = set(lanes)  # idle ranks whose choice may have changed since they last found nothing
     running: list[tuple[float, int, int, Action]] = []
     remaining = sum(len(q) for qs in lanes.values() for q in qs)
     t, seq = 0.0, 0
@@ -182,15 +189,20 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
             _, _, rank, a = heapq.heappop(running)
             busy[rank] = False
             _finish(skeleton, policy, state, a, rank)
+            dirty.add(rank)
+            dirty.update(near[a.stage_ref])
         for rank, queues in lanes.items():
-            if busy[rank]:
+            if busy[rank] or rank not in dirty:
                 continue
+            dirty.discard(rank)
             pick = _choose(skeleton, policy, state, queues, position, grad, rank)
             if pick is None:
                 continue
             queue, a = pick
             queue.popleft()
             _start(skeleton, policy, state, a, rank)
+            if a.kind is Kind.F:  # may free rows its producers' holders held, or a GPipe stage's backwards
+                dirty.update(near[a.stage_ref])
             split = len(skeleton.subs(a.module, a.microbatch))
             heapq.heappush(running, (t + costs.duration(a, split, rank), seq, rank, a))
             seq, busy[rank], remaining = seq + 1, True, remaining - 1
@@ -204,11 +216,28 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
     return orders
 
 
-def _ready(skeleton: IterationSchedule, state: _State, a: Action, grad) -> bool:
-    deps = state.producers.get(a)
-    if deps is None:
-        deps = state.producers[a] = skeleton.graph.producers(a, skeleton.subs, lambda ref: grad[ref])
-    return all(d in state.done for d in deps)
+def _nearby_ranks(graph: StageGraph) -> dict[StageRef, set[int]]:
+    """Per stage, every rank whose choice an action of the stage can change when it starts or ends:
+    the holders of the stage and of the stages its actions feed or take from (the chain neighbours;
+    an encoder's last stage and the LLM's first stage are neighbours)."""
+    firsts = {StageRef(LLM, 0)}
+    lasts = {StageRef(e, graph.module(e).n_stages - 1) for e in graph.encoders}
+    out = {}
+    for ref in graph.stages():
+        nearby = {ref, StageRef(ref.module, ref.stage - 1), StageRef(ref.module, ref.stage + 1)}
+        nearby |= lasts if ref in firsts else firsts if ref in lasts else set()
+        out[ref] = {r for n in nearby if graph.has_stage(n) for r in graph.holders_of(n)}
+    return out
+
+
+def _register(skeleton: IterationSchedule, state: _State, a: Action, grad) -> None:
+    """Record an action's producers once (a shared stage's action sits in several holders' lanes)."""
+    if a in state.producers:
+        return
+    deps = state.producers[a] = skeleton.graph.producers(a, skeleton.subs, lambda ref: grad[ref])
+    state.missing[a] = len(set(deps))
+    for d in set(deps):
+        state.consumers.setdefault(d, []).append(a)
 
 
 def _gate_key(facts: _Facts, rank: int):
@@ -256,7 +285,7 @@ def _choose(skeleton: IterationSchedule, policy: Policy, state: _State, queues: 
         if not queue:
             continue
         a = queue[0]
-        if not (_admitted(skeleton, policy, state, a, rank) and _ready(skeleton, state, a, grad)):
+        if state.missing[a] or not _admitted(skeleton, policy, state, a, rank):
             continue
         key = policy.priority(a, position[a.microbatch])
         if best is None or key < best[0]:
@@ -300,7 +329,8 @@ def _finish(skeleton: IterationSchedule, policy: Policy, state: _State, a: Actio
     if holders > 1:  # a shared stage's action is done once every holder has run its share
         state.copies_left[a] = state.copies_left.get(a, holders) - 1
     if holders == 1 or state.copies_left[a] == 0:
-        state.done.add(a)
+        for c in state.consumers.get(a, ()):
+            state.missing[c] -= 1
     if a.kind is not Kind.F:
         key = _gate_key(facts, rank)
         state.held[key] = state.held.get(key, 0.0) + _held_delta(skeleton, policy, state, a)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from harmonia.plan.plan import Plan
 from harmonia.workload.cost import CostModel, PhaseTimes
 from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
-from harmonia.workload.work import ModuleLoad, sample_loads
+from harmonia.workload.work import ModuleLoad
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def plan_iteration_work(samples: list[SampleShape], plan: Plan, cost: CostModel,
         for m, idx in enumerate(mbs):
             load = ModuleLoad()
             for i in idx:
-                load += sample_loads(samples[i], cost.mllm)["llm"]
+                load += cost.sample_loads(samples[i])["llm"]
             _add_module_work(out, plan, cost, "llm", d, (d, m), load, ModuleLoad(), h_llm, llm.tp, llm.cp)
             for enc in plan.encoders:
                 _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm, feeds[enc][d], loads[enc])
@@ -200,14 +200,14 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
     for chunk in range(layout.n_stages):
         start, stop = stage_layer_range(cost, plan, module, chunk)
         times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
-        flops = float(cost.flops(module, load, start, stop).sum())
+        flops = sum(cost.phase_flops(module, load, start, stop))
         act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
         transient = cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp) if recompute else 0.0
         last = chunk == layout.n_stages - 1
         if last and module != "llm":  # the projector runs on the encoder's last stage
             proj = f"{module}_proj"
             times = times + cost.stage_times(proj, proj_load, tp=tp, cp=cp)
-            flops += float(cost.flops(proj, proj_load).sum())
+            flops += sum(cost.phase_flops(proj, proj_load))
             act += cost.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:

@@ -62,22 +62,28 @@ def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageK
                       cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces and CP K/V all-gathers inside a stage for one phase."""
     layout = plan.layouts[key.module]
+    tp_collective = layout.tp > 1 and kind != "W"
+    cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
+    fsdp_gather = layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
+    if not (tp_collective or cp_collective or fsdp_gather):
+        return 0.0
     work = iw.work[(key, mb)]
-    blocks = layout.stage_split(len(cost.layers[key.module]) - 2)[key.stage]
     ranks = iw.stage_ranks[key]
-    hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
     extra = 0.0
-    passes = 2 if kind in ("B", "BW") and key.module in plan.recompute else 1  # recompute: forward again
-    if layout.tp > 1 and kind != "W":
+    if tp_collective or cp_collective:
+        blocks = layout.stage_split(len(cost.layers[key.module]) - 2)[key.stage]
+        passes = 2 if kind in ("B", "BW") and key.module in plan.recompute else 1  # recompute: forward again
+    if tp_collective:
+        hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
         tp_group = ranks[: layout.tp]
         extra += passes * 2 * blocks * ring_allreduce_s(work.tokens / layout.cp * hidden * cost.act_bytes,
                                                         tp_group, cluster)
-    if layout.cp > 1 and kind in ("F", "B", "BW"):
+    if cp_collective:
         spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
         kv = 2 * work.tokens * spec.kv_dim * cost.act_bytes / layout.tp
         cp_group = ranks[:: layout.tp]
         extra += passes * blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
-    if layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW"):
+    if fsdp_gather:
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
         if (key.module, key.stage) not in cache:
             cache[(key.module, key.stage)] = _fsdp_gather_s(plan, cost, key, ranks[0], cluster)

@@ -118,6 +118,8 @@ class CostModel:
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
         self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, int, int]] = {}
         self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
+        self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
+        self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
 
     def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, int, int]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
@@ -159,9 +161,18 @@ class CostModel:
 
     def flops(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None) -> np.ndarray:
         """F, B, W FLOPs (shape (3,)) of layers [start, stop) of ``module`` for a load."""
-        coef = self._coef[module] if (start, stop) in ((0, None), (0, len(self.layers[module]))) \
-            else self._range(module, start, stop)[0]
-        return coef @ np.array([load.tokens, load.pairs], dtype=float)
+        return np.array(self.phase_flops(module, load, start, stop))
+
+    def phase_flops(self, module: str, load: ModuleLoad, start: int = 0,
+                    stop: int | None = None) -> tuple[float, float, float]:
+        """`flops` as plain floats (the simulator asks this per stage and microbatch)."""
+        key = (module, start, len(self.layers[module]) if stop is None else stop)
+        coef = self._flat.get(key)
+        if coef is None:
+            coef = self._flat[key] = tuple(float(x) for x in self._range(module, start, stop)[0].ravel())
+        f_tok, f_pair, b_tok, b_pair, w_tok, w_pair = coef
+        tokens, pairs = float(load.tokens), float(load.pairs)
+        return f_tok * tokens + f_pair * pairs, b_tok * tokens + b_pair * pairs, w_tok * tokens + w_pair * pairs
 
     def efficiency(self, phase: str) -> float:
         if self.calibration and phase in self.calibration.flops_efficiency:
@@ -184,7 +195,7 @@ class CostModel:
             lo, hi, n, _ = self._backward_blocks(module, start, stop)
             again = self.stage_times(module, load, lo, hi, tp, cp).F if n else 0.0
             return PhaseTimes(plain.F, plain.B + again, plain.W)
-        flops = self.flops(module, load, start, stop) / (tp * cp)
+        flops = [f / (tp * cp) for f in self.phase_flops(module, load, start, stop)]
         _, params, _, io_elems = self._range(module, start, stop)
         weight_bytes = params * PARAM_BYTES / tp
         io_bytes = io_elems * load.tokens * self.act_bytes / (tp * cp)
@@ -222,11 +233,19 @@ class CostModel:
                     out[:, j] += (c[0] * tokens[:, j] + c[1] * pairs[:, j]) / rate
         return out
 
+    def sample_loads(self, sample: SampleShape) -> dict[str, ModuleLoad]:
+        """`harmonia.workload.work.sample_loads` of this model, computed once per distinct sample
+        (the simulator and the planner ask it for the same samples under every candidate)."""
+        loads = self._loads.get(sample)
+        if loads is None:
+            loads = self._loads[sample] = sample_loads(sample, self.mllm)
+        return loads
+
     def model_flops(self, samples: list[SampleShape]) -> float:
         """Useful FLOPs (F + B + W, all modules) of a set of samples, for MFU."""
         total = 0.0
         for s in samples:
-            for module, load in sample_loads(s, self.mllm).items():
+            for module, load in self.sample_loads(s).items():
                 total += float(self.flops(module, load).sum())
         return total
 
