@@ -10,6 +10,8 @@ stages from the chunk to the LLM's last, at most the microbatches there are. Cou
 - zero bubble, on a stage that splits its backward: ``k`` until B, then up to ``k`` deferred weight
   gradients keeping half of theirs (B frees the half only the input gradient needed): ``1.5 k``.
 - encoders fused into the LLM's first stage (Megatron): as many as that stage, ``min(pp, n)``.
+- interleaved 1F1B: the LLM's gate is per pipeline rank, over all its chunks: Megatron-LM's warm-up
+  plus one chunk forward (`interleaved_in_flight`), each counted at the rank's largest chunk.
 - an encoder replica serving several LLM replicas keeps ``k`` for each of them.
 
 A microbatch's activations are those of the profiled mean sample times the samples per
@@ -45,6 +47,16 @@ def in_flight(graph: StageGraph, plan: Plan, ref: StageRef, fused: bool = False)
     depth = float(min(graph.depth_to_end(ref), n))
     splits = graph.needs_b(ref) and graph.needs_w(ref)
     return 1.5 * depth if plan.schedule == "zb" and splits else depth
+
+
+def interleaved_in_flight(plan: Plan, pp_rank: int) -> float:
+    """Stage-chunk forwards an LLM pipeline rank keeps in flight under interleaved 1F1B: Megatron-LM's
+    warm-up ``(v - 1) * pp + 2 * (pp - 1 - pp_rank)`` plus the steady state's one, at most every
+    chunk forward of the iteration (the gate of `harmonia.schedule.families.build_interleaved_1f1b`)."""
+    layout = plan.layouts[LLM]
+    pp, v, n = layout.pp, layout.virtual_stages, plan.n_microbatches
+    per_round = n // max(1, n // pp)
+    return float(min((v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, n * v))
 
 
 def served_replicas(plan: Plan, module: str) -> int:
@@ -96,11 +108,18 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
     for module, layout in plan.layouts.items():
         ranks = layout.rank_list()
         per = layout.size // layout.pp
+        interleaved = module == LLM and plan.schedule == "interleaved" and layout.virtual_stages > 1
+        acts = [microbatch_activation_bytes(cost, plan, profile, module, c) for c in range(layout.n_stages)]
         for chunk in range(layout.n_stages):
-            count = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module)
-            act = count * microbatch_activation_bytes(cost, plan, profile, module, chunk)
-            again = recompute_transient_bytes(cost, plan, profile, module, chunk)
             pp_rank = chunk % layout.pp
+            if interleaved:  # a rank-wide gate: its in-flight chunk forwards, each at its largest chunk's
+                if chunk >= layout.pp:
+                    continue
+                act = interleaved_in_flight(plan, pp_rank) * max(acts[pp_rank::layout.pp])
+            else:
+                act = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module) * acts[chunk]
+            again = max(recompute_transient_bytes(cost, plan, profile, module, c)
+                        for c in range(pp_rank, layout.n_stages, layout.pp))
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
                 out[rank] = out.get(rank, 0.0) + act
                 transient[rank] = max(transient.get(rank, 0.0), again)

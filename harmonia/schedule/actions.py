@@ -22,7 +22,6 @@ import csv
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,6 +66,21 @@ _ACTION_RE = re.compile(
     rf"^(?P<module>{_NAME})\.s(?P<stage>\d+)\.(?P<kind>{_KINDS})(?P<mb>\d+)(?:\.(?P<sub>\d+))?"
     rf"(?:(?P<dir>[<>])(?P<pmod>{_NAME})\.s(?P<pstage>\d+))?(?:@r(?P<prank>\d+))?$"
 )
+
+
+class _computed_once:
+    """A property computed on first access and kept on the instance (functools.cached_property
+    without its per-access lock, for the hot paths of the schedulers)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.name = fn, fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.fn(obj)
+        return value
 
 
 @dataclass(frozen=True, order=True)
@@ -115,7 +129,7 @@ class Action:
             raise ScheduleError(f"compute action {self.module}.s{self.stage}.{self.kind.value} "
                                 "cannot name a peer; only sends and receives do")
 
-    @cached_property
+    @_computed_once
     def stage_ref(self) -> StageRef:
         return StageRef(self.module, self.stage)
 

@@ -182,10 +182,10 @@ def _interleaved_lanes(skeleton: IterationSchedule, order: list[int], pp: int, p
         rank = graph.llm.ranks[r]
         by_class: dict[str, list[Action]] = {"F": [], "grad": [], "W": []}
         for mbs in rounds:
+            per_chunk = [stage_actions(skeleton, StageRef(LLM, c * pp + r), mbs, split) for c in range(v)]
             for cls, chunks in (("F", range(v)), ("grad", reversed(range(v))), ("W", reversed(range(v)))):
                 for c in chunks:
-                    acts = stage_actions(skeleton, StageRef(LLM, c * pp + r), mbs, split)[cls]
-                    by_class[cls].extend(acts)
+                    by_class[cls].extend(per_chunk[c][cls])
         lanes[rank].extend(deque(acts) for acts in by_class.values() if acts)
     return lanes
 

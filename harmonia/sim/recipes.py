@@ -9,7 +9,7 @@ recipe          layout rules                                                    
 ``megatron``    one layout for all modules: the LLM's (tp, pp, dp); each encoder runs        Megatron-LM,
                 inside the LLM's first pipeline stage on its ranks; layers split evenly;   torchtitan
                 fixed-size microbatches in dataset order; 1F1B or interleaved 1F1B          VLM
-                (two virtual stages per pipeline rank)
+                (two or four virtual stages per rank)
 ``cornstarch``  encoders on pipeline stages of their own (the LLM's tp and dp, one or two    Cornstarch
                 stages each), frozen-aware layer split; fixed-size microbatches; 1F1B
 ``disttrain``   disjoint encoder and LLM rank sets sized to their work share, any           DistTrain
@@ -72,26 +72,33 @@ def _microbatch_load(profile: BatchProfile, global_batch: int, dp: int, n_mb: in
     return ModuleLoad(mean.tokens * k, mean.pairs * k, 1)
 
 
-def _interleaved(cost: CostModel, llm: Layout, n_mb: int, load: ModuleLoad | None) -> Layout | None:
-    """The LLM layout with two stage chunks per pipeline rank (Megatron-LM's virtual pipeline), when
-    its blocks and microbatches allow it (``n_mb`` a multiple of ``pp``): split evenly, or by the
-    frozen-aware partitioner for ``load`` when given."""
+VIRTUAL_STAGES = (2, 4)
+"""Stage chunks per pipeline rank interleaved 1F1B may use (Megatron-LM's virtual pipeline size)."""
+
+
+def _interleaved(cost: CostModel, llm: Layout, n_mb: int, load: ModuleLoad | None) -> Iterator[Layout]:
+    """The LLM layout with ``v`` stage chunks per pipeline rank for each ``v`` of `VIRTUAL_STAGES`
+    that its blocks and microbatches allow (Megatron-LM's virtual pipeline: ``n_mb`` a multiple of
+    ``pp``, at least one block per chunk): split evenly, or by the frozen-aware partitioner for
+    ``load`` when given."""
     blocks = len(cost.layers["llm"]) - 2  # embedding and head live on the first and last chunk
-    if llm.pp < 2 or n_mb % llm.pp or blocks < 2 * llm.pp:
-        return None
-    virtual = replace(llm, virtual_stages=2, stage_layers=None)
-    return virtual if load is None else balanced_split(cost, "llm", virtual, load)
+    if llm.pp < 2 or n_mb % llm.pp:
+        return
+    for v in VIRTUAL_STAGES:
+        if blocks >= v * llm.pp:
+            virtual = replace(llm, virtual_stages=v, stage_layers=None)
+            yield virtual if load is None else balanced_split(cost, "llm", virtual, load)
 
 
 def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...],
                load: ModuleLoad | None = None) -> Iterator[tuple[Layout, str]]:
     """(LLM layout, schedule family) pairs: each family of ``families`` on ``llm``, ``interleaved``
-    on its two-virtual-stage form (frozen-aware split for ``load`` when given)."""
+    on its virtual-stage forms (frozen-aware split for ``load`` when given)."""
     for family in families:
         if family != "interleaved":
             yield llm, family
-        elif (virtual := _interleaved(cost, llm, n_mb, load)) is not None:
-            yield virtual, family
+        else:
+            yield from ((virtual, family) for virtual in _interleaved(cost, llm, n_mb, load))
 
 
 def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
