@@ -11,7 +11,8 @@ stages from the chunk to the LLM's last, at most the microbatches there are. Cou
   gradients keeping half of theirs (B frees the half only the input gradient needed): ``1.5 k``.
 - encoders fused into the LLM's first stage (Megatron): as many as that stage, ``min(pp, n)``.
 - interleaved 1F1B: the LLM's gate is per pipeline rank, over all its chunks: Megatron-LM's warm-up
-  plus one chunk forward (`interleaved_in_flight`), each counted at the rank's largest chunk.
+  plus one chunk forward (`interleaved_in_flight`), counted as the largest chunk forwards the rank
+  could hold (each chunk once per microbatch).
 - an encoder replica serving several LLM replicas keeps ``k`` for each of them.
 
 A microbatch's activations are those of the profiled mean sample times the samples per
@@ -57,6 +58,15 @@ def interleaved_in_flight(plan: Plan, pp_rank: int) -> float:
     pp, v, n = layout.pp, layout.virtual_stages, plan.n_microbatches
     per_round = n // max(1, n // pp)
     return float(min((v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, n * v))
+
+
+def _largest(sizes: list[float], copies: int, count: float) -> float:
+    """Sum of the ``count`` largest of ``sizes`` (descending), each available ``copies`` times."""
+    total, left = 0.0, count
+    for size in sizes:
+        take = min(left, copies)
+        total, left = total + take * size, left - take
+    return total
 
 
 def served_replicas(plan: Plan, module: str) -> int:
@@ -112,10 +122,11 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
         acts = [microbatch_activation_bytes(cost, plan, profile, module, c) for c in range(layout.n_stages)]
         for chunk in range(layout.n_stages):
             pp_rank = chunk % layout.pp
-            if interleaved:  # a rank-wide gate: its in-flight chunk forwards, each at its largest chunk's
+            if interleaved:  # one gate per rank over its chunks: the largest chunk forwards it admits
                 if chunk >= layout.pp:
                     continue
-                act = interleaved_in_flight(plan, pp_rank) * max(acts[pp_rank::layout.pp])
+                mine = sorted(acts[pp_rank::layout.pp], reverse=True)
+                act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
             else:
                 act = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module) * acts[chunk]
             again = max(recompute_transient_bytes(cost, plan, profile, module, c)
