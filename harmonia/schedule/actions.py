@@ -197,6 +197,9 @@ class IterationSchedule:
     n_sub: dict[str, tuple[int, ...]]
     orders: dict[int, list[Action]] = field(default_factory=dict)
     family: str = ""
+    producers: tuple[dict, dict] | None = field(default=None, compare=False, repr=False)
+    """(stage -> grad kind, compute action -> its producers) the generator derived; `replay` reuses
+    them for the same grad kinds instead of deriving them again (None: derive)."""
 
     def subs(self, module: str, microbatch: int) -> list[int | None]:
         """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""

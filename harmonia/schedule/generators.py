@@ -213,6 +213,7 @@ def list_schedule(skeleton: IterationSchedule, policy: Policy, order: list[int],
                                 "memory gates are too tight for this graph, raise max_in_flight")
         if running:
             t = max(t, running[0][0])
+    skeleton.producers = (grad, state.producers)
     return orders
 
 

@@ -59,6 +59,8 @@ class Checker:
         self.lowered = schedule.is_lowered()
         fused = {a.stage_ref for acts in schedule.orders.values() for a in acts if a.kind is Kind.BW}
         self._grad = {s: (Kind.BW if s in fused else Kind.B) for s in self.graph.stages()}
+        known = schedule.producers
+        self._known = known[1] if known is not None and not self.lowered and known[0] == self._grad else {}
 
     def grad_kind(self, ref: StageRef) -> Kind:
         """B or BW: the action producing ``ref``'s input gradient in this schedule."""
@@ -78,6 +80,8 @@ class Checker:
             return [self._send_source(action)]
         if action.kind.is_recv:
             return [("send", message(action))]
+        if not self.lowered and action in self._known:
+            return self._known[action]
         rank = self.graph.rank_of(action.stage_ref)
         keys: list[Hashable] = []
         for p in self.graph.producers(action, self.schedule.subs, self.grad_kind):
