@@ -37,7 +37,7 @@ def layout_text(report: PlanReport | None) -> str:
     if report is None:
         return "no plan fits device memory"
     plan = report.best
-    mods = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" for m, x in plan.layouts.items())
+    mods = "; ".join(f"{m} {x.describe()}" for m, x in plan.layouts.items())
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}"
 
 

@@ -37,8 +37,7 @@ def plan_text(result) -> str:
         why = "memory" if "memory" in result.error else result.error[:80]
         return f"no plan fits ({why})" if "fits" in result.error else result.error[:100]
     plan = result.candidate.plan
-    mods = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}{' fsdp' if x.fsdp and x.dp > 1 else ''}"
-                     for m, x in plan.layouts.items())
+    mods = "; ".join(f"{m} {x.describe()}" for m, x in plan.layouts.items())
     recompute = f"; recompute {','.join(plan.recompute)}" if plan.recompute else ""
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}{recompute}"
 

@@ -108,7 +108,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _plan_summary(d: dict) -> str:
     if "plan" not in d:
         return d.get("error", "")
-    parts = [f"{m} tp{x['tp']} pp{x['pp']} dp{x['dp']}" for m, x in d["plan"].items()]
+    parts = [f"{m} tp{x['tp']} pp{x['pp']}" + (f" v{x['virtual_stages']}" if x.get("virtual_stages", 1) > 1 else "")
+             + f" dp{x['dp']}" for m, x in d["plan"].items()]
     return f"{d['placement']}, {d['schedule']} x{d['n_microbatches']}: " + "; ".join(parts)
 
 
@@ -183,7 +184,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     capacity = cluster_from_string(args.cluster).device.mem_bytes
     for i, ((secs, rate, cand), peak) in enumerate(zip(report.ranked, report.peak_bytes), 1):
         plan = cand.plan
-        layouts = "; ".join(f"{m} tp{x.tp} pp{x.pp} dp{x.dp}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
+        layouts = "; ".join(f"{m} {x.describe()}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
                             for m, x in plan.layouts.items())
         over = " (over)" if peak > capacity else ""
         table.add_row(str(i), f"{secs:.3f}", f"{rate:.1f}", f"{peak / 2**30:.1f}{over}",

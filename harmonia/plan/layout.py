@@ -85,6 +85,13 @@ class Layout:
         """Number of stage chunks (``pp * virtual_stages``)."""
         return self.pp * self.virtual_stages
 
+    def describe(self) -> str:
+        """Degrees in one line, e.g. ``tp2 pp8 v4 dp4 fsdp`` (cp, virtual stages and FSDP when used)."""
+        parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"pp{self.pp}",
+                 *([f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []), f"dp{self.dp}",
+                 *(["fsdp"] if self.fsdp and self.dp > 1 else [])]
+        return " ".join(parts)
+
     def rank_list(self) -> tuple[int, ...]:
         """Global ranks in grid order ``(pp, dp, cp, tp)``, tp fastest."""
         if self.ranks is not None:

@@ -97,7 +97,8 @@ class RecipeResult:
                "samples_per_s": self.samples_per_s, "candidates_simulated": self.tried,
                "search_s": self.search_s}
         if self.candidate:
-            out["plan"] = {m: {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ranks": lay.size}
+            out["plan"] = {m: {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ranks": lay.size,
+                               "virtual_stages": lay.virtual_stages, "fsdp": lay.fsdp}
                            for m, lay in self.candidate.plan.layouts.items()}
             out["placement"] = self.candidate.plan.placement.value
             out["schedule"] = self.candidate.plan.schedule

@@ -35,3 +35,8 @@ def test_explicit_ranks_and_stage_split() -> None:
 def test_bad_layouts(kwargs, match) -> None:
     with pytest.raises(LayoutError, match=match):
         Layout(**kwargs)
+
+
+def test_describe_names_only_the_degrees_in_use() -> None:
+    assert Layout(tp=2, pp=8, dp=4, virtual_stages=4, fsdp=True).describe() == "tp2 pp8 v4 dp4 fsdp"
+    assert Layout(tp=1, cp=2, dp=1, fsdp=True).describe() == "tp1 cp2 pp1 dp1"
