@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test install clean
+.PHONY: demo test test-random install clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests selected"; exit 0; fi; exit $$rc
+
+# The property tests with fresh random seeds (CI runs them derandomized).
+test-random: install
+	HYPOTHESIS_PROFILE=random $(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

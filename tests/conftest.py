@@ -1,8 +1,18 @@
-"""Shared test fixtures."""
+"""Shared test fixtures and the hypothesis profiles.
 
+CI runs hypothesis derandomized (the ``ci`` profile: a fixed seed, no example database), so a run is
+repeatable; ``make test-random`` (``HYPOTHESIS_PROFILE=random``) explores with fresh seeds.
+"""
+
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("random", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 

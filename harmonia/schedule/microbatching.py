@@ -16,7 +16,9 @@ where ``bound_j`` is a lower bound on the largest microbatch of module ``j``. Th
    (smallest ``load . work``), i.e. the one lightest on the modules this sample needs. A sample
    that would push a microbatch past its target (plus ``slack``) on any module is deferred to
    another microbatch of the same iteration that has room (never to the next iteration); only
-   when none has room does it go where the score is best. The token cap is a hard constraint.
+   when none has room does it go where the score is best. The token cap is a hard constraint; when
+   the greedy leaves a sample with no microbatch under the cap, `pack_under_cap` finds a packing
+   (or proves there is none) and the passes below balance it.
 3. **Pairwise exchange** (variance reduction). Sweeps pair the heaviest microbatch with the
    lightest on one module (each module in turn, then random pairings) and apply, in every pair at
    once, the single swap or move that most lowers the pair's sum of squared loads without raising
@@ -36,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from harmonia.errors import ScheduleError
+from harmonia.schedule.packing import pack_under_cap
 
 EPS = 1e-12
 
@@ -100,8 +103,9 @@ def normalise(costs: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | None,
-            cap: float, target: np.ndarray) -> np.ndarray:
-    """Complementary vector LPT with deferral; returns the bin of every sample.
+            cap: float, target: np.ndarray) -> np.ndarray | None:
+    """Complementary vector LPT with deferral; returns the bin of every sample, or None when a
+    sample fits in no microbatch under the token cap (a packing may still exist: `pack_under_cap`).
 
     Largest samples first, each onto the microbatch whose loads point least in its direction
     (smallest ``load . work``): the lightest microbatch on the modules this sample needs. A
@@ -138,10 +142,7 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
             b = int(score.argmax())
         if capped:
             if np.isinf(score[b]):
-                raise ScheduleError(
-                    f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
-                    f"{cap:g}; raise token_cap or use more microbatches"
-                )
+                return None
             bin_tok[b] += tok[i]
         where[i] = b
         room[b] -= w
@@ -149,10 +150,7 @@ def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | 
     for i in order[~busy[order]]:
         fits = bin_tok + (tok[i] if capped else 0.0) <= cap
         if not fits.any():
-            raise ScheduleError(
-                f"sample {int(i)} ({int(tok[i])} tokens) fits in no microbatch under the token cap "
-                f"{cap:g}; raise token_cap or use more microbatches"
-            )
+            return None
         b = int(np.where(fits, count, np.iinfo(np.int64).max).argmin())
         where[i] = b
         count[b] += 1
@@ -321,6 +319,8 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
     rng = np.random.default_rng(seed)
     order = np.lexsort((rng.random(n), -work.sum(axis=1)))  # largest first; seed orders equal ones
     where = _greedy(work, n_bins, order, tok, cap, target * (1 + slack))
+    if where is None:  # the greedy cornered itself under the cap: start from a packing that fits
+        where = pack_under_cap(tok, n_bins, cap, unit=unit)
     t = np.zeros(n) if tok is None else tok
     _exchange(work, where, n_bins, t, cap, max_sweeps, rng)
     _polish(work, where, n_bins, t, cap, n if max_steps is None else max_steps)
