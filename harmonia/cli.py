@@ -18,19 +18,20 @@ SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="internvl-8b", help="MLLM preset (see `harmonia models`)")
+    p.add_argument("--model", default="internvl-8b",
+                   help="MLLM preset (see `harmonia models`) or an HF checkpoint directory (config.json is read)")
     p.add_argument("--frozen", default="", help="comma-separated modules to freeze, e.g. vision,audio")
     p.add_argument("--device", default="h100", help="device kind: h100, h200, a100, cpu")
     p.add_argument("--calibration", default=None, help="calibration JSON written by `harmonia profile`")
 
 
 def _build_cost(args: argparse.Namespace):
-    from harmonia.model.presets import mllm_preset
+    from harmonia.model.resolve import resolve_mllm
     from harmonia.workload.cost import Calibration, CostModel
     from harmonia.workload.devices import device_preset
 
     frozen = {m: "frozen" for m in filter(None, args.frozen.split(","))}
-    mllm = mllm_preset(args.model, training=frozen)
+    mllm = resolve_mllm(args.model, training=frozen)
     calibration = Calibration.load(args.calibration) if args.calibration else None
     return CostModel(mllm, device_preset(args.device), calibration)
 

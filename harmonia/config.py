@@ -6,6 +6,7 @@ in ``__post_init__``, so a bad config fails before any process starts, naming th
 
 from __future__ import annotations
 
+import json
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -27,7 +28,10 @@ def _require(cond: bool, name: str, value: Any, expected: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = _f("tiny-omni", "MLLM preset (see `harmonia models`)")
+    preset: str = _f("", "MLLM preset (see `harmonia models`); tiny-omni when no checkpoint is given")
+    hf: str = _f("", "HF multimodal checkpoint directory (e.g. a LlavaForConditionalGeneration) to start from")
+    llm: str = _f("", "HF LLM checkpoint directory of a composition (with `encoders`; projectors start fresh)")
+    encoders: dict = _f({}, "HF encoder checkpoint directories of a composition, e.g. {vision = DIR, audio = DIR}")
     frozen: list = _f(["vision"], "modules whose weights stay fixed")
     lora: list = _f([], "modules trained through LoRA adapters only")
     lora_rank: int = _f(8, "rank of the LoRA adapters")
@@ -35,9 +39,34 @@ class ModelConfig:
     def __post_init__(self) -> None:
         from harmonia.model.presets import MLLM_PRESETS
 
-        _require(self.preset in MLLM_PRESETS, "model.preset", self.preset, f"one of {sorted(MLLM_PRESETS)}")
+        given = [n for n in ("preset", "hf", "llm") if getattr(self, n)]
+        _require(len(given) <= 1, "model", {n: getattr(self, n) for n in given},
+                 "one of model.preset, model.hf or model.llm (with model.encoders)")
+        _require(not self.encoders or self.llm, "model.encoders", self.encoders,
+                 "encoders of a composition, given together with model.llm")
+        if self.preset:
+            _require(self.preset in MLLM_PRESETS, "model.preset", self.preset, f"one of {sorted(MLLM_PRESETS)}")
+        for name, path in [("hf", self.hf), ("llm", self.llm), *((f"encoders.{k}", v) for k, v in self.encoders.items())]:
+            if path:
+                _require(isinstance(path, str) and (Path(path) / "config.json").is_file(), f"model.{name}", path,
+                         "an HF checkpoint directory holding config.json")
         _require(not set(self.frozen) & set(self.lora), "model.lora", self.lora, "modules not also frozen")
         _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, "an integer >= 1")
+
+    @property
+    def source(self) -> str | dict[str, object]:
+        """What the model is built from: a preset name, an HF directory, or a composition
+        ``{"llm": DIR, "encoders": {name: DIR}}``."""
+        if self.hf:
+            return self.hf
+        if self.llm:
+            return {"llm": self.llm, "encoders": dict(self.encoders)}
+        return self.preset or "tiny-omni"
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the weights come from HF checkpoints (else from the seed)."""
+        return bool(self.hf or self.llm)
 
 
 @dataclass(frozen=True)
@@ -136,9 +165,9 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        from harmonia.model.presets import mllm_preset
+        from harmonia.model.resolve import resolve_mllm
 
-        mllm = mllm_preset(self.model.preset)
+        mllm = resolve_mllm(self.model.source)
         unknown = set(self.model.frozen) | set(self.model.lora)
         unknown -= set(mllm.module_names)
         _require(not unknown, "model.frozen", sorted(unknown), f"module names among {mllm.module_names}")
@@ -159,9 +188,15 @@ def _coerce(section: str, key: str, raw: Any, kind: type) -> Any:
                 return text.lower() in ("true", "1", "yes")
             if kind is list:
                 return [x.strip() for x in text.split(",") if x.strip()]
+            if kind is dict:
+                value = json.loads(text)
+                if not isinstance(value, dict):
+                    raise ValueError
+                return value
             return kind(text)
         except ValueError:
-            raise ConfigError(f"config {name}={raw!r} is invalid: expected {kind.__name__}") from None
+            hint = " (a JSON object, e.g. '{\"vision\": \"DIR\"}')" if kind is dict else ""
+            raise ConfigError(f"config {name}={raw!r} is invalid: expected {kind.__name__}{hint}") from None
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)
     if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from harmonia.errors import ConfigError, LayoutError
-from harmonia.model.presets import mllm_preset
+from harmonia.model.resolve import resolve_mllm
 from harmonia.plan.profiling import profile_batches
 from harmonia.sim.engine import Timeline
 from harmonia.sim.recipes import RECIPES, Candidate, simulate
@@ -36,7 +36,7 @@ class Scenario:
 
     Attributes:
         name: scenario name.
-        model: MLLM preset.
+        model: MLLM preset name, HF checkpoint directory, or composition (`harmonia.model.resolve`).
         training: module -> full / frozen / lora.
         cluster: ``DEVICE:NODESxGPUS``.
         trace: CSV path (relative paths resolve against the project root) or ``synthetic:...``.
@@ -47,7 +47,7 @@ class Scenario:
     """
 
     name: str
-    model: str
+    model: str | dict
     cluster: str
     trace: str
     global_batch: int
@@ -114,7 +114,7 @@ class ScenarioRun:
     def __init__(self, scenario: Scenario, samples: list[SampleShape] | None = None) -> None:
         """Load the scenario; ``samples`` (e.g. a dataset's shapes) replace its trace when given."""
         self.scenario = scenario
-        self.mllm = mllm_preset(scenario.model, training=scenario.training)
+        self.mllm = resolve_mllm(scenario.model, training=scenario.training)
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
         self.cost = CostModel(self.mllm, self.cluster.device)
         self.samples = samples if samples is not None else load_trace(

@@ -27,9 +27,9 @@ def training_modes(config: Config) -> dict[str, str]:
 
 def model_spec(config: Config) -> MLLMSpec:
     """The MLLM of the job, with its training modes and LoRA rank."""
-    from harmonia.model.presets import mllm_preset
+    from harmonia.model.resolve import resolve_mllm
 
-    spec = mllm_preset(config.model.preset, training=training_modes(config))
+    spec = resolve_mllm(config.model.source, training=training_modes(config))
     modes = {m: ModuleTraining(t, lora_rank=config.model.lora_rank) for m, t in training_modes(config).items()}
     return replace(spec, training=modes)
 
@@ -63,7 +63,7 @@ def check_cluster(config: Config) -> None:
 def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:
     """Search a plan for the job, profiling whole global batches of its dataset's shapes."""
     check_cluster(config)
-    scenario = Scenario(name="train", model=config.model.preset, cluster=config.parallel.cluster,
+    scenario = Scenario(name="train", model=config.model.source, cluster=config.parallel.cluster,
                         trace=config.data.path, global_batch=config.train.global_batch,
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed)
     return search_plan(scenario, accept=_constraints(config), samples=shapes)

@@ -1,0 +1,54 @@
+"""Which MLLM a job, a plan or a scenario means: a preset name, an HF checkpoint, or a composition.
+
+A *model source* is one of
+
+- a preset name (``tiny-omni``, ``llava-siglip-8b``; see `harmonia models`),
+- a directory holding an HF ``config.json`` (a whole multimodal checkpoint such as
+  ``LlavaForConditionalGeneration``), or
+- a composition ``{"llm": DIR, "encoders": {"vision": DIR, "audio": DIR}}`` of separate HF
+  checkpoints whose projectors start fresh.
+
+The architecture is read from the checkpoints' ``config.json`` only (no weights), so the cost
+model and the planner work on a real checkpoint without a preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from harmonia.errors import ConfigError
+from harmonia.model.spec import MLLMSpec, ModuleTraining
+
+ModelSource = str | dict
+
+
+def is_checkpoint_dir(name: str | Path) -> bool:
+    """Whether ``name`` is a directory holding an HF ``config.json``."""
+    return Path(name).is_dir() and (Path(name) / "config.json").is_file()
+
+
+def resolve_mllm(source: ModelSource, training: dict[str, str] | None = None,
+                 lora_rank: int | None = None) -> MLLMSpec:
+    """The `MLLMSpec` of a model source, with training modes (``{"vision": "frozen"}``) applied.
+
+    Raises:
+        ConfigError: an unknown preset, a path without ``config.json``, or an architecture or config
+            field harmonia does not implement (named in the message).
+    """
+    if isinstance(source, dict) or is_checkpoint_dir(source):
+        from harmonia.model.hf.llava import mllm_spec_from_hf
+
+        spec = mllm_spec_from_hf(source)
+        spec = spec.with_training(**(training or {}))
+    elif isinstance(source, str) and ("/" in source or source.startswith(".")):
+        raise ConfigError(f"model {source!r}: no config.json there; pass an HF checkpoint directory or a preset "
+                          "name (see `harmonia models`)")
+    else:
+        from harmonia.model.presets import mllm_preset
+
+        spec = mllm_preset(source, training=training)
+    if lora_rank is not None:
+        spec = replace(spec, training={m: ModuleTraining(t.mode, lora_rank=lora_rank)
+                                       for m, t in spec.training.items()})
+    return spec
