@@ -116,7 +116,8 @@ class Trainer:
         self.meshes = build_module_meshes(plan, self.device.type)
         tc = config.train
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
-                                      tc.max_norm or None, self.device, tc.precision)
+                                      tc.max_norm or None, self.device, tc.precision,
+                                      source=config.model.source if config.model.from_checkpoint else None)
         self.dataset = MultimodalDataset(Path(config.data.path) / "train", self.spec, config.data.max_tokens,
                                          on_error=config.data.on_error)
         usable = [s.sample_id for s in self.dataset.shapes()]

@@ -104,18 +104,27 @@ def to_device(obj, device: torch.device):
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
                      optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                      max_norm: float | None, device: torch.device = torch.device("cpu"),
-                     precision: str = "auto") -> RankModel:
+                     precision: str = "auto", source: str | dict | None = None) -> RankModel:
     """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it).
 
     The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
     (``auto``: on GPUs) runs every forward under bf16 autocast and gathers FSDP parameters in bf16,
-    with fp32 parameters, gradient reduction and optimizer states.
+    with fp32 parameters, gradient reduction and optimizer states. With ``source`` (an HF checkpoint
+    directory or a composition) each chunk reads its own tensors from the checkpoint
+    (`harmonia.train.weights`); without, the whole model's weights come from ``seed``.
     """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
-    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
+    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage, stage_layers
+    from harmonia.train.weights import load_checkpoint_chunk
 
-    state = initial_state(spec, seed)
+    state = initial_state(spec, seed) if source is None else None
+
+    def fill(module: nn.Module, name: str, layers: tuple[int, int] | None) -> None:
+        if state is None:
+            load_checkpoint_chunk(module, spec, source, name, layers, prefix_of(name), seed)
+        else:
+            _load(module, state, prefix_of(name))
     rank = meshes.rank
     chunks: dict[str, dict[int, nn.Module]] = {}
     projectors: dict[str, nn.Module] = {}
@@ -131,16 +140,18 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     for name in meshes.modules():
         layout, mesh, prefix = plan.layouts[name], meshes.module_mesh(name), prefix_of(name)
         chunks[name] = build_stage_modules(spec, name, layout, rank)
-        for module in chunks[name].values():
+        body = spec.llm.body if name == LLM else spec.encoders[name].body
+        layers_of = stage_layers(layout, body.n_layers)
+        for c, module in chunks[name].items():
             apply_training(module, spec.training_of(name))
-            _load(module, state, prefix)
+            fill(module, name, layers_of[c])
             module.to(device)
             parallelize_stage(module, mesh, recompute=name in plan.recompute, mixed_precision=mixed)
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
             proj = build_module(spec, f"{name}_proj")
             apply_training(proj, spec.training_of(f"{name}_proj"))
-            _load(proj, state, prefix_of(f"{name}_proj"))
+            fill(proj, f"{name}_proj", None)
             proj.to(device)
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
