@@ -243,6 +243,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _train(config)
 
 
+HF_TOOLS = {"tiny-llava": "harmonia.model.hf.tiny", "generate": "harmonia.train.hf_generate"}
+
+
+def cmd_hf(args: argparse.Namespace) -> int:
+    """HF checkpoint tools: write a tiny random-weight LLaVA, or answer held-out records with generate."""
+    import importlib
+
+    importlib.import_module(HF_TOOLS[args.tool]).main(args.rest)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harmonia", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -268,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
-    p.add_argument("--model", default="internvl-8b", help="MLLM preset")
+    p.add_argument("--model", default="internvl-8b", help="MLLM preset or an HF checkpoint directory")
     p.add_argument("--frozen", default="", help="comma-separated modules to freeze")
     p.add_argument("--cluster", default="h100:1x8", help="DEVICE:NODESxGPUS, e.g. h100:4x8")
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
@@ -298,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                        + "\n  ".join(help_lines()))
     p.add_argument("--config", default=None, help="TOML config (default: the built-in demo defaults)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("hf", help="HF checkpoint tools: tiny-llava OUT (a tiny random-weight LLaVA with tokenizer "
+                       "and processor), generate CHECKPOINT RECORDS (transformers answers held-out records)")
+    p.add_argument("tool", choices=sorted(HF_TOOLS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the tool's own arguments (--help for them)")
+    p.set_defaults(func=cmd_hf)
 
     p = sub.add_parser("demo", help="the main job on its embedded default (configs/demo.toml); "
                        "takes the same --section.key=value overrides as train")

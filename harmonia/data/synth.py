@@ -134,8 +134,30 @@ def make_sample(rng: np.random.Generator, key: str, task: str, tile: int = 16, r
     return {"id": key, "task": task, "prompt": prompt, "answer": answer, "media": media}, files
 
 
-def _write_split(out: Path, records: list[tuple[dict, dict[str, bytes]]], shards: int) -> None:
+LLAVA_TASKS = ("colour", "count", "arith")  # what a vision-language model can learn: no audio, no video
+
+
+def _write_llava(out: Path, records: list[tuple[dict, dict[str, bytes]]]) -> None:
+    """``out/llava.json`` (a JSON list in LLaVA's format: ``image``, ``conversations`` human/gpt) and
+    ``out/images/``; the task is kept as an extra field for evaluation."""
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rec, files in records:
+        for name, data in files.items():
+            (out / "images" / name).write_bytes(data)
+        row = {"id": rec["id"], "task": rec["task"],
+               "conversations": [{"from": "human", "value": rec["prompt"]}, {"from": "gpt", "value": rec["answer"]}]}
+        if rec["media"]:
+            row["image"] = f"images/{rec['media'][0]['path']}"
+        rows.append(row)
+    (out / "llava.json").write_text(json.dumps(rows, indent=1))
+
+
+def _write_split(out: Path, records: list[tuple[dict, dict[str, bytes]]], shards: int, fmt: str = "harmonia") -> None:
     out.mkdir(parents=True, exist_ok=True)
+    if fmt == "llava":
+        _write_llava(out, records)
+        return
     if shards <= 0:
         (out / "media").mkdir(exist_ok=True)
         with open(out / "manifest.jsonl", "w") as f:
@@ -162,7 +184,7 @@ def _write_split(out: Path, records: list[tuple[dict, dict[str, bytes]]], shards
 
 def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, heldout: float = 0.1,
                             mix: dict[str, float] | None = None, trace: list[SampleShape] | None = None,
-                            tile: int = 16, shards: int = 0) -> Path:
+                            tile: int = 16, shards: int = 0, fmt: str = "harmonia") -> Path:
     """Write ``out/train`` and ``out/heldout`` (manifest + media, or ``shards`` tar files each).
 
     Args:
@@ -174,9 +196,15 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         trace: sample shapes whose modality and sizes the samples copy (cycled).
         tile: the vision encoder's ``image_size``; images are whole multiples of it.
         shards: tar shards per split; 0 writes a manifest and files.
+        fmt: ``harmonia`` (manifest or shards) or ``llava`` (``llava.json`` and ``images/`` per split;
+            image and text tasks only).
     """
+    if fmt not in ("harmonia", "llava"):
+        raise ConfigError(f"synthetic dataset format {fmt!r}: expected harmonia or llava")
     rng = np.random.default_rng(seed)
-    mix = mix or DEFAULT_MIX
+    mix = mix or (DEFAULT_MIX if fmt == "harmonia" else {"colour": 0.45, "count": 0.3, "arith": 0.25})
+    if fmt == "llava" and set(mix) - set(LLAVA_TASKS):
+        raise ConfigError(f"a LLaVA dataset holds the tasks {LLAVA_TASKS} only, not {sorted(set(mix) - set(LLAVA_TASKS))}")
     unknown = set(mix) - set(TASK_ANSWERS)
     if unknown:
         raise ConfigError(f"unknown tasks {sorted(unknown)} in mix; tasks are {sorted(TASK_ANSWERS)}")
@@ -194,8 +222,8 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         samples.append(make_sample(rng, f"s{i:06d}", task, tile, like=like))
     n_held = round(n_samples * heldout)
     out = Path(out)
-    _write_split(out / "train", samples[n_held:], shards)
-    _write_split(out / "heldout", samples[:n_held], shards)
+    _write_split(out / "train", samples[n_held:], shards, fmt)
+    _write_split(out / "heldout", samples[:n_held], shards, fmt)
     return out
 
 
@@ -209,13 +237,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trace", default=None, help="trace spec whose size mix to follow (see harmonia workload)")
     p.add_argument("--tile", type=int, default=16, help="vision tile size in pixels (encoder image_size)")
     p.add_argument("--shards", type=int, default=0, help="tar shards per split; 0 = manifest + files")
+    p.add_argument("--format", default="harmonia", choices=("harmonia", "llava"),
+                   help="harmonia's manifest (all tasks) or LLaVA JSON (image and text tasks)")
     a = p.parse_args(argv)
     trace = None
     if a.trace:
         from harmonia.workload.traces import load_trace
 
         trace = load_trace(a.trace, n_samples=a.n, seed=a.seed)
-    path = write_synthetic_dataset(a.out, a.n, a.seed, a.heldout, trace=trace, tile=a.tile, shards=a.shards)
+    path = write_synthetic_dataset(a.out, a.n, a.seed, a.heldout, trace=trace, tile=a.tile, shards=a.shards,
+                                  fmt=a.format)
     print(f"wrote {a.n} samples to {path}/train and {path}/heldout")
 
 
