@@ -243,6 +243,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _train(config)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a training checkpoint as an HF directory in its source's format."""
+    from harmonia.train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    console.print(f"exported {args.checkpoint} to {out}", markup=False, highlight=False)
+    return 0
+
+
 HF_TOOLS = {"tiny-llava": "harmonia.model.hf.tiny", "generate": "harmonia.train.hf_generate"}
 
 
@@ -309,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
                        + "\n  ".join(help_lines()))
     p.add_argument("--config", default=None, help="TOML config (default: the built-in demo defaults)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="write a training checkpoint (a job started from HF checkpoints) as an "
+                       "HF directory transformers loads: config, safetensors shards, tokenizer and processor files")
+    p.add_argument("--checkpoint", required=True, help="checkpoint.dir of the job (its newest step) or a step-N dir")
+    p.add_argument("--out", required=True, help="a new or empty directory to write")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("hf", help="HF checkpoint tools: tiny-llava OUT (a tiny random-weight LLaVA with tokenizer "
                        "and processor), generate CHECKPOINT RECORDS (transformers answers held-out records)")
