@@ -32,7 +32,8 @@ class TokenLayout:
     Attributes:
         sample: index of the packed sample a token belongs to.
         segment: index of the token's segment (text run or item), unique within the pack.
-        is_item: True for modality-item tokens (placeholders replaced by encoder output).
+        is_item: True for modality-item tokens (placeholders replaced by encoder output) that attend
+            to their whole item; False for text and for items of a model whose items attend causally.
         position: position of the token within its sample (also the rotary position).
     """
 
@@ -45,10 +46,11 @@ class TokenLayout:
         return int(self.sample.numel())
 
     @staticmethod
-    def from_segments(samples: list[list[tuple[str, int]]]) -> TokenLayout:
+    def from_segments(samples: list[list[tuple[str, int]]], causal_items: bool = False) -> TokenLayout:
         """Layout of samples packed in order, each a list of ``(kind, length)``, kind ``text``/``item``.
 
-        This is the same segment description as `harmonia.workload.work.llm_segments` returns.
+        This is the same segment description as `harmonia.workload.work.llm_segments` returns. With
+        ``causal_items`` (LLaVA), items' tokens attend causally like text (``is_item`` stays False).
         """
         sample, segment, is_item, position = [], [], [], []
         seg = 0
@@ -61,7 +63,7 @@ class TokenLayout:
                     continue
                 sample += [s] * n
                 segment += [seg] * n
-                is_item += [kind == "item"] * n
+                is_item += [kind == "item" and not causal_items] * n
                 position += range(pos, pos + n)
                 pos += n
                 seg += 1

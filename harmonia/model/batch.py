@@ -53,6 +53,8 @@ class TokenizedSample:
         segments: ``(kind, length)`` runs, kind ``text`` or ``item``, summing to ``T``.
         items: one `ItemInputs` per ``item`` segment, in order.
         sample_id: dataset identifier, carried for reporting.
+        causal_items: the items' tokens attend causally like text (a model whose
+            ``MLLMSpec.item_attention`` is ``causal``, LLaVA), not to their whole item.
     """
 
     input_ids: torch.Tensor
@@ -60,6 +62,7 @@ class TokenizedSample:
     segments: list[tuple[str, int]]
     items: list[ItemInputs] = field(default_factory=list)
     sample_id: int | str | None = None
+    causal_items: bool = False
 
     def __post_init__(self) -> None:
         n = sum(length for _, length in self.segments)
@@ -147,7 +150,9 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
     """
     if not samples:
         raise SampleError("pack_samples got no samples; a microbatch needs at least one")
-    layout = TokenLayout.from_segments([s.segments for s in samples])
+    if len({s.causal_items for s in samples}) > 1:
+        raise SampleError("pack_samples got samples with causal and with bidirectional items; one model has one rule")
+    layout = TokenLayout.from_segments([s.segments for s in samples], samples[0].causal_items)
     per_module: dict[str, dict[str, list]] = {}
     offset = 0
     for s in samples:

@@ -167,6 +167,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.approximate == "quick":
+            h = self.fc1(x)
+            return self.fc2(h * torch.sigmoid(1.702 * h))  # CLIP's quick_gelu
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))
 
 

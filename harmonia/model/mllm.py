@@ -61,6 +61,19 @@ def encode_media(encoder: nn.Module, projector: nn.Module, media: MediaInputs) -
     return y
 
 
+def check_item_attention(spec: MLLMSpec, batch: PackedBatch) -> None:
+    """Raise `SampleError` when the batch's mask rule for items is not the model's (`MLLMSpec.item_attention`)."""
+    n_items = sum(m.index.numel() for m in batch.media.values())
+    bidirectional = int(batch.layout.is_item.sum())
+    causal = spec.item_attention == "causal"
+    if (causal and bidirectional) or (not causal and bidirectional != n_items):
+        want = "causal_items=True" if causal else "causal_items=False"
+        raise SampleError(
+            f"MLLM {spec.name!r} attends to items {spec.item_attention}ly but the batch's samples were built "
+            f"for the other rule; build its TokenizedSamples with {want}"
+        )
+
+
 class MLLM(nn.Module):
     """All modules of an MLLM in one process.
 
@@ -95,6 +108,7 @@ class MLLM(nn.Module):
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Logits ``(1, T, vocab)`` of a packed microbatch."""
+        check_item_attention(self.spec, batch)
         embeds, index = [], []
         for name, media in batch.media.items():
             if name not in self.encoders:

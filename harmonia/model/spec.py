@@ -15,6 +15,7 @@ from typing import Literal
 from harmonia.errors import ConfigError
 
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
+PROJECTOR_ACTS: tuple[str, ...] = ("gelu", "gelu_tanh", "quick_gelu", "silu", "relu")
 
 
 def _check_positive(owner: str, **values: int | float | None) -> None:
@@ -42,7 +43,8 @@ class TransformerSpec:
         layer_scale: per-channel scales on both residual branches (InternViT, EVA).
         head_dim: per-head width; None = ``hidden // n_heads``.
         norm_eps: epsilon of every norm in the stack.
-        gelu_approximate: ``none`` (exact erf GELU) or ``tanh`` (SigLIP's ``gelu_pytorch_tanh``).
+        gelu_approximate: ``none`` (exact erf GELU), ``tanh`` (SigLIP's ``gelu_pytorch_tanh``) or
+            ``quick`` (CLIP's ``quick_gelu``, ``x * sigmoid(1.702 x)``).
     """
 
     n_layers: int
@@ -59,7 +61,7 @@ class TransformerSpec:
     layer_scale: bool = False
     head_dim: int | None = None
     norm_eps: float = 1e-6
-    gelu_approximate: Literal["none", "tanh"] = "none"
+    gelu_approximate: Literal["none", "tanh", "quick"] = "none"
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -140,6 +142,15 @@ class EncoderSpec:
     Audio (Whisper style): ``sample_rate / hop_length`` mel frames per second, two convolutions
     (kernel 3, the second with ``conv_stride``), so ``ceil(mel / conv_stride)`` encoder tokens; audio
     is processed in chunks of ``chunk_seconds`` (padded, as Whisper does) when set.
+
+    Output (what the projector receives): the last block's output, post-normed when ``post_norm``.
+    ``feature_layers`` instead concatenates, on the feature dim and in the given order, the outputs
+    of blocks ``k`` (1-based: ``k`` blocks run). A spec holds only the blocks its output uses: LLaVA's
+    ``vision_feature_layer=-2`` on a 24-block tower is a 23-block encoder without post-norm, and
+    ``[-2, -1]`` is 24 blocks with ``feature_layers=(23, 24)`` and twice the width at the output.
+    ``dropped_tokens`` leading tokens never reach the projector: None drops the class token when
+    there is one; LLaVA's ``default`` strategy drops the first token whatever it is (CLIP's class
+    token, SigLIP's first patch), ``full`` drops none.
     """
 
     name: str
@@ -164,8 +175,11 @@ class EncoderSpec:
     conv_stride: int = 2
     chunk_seconds: float | None = 30.0
     max_positions: int = 1500
+    feature_layers: tuple[int, ...] = ()
+    dropped_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
         bad = [m for m in self.modalities if m not in MODALITIES]
         if not self.modalities or bad:
             raise ConfigError(
@@ -185,6 +199,35 @@ class EncoderSpec:
                 f"encoder {self.name!r}: image_size={self.image_size} is smaller than "
                 f"patch_size={self.patch_size}"
             )
+        self._check_output()
+
+    def _check_output(self) -> None:
+        owner, n = f"encoder {self.name!r}", self.body.n_layers
+        if self.feature_layers:
+            if self.is_audio or any(not 1 <= k <= n for k in self.feature_layers) or max(self.feature_layers) != n:
+                raise ConfigError(
+                    f"{owner}: feature_layers={self.feature_layers} must be block counts in 1..{n} of a vision "
+                    f"encoder whose deepest one is its last block ({n}); the spec holds only the blocks used"
+                )
+            if self.post_norm:
+                raise ConfigError(f"{owner}: feature_layers selects raw block outputs; set post_norm=False")
+        if self.dropped_tokens is None:
+            return
+        tokens = self.patches_per_tile() + int(self.cls_token)
+        if self.is_audio and self.dropped_tokens:
+            raise ConfigError(f"{owner}: dropped_tokens={self.dropped_tokens} is for vision encoders only")
+        if not 0 <= self.dropped_tokens < tokens:
+            raise ConfigError(f"{owner}: dropped_tokens={self.dropped_tokens} must be in 0..{tokens - 1}")
+        if self.token_merge > 1 and self.dropped_tokens != int(self.cls_token):
+            raise ConfigError(
+                f"{owner}: token_merge={self.token_merge} merges squares of the patch grid, so exactly the "
+                f"class token must be dropped (dropped_tokens={int(self.cls_token)}), not {self.dropped_tokens}"
+            )
+
+    @property
+    def dropped(self) -> int:
+        """Leading output tokens removed before the projector (see ``dropped_tokens``)."""
+        return int(self.cls_token) if self.dropped_tokens is None else self.dropped_tokens
 
     @property
     def is_audio(self) -> bool:
@@ -196,11 +239,16 @@ class EncoderSpec:
 
     @property
     def out_dim(self) -> int:
-        return self.body.hidden
+        """Width of an output token before the merge: the hidden size times the selected layers."""
+        return self.body.hidden * max(1, len(self.feature_layers))
 
     def patches_per_tile(self) -> int:
         """Patches of one ``image_size`` tile; a strided conv drops a partial last patch."""
         return (self.image_size // self.patch_size) ** 2
+
+    def llm_tokens_per_tile(self) -> int:
+        """LLM tokens of one tile: patches (+ class token) less the dropped ones, over ``token_merge``."""
+        return (self.patches_per_tile() + int(self.cls_token) - self.dropped) // self.token_merge
 
     def frontend_params(self) -> int:
         """Patch embedding (conv as a matrix) + positions + class token, or Whisper's two convs."""
@@ -225,7 +273,14 @@ class EncoderSpec:
 class ProjectorSpec:
     """An MLP from encoder width (times the token merge) to LLM width.
 
-    InternVL style: LayerNorm(in) -> Linear(in, hidden) -> GELU -> Linear(hidden, out).
+    InternVL style: LayerNorm(in) -> Linear(in, hidden) -> GELU -> Linear(hidden, out). LLaVA's
+    ``multi_modal_projector`` is the same without the input norm (``linear_1 -> act -> linear_2``),
+    its activation ``projector_hidden_act`` and its biases ``multimodal_projector_bias``.
+
+    Attributes:
+        act: activation between linears: ``gelu`` (exact), ``gelu_tanh``, ``quick_gelu``, ``silu``
+            or ``relu``.
+        bias: the linears have biases.
     """
 
     name: str
@@ -234,12 +289,17 @@ class ProjectorSpec:
     hidden: int
     n_layers: int = 2
     input_norm: bool = True
+    act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu", "relu"] = "gelu"
+    bias: bool = True
 
     def __post_init__(self) -> None:
         _check_positive(
             f"projector {self.name!r}", in_dim=self.in_dim, out_dim=self.out_dim, hidden=self.hidden,
             n_layers=self.n_layers,
         )
+        if self.act not in PROJECTOR_ACTS:
+            raise ConfigError(f"projector {self.name!r}: act={self.act!r} is not implemented; expected one of "
+                              f"{PROJECTOR_ACTS}")
 
     def dims(self) -> list[tuple[int, int]]:
         """(in, out) of each linear layer."""
@@ -250,7 +310,8 @@ class ProjectorSpec:
         return sum(i * o for i, o in self.dims())
 
     def n_params(self) -> int:
-        return self.matmul_params() + sum(o for _, o in self.dims()) + (2 * self.in_dim if self.input_norm else 0)
+        biases = sum(o for _, o in self.dims()) if self.bias else 0
+        return self.matmul_params() + biases + (2 * self.in_dim if self.input_norm else 0)
 
 
 @dataclass(frozen=True)
@@ -314,6 +375,12 @@ class MLLMSpec:
 
     Module names follow the vocabulary: an encoder ``vision`` has projector ``vision_proj``; the
     decoder is ``llm``. The graph is ``encoder -> projector -> llm`` for every encoder.
+
+    Attributes:
+        item_attention: how an item's LLM tokens attend: ``bidirectional`` within the item (and
+            causally before it), or ``causal`` like text (LLaVA: one causal mask over all tokens).
+        item_token_ids: modality -> the placeholder token id the checkpoint's tokenizer puts at item
+            positions (LLaVA's ``image_token_id``); empty when the model has no such convention.
     """
 
     name: str
@@ -321,8 +388,17 @@ class MLLMSpec:
     projectors: dict[str, ProjectorSpec]
     llm: LLMSpec
     training: dict[str, ModuleTraining] = field(default_factory=dict)
+    item_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    item_token_ids: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.item_attention not in ("bidirectional", "causal"):
+            raise ConfigError(f"MLLM {self.name!r}: item_attention={self.item_attention!r}; expected "
+                              "'bidirectional' or 'causal'")
+        for modality, token in self.item_token_ids.items():
+            if modality not in MODALITIES or not 0 <= token < self.llm.vocab_size:
+                raise ConfigError(f"MLLM {self.name!r}: item_token_ids[{modality!r}]={token} must name a modality "
+                                  f"of {MODALITIES} and a token id below vocab_size={self.llm.vocab_size}")
         for enc in self.encoders:
             if f"{enc}_proj" not in self.projectors:
                 raise ConfigError(

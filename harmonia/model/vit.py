@@ -4,6 +4,12 @@ Front end: a strided conv patch embedding, an optional class token, learned posi
 an optional pre-norm (CLIP). Then pre-norm blocks, an optional post-norm, and on the output the
 class token is dropped and ``token_merge`` neighbouring patches are concatenated (InternVL's pixel
 shuffle 0.5 merges 2 x 2 patches into one token of 4x the width), ready for the projector.
+
+An encoder whose spec selects several blocks' outputs (``feature_layers``, LLaVA's list-valued
+``vision_feature_layer``) concatenates them on the feature dim. When the encoder is split into
+pipeline stages, a stage whose blocks produce a selected output that a later stage needs carries it
+forward: it sends ``(N, P, h * (1 + m))``, its last hidden state then the ``m`` selected outputs so
+far in block order, and the next stage splits them off again.
 """
 
 from __future__ import annotations
@@ -95,25 +101,52 @@ class VisionEncoder(nn.Module):
         return self.pre_norm(x) if self.pre_norm is not None else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Pixels ``(N, C, H, W)`` on the first stage, tokens ``(N, P', h)`` otherwise.
+        """Pixels ``(N, C, H, W)`` on the first stage, tokens ``(N, P', h (1 + m))`` otherwise.
 
         Returns:
-            ``(N, P', h)`` on inner stages; on the last stage ``(N, P / token_merge, token_merge * h)``.
+            ``(N, P', h (1 + m))`` on inner stages (``m`` carried selected outputs, see the module
+            docstring); on the last stage ``(N, P'' / token_merge, token_merge * out_dim)``.
         """
+        selected = self.spec.feature_layers
+        states: dict[int, torch.Tensor] = {}
         if self.is_first:
             x = self.embed(x)
-        for block in self.layers.values():
+        else:
+            x, states = self._unpack(x)
+        if self.indices.start in selected:
+            states[self.indices.start] = x
+        for i, block in self.layers.items():
             x = block(x)
+            if int(i) + 1 in selected:
+                states[int(i) + 1] = x
         if not self.is_last:
-            return x
+            return self._pack(x, states)
+        if selected:
+            x = torch.cat([states[k] for k in selected], dim=-1)  # (N, P', h * len(selected))
         return self.finish(x)
 
+    def _pack(self, x: torch.Tensor, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """``x`` then the selected outputs a later stage needs, in block order: ``(N, P', h (1 + m))``."""
+        carried = [states[k] for k in sorted(states) if k < self.indices.stop]
+        return torch.cat([x, *carried], dim=-1) if carried else x
+
+    def _unpack(self, y: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Split what the previous stage sent into its last hidden state and the carried outputs."""
+        h = self.spec.body.hidden
+        carried = sorted({k for k in self.spec.feature_layers if k < self.indices.start})
+        if y.shape[-1] != h * (1 + len(carried)):
+            raise ConfigError(
+                f"encoder {self.spec.name!r} stage from block {self.indices.start}: got width {y.shape[-1]}, "
+                f"expected {h * (1 + len(carried))} (hidden {h} plus {len(carried)} carried selected outputs)"
+            )
+        parts = y.split(h, dim=-1)
+        return parts[0], dict(zip(carried, parts[1:]))
+
     def finish(self, x: torch.Tensor) -> torch.Tensor:
-        """Post-norm, drop the class token, merge patches: what the projector receives."""
+        """Post-norm, drop the leading tokens (class token), merge patches: what the projector receives."""
         if self.post_norm is not None:
             x = self.post_norm(x)
-        if self.spec.cls_token:
-            x = x[:, 1:]
+        x = x[:, self.spec.dropped:]
         return merge_patches(x, self.spec.token_merge)
 
 

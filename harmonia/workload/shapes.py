@@ -190,8 +190,9 @@ def encoder_sequences(item: ModalityItem, encoder: EncoderSpec) -> list[int]:
 def llm_tokens_of_item(item: ModalityItem, encoder: EncoderSpec, audio_merge: int = 1) -> int:
     """LLM tokens an item becomes after its projector.
 
-    Image: patches (class token dropped) divided by ``token_merge`` per tile. Video: per-frame tokens
-    times ``ceil(frames / temporal_merge)``. Audio: encoder tokens divided by ``token_merge``.
+    Image: `EncoderSpec.llm_tokens_per_tile` per tile (patches less the dropped class token, over
+    ``token_merge``). Video: per-frame tokens times ``ceil(frames / temporal_merge)``. Audio: encoder
+    tokens divided by ``token_merge``.
     """
     if item.modality == "audio":
         enc = sum(encoder_sequences(item, encoder))
@@ -199,7 +200,7 @@ def llm_tokens_of_item(item: ModalityItem, encoder: EncoderSpec, audio_merge: in
     if encoder.native_resolution and item.tiles is None:
         per_frame = _native_patches(item, encoder) // encoder.token_merge
     else:
-        per_frame = image_tiles(item, encoder) * (encoder.patches_per_tile() // encoder.token_merge)
+        per_frame = image_tiles(item, encoder) * encoder.llm_tokens_per_tile()
     if item.modality == "video":
         return per_frame * math.ceil(item.frames / encoder.temporal_merge)
     return per_frame
