@@ -1,122 +1,204 @@
-"""Decoding media into encoder inputs: image tiles, video frames, audio log-mel chunks.
+"""Media into encoder inputs with the model's own preprocessing numbers: the sample builder's entry point.
 
 Every function here produces exactly the sequences `harmonia.workload.shapes.encoder_sequences` counts
-for the same item, so the shapes the scheduler plans with are the tensors the executor receives.
+for the same item, and the header-only path (`media_shape` then `shape_item`) gives the same
+`ModalityItem` as decoding (`decode_item`), so the shapes the scheduler plans with are the tensors the
+executor receives.
 
-- Images: InternVL dynamic tiling (the grid closest to the aspect ratio, plus a thumbnail when there
-  is more than one tile), each tile ``image_size`` square, scaled to [-1, 1].
-- Video: ``frames`` sampled uniformly, one tile per frame.
-- Audio: mono float waveform, resampled to the encoder's rate, cut into ``chunk_seconds`` chunks
-  (the last zero-padded, as Whisper does), each turned into a Whisper-style log-mel spectrogram.
+Per modality (see each module):
+
+- images (`harmonia.data.image`): the checkpoint's transformers image processor, or the encoder
+  family's constants; EXIF orientation; InternVL tiling up to the spec's ``max_tiles``; ``max_pixels``.
+- audio (`harmonia.data.audio`): soundfile / PyAV, mono, polyphase resampling, WhisperFeatureExtractor.
+- video (`harmonia.data.video`): PyAV containers or frame lists, uniform sampling by count or fps, one
+  image tile per frame.
+
+A model's preprocessing is one `ImagePreprocessor` or `AudioPreprocessor` per encoder module
+(`build_media_preprocessors`); functions also accept a bare `EncoderSpec`, whose preset family gives it.
 """
 
 from __future__ import annotations
 
 import io
-import math
 import wave
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
-from harmonia.errors import SampleError
-from harmonia.model.spec import EncoderSpec
-from harmonia.workload.shapes import ModalityItem, find_tile_grid
+from harmonia.data.audio import AudioPreprocessor, audio_header, decode_audio
+from harmonia.data.image import DEFAULT_MAX_PIXELS, ImagePreprocessor, check_pixels, image_header, load_image
+from harmonia.data.media_errors import MediaError
+from harmonia.data.shape_index import MediaFile, build_shape_index, media_shape, shape_cache_path
+from harmonia.data.video import FrameSampling, decode_frames, sample_frame_indices, video_header
+from harmonia.errors import ConfigError
+from harmonia.model.spec import EncoderSpec, MLLMSpec
+from harmonia.workload.shapes import ModalityItem
 
+__all__ = [
+    "AudioPreprocessor", "FrameSampling", "ImagePreprocessor", "MediaError", "MediaFile", "audio_chunks",
+    "audio_header", "audio_seconds", "build_media_preprocessors", "build_shape_index", "decode_audio",
+    "decode_item", "frame_tiles", "image_size", "log_mel", "media_shape", "open_image", "sample_frame_indices",
+    "shape_cache_path", "shape_item", "tile_image", "write_wav",
+]
 
-def _pil():
-    try:
-        from PIL import Image
-    except ImportError as e:  # pragma: no cover - pillow ships with matplotlib
-        raise SampleError("reading images needs Pillow: pip install pillow") from e
-    return Image
-
-
-def open_image(data: bytes | str | Path):
-    """A PIL image (RGB) from bytes or a path; raises `SampleError` on unreadable data."""
-    Image = _pil()
-    try:
-        img = Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
-        img.load()
-        return img.convert("RGB")
-    except Exception as e:
-        raise SampleError(f"cannot decode image: {type(e).__name__}: {e}") from e
+Preprocessor = ImagePreprocessor | AudioPreprocessor
+Source = bytes | str | Path
 
 
-def image_size(data: bytes | str | Path) -> tuple[int, int]:
-    """``(height, width)`` from the header only (no pixel decode)."""
-    Image = _pil()
-    try:
-        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as img:
-            return img.height, img.width
-    except Exception as e:
-        raise SampleError(f"cannot read image header: {type(e).__name__}: {e}") from e
+def build_media_preprocessors(mllm: MLLMSpec, checkpoints: dict[str, str | Path] | None = None,
+                              max_pixels: int = DEFAULT_MAX_PIXELS) -> dict[str, Preprocessor]:
+    """One preprocessor per encoder module of ``mllm``.
+
+    Args:
+        mllm: the model; each encoder's spec fixes tile size, ``max_tiles``, mels, rate and chunks.
+        checkpoints: module -> HF checkpoint directory whose ``preprocessor_config.json`` gives the
+            numbers; modules not named use their preset family's constants.
+        max_pixels: images with more pixels are bad records (``too_large``), found from the header.
+    """
+    checkpoints = checkpoints or {}
+    unknown = set(checkpoints) - set(mllm.encoders)
+    if unknown:
+        raise ConfigError(f"checkpoints for {sorted(unknown)}, which are not encoders of {mllm.name!r} "
+                          f"(encoders: {sorted(mllm.encoders)})")
+    out: dict[str, Preprocessor] = {}
+    for module, enc in mllm.encoders.items():
+        path = checkpoints.get(module)
+        if enc.is_audio:
+            out[module] = AudioPreprocessor.from_pretrained(path, enc) if path else AudioPreprocessor.for_encoder(enc)
+        elif path:
+            out[module] = ImagePreprocessor.from_pretrained(path, enc, max_pixels)
+        else:
+            out[module] = ImagePreprocessor.for_encoder(enc, max_pixels=max_pixels)
+    return out
 
 
-def _to_tensor(img) -> torch.Tensor:
-    """PIL RGB -> ``(3, H, W)`` float in [-1, 1]."""
-    x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1).float()
-    return x / 127.5 - 1.0
+@lru_cache(maxsize=64)
+def _preset_image(encoder: EncoderSpec) -> ImagePreprocessor:
+    return ImagePreprocessor.for_encoder(encoder)
 
 
-def tile_image(img, encoder: EncoderSpec) -> torch.Tensor:
-    """Cut an image into tiles: ``(n_tiles, 3, S, S)`` with ``S = encoder.image_size``."""
-    S = encoder.image_size
-    cols, rows = find_tile_grid(img.height, img.width, S, encoder.max_tiles)
-    big = img.resize((cols * S, rows * S))
-    tiles = [_to_tensor(big.crop((c * S, r * S, (c + 1) * S, (r + 1) * S))) for r in range(rows) for c in range(cols)]
-    if len(tiles) > 1:
-        tiles.append(_to_tensor(img.resize((S, S))))  # thumbnail
-    return torch.stack(tiles)
+@lru_cache(maxsize=64)
+def _preset_audio(encoder: EncoderSpec) -> AudioPreprocessor:
+    return AudioPreprocessor.for_encoder(encoder)
 
 
-def frame_tiles(frames: list, encoder: EncoderSpec) -> torch.Tensor:
-    """One resized tile per video frame: ``(n_frames, 3, S, S)``."""
-    S = encoder.image_size
-    return torch.stack([_to_tensor(f.resize((S, S))) for f in frames])
+def image_preprocessor(prep: ImagePreprocessor | EncoderSpec) -> ImagePreprocessor:
+    """``prep`` itself, or the preset preprocessing of a vision encoder spec (built once per spec)."""
+    return prep if isinstance(prep, ImagePreprocessor) else _preset_image(prep)
 
 
-def sample_frame_indices(n_available: int, max_frames: int) -> list[int]:
-    """Uniformly spaced frame indices (centres of ``max_frames`` equal segments)."""
-    n = min(n_available, max_frames)
-    return [int((i + 0.5) * n_available / n) for i in range(n)]
+def audio_preprocessor(prep: AudioPreprocessor | EncoderSpec) -> AudioPreprocessor:
+    """``prep`` itself, or the preset preprocessing of an audio encoder spec (built once per spec)."""
+    return prep if isinstance(prep, AudioPreprocessor) else _preset_audio(prep)
 
 
-def read_wav(data: bytes | str | Path) -> tuple[np.ndarray, int]:
-    """Mono float32 waveform in [-1, 1] and its sample rate from 8/16/32-bit PCM WAV."""
-    try:
-        with wave.open(io.BytesIO(data) if isinstance(data, bytes) else str(data), "rb") as w:
-            rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
-            raw = w.readframes(w.getnframes())
-    except Exception as e:
-        raise SampleError(f"cannot decode WAV audio: {type(e).__name__}: {e}") from e
-    dtype = {1: np.uint8, 2: np.int16, 4: np.int32}.get(width)
-    if dtype is None:
-        raise SampleError(f"WAV sample width {width} bytes unsupported; use 8/16/32-bit PCM")
-    x = np.frombuffer(raw, dtype=dtype).astype(np.float32)
-    x = (x - 128.0) / 128.0 if width == 1 else x / float(np.iinfo(dtype).max)
-    if channels > 1:
-        x = x.reshape(-1, channels).mean(axis=1)
-    if x.size == 0:
-        raise SampleError("WAV audio has no samples")
-    return x, rate
+def shape_item(kind: str, shape: dict, prep: Preprocessor | EncoderSpec,
+               sampling: FrameSampling | None = None, fps: float | None = None) -> ModalityItem:
+    """The `ModalityItem` of a header-only shape (`media_shape`'s dict) for one encoder.
+
+    Args:
+        kind: ``image``, ``audio``, ``video`` (a container) or ``frames`` (a list of image files).
+        shape: `media_shape`'s dict for the item.
+        prep: the encoder's preprocessor (or its preset spec).
+        sampling: video frame sampling (default `FrameSampling()`: 8 frames).
+        fps: a frame list's frame rate, when sampling by fps (a container's comes from its header).
+
+    Raises:
+        MediaError: ``too_large`` for an image over ``max_pixels``, or what the shape recorded.
+    """
+    if "error" in shape:
+        raise MediaError(shape["error"], shape["message"])
+    if kind == "image":
+        p = image_preprocessor(prep)
+        check_pixels(shape["height"], shape["width"], p.max_pixels)
+        return ModalityItem.image(height=shape["height"], width=shape["width"])
+    if kind == "audio":
+        rate = audio_preprocessor(prep).rate
+        n = -(-shape["samples"] * rate // shape["rate"])  # resampled_length
+        return ModalityItem.audio(n / rate)
+    if kind in ("video", "frames"):
+        indices = (sampling or FrameSampling()).indices(shape["frames"], shape.get("fps", fps))
+        return ModalityItem.video(frames=len(indices), tiles=1)
+    raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
 
 
-def wav_seconds(data: bytes | str | Path, target_rate: int | None = None) -> float:
-    """Duration from the WAV header (after resampling to ``target_rate``, as `audio_chunks` counts it)."""
-    try:
-        with wave.open(io.BytesIO(data) if isinstance(data, bytes) else str(data), "rb") as w:
-            n, rate = w.getnframes(), w.getframerate()
-            if n == 0:
-                raise SampleError("WAV audio has no samples")
-            if target_rate is None or target_rate == rate:
-                return n / rate
-            return round(n * target_rate / rate) / target_rate
-    except SampleError:
-        raise
-    except Exception as e:
-        raise SampleError(f"cannot read WAV header: {type(e).__name__}: {e}") from e
+def decode_item(kind: str, data: Source | list[Source], prep: Preprocessor | EncoderSpec,
+                sampling: FrameSampling | None = None, fps: float | None = None) -> tuple[ModalityItem, torch.Tensor]:
+    """Decode one item into its `ModalityItem` (equal to the header-only one) and encoder inputs.
+
+    Args:
+        kind: ``image``, ``audio``, ``video`` (a container) or ``frames`` (``data`` lists the frames).
+        data: the file's bytes or path (a list of them for ``frames``).
+        prep: the encoder's preprocessor (or its preset spec).
+        sampling: video frame sampling (default `FrameSampling()`).
+        fps: a frame list's frame rate, when sampling by fps.
+
+    Returns:
+        The item and its inputs: image ``(n_tiles, 3, S, S)``, video ``(n_frames, 3, S, S)``, audio
+        ``(n_chunks, n_mels, frames)``, all float32.
+    """
+    sampling = sampling or FrameSampling()
+    if kind == "image":
+        p = image_preprocessor(prep)
+        img = load_image(data, p.max_pixels)
+        return ModalityItem.image(height=img.height, width=img.width), p.tiles(img)
+    if kind == "audio":
+        chunks, seconds = audio_preprocessor(prep)(*decode_audio(data))
+        return ModalityItem.audio(seconds), chunks
+    if kind == "video":
+        info = video_header(data)
+        frames = decode_frames(data, sampling.indices(info.frames, info.fps))
+    elif kind == "frames":
+        frames = [load_image(data[i], image_preprocessor(prep).max_pixels)
+                  for i in sampling.indices(len(data), fps)]
+    else:
+        raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
+    return ModalityItem.video(frames=len(frames), tiles=1), image_preprocessor(prep).frames(frames)
+
+
+# Item-level helpers (images, video frames, audio) for callers that hold decoded media.
+
+def open_image(data: Source, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode an image, EXIF orientation applied; `MediaError` when unreadable or over ``max_pixels``."""
+    return load_image(data, max_pixels)
+
+
+def image_size(data: Source, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """``(height, width)`` after EXIF orientation, from the header only (no pixel decode)."""
+    return image_header(data, max_pixels)
+
+
+def tile_image(img: Image.Image, prep: ImagePreprocessor | EncoderSpec) -> torch.Tensor:
+    """An image -> ``(n_tiles, 3, S, S)`` tiles with the encoder's preprocessing."""
+    return image_preprocessor(prep).tiles(img)
+
+
+def frame_tiles(frames: list[Image.Image], prep: ImagePreprocessor | EncoderSpec) -> torch.Tensor:
+    """One tile per video frame: ``(n_frames, 3, S, S)``."""
+    return image_preprocessor(prep).frames(frames)
+
+
+def log_mel(x: torch.Tensor | np.ndarray, prep: AudioPreprocessor | EncoderSpec) -> torch.Tensor:
+    """Whisper log-mel of a whole waveform at the encoder's rate: ``(samples,) -> (n_mels, samples // hop)``."""
+    p = audio_preprocessor(prep)
+    x = x.numpy() if isinstance(x, torch.Tensor) else x
+    out = p.extractor(np.asarray(x, np.float32), sampling_rate=p.rate, padding="longest", truncation=False,
+                      return_tensors="pt")
+    return out["input_features"][0].float()
+
+
+def audio_chunks(x: np.ndarray, rate: int, prep: AudioPreprocessor | EncoderSpec) -> tuple[torch.Tensor, ModalityItem]:
+    """A mono waveform at ``rate`` -> ``(n_chunks, n_mels, frames)`` log-mel chunks and the item's shape."""
+    chunks, seconds = audio_preprocessor(prep)(x, rate)
+    return chunks, ModalityItem.audio(seconds)
+
+
+def audio_seconds(data: Source, prep: AudioPreprocessor | EncoderSpec) -> float:
+    """Duration after resampling to the encoder's rate, from the header only."""
+    return audio_header(data).seconds(audio_preprocessor(prep).rate)
 
 
 def write_wav(path: str | Path | io.BytesIO, x: np.ndarray, rate: int) -> None:
@@ -129,59 +211,7 @@ def write_wav(path: str | Path | io.BytesIO, x: np.ndarray, rate: int) -> None:
         w.writeframes(pcm.tobytes())
 
 
-def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """Linear-interpolation resampling (enough for features; use a proper filter upstream for quality)."""
-    if rate == target:
-        return x
-    n = round(len(x) * target / rate)
-    return np.interp(np.linspace(0, len(x) - 1, n), np.arange(len(x)), x).astype(np.float32)
+def _pil():
+    """The PIL ``Image`` module (for writers of synthetic media)."""
+    return Image
 
-
-def mel_filters(n_mels: int, n_fft: int, rate: int) -> torch.Tensor:
-    """Triangular filters on the HTK mel scale, area-normalised: ``(n_mels, n_fft // 2 + 1)``."""
-    def to_mel(f):
-        return 2595.0 * np.log10(1.0 + f / 700.0)
-
-    def to_hz(m):
-        return 700.0 * (10 ** (m / 2595.0) - 1.0)
-
-    freqs = np.linspace(0, rate / 2, n_fft // 2 + 1)
-    edges = to_hz(np.linspace(to_mel(0.0), to_mel(rate / 2), n_mels + 2))
-    lower, centre, upper = edges[:-2, None], edges[1:-1, None], edges[2:, None]
-    fb = np.maximum(0, np.minimum((freqs - lower) / (centre - lower), (upper - freqs) / (upper - centre)))
-    fb *= (2.0 / (upper - lower))
-    return torch.from_numpy(fb.astype(np.float32))
-
-
-def log_mel(x: torch.Tensor, encoder: EncoderSpec) -> torch.Tensor:
-    """Whisper-style log-mel of a waveform: ``(samples,) -> (n_mels, samples // hop_length)``.
-
-    STFT with a Hann window of ``n_fft = 2.5 * hop`` (400 at hop 160), power spectrum, mel filters,
-    ``log10`` clamped to 8 below the maximum, then ``(x + 4) / 4``.
-    """
-    hop = encoder.hop_length
-    n_fft = round(2.5 * hop)
-    spec = torch.stft(x, n_fft, hop, window=torch.hann_window(n_fft), return_complex=True)
-    power = spec[..., :-1].abs() ** 2  # (n_fft/2+1, samples // hop)
-    mel = mel_filters(encoder.n_mels, n_fft, encoder.sample_rate) @ power
-    logm = torch.clamp(mel, min=1e-10).log10()
-    logm = torch.maximum(logm, logm.max() - 8.0)
-    return (logm + 4.0) / 4.0
-
-
-def audio_chunks(x: np.ndarray, rate: int, encoder: EncoderSpec) -> tuple[torch.Tensor, ModalityItem]:
-    """Waveform -> ``(n_chunks, n_mels, frames)`` log-mel chunks and the item's shape.
-
-    With ``chunk_seconds`` the clip is cut into ``ceil(seconds / chunk_seconds)`` chunks, the last
-    zero-padded; without it, one chunk of the clip's own length.
-    """
-    x = resample(x, rate, encoder.sample_rate)
-    seconds = len(x) / encoder.sample_rate
-    item = ModalityItem.audio(seconds)
-    if encoder.chunk_seconds is None:
-        return log_mel(torch.from_numpy(x), encoder)[None], item
-    chunk = round(encoder.chunk_seconds * encoder.sample_rate)
-    n = math.ceil(item.seconds / encoder.chunk_seconds)
-    padded = np.zeros(n * chunk, dtype=np.float32)
-    padded[: len(x)] = x[: n * chunk]
-    return torch.stack([log_mel(torch.from_numpy(padded[i * chunk:(i + 1) * chunk]), encoder) for i in range(n)]), item

@@ -1,0 +1,253 @@
+"""Images into a fixed-size vision encoder's tiles, with the model's own transformers image processor.
+
+The per-tile numbers (resize filter, centre crop, rescale, mean/std, RGB conversion) are those of the
+transformers image processor of the model: read from a checkpoint's ``preprocessor_config.json``
+(`ImagePreprocessor.from_pretrained`), or, for harmonia's presets, built from the encoder family's
+constants (`FAMILIES`: CLIP, SigLIP, InternViT). transformers does the arithmetic, so the tensors equal
+what the model's processor gives.
+
+- ``max_tiles == 1``: one tile, the processor's own path (CLIP: shortest edge, centre crop; SigLIP and
+  InternViT: resize to the square).
+- ``max_tiles > 1``: InternVL dynamic tiling, done by transformers' GotOcr2 image processor with
+  ``crop_to_patches`` and the same per-tile numbers: the grid of at most ``max_tiles`` tiles closest to
+  the aspect ratio (`harmonia.workload.shapes.find_tile_grid` counts the same), plus a thumbnail when
+  there is more than one tile.
+- Video frames: one tile each, the processor's own path.
+
+EXIF orientation is applied before anything, and header-only sizes are the oriented ones. An image
+with more than ``max_pixels`` pixels is refused from its header (`MediaError` ``too_large``), never
+decoded.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageOps
+
+from harmonia.data.media_errors import MediaError
+from harmonia.errors import ConfigError
+from harmonia.model.spec import EncoderSpec
+from harmonia.workload.shapes import find_tile_grid
+
+DEFAULT_MAX_PIXELS = 8192 * 8192
+"""Largest image (height x width) decoded unless configured otherwise."""
+
+_SWAPS_SIDES = (5, 6, 7, 8)  # EXIF orientations that transpose the image
+
+
+@dataclass(frozen=True)
+class ImageFamily:
+    """Preprocessing constants of an encoder family (its transformers processor's defaults)."""
+
+    processor: str
+    """transformers image processor class of the family."""
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+FAMILIES: dict[str, ImageFamily] = {
+    # OPENAI_CLIP_MEAN / _STD (openai/clip-vit-large-patch14-336 preprocessor_config.json); EVA-CLIP too.
+    "clip": ImageFamily("CLIPImageProcessor", (0.48145466, 0.4578275, 0.40821073),
+                        (0.26862954, 0.26130258, 0.27577711)),
+    # IMAGENET_STANDARD_MEAN / _STD (google/siglip-so400m-patch14-384): pixels scaled to [-1, 1].
+    "siglip": ImageFamily("SiglipImageProcessor", (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+    # IMAGENET_DEFAULT_MEAN / _STD (OpenGVLab InternVL checkpoints, GotOcr2ImageProcessor).
+    "internvit": ImageFamily("GotOcr2ImageProcessor", (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
+
+# Encoder name prefix -> family, most specific first. The tiny test encoder uses SigLIP's numbers.
+_FAMILY_OF_NAME = (("eva-clip", "clip"), ("clip", "clip"), ("siglip", "siglip"), ("internvit", "internvit"),
+                   ("tiny-vit", "siglip"))
+
+
+def encoder_family(encoder: EncoderSpec) -> str:
+    """The preprocessing family of a preset vision encoder, from its name; `ConfigError` if unknown."""
+    for prefix, family in _FAMILY_OF_NAME:
+        if encoder.name.startswith(prefix):
+            return family
+    raise ConfigError(
+        f"no image preprocessing is known for encoder {encoder.name!r}: give its checkpoint directory "
+        f"(with preprocessor_config.json) or name its family, one of {sorted(FAMILIES)}"
+    )
+
+
+def _processor_class(name: str, backend: str | None = None):
+    """A transformers image processor class by name, in ``backend`` (default: as AutoImageProcessor picks)."""
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    backend = backend or ("torchvision" if is_torchvision_available() else "pil")
+    return getattr(transformers, name if backend == "torchvision" else f"{name}Pil")
+
+
+def _side(size, what: str) -> tuple[int, int]:
+    """``(height, width)`` of a transformers size dict or SizeDict; `ConfigError` if not a fixed square."""
+    get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)
+    h, w = get("height"), get("width")
+    if h is None or w is None:
+        raise ConfigError(f"image processor {what}={dict(size) if isinstance(size, dict) else size} gives "
+                          "no fixed height and width; a fixed-size encoder needs square tiles")
+    return int(h), int(w)
+
+
+def _output_side(processor) -> tuple[int, int]:
+    """``(height, width)`` of what the processor's single-image path returns."""
+    if getattr(processor, "do_center_crop", False):
+        return _side(processor.crop_size, "crop_size")
+    return _side(processor.size, "size")
+
+
+class ImagePreprocessor:
+    """Turns images into the ``(n_tiles, 3, S, S)`` tiles a fixed-size vision encoder takes.
+
+    Args:
+        processor: the model's transformers image processor (single-image path, per-tile numbers).
+        tile_size: the encoder's ``image_size`` ``S``; the processor must produce ``S x S``.
+        max_tiles: most tiles an image is cut into (InternVL dynamic tiling beyond 1).
+        max_pixels: images with more pixels are refused from their header.
+    """
+
+    def __init__(self, processor, tile_size: int, max_tiles: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        if _output_side(processor) != (tile_size, tile_size):
+            raise ConfigError(
+                f"image processor {type(processor).__name__} gives {_output_side(processor)} images but the "
+                f"encoder takes {tile_size}x{tile_size} tiles; use the encoder's own preprocessor_config.json"
+            )
+        if max_tiles < 1 or max_pixels < 1:
+            raise ConfigError(f"max_tiles={max_tiles} and max_pixels={max_pixels} must be positive")
+        self.processor, self.tile_size, self.max_tiles, self.max_pixels = processor, tile_size, max_tiles, max_pixels
+        self.tiler = self._build_tiler() if max_tiles > 1 else None
+
+    @classmethod
+    def for_encoder(cls, encoder: EncoderSpec, family: str | None = None,
+                    max_pixels: int = DEFAULT_MAX_PIXELS) -> ImagePreprocessor:
+        """The preprocessing of a preset encoder: its family's processor at ``encoder.image_size``."""
+        family = family or encoder_family(encoder)
+        if family not in FAMILIES:
+            raise ConfigError(f"unknown image family {family!r}; known: {sorted(FAMILIES)}")
+        fam, s = FAMILIES[family], encoder.image_size
+        size = {"shortest_edge": s} if fam.processor == "CLIPImageProcessor" else {"height": s, "width": s}
+        extra = {"crop_size": {"height": s, "width": s}} if fam.processor == "CLIPImageProcessor" else {}
+        processor = _processor_class(fam.processor)(size=size, image_mean=list(fam.mean), image_std=list(fam.std),
+                                                    **extra)
+        return cls(processor, s, encoder.max_tiles, max_pixels)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, encoder: EncoderSpec,
+                        max_pixels: int = DEFAULT_MAX_PIXELS) -> ImagePreprocessor:
+        """The checkpoint's own image processor (``preprocessor_config.json``), offline.
+
+        Tiling follows the encoder spec's ``max_tiles`` (the scheduler counts tiles from the spec); a
+        checkpoint's ``max_patches`` is only its processor's default.
+        """
+        from transformers import AutoImageProcessor
+
+        if not (Path(path) / "preprocessor_config.json").is_file():
+            raise ConfigError(f"{path} has no preprocessor_config.json: the image preprocessing of a checkpoint "
+                              "comes from it (save the model's processor there)")
+        processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
+        return cls(processor, encoder.image_size, encoder.max_tiles, max_pixels)
+
+    def _build_tiler(self):
+        """GotOcr2 processor with crop_to_patches and this processor's per-tile numbers."""
+        p, s = self.processor, self.tile_size
+        if hasattr(p, "crop_to_patches"):
+            return p
+        return _processor_class("GotOcr2ImageProcessor", p.backend)(
+            size={"height": s, "width": s}, resample=p.resample, do_rescale=p.do_rescale,
+            rescale_factor=p.rescale_factor, do_normalize=p.do_normalize, image_mean=p.image_mean,
+            image_std=p.image_std, do_convert_rgb=p.do_convert_rgb,
+        )
+
+    def n_tiles(self, height: int, width: int) -> int:
+        """Tiles of an image of this size (thumbnail included), as `tiles` returns them."""
+        cols, rows = find_tile_grid(height, width, self.tile_size, self.max_tiles)
+        return cols * rows + 1 if cols * rows > 1 else 1
+
+    def tiles(self, img: Image.Image) -> torch.Tensor:
+        """An (oriented) image -> ``(n_tiles, 3, S, S)`` float32, the grid row by row, then the thumbnail."""
+        if self.tiler is None:
+            return self.frames([img])
+        out = self.tiler(images=[img], crop_to_patches=True, min_patches=1, max_patches=self.max_tiles,
+                         return_tensors="pt")["pixel_values"]
+        return _checked(out, self.tile_size)
+
+    def frames(self, imgs: list[Image.Image]) -> torch.Tensor:
+        """One tile per image (video frames): ``(n, 3, S, S)`` float32, the processor's own path."""
+        extra = {"crop_to_patches": False} if hasattr(self.processor, "crop_to_patches") else {}
+        out = self.processor(images=list(imgs), return_tensors="pt", **extra)["pixel_values"]
+        return _checked(out, self.tile_size)
+
+    def load(self, data: bytes | str | Path) -> Image.Image:
+        """Decode an image, refusing it from its header when over ``max_pixels``; EXIF orientation applied."""
+        return load_image(data, self.max_pixels)
+
+
+def _checked(pixels: torch.Tensor, side: int) -> torch.Tensor:
+    if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, side, side):
+        raise MediaError("unsupported_media", f"image preprocessing gave {tuple(pixels.shape)}, expected "
+                         f"(n, 3, {side}, {side}); an image that is not RGB needs do_convert_rgb")
+    return pixels.float()
+
+
+def _open(data: bytes | str | Path) -> Image.Image:
+    try:
+        return Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+    except Exception as e:
+        raise MediaError("corrupt_media", f"cannot read image header: {type(e).__name__}: {e}") from e
+
+
+def _orientation(img: Image.Image) -> int:
+    """EXIF (or XMP) orientation known from the header, without decoding pixels."""
+    if img.format == "PNG" and "exif" not in img.info:
+        return 1  # PIL would decode the file to find an eXIf chunk after the pixels
+    try:
+        return int(img.getexif().get(0x0112, 1))
+    except Exception:
+        return 1
+
+
+def _oriented_size(img: Image.Image) -> tuple[int, int]:
+    """``(height, width)`` after the EXIF orientation."""
+    w, h = img.size
+    return (w, h) if _orientation(img) in _SWAPS_SIDES else (h, w)
+
+
+def check_pixels(height: int, width: int, max_pixels: int) -> None:
+    """Raise `MediaError` ``too_large`` when ``height * width > max_pixels``."""
+    if height * width > max_pixels:
+        raise MediaError("too_large", f"image is {width}x{height} = {height * width} pixels, more than "
+                         f"max_pixels={max_pixels}; drop or downscale it, or raise max_pixels")
+
+
+def image_header(data: bytes | str | Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+    """``(height, width)`` of an image after EXIF orientation, from its header only (no pixel decode)."""
+    with _open(data) as img:
+        h, w = _oriented_size(img)
+    if max_pixels is not None:
+        check_pixels(h, w, max_pixels)
+    return h, w
+
+
+def load_image(data: bytes | str | Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode an image with its EXIF orientation applied (mode left to the processor's RGB conversion).
+
+    Raises:
+        MediaError: ``too_large`` from the header, ``corrupt_media`` when it does not decode.
+    """
+    img = _open(data)
+    expected = _oriented_size(img)
+    if max_pixels is not None:
+        check_pixels(*expected, max_pixels)
+    try:
+        img = ImageOps.exif_transpose(img)
+    except Exception as e:
+        raise MediaError("corrupt_media", f"cannot decode image: {type(e).__name__}: {e}") from e
+    if (img.height, img.width) != expected:
+        raise MediaError("shape_mismatch", f"image header says {expected} (height, width) after its orientation, "
+                         f"the decoded image is {(img.height, img.width)}; re-save it with its EXIF first")
+    return img
