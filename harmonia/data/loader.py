@@ -13,14 +13,18 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from harmonia.data.records import DataError, Record, read_dataset
-from harmonia.data.samples import LoadedSample, build_sample, read_shape
-from harmonia.data.tokenizer import ByteTokenizer
+from harmonia.data.conversation import Conversation
+from harmonia.data.media import FrameSampling
+from harmonia.data.records import DataError
+from harmonia.data.samples import LoadedSample, SampleBuilder, media_file
+from harmonia.data.shape_index import build_shape_index
+from harmonia.data.sources import read_conversations
+from harmonia.data.tokenizer import ByteTokenizer, Tokenizer
 from harmonia.errors import ConfigError
 from harmonia.model.batch import PackedBatch, pack_samples
 from harmonia.model.spec import MLLMSpec
@@ -37,6 +41,7 @@ class Failed:
     index: int
     kind: str
     message: str
+    where: str = ""
 
 
 @dataclass
@@ -61,28 +66,53 @@ class DataStats:
 
 
 class MultimodalDataset(torch.utils.data.Dataset):
-    """Samples of a manifest or tar shards for one MLLM.
+    """Samples of a dataset in any supported format, for one MLLM.
 
     Args:
-        path: a JSONL manifest, a tar shard, or a directory of shards / with ``manifest.jsonl``.
+        path: a dataset file or directory (see `harmonia.data.sources`).
         mllm: the model; its encoders decide which modalities are known and their token counts.
         max_tokens: longest LLM sequence a sample may have.
         max_frames: frames sampled from each video.
         on_error: ``skip`` (count and skip bad samples) or ``fail`` (raise on the first).
+        format: ``auto`` or one of `harmonia.data.formats.FORMATS`.
+        tokenizer: renders conversations; None is the byte tokenizer of the synthetic demo.
+        media_root: media root of sources that name none (default: each annotation file's directory).
+        allow_outside_root: accept media paths that resolve outside their root.
+        seed: seed of mixture sampling (``random:N``).
+        preprocessors: encoder module -> media preprocessing (`build_media_preprocessors`); encoders
+            not named use their preset family's.
+        shape_cache: a file caching media header shapes between runs (None: no cache).
+        num_workers: processes reading media headers for `shapes`.
     """
 
     def __init__(self, path: str | Path, mllm: MLLMSpec, max_tokens: int = 4096, max_frames: int = 8,
-                 on_error: str = "skip") -> None:
+                 on_error: str = "skip", *, format: str = "auto", tokenizer: Tokenizer | None = None,
+                 media_root: str | Path | None = None, allow_outside_root: bool = False, seed: int = 0,
+                 preprocessors: dict | None = None, shape_cache: str | Path | None = None,
+                 num_workers: int = 0) -> None:
         if on_error not in POLICIES:
             raise ConfigError(f"on_error={on_error!r} is invalid; expected one of {POLICIES}")
-        self.mllm, self.max_tokens, self.max_frames, self.on_error = mllm, max_tokens, max_frames, on_error
-        self.tokenizer = ByteTokenizer()
+        self.path, self.mllm, self.on_error = Path(path), mllm, on_error
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.builder = SampleBuilder(mllm, self.tokenizer, max_tokens, preprocessors or {},
+                                     FrameSampling(num_frames=max_frames))
+        self.shape_cache, self.num_workers = shape_cache, num_workers
         self.stats = DataStats()
-        self._counted: set = set()  # a bad sample is counted once, however often it is read
-        self.records: list[Record]
-        self.records, errors = read_dataset(path)
+        self._counted: set = set()  # a bad record is counted once, however often it is read
+        self.records: list[Conversation]
+        self.records, errors, self.sources = read_conversations(path, format, media_root, allow_outside_root, seed)
+        self.n_read = len({id(c) for c in self.records}) + len(errors)
         for e in errors:
             self._fail(e.kind, str(e), e.where)
+        self._check_tiles()
+
+    def _check_tiles(self) -> None:
+        vision = [e for e in self.mllm.encoders.values() if e.is_vision]
+        for spec in self.sources:
+            if spec.max_tiles is not None and any(e.max_tiles != spec.max_tiles for e in vision):
+                raise ConfigError(f"source {spec.name!r} sets max_dynamic_patch={spec.max_tiles} but the vision "
+                                  f"encoder tiles up to {[e.max_tiles for e in vision]}; one tiling per model: "
+                                  "remove max_dynamic_patch or make it equal")
 
     def __len__(self) -> int:
         return len(self.records)
@@ -98,35 +128,47 @@ class MultimodalDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> LoadedSample | Failed:
         try:
-            return build_sample(self.records[index], index, self.mllm, self.max_tokens, self.max_frames,
-                                self.tokenizer)
+            return self.builder.build(self.records[index], index)
         except DataError as e:
-            return Failed(index, e.kind, str(e))
+            return Failed(index, e.kind, str(e), self.records[index].where)
 
-    def shape(self, index: int) -> SampleShape | Failed:
-        """Header-only shape of one sample."""
+    def shape(self, index: int, headers: list[dict] | None = None) -> SampleShape | Failed:
+        """Header-only shape of one sample (``headers``: its items' shape-index entries, if known)."""
         try:
-            return read_shape(self.records[index], index, self.mllm, self.max_tokens, self.max_frames,
-                              self.tokenizer)
+            return self.builder.shape(self.records[index], index, headers)
         except DataError as e:
-            return Failed(index, e.kind, str(e))
+            return Failed(index, e.kind, str(e), self.records[index].where)
 
     def shapes(self) -> list[SampleShape]:
-        """Shapes of every usable sample (``sample_id`` = dataset index); bad ones counted and skipped."""
+        """Shapes of every usable sample (``sample_id`` = dataset index); bad ones counted and skipped.
+
+        Media headers come from the shape index (`build_shape_index`: each distinct file read once, in
+        ``num_workers`` processes, cached in ``shape_cache``); a record repeated by a mixture is
+        rendered once.
+        """
+        unique = list({id(c): c for c in self.records}.values())
+        refs = [[media_file(r, c) for r in c.media()] for c in unique]
+        headers = build_shape_index(refs, self.num_workers, self.shape_cache, self.path if self.path.is_file() else None,
+                                    progress=False)
+        by_id = {id(c): (k, h) for k, (c, h) in enumerate(zip(unique, headers))}
+        done: dict[int, SampleShape | Failed] = {}
         out = []
-        for i in range(len(self)):
-            s = self.shape(i)
+        for i, conv in enumerate(self.records):
+            k, h = by_id[id(conv)]
+            if k not in done:
+                done[k] = self.shape(i, h)
+            s = done[k]
             if isinstance(s, Failed):
-                self._fail(s.kind, s.message, s.index)
+                self._fail(s.kind, s.message, s.where)
             else:
-                out.append(s)
+                out.append(replace(s, sample_id=i))
         return out
 
     def _accept(self, results: list[LoadedSample | Failed]) -> list[LoadedSample]:
         good = []
         for r in results:
             if isinstance(r, Failed):
-                self._fail(r.kind, r.message, r.index)
+                self._fail(r.kind, r.message, r.where)
             else:
                 good.append(r)
         self.stats.loaded += len(good)
@@ -151,3 +193,43 @@ class MultimodalDataset(torch.utils.data.Dataset):
 def collate(samples: list[LoadedSample]) -> PackedBatch:
     """Pack decoded samples into one microbatch (one sequence, encoders' inputs grouped)."""
     return pack_samples([s.tokens for s in samples])
+
+
+def build_tokenizer(hf_dir: str | Path | None = None, chat_template: str | Path | None = None) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (`HFTokenizer`), or the byte tokenizer when none is given.
+
+    Args:
+        hf_dir: an HF checkpoint (or tokenizer) directory; None or empty for the synthetic demo's bytes.
+        chat_template: a template file replacing the checkpoint's.
+    """
+    if not hf_dir:
+        if chat_template:
+            raise ConfigError("a chat template needs the checkpoint's tokenizer; give the checkpoint directory too")
+        return ByteTokenizer()
+    from harmonia.data.chat import HFTokenizer
+
+    return HFTokenizer.from_pretrained(hf_dir, chat_template)
+
+
+def open_dataset(path: str | Path, mllm: MLLMSpec, *, tokenizer: Tokenizer | None = None, format: str = "auto",
+                 max_tokens: int = 4096, max_frames: int = 8, on_error: str = "skip", **options) -> MultimodalDataset:
+    """Open a dataset for a model: records read and normalised, bad ones counted by kind.
+
+    Args:
+        path: a dataset file or directory: harmonia manifest, LLaVA JSON / JSONL, messages JSONL,
+            webdataset shards, or a mixture file (see `harmonia.data.sources`).
+        mllm: the model spec (token counts per item, known modalities, item attention).
+        tokenizer: `build_tokenizer`'s result; None is the byte tokenizer.
+        format: ``auto`` or a format every record must have.
+        max_tokens: longest LLM sequence a sample may have.
+        max_frames: frames sampled from each video.
+        on_error: ``skip`` or ``fail``.
+        **options: `MultimodalDataset`'s keyword options (media_root, allow_outside_root, seed,
+            preprocessors, shape_cache, num_workers).
+
+    Returns:
+        The dataset: ``shapes()`` for the scheduler, ``load(indices)`` / ``iter_load(batches)`` for the
+        executor, ``stats`` for the run's metrics.
+    """
+    return MultimodalDataset(path, mllm, max_tokens, max_frames, on_error, format=format, tokenizer=tokenizer,
+                             **options)

@@ -1,31 +1,33 @@
-"""From a record to what the scheduler and the executor need.
+"""From a conversation to what the scheduler and the executor need.
 
-`read_shape` reads only headers (image size, WAV length, frame count), or nothing when the manifest
-declares sizes (``height``/``width`` of an image, ``seconds`` of audio), and returns the `SampleShape`
-the scheduler balances with; decoding checks declared sizes against the file. `build_sample` decodes the media and returns the same shape together
-with the `TokenizedSample` the executor packs. Token counts come from `harmonia.workload.shapes`.
+`SampleBuilder.shape` reads only media headers (image size, audio length, frame count; or takes them
+from the shape index), or nothing when the record declares sizes (``height``/``width`` of an image,
+``seconds`` of audio), and returns the `SampleShape` the scheduler balances with.
+`SampleBuilder.build` decodes the media (harmonia.data.media, with the model's preprocessing) and
+returns the same shape with the `TokenizedSample` the executor packs; decoding checks declared sizes
+against the file. Item token counts come from `harmonia.workload.shapes` for the model spec; the
+tokenizer (harmonia.data.tokenizer) renders the conversation around them and marks learned tokens.
 
-A sample's LLM sequence is ``bos, prompt text and items, answer, eos``; only the answer and ``eos``
-are targets.
+Labels are next-token targets aligned with ``input_ids``: ``labels[t] = input_ids[t + 1]`` where
+token ``t + 1`` is learned (assistant content and end-of-turn), else ``-100``.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from harmonia.data import media as M
-from harmonia.data.records import MARKERS, DataError, Record
-from harmonia.data.tokenizer import ByteTokenizer
-from harmonia.errors import HarmoniaError, SampleError
+from harmonia.data.conversation import Conversation, MediaRef
+from harmonia.data.records import DataError, TarSource
+from harmonia.data.shape_index import MediaFile
+from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
+from harmonia.errors import HarmoniaError
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
 from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item
-
-_MARKER_RE = re.compile("|".join(re.escape(m) for m in MARKERS.values()))
 
 
 @dataclass
@@ -39,135 +41,142 @@ class LoadedSample:
     task: str | None = None
 
 
-def _pieces(record: Record) -> list[str | dict]:
-    """Prompt text runs and media entries in sequence order."""
-    prompt, media = record.data.get("prompt", ""), record.data.get("media", [])
-    markers = _MARKER_RE.findall(prompt)
-    if not markers:
-        return [*media, prompt]
-    kinds = [m["type"] for m in media]
-    if markers != [MARKERS[k] for k in kinds]:
-        raise DataError("bad_record", record.where,
-                        f"prompt markers {markers} do not match the media types {kinds} in order")
-    texts = _MARKER_RE.split(prompt)
-    out: list[str | dict] = [texts[0]]
-    for m, t in zip(media, texts[1:]):
-        out += [m, t]
-    return out
+def _kind(ref: MediaRef) -> str:
+    """The media module's kind of an item: ``image``, ``audio``, ``video`` (a container) or ``frames``."""
+    return "frames" if ref.frames is not None else ref.modality
 
 
-def _check_declared(entry: dict, actual: dict[str, int], where: str) -> None:
-    """Sizes declared in the manifest (used for shapes without reading files) must match the file."""
-    for key, value in actual.items():
-        if key in entry and int(entry[key]) != value:
-            raise DataError("shape_mismatch", where, f"manifest says {key}={entry[key]} but the file has "
-                            f"{value}; fix or drop the declared size")
+def media_file(ref: MediaRef, conv: Conversation) -> MediaFile:
+    """The shape index's name of an item's file(s)."""
+    source = conv.source
+    if isinstance(source, TarSource):
+        return MediaFile(_kind(ref), ref.path, ref.frames or (), str(source.path))
+    names = [str(source.root / n) for n in (ref.frames or (ref.path,))]
+    return MediaFile(_kind(ref), None, tuple(names)) if ref.frames is not None else MediaFile(_kind(ref), names[0])
 
 
-def _decode_item(entry: dict, record: Record, mllm: MLLMSpec, max_frames: int,
-                 headers_only: bool) -> tuple[ModalityItem, ItemInputs | None]:
-    modality = entry["type"]
-    try:
-        module = mllm.encoder_for(modality)
-    except HarmoniaError as e:
-        raise DataError("unknown_modality", record.where, str(e)) from e
-    enc = mllm.encoders[module]
-    where = f"{record.where} ({modality} {entry.get('path') or entry.get('frames')})"
-    try:
-        if modality == "image":
-            if headers_only and "height" in entry and "width" in entry:
-                return ModalityItem.image(height=int(entry["height"]), width=int(entry["width"])), None
-            data = record.source.read(entry["path"])
-            if headers_only:
-                h, w = M.image_size(data)
-                return ModalityItem.image(height=h, width=w), None
-            img = M.open_image(data)
-            item = ModalityItem.image(height=img.height, width=img.width)
-            _check_declared(entry, {"height": img.height, "width": img.width}, where)
-            return item, ItemInputs(module, M.tile_image(img, enc))
-        if modality == "audio":
-            if headers_only and "seconds" in entry:
-                return ModalityItem.audio(float(entry["seconds"])), None
-            data = record.source.read(entry["path"])
-            if headers_only:
-                return ModalityItem.audio(M.wav_seconds(data, enc.sample_rate)), None
-            x, rate = M.read_wav(data)
-            chunks, item = M.audio_chunks(x, rate, enc)
-            if "seconds" in entry and abs(float(entry["seconds"]) - item.seconds) > 1e-3:
-                raise DataError("shape_mismatch", where, f"manifest says seconds={entry['seconds']} but the "
-                                f"file holds {item.seconds:.3f} s; fix or drop the declared size")
-            return item, ItemInputs(module, chunks)
-        names = entry.get("frames") or []
-        if not names:
-            raise DataError("bad_record", where, "video entry needs a non-empty 'frames' list")
-        names = [names[i] for i in M.sample_frame_indices(len(names), max_frames)]
-        item = ModalityItem.video(frames=len(names), tiles=1)
-        if headers_only:
-            return item, None
-        frames = [M.open_image(record.source.read(n)) for n in names]
-        groups = frame_groups(len(frames), 1, enc.temporal_merge)
-        return item, ItemInputs(module, M.frame_tiles(frames, enc), groups)
-    except KeyError as e:
-        raise DataError("bad_record", where, f"media entry lacks {e}") from e
-    except DataError:
-        raise
-    except SampleError as e:
-        raise DataError("corrupt_media", where, str(e)) from e
+def _declared_item(ref: MediaRef) -> ModalityItem | None:
+    declared = dict(ref.declared)
+    if ref.modality == "image" and "height" in declared and "width" in declared:
+        return ModalityItem.image(height=int(declared["height"]), width=int(declared["width"]))
+    if ref.modality == "audio" and "seconds" in declared:
+        return ModalityItem.audio(declared["seconds"])
+    return None
 
 
-def _assemble(record: Record, index: int, mllm: MLLMSpec, tok: ByteTokenizer, max_tokens: int,
-              max_frames: int, headers_only: bool):
-    prompt_ids: list = [[tok.bos]]  # text id lists and (item, inputs) pairs; always ends with a list
-    for piece in _pieces(record):
-        if isinstance(piece, str):
-            prompt_ids[-1] += tok.encode(piece)
-        else:
-            prompt_ids.append(_decode_item(piece, record, mllm, max_frames, headers_only))
-            prompt_ids.append([])
-    answer = tok.encode(record.data.get("answer", "")) + [tok.eos]
-    prompt_ids[-1] += answer
-    n_answer = len(answer)
-    items, offsets, segments, text = [], [], [], 0
-    for part in prompt_ids:
-        if isinstance(part, list):
-            if part:
-                segments.append(("text", len(part)))
-            text += len(part)
-        else:
-            item = part[0]
-            items.append(part)
-            offsets.append(text)
-            segments.append(("item", llm_tokens_of_item(item, mllm.encoders[mllm.encoder_for(item.modality)])))
-    shape = SampleShape(text, tuple(i for i, _ in items), tuple(offsets), sample_id=index)
-    total = sum(n for _, n in segments)
-    if total > max_tokens:
-        raise DataError("too_long", record.where,
-                        f"sample has {total} LLM tokens, more than max_tokens={max_tokens}; raise the limit or drop it")
-    return shape, prompt_ids, segments, items, n_answer
+def _check_declared(ref: MediaRef, item: ModalityItem, where: str) -> None:
+    """Sizes declared in the record (used for shapes without reading files) must match the file."""
+    actual = {"height": item.height, "width": item.width, "seconds": item.seconds}
+    for key, value in ref.declared:
+        if actual.get(key) is not None and abs(value - actual[key]) > (1e-3 if key == "seconds" else 0):
+            raise DataError("shape_mismatch", where, f"the record says {key}={value:g} but the file has "
+                            f"{actual[key]:g}; fix or drop the declared size")
 
 
-def read_shape(record: Record, index: int, mllm: MLLMSpec, max_tokens: int, max_frames: int = 8,
-               tok: ByteTokenizer | None = None) -> SampleShape:
-    """The sample's shape from media headers only; raises `DataError` for an unusable sample."""
-    return _assemble(record, index, mllm, tok or ByteTokenizer(), max_tokens, max_frames, True)[0]
+@dataclass
+class SampleBuilder:
+    """Builds shapes and samples of conversations for one model.
+
+    Attributes:
+        mllm: the model; its encoders decide which modalities are known and their token counts.
+        tokenizer: renders conversations (`ByteTokenizer` or `harmonia.data.chat.HFTokenizer`).
+        max_tokens: longest LLM sequence a sample may have.
+        preprocessors: encoder module -> its media preprocessing (`M.build_media_preprocessors`).
+        sampling: video frame sampling.
+    """
+
+    mllm: MLLMSpec
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)
+    max_tokens: int = 4096
+    preprocessors: dict = field(default_factory=dict)
+    sampling: M.FrameSampling = field(default_factory=M.FrameSampling)
+
+    def _module(self, ref: MediaRef, where: str) -> str:
+        try:
+            return self.mllm.encoder_for(ref.modality)
+        except HarmoniaError as e:
+            raise DataError("unknown_modality", where, str(e)) from e
+
+    def _prep(self, module: str):
+        return self.preprocessors.get(module) or self.mllm.encoders[module]
+
+    def _read(self, ref: MediaRef, conv: Conversation):
+        if ref.frames is not None:
+            return [conv.source.read(n) for n in ref.frames]
+        return conv.source.read(ref.path)
+
+    def item_shape(self, ref: MediaRef, conv: Conversation, header: dict | None = None) -> ModalityItem:
+        """An item's shape from its declared sizes, a header dict (`M.media_shape`), or its file's header."""
+        module = self._module(ref, conv.where)
+        where = f"{conv.where} ({ref.modality} {ref.name})"
+        declared = _declared_item(ref)
+        if declared is not None:
+            return declared
+        try:
+            if header is None:
+                header = M.media_shape(_kind(ref), self._read(ref, conv))
+            return M.shape_item(_kind(ref), header, self._prep(module), self.sampling)
+        except M.MediaError as e:
+            raise DataError(e.kind, where, str(e)) from e
+
+    def decode(self, ref: MediaRef, conv: Conversation) -> tuple[ModalityItem, ItemInputs]:
+        """An item's shape and encoder inputs; declared sizes are checked against the file."""
+        module = self._module(ref, conv.where)
+        where = f"{conv.where} ({ref.modality} {ref.name})"
+        try:
+            item, x = M.decode_item(_kind(ref), self._read(ref, conv), self._prep(module), self.sampling)
+        except M.MediaError as e:
+            raise DataError(e.kind, where, str(e)) from e
+        _check_declared(ref, item, where)
+        enc = self.mllm.encoders[module]
+        groups = frame_groups(item.frames, 1, enc.temporal_merge) if item.modality == "video" else None
+        return item, ItemInputs(module, x, groups)
+
+    def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
+        lengths = [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]
+        enc = self.tokenizer.encode_conversation(conv, lengths)
+        if len(enc.ids) > self.max_tokens:
+            raise DataError("too_long", conv.where, f"sample has {len(enc.ids)} LLM tokens, more than "
+                            f"max_tokens={self.max_tokens}; raise the limit or drop it")
+        if not any(enc.targets):
+            raise DataError("no_targets", conv.where, "no token of the sample is learned (empty assistant turns)")
+        offsets = tuple(start - sum(lengths[:k]) for k, (start, _) in enumerate(enc.items))
+        return SampleShape(len(enc.ids) - sum(lengths), tuple(items), offsets, sample_id=index), enc
+
+    def shape(self, conv: Conversation, index: int, headers: list[dict] | None = None) -> SampleShape:
+        """The sample's shape from media headers only; raises `DataError` for an unusable sample.
+
+        Args:
+            conv: the conversation.
+            index: its dataset index (the shape's ``sample_id``).
+            headers: its items' `M.media_shape` dicts (from the shape index); None reads the headers.
+        """
+        refs = conv.media()
+        items = [self.item_shape(r, conv, headers[k] if headers else None) for k, r in enumerate(refs)]
+        return self._encode(conv, index, items)[0]
+
+    def build(self, conv: Conversation, index: int) -> LoadedSample:
+        """Decode a conversation into its shape and tensors; raises `DataError` for an unusable sample."""
+        decoded = [self.decode(r, conv) for r in conv.media()]
+        shape, enc = self._encode(conv, index, [item for item, _ in decoded])
+        input_ids = torch.tensor(enc.ids, dtype=torch.long)  # (T,)
+        target = torch.tensor(enc.targets, dtype=torch.bool)  # (T,)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        labels[:-1] = torch.where(target[1:], input_ids[1:], IGNORE_INDEX)  # position t predicts token t + 1
+        tokens = TokenizedSample(input_ids, labels, _segments(enc), [x for _, x in decoded],
+                                 sample_id=conv.id if conv.id is not None else index,
+                                 causal_items=self.mllm.item_attention == "causal")
+        return LoadedSample(index, shape, tokens, conv.answer(), conv.task)
 
 
-def build_sample(record: Record, index: int, mllm: MLLMSpec, max_tokens: int, max_frames: int = 8,
-                 tok: ByteTokenizer | None = None) -> LoadedSample:
-    """Decode a record into its shape and tensors; raises `DataError` for an unusable sample."""
-    tok = tok or ByteTokenizer()
-    shape, parts, segments, items, n_answer = _assemble(record, index, mllm, tok, max_tokens, max_frames, False)
-    ids: list[int] = []
-    for part in parts:
-        if isinstance(part, list):
-            ids += part
-        else:
-            enc = mllm.encoders[mllm.encoder_for(part[0].modality)]
-            ids += [tok.placeholder] * llm_tokens_of_item(part[0], enc)
-    input_ids = torch.tensor(ids, dtype=torch.long)
-    labels = torch.full_like(input_ids, IGNORE_INDEX)
-    T = len(ids)
-    labels[T - n_answer - 1: T - 1] = input_ids[T - n_answer:]  # position t predicts token t + 1
-    tokens = TokenizedSample(input_ids, labels, segments, [inp for _, inp in items],
-                             sample_id=record.data.get("id", index))
-    return LoadedSample(index, shape, tokens, record.data.get("answer", ""), record.data.get("task"))
+def _segments(enc: Encoded) -> list[tuple[str, int]]:
+    """``(kind, length)`` runs of text and items covering the sequence."""
+    segments, pos = [], 0
+    for start, n in enc.items:
+        if start > pos:
+            segments.append(("text", start - pos))
+        segments.append(("item", n))
+        pos = start + n
+    if pos < len(enc.ids):
+        segments.append(("text", len(enc.ids) - pos))
+    return segments

@@ -1,20 +1,98 @@
-"""A byte-level tokenizer: every UTF-8 byte is a token, control bytes double as special tokens.
+"""The tokenizer interface samples are built with, and the byte tokenizer of the synthetic demo.
 
-Enough for the synthetic dataset and CPU tests with a 256-token vocabulary; a real run swaps in the
-LLM's own tokenizer behind the same three methods.
+A `Tokenizer` turns a `Conversation` into token ids, a target flag per token (the tokens the loss
+learns: every assistant turn's content and its end-of-turn tokens) and the run of tokens each
+media item occupies (``n`` copies of the item's token, ``n`` from the encoder spec). Two
+implement it: `ByteTokenizer` here (the synthetic demo and CPU tests) and
+`harmonia.data.chat.HFTokenizer` (a checkpoint's own tokenizer and chat template).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
-class ByteTokenizer:
-    """Bytes as ids; ``pad`` 0, ``bos`` 1, ``eos`` 2, item ``placeholder`` 3 (never produced by text)."""
+from harmonia.data.conversation import Conversation, MediaRef
+
+
+@dataclass
+class Encoded:
+    """A tokenised conversation.
+
+    Attributes:
+        ids: ``(T,)`` token ids; an item's run holds its placeholder token.
+        targets: ``(T,)`` whether token ``t`` is learned (predicted from position ``t - 1``).
+        items: ``(start, length)`` of each media item's run, in sequence order.
+    """
+
+    ids: list[int]
+    targets: list[bool]
+    items: list[tuple[int, int]]
+
+
+class Tokenizer(ABC):
+    """What `harmonia.data.samples` needs from a tokenizer."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def encode_conversation(self, conversation: Conversation, item_tokens: list[int]) -> Encoded:
+        """Token ids, targets and item runs of a conversation.
+
+        Args:
+            conversation: the normalised record.
+            item_tokens: LLM tokens of each media item, in sequence order.
+
+        Raises:
+            DataError: when the conversation cannot be rendered (a named kind).
+        """
+
+    @abstractmethod
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text, no special tokens."""
+
+    @abstractmethod
+    def decode(self, ids: list[int]) -> str:
+        """Text of ids, special tokens left out."""
+
+
+class ByteTokenizer(Tokenizer):
+    """Bytes as ids; ``pad`` 0, ``bos`` 1, ``eos`` 2, item ``placeholder`` 3 (never produced by text).
+
+    Its rendering: ``bos``, then every turn's text bytes and item runs in order, with ``eos`` after
+    each assistant turn; the assistant's bytes and that ``eos`` are targets. A one-question record is
+    ``bos, prompt and items, answer, eos``.
+    """
 
     pad, bos, eos, placeholder = 0, 1, 2, 3
     vocab_size = 256
 
-    def encode(self, text: str) -> list[int]:
+    def encode_text(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        """Same as `encode_text`."""
+        return self.encode_text(text)
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i > 3).decode("utf-8", errors="replace")
+
+    def encode_conversation(self, conversation: Conversation, item_tokens: list[int]) -> Encoded:
+        ids, targets, items = [self.bos], [False], []
+        lengths = iter(item_tokens)
+        for turn in conversation.turns:
+            learned = turn.role == "assistant"
+            for part in turn.parts:
+                if isinstance(part, MediaRef):
+                    n = next(lengths)
+                    items.append((len(ids), n))
+                    ids += [self.placeholder] * n
+                    targets += [False] * n
+                else:
+                    b = self.encode_text(part)
+                    ids += b
+                    targets += [learned] * len(b)
+            if learned:
+                ids.append(self.eos)
+                targets.append(True)
+        return Encoded(ids, targets, items)

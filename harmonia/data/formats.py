@@ -1,0 +1,182 @@
+"""Record schemas users hold, each normalised to a `Conversation`.
+
+- ``harmonia``: ``{"prompt", "answer", "media": [{"type", "path" | "frames", ...}]}`` (the synthetic
+  dataset's manifest; a prompt without tags gets its media first).
+- ``llava``: ``{"id", "image": str | [str] or "images": [...], "video", "conversations": [{"from":
+  "human" | "gpt" | "system", "value": "<image>\\n..."}]}`` (LLaVA, LLaMA-Factory's ShareGPT).
+- ``messages``: ``{"messages": [{"role", "content"}], "images", "videos", "audios"}`` (OpenAI style,
+  ms-swift, LLaMA-Factory); ``content`` is a string with tags or a list of ``{"type": "text", "text"}``,
+  ``{"type": "image" | "video" | "audio"}`` parts (a part may name its own file).
+- a caption: a webdataset key's ``.txt`` beside its media (the media, then the caption to learn).
+
+``auto`` detects the schema from the record's keys. A record of no known schema is a bad record
+``unknown_schema``; malformed turns are ``bad_turns``; tags that do not match the media given are
+``placeholder_mismatch``; a media path outside the media root is ``outside_root``.
+"""
+
+from __future__ import annotations
+
+from harmonia.data.conversation import MARKERS, Conversation, MediaRef, Turn, place_media
+from harmonia.data.records import DataError, RawRecord
+
+FORMATS = ("auto", "harmonia", "llava", "messages", "webdataset")
+SCHEMAS = ("harmonia", "llava", "messages")
+ROLE_NAMES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+_COLUMNS = {"image": ("images", "image"), "video": ("videos", "video"), "audio": ("audios", "audio")}
+_DECLARED = ("height", "width", "seconds")
+
+
+def detect_schema(data: object) -> str | None:
+    """``harmonia``, ``llava`` or ``messages`` from a record's keys; None when none fits."""
+    if not isinstance(data, dict):
+        return None
+    if "conversations" in data:
+        return "llava"
+    if "messages" in data:
+        return "messages"
+    if "prompt" in data or "answer" in data or "media" in data:
+        return "harmonia"
+    return None
+
+
+def to_conversation(raw: RawRecord, schema: str = "auto") -> Conversation:
+    """Normalise one raw record; raises `DataError` of a named kind for an unusable one.
+
+    Args:
+        raw: the record as read.
+        schema: ``auto`` (detect), or one of `SCHEMAS` to require.
+    """
+    found = detect_schema(raw.data)
+    if raw.caption is not None and (raw.data is None or (found is None and schema == "auto")):
+        return _caption(raw)
+    want = found if schema == "auto" else schema
+    if want is None or (schema != "auto" and found != schema):
+        shape = f"keys {sorted(raw.data)}" if isinstance(raw.data, dict) else f"a JSON {type(raw.data).__name__}"
+        expected = "'conversations' (llava), 'messages' or 'prompt'/'answer' (harmonia)" if schema == "auto" \
+            else {"harmonia": "'prompt'/'answer'", "llava": "'conversations'", "messages": "'messages'"}[schema]
+        raise DataError("unknown_schema", raw.where, f"record has {shape}, expected {expected}; "
+                        "convert it or choose the format that matches (format=...)")
+    data = raw.data
+    if want == "harmonia":
+        turns = _harmonia_turns(raw)
+    else:
+        turns = _chat_turns(raw, "conversations" if want == "llava" else "messages")
+    return Conversation(turns, raw.where, raw.source, data.get("id"), data.get("task"))
+
+
+def _media_ref(raw: RawRecord, modality: str, name: object, **extra) -> MediaRef:
+    if not isinstance(name, str):
+        raise DataError("bad_media", raw.where, f"{modality} path {name!r} is not a string")
+    if name.startswith(("http://", "https://", "data:", "s3://")):
+        raise DataError("unsupported_media", raw.where, f"{modality} {name[:60]!r} is not a local file; download "
+                        "it and give its path relative to the media root")
+    return MediaRef(modality, raw.source.locate(name.removeprefix("file://"), raw.where, raw.key), **extra)
+
+
+def _columns(raw: RawRecord) -> dict[str, list[MediaRef]]:
+    """Media listed beside the turns (``images`` / ``image`` ...), or a shard key's media members."""
+    data, out = raw.data, {}
+    for modality, keys in _COLUMNS.items():
+        present = [k for k in keys if data.get(k) not in (None, [], "")]
+        if len(present) > 1:
+            raise DataError("bad_media", raw.where, f"both {present[0]!r} and {present[1]!r} are given; keep one")
+        if present:
+            names = data[present[0]]
+            names = names if isinstance(names, list) else [names]
+            out[modality] = [_media_ref(raw, modality, n) for n in names]
+    if not out and raw.members:
+        out = {m: [MediaRef(m, name) for name in names] for m, names in raw.members.items()}
+    return out
+
+
+def _content_parts(raw: RawRecord, content: object) -> list[str | MediaRef]:
+    """A message's content: a string (with tags) or a list of typed parts."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        raise DataError("bad_turns", raw.where, f"message content is a {type(content).__name__}; expected a "
+                        "string or a list of {'type': ...} parts")
+    parts: list[str | MediaRef] = []
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+            continue
+        modality = kind.removesuffix("_url") if isinstance(kind, str) else None
+        if modality not in MARKERS:
+            raise DataError("bad_turns", raw.where, f"content part {str(p)[:80]} is not a text, image, video or "
+                            "audio part")
+        named = p.get(kind) or p.get("path") or p.get("url")
+        if isinstance(named, dict):  # OpenAI {"type": "image_url", "image_url": {"url": ...}}
+            named = named.get("url")
+        parts.append(_media_ref(raw, modality, named) if named else MARKERS[modality])
+    return parts
+
+
+def _chat_turns(raw: RawRecord, key: str) -> list[Turn]:
+    data = raw.data
+    messages = data.get(key)
+    if not isinstance(messages, list) or not messages:
+        raise DataError("bad_turns", raw.where, f"{key!r} must be a non-empty list of turns")
+    roles, contents = [], []
+    if isinstance(data.get("system"), str) and data["system"]:
+        roles.append("system")
+        contents.append([data["system"]])
+    for i, m in enumerate(messages):
+        role = (m.get("from", m.get("role")) if isinstance(m, dict) else None)
+        if ROLE_NAMES.get(role) is None:
+            raise DataError("bad_turns", raw.where, f"turn {i} has role {role!r}; expected one of "
+                            f"{sorted(ROLE_NAMES)} under 'from' or 'role'")
+        roles.append(ROLE_NAMES[role])
+        contents.append(_content_parts(raw, m.get("value", m.get("content"))))
+    turns = [Turn(r, p) for r, p in zip(roles, place_media(contents, _columns(raw), raw.where))]
+    _check_turns(turns, raw.where)
+    return turns
+
+
+def _check_turns(turns: list[Turn], where: str) -> None:
+    if any(t.role == "system" for t in turns[1:]):
+        raise DataError("bad_turns", where, "a system turn may only come first")
+    if not any(t.role == "assistant" for t in turns):
+        raise DataError("bad_turns", where, "no assistant turn: the record has nothing to learn")
+
+
+def _harmonia_turns(raw: RawRecord) -> list[Turn]:
+    data = raw.data
+    prompt, answer, media = data.get("prompt", ""), data.get("answer"), data.get("media", [])
+    if not isinstance(prompt, str) or not isinstance(answer, str):
+        raise DataError("bad_turns", raw.where, "'prompt' and 'answer' must be strings")
+    if not isinstance(media, list) or not all(isinstance(m, dict) for m in media):
+        raise DataError("bad_media", raw.where, "'media' must be a list of objects")
+    refs = [_harmonia_media(raw, m) for m in media]
+    if not any(tag in prompt for tag in MARKERS.values()):
+        user: list[str | MediaRef] = [*refs, prompt] if prompt else list(refs)
+    else:
+        by_kind: dict[str, list[MediaRef]] = {}
+        for r in refs:
+            by_kind.setdefault(r.modality, []).append(r)
+        user = place_media([[prompt]], by_kind, raw.where)[0]
+    return [Turn("user", user), Turn("assistant", [answer])]
+
+
+def _harmonia_media(raw: RawRecord, entry: dict) -> MediaRef:
+    modality = entry.get("type")
+    if modality not in MARKERS:
+        raise DataError("unknown_modality", raw.where, f"media type {modality!r} is not one of {sorted(MARKERS)}")
+    declared = tuple((k, float(entry[k])) for k in _DECLARED if k in entry)
+    if modality == "video" and "frames" in entry:
+        frames = entry["frames"]
+        if not isinstance(frames, list) or not frames:
+            raise DataError("bad_media", raw.where, "video entry needs a non-empty 'frames' list")
+        return MediaRef("video", None, tuple(raw.source.locate(f, raw.where, raw.key) for f in frames), declared)
+    if "path" not in entry:
+        raise DataError("bad_media", raw.where, f"{modality} entry lacks 'path'")
+    return _media_ref(raw, modality, entry["path"], declared=declared)
+
+
+def _caption(raw: RawRecord) -> Conversation:
+    if not raw.caption:
+        raise DataError("bad_turns", raw.where, "the key's .txt caption is empty")
+    media = [MediaRef(m, name) for m in MARKERS for name in raw.members.get(m, [])]
+    return Conversation([Turn("user", list(media)), Turn("assistant", [raw.caption])], raw.where, raw.source,
+                        raw.key)
