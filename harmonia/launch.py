@@ -1,141 +1,301 @@
-"""Start N local processes as `torchrun --standalone` would, and end all of them if one fails.
+"""Start N local processes as `torchrun --standalone` would, and never leave one behind.
 
-Each process gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its
-environment and runs ``target(*args)``. The parent watches them: when a process raises, its
-traceback comes back through a queue; when one dies without a word (killed, out of memory), its exit
-code or signal is reported. Either way the others are terminated (then killed after a grace
-period), so no rank waits forever in a collective, and `LaunchError` carries the failing rank's
-message. When one failure causes others (its peers lose their connections to it), the root cause
-is the one named. Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process.
+The launcher plays torchrun's agent: it hosts the rendezvous store (each process gets ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and connects to it) and watches
+the processes, which run ``target(*args)``:
+
+- a rank that raises sends its traceback back; one that dies without a word (killed, out of
+  memory) is named with its signal. Either way the others are stopped (terminated, then killed
+  after a grace period) and `LaunchError` names the root cause, not the peers that lost their
+  connections to it;
+- SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank, which stops at a step
+  boundary (`JobStopped` carries its message); a second signal kills the ranks at once;
+- the ranks exit when the launcher dies (`harmonia.runtime.watchdog.exit_with_parent`);
+- with ``hang_timeout``, a rank whose heartbeat stops (stopped, frozen) is named and the job ends.
+
+Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import queue
 import re
 import signal
-import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from harmonia.errors import HarmoniaError
+from harmonia.runtime.watchdog import (STOP_SIGNALS, HangDetector, StopRequested, StopSignals, beat_interval,
+                                       exit_with_parent, signal_name)
+
+LAUNCHER_ENV = "HARMONIA_LAUNCHER_PID"
+"""Set in every rank the local launcher starts: the launcher's pid (absent under torchrun)."""
+
+PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|remote worker|"
+                         r"NCCL communicator was aborted|Socket Timeout|Connection refused|Timed out waiting")
+"""Errors a rank sees because another rank is gone: consequences, never the root cause."""
 
 
 class LaunchError(HarmoniaError):
-    """A rank failed; the message names it and carries its error."""
+    """A rank failed or hung; the message names it and carries its error."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class JobStopped(HarmoniaError):
+    """The job stopped on request (a signal, the time limit); ``exit_code`` is what the CLI returns."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, world: int, port: int, target: Callable, args: tuple, errors) -> None:
+def _entry(rank: int, world: int, port: int, launcher: int, target: Callable, args: tuple, reports) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_ENV: str(launcher),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the launcher hosts the store
+    code = 0
     try:
-        target(*args)
+        StopSignals.install(raise_now=True)
+        exit_with_parent(launcher)
+        value = target(*args)
+        if value is not None:
+            reports.put(("result", rank, value))
+    except StopRequested as stop:
+        reports.put(("stopped", rank, str(stop), stop.signum))
+        code = 128 + stop.signum
     except BaseException as err:  # noqa: BLE001 -- every failure goes to the parent
-        errors.put((rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
-        raise SystemExit(1) from None
+        reports.put(("error", rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
+        code = 1
+    if code:
+        raise SystemExit(code)
+
+
+@dataclass
+class _Job:
+    """The launcher's view of its ranks while they run."""
+
+    procs: list
+    reports: Any
+    errors: list[tuple[int, str, str]] = field(default_factory=list)
+    stops: dict[int, tuple[str, int]] = field(default_factory=dict)
+    results: dict[int, Any] = field(default_factory=dict)
+    signals: list[int] = field(default_factory=list)
+    sent: set[int] = field(default_factory=set)
+    terminated: set[int] = field(default_factory=set)
+    hung: str | None = None
+    timed_out: float | None = None
+
+    def drain(self, wait_s: float = 0.0) -> None:
+        try:
+            self._take(self.reports.get(timeout=wait_s) if wait_s else self.reports.get_nowait())
+            while True:
+                self._take(self.reports.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _take(self, report: tuple) -> None:
+        kind, rank, *rest = report
+        if kind == "result":
+            self.results[rank] = rest[0]
+        elif kind == "stopped":
+            self.stops[rank] = (rest[0], rest[1])
+        else:
+            self.errors.append((rank, rest[0], rest[1]))
+
+    def alive(self) -> list[int]:
+        return [r for r, p in enumerate(self.procs) if p.is_alive()]
+
+    def failed(self) -> bool:
+        """A rank raised, or ended badly without reporting a requested stop."""
+        stopping = {0, *(128 + s for s in STOP_SIGNALS), *(-s for s in self.sent)}
+        dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None and p.exitcode not in stopping
+                and r not in self.stops]
+        return bool(self.errors or dead)
+
+    def send(self, signum: int) -> None:
+        self.sent.add(signum)
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.kill(p.pid, signum)
+                except ProcessLookupError:
+                    pass
 
 
 def launch(target: Callable, world_size: int, args: tuple = (), timeout: float | None = None,
-           grace_s: float = 5.0, settle_s: float = 0.5) -> None:
-    """Run ``target(*args)`` on ``world_size`` local processes; raise `LaunchError` if any fails.
+           grace_s: float = 5.0, settle_s: float = 0.5, hang_timeout: float | None = None,
+           stop_grace_s: float = 120.0) -> Any:
+    """Run ``target(*args)`` on ``world_size`` local processes; returns rank 0's return value.
 
     Args:
         target: a picklable function (module level).
         world_size: processes to start.
         args: arguments of ``target``.
-        timeout: seconds before every rank is stopped (None = no limit).
-        grace_s: seconds between terminate and kill when stopping ranks.
+        timeout: seconds after which every rank is asked to stop, as by SIGTERM (None = no limit).
+        grace_s: seconds between terminate and kill when stopping ranks after a failure.
         settle_s: after the first failure, how long to collect the others' before naming the root cause.
+        hang_timeout: seconds without a heartbeat after which a rank is named as hung and the job
+            ends (None = no heartbeat watch; the target must run `harmonia.runtime.watchdog.Heartbeat`).
+        stop_grace_s: seconds the ranks have to stop after a forwarded signal before being killed.
+
+    Raises:
+        LaunchError: a rank failed, died or hung (the root cause is named).
+        JobStopped: a signal or the time limit stopped the job.
     """
     if under_torchrun():
-        target(*args)
-        return
+        return target(*args)
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, target, args, errors), daemon=False)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    reports = ctx.Queue()
+    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), target, args, reports),
+                            daemon=False) for r in range(world_size)], reports)
+    with _forwarded_signals(job):
+        for p in job.procs:
+            p.start()
+        detector = (HangDetector(store, world_size, hang_timeout, pids={r: p.pid for r, p in enumerate(job.procs)})
+                    if hang_timeout else None)
+        try:
+            _supervise(job, detector, timeout, settle_s, stop_grace_s)
+        finally:
+            job.terminated |= set(job.alive())
+            _stop(job, grace_s)
+    return _outcome(job)
+
+
+def _supervise(job: _Job, detector: HangDetector | None, timeout: float | None, settle_s: float,
+               stop_grace_s: float) -> None:
+    """Wait for the ranks; return at the first failure, hang, or when a requested stop is overdue."""
     start = time.monotonic()
-    reports: list[tuple[int, str, str]] = []
-    try:
-        while any(p.is_alive() for p in procs):
-            _drain(errors, reports, wait_s=0.2)
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if reports or dead:
-                time.sleep(settle_s)  # the other ranks' reports, and the root cause's own, arrive
-                _drain(errors, reports)
-                break
-            if timeout is not None and time.monotonic() - start > timeout:
-                running = [r for r, p in enumerate(procs) if p.is_alive()]
-                reports.append((running[0], f"ranks {running} still running after {timeout:.0f} s", ""))
-                break
-        _drain(errors, reports)
-    finally:
-        _stop(procs, grace_s)
-    exit_codes = {r: p.exitcode for r, p in enumerate(procs)}
-    failure = _root_cause(reports, exit_codes)
-    if failure is not None:
-        rank, message, tb = failure
-        others = sorted({r for r, _, _ in reports} - {rank})
-        also = f" (ranks {others} failed after it)" if others else ""
-        raise LaunchError(f"rank {rank} failed: {message}{also}"
-                          + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else ""))
-    bad = [(r, code) for r, code in exit_codes.items() if code != 0]
+    next_poll, deadline, handled = start, None, 0
+    while job.alive():
+        job.drain(wait_s=0.2)
+        if len(job.signals) > handled:
+            handled = len(job.signals)
+            if handled > 1:  # a second signal: no more waiting for a graceful stop
+                job.terminated |= set(job.alive())
+                job.send(signal.SIGKILL)
+            deadline = deadline or time.monotonic() + stop_grace_s
+        if job.failed():
+            time.sleep(settle_s)  # the other ranks' reports, and the root cause's own, arrive
+            job.drain()
+            return
+        now = time.monotonic()
+        if detector is not None and now >= next_poll:
+            next_poll = now + beat_interval(detector.hang_timeout)
+            hung = detector.poll()
+            if hung is not None:
+                job.hung = hung[1]
+                return
+        if timeout is not None and job.timed_out is None and now - start > timeout:
+            job.timed_out = timeout
+            job.send(signal.SIGTERM)
+            deadline = now + stop_grace_s
+        if deadline is not None and now > deadline:
+            return
+    job.drain()
+
+
+class _forwarded_signals:
+    """While ranks run, SIGTERM / SIGINT / SIGHUP to the launcher go to every rank (main thread only)."""
+
+    def __init__(self, job: _Job) -> None:
+        self.job, self.previous = job, {}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.job.signals.append(signum)
+        if len(self.job.signals) == 1:
+            self.job.send(signum)
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def _outcome(job: _Job) -> Any:
+    """Rank 0's result, or the error that says what happened."""
+    job.drain()
+    if job.hung is not None:
+        raise LaunchError(f"{job.hung}; every rank was stopped")
+    cause = _root_cause(job)
+    if cause is not None:
+        raise LaunchError(cause)
+    if job.stops or job.signals or job.timed_out is not None:
+        if not job.stops and len(job.results) == len(job.procs) and not job.signals:
+            return job.results.get(0)
+        first = min(job.stops) if job.stops else None
+        sig = job.stops[first][1] if first is not None else (job.signals or [signal.SIGTERM])[0]
+        message = job.stops[first][0] if first is not None else f"stopped by {signal_name(sig)} before training started"
+        if job.timed_out is not None:
+            raise JobStopped(f"the job ran past its time limit (parallel.timeout_s={job.timed_out:g}): {message}", 124)
+        if len(job.signals) > 1:
+            message = f"stopped by a second {signal_name(job.signals[1])}: every rank was killed without saving"
+        elif set(job.terminated) - set(job.stops) and first is not None:
+            message += f" (ranks {sorted(job.terminated)} did not stop in time and were killed)"
+        raise JobStopped(message, 128 + sig)
+    bad = [(r, p.exitcode) for r, p in enumerate(job.procs) if p.exitcode != 0]
     if bad:
         raise LaunchError(f"ranks {bad} ended with non-zero exit codes")
+    return job.results.get(0)
 
 
-PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|Broken pipe|remote worker|"
-                         r"NCCL communicator was aborted|Socket Timeout|Connection refused")
-"""Errors a rank sees because another rank is gone: consequences, never the root cause."""
-
-
-def _drain(errors, reports: list, wait_s: float = 0.0) -> None:
-    try:
-        reports.append(errors.get(timeout=wait_s) if wait_s else errors.get_nowait())
-        while True:
-            reports.append(errors.get_nowait())
-    except queue.Empty:
-        pass
-
-
-def _root_cause(reports: list[tuple[int, str, str]], exit_codes: dict[int, int | None]):
+def _root_cause(job: _Job) -> str | None:
     """The failure to report: a rank's own error first, then a rank that died without a word (killed,
-    out of memory), then an error that only says a peer went away."""
-    own = [f for f in reports if not PEER_ERRORS.search(f[1])]
+    out of memory), then a rank that never reached the collective its peers gave up on, then an error
+    that only says a peer went away."""
+    own = [e for e in job.errors if not PEER_ERRORS.search(e[1])]
     if own:
-        return own[0]
-    reported = {r for r, _, _ in reports}
-    for r, code in exit_codes.items():
-        if code not in (None, 0) and r not in reported and not (code < 0 and -code == signal.SIGTERM):
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            return (r, f"process ended with {how} and no Python error (killed or out of memory?)", "")
-    return reports[0] if reports else None
+        return _with_traceback(job, *own[0])
+    reported = {r for r, _, _ in job.errors} | set(job.stops)
+    for r, p in enumerate(job.procs):
+        code = p.exitcode
+        if code in (None, 0) or r in reported or r in job.terminated or -code in job.sent:
+            continue
+        if code < 0:
+            return (f"rank {r} was killed by {signal_name(-code)} (no Python error: out of memory, or killed from "
+                    "outside?); every rank was stopped")
+        return f"rank {r} exited with code {code} and no Python error; every rank was stopped"
+    if job.errors:
+        silent = sorted(job.terminated - reported)
+        if silent:
+            return (f"ranks {silent} stopped answering their peers (who reported: {job.errors[0][1]}); "
+                    "every rank was stopped")
+        return _with_traceback(job, *job.errors[0])
+    return None
 
 
-def _stop(procs, grace_s: float) -> None:
-    for p in procs:
+def _with_traceback(job: _Job, rank: int, message: str, tb: str) -> str:
+    others = sorted({r for r, _, _ in job.errors} - {rank})
+    also = f" (ranks {others} failed after it)" if others else ""
+    return f"rank {rank} failed: {message}{also}" + (f"\n--- rank {rank} traceback ---\n{tb}" if tb else "")
+
+
+def _stop(job: _Job, grace_s: float) -> None:
+    job.drain()
+    for p in job.procs:
         if p.is_alive():
             p.terminate()
     deadline = time.monotonic() + grace_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in job.procs:
+        while p.is_alive() and time.monotonic() < deadline:
+            job.drain(wait_s=0.05)  # a rank flushing its report must not block on a full pipe
+            p.join(timeout=0.05)
         if p.is_alive():
             p.kill()
             p.join()
