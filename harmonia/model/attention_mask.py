@@ -12,6 +12,11 @@ each segment a text run or one modality item's tokens. For a query token ``q`` a
 Written with positions rather than indices, the rule holds for any subset or reordering of tokens,
 which is what a context-parallel shard (a zig-zag slice of queries against all keys) needs.
 `harmonia.workload.work.attended_pairs` counts the same pairs in closed form; a unit test checks both.
+
+A sliding-window layer (Mistral, Qwen2) further requires ``position[q] - position[k] < window``,
+transformers' rule (``kv_idx > q_idx - sliding_window``): a text token sees itself and the
+``window - 1`` tokens before it. The limit applies to items' tokens too; keys later than the query
+(an item's own tokens) are always within it.
 """
 
 from __future__ import annotations
@@ -77,26 +82,40 @@ class TokenLayout:
         return TokenLayout(self.sample[index], self.segment[index], self.is_item[index], self.position[index])
 
 
-def multimodal_mask(q: TokenLayout, k: TokenLayout | None = None) -> torch.Tensor:
+def window_mask(q_position: torch.Tensor, k_position: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean ``(..., Tq, Tk)``: True where key ``j`` lies less than ``window`` positions before query ``i``.
+
+    Args:
+        q_position: ``(..., Tq)`` positions of the queries.
+        k_position: ``(..., Tk)`` positions of the keys.
+        window: the sliding window (transformers' ``sliding_window``).
+    """
+    return q_position[..., :, None] - k_position[..., None, :] < window
+
+
+def multimodal_mask(q: TokenLayout, k: TokenLayout | None = None, window: int | None = None) -> torch.Tensor:
     """Boolean mask ``(Tq, Tk)``, True where query ``i`` of ``q`` may attend key ``j`` of ``k``.
 
     Args:
         q: layout of the query tokens.
         k: layout of the key tokens; None = the same tokens as ``q``.
+        window: sliding window of the layer (`window_mask`); None = none.
     """
     k = q if k is None else k
     same_sample = q.sample[:, None] == k.sample[None, :]
     causal = k.position[None, :] <= q.position[:, None]
     own_item = q.is_item[:, None] & (q.segment[:, None] == k.segment[None, :])
-    return same_sample & (causal | own_item)
+    mask = same_sample & (causal | own_item)
+    return mask if window is None else mask & window_mask(q.position, k.position, window)
 
 
-def block_mask_kinds(q: TokenLayout, k: TokenLayout | None = None, block: int = 128) -> torch.Tensor:
+def block_mask_kinds(q: TokenLayout, k: TokenLayout | None = None, block: int = 128,
+                     window: int | None = None) -> torch.Tensor:
     """Per tile of ``block x block`` (query, key) tokens: `EMPTY`, `PARTIAL` or `FULL`.
 
     Attention kernels skip empty tiles and drop the mask on full ones; the CP sharder uses the
     count of non-empty tiles as a shard's work. Computed one row of tiles at a time, so memory is
-    ``block x Tk`` booleans.
+    ``block x Tk`` booleans. ``window``: that of a sliding-window layer (`multimodal_mask`).
 
     Returns:
         ``(ceil(Tq / block), ceil(Tk / block))`` int8 tensor.
@@ -106,7 +125,7 @@ def block_mask_kinds(q: TokenLayout, k: TokenLayout | None = None, block: int = 
     out = torch.empty(nq, nk, dtype=torch.int8)
     pad = nk * block - len(k)
     for i in range(nq):
-        rows = multimodal_mask(q.select(slice(i * block, (i + 1) * block)), k)  # (bq, Tk)
+        rows = multimodal_mask(q.select(slice(i * block, (i + 1) * block)), k, window)  # (bq, Tk)
         rows = torch.nn.functional.pad(rows, (0, pad))  # (bq, nk * block)
         tiles = rows.view(rows.shape[0], nk, block).transpose(0, 1).reshape(nk, -1)  # (nk, bq * block)
         counts = tiles.sum(-1)
@@ -117,21 +136,26 @@ def block_mask_kinds(q: TokenLayout, k: TokenLayout | None = None, block: int = 
     return out
 
 
-def count_pairs(q: TokenLayout, k: TokenLayout | None = None, block: int = 1024) -> int:
+def count_pairs(q: TokenLayout, k: TokenLayout | None = None, block: int = 1024, window: int | None = None) -> int:
     """(query, key) pairs the mask allows: the work of one attention layer, as the cost model counts it."""
     k = q if k is None else k
     return sum(
-        int(multimodal_mask(q.select(slice(i, i + block)), k).sum()) for i in range(0, len(q), block)
+        int(multimodal_mask(q.select(slice(i, i + block)), k, window).sum()) for i in range(0, len(q), block)
     )
 
 
-def flex_block_mask(layout: TokenLayout, block: int = 128):
+def flex_block_mask(layout: TokenLayout, block: int = 128, window: int | None = None):
     """A ``flex_attention`` BlockMask with the same rule, where flex attention is available.
+
+    Args:
+        layout: the packed sequence.
+        block: tile size of the block mask.
+        window: sliding window of the layer (`multimodal_mask`); None = none.
 
     Returns:
         a ``torch.nn.attention.flex_attention.BlockMask`` over ``(1, 1, T, T)``.
     """
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import and_masks, create_block_mask
 
     sample, segment, is_item, position = layout.sample, layout.segment, layout.is_item, layout.position
 
@@ -139,6 +163,12 @@ def flex_block_mask(layout: TokenLayout, block: int = 128):
         causal = position[ki] <= position[qi]
         own_item = is_item[qi] & (segment[qi] == segment[ki])
         return (sample[qi] == sample[ki]) & (causal | own_item)
+
+    def near_mod(b, h, qi, ki):
+        return position[qi] - position[ki] < window
+
+    if window is not None:
+        mask_mod = and_masks(mask_mod, near_mod)
 
     T = len(layout)
     return create_block_mask(mask_mod, 1, 1, T, T, device=str(layout.sample.device), BLOCK_SIZE=block)

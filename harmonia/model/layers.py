@@ -8,14 +8,17 @@ heads) runs unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harmonia.model.spec import TransformerSpec
+from harmonia.errors import ConfigError
+from harmonia.model.attention_mask import window_mask
+from harmonia.model.spec import RopeScaling, TransformerSpec
 
 
 class RMSNorm(nn.Module):
@@ -38,19 +41,45 @@ def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
     return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else RMSNorm(dim, eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """Inverse rotary frequencies ``(head_dim / 2,)`` in float32, computed as transformers does.
+
+    Plain RoPE: ``theta ** (-2k / head_dim)``. ``linear`` divides them by ``factor``; ``llama3``
+    (``transformers.modeling_rope_utils._compute_llama3_parameters``) divides those with a wavelength
+    above ``original_max_positions / low_freq_factor`` by ``factor``, keeps those below
+    ``original_max_positions / high_freq_factor`` and blends the band between.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling.factor
+    if scaling.kind == "linear":
+        return inv_freq / factor
+    low, high, old_len = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_positions
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding tables for given token positions (half-split layout, as Llama in HF).
 
     Args:
         positions: ``(T,)`` or ``(B, T)`` integer positions of each token within its sample.
         head_dim: per-head width (even).
         theta: rotary base.
+        scaling: rescaled frequencies (`rope_inv_freq`); None = plain RoPE.
 
     Returns:
         ``(cos, sin)``, each ``(..., T, head_dim)`` in float32.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # (..., T, hd/2)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
+    freqs = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
     return emb.cos(), emb.sin()
 
@@ -78,10 +107,13 @@ class ShardedKeys:
         mask: boolean ``(t, T)``: local query ``i`` may attend key ``j``, keys in gathered order.
         gather: ``(t, *F) -> (T, *F)``, every CP rank's rows along dim 0 in gathered order;
             differentiable (backward returns this rank's rows of the gradient summed over ranks).
+        key_positions: ``(T,)`` positions of the gathered keys within their samples; needed by
+            sliding-window layers (`restrict_to_window`).
     """
 
     mask: torch.Tensor
     gather: Callable[[torch.Tensor], torch.Tensor]
+    key_positions: torch.Tensor | None = None
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Local ``(B, nkv, t, hd)`` keys and values -> ``(B, nkv, T, hd)`` of every rank (one collective)."""
@@ -91,8 +123,45 @@ class ShardedKeys:
         return k, v
 
 
+def restrict_to_window(mask, positions: torch.Tensor, window: int):
+    """A mask of any kind `Attention` takes, further limited to keys less than ``window`` positions back.
+
+    Args:
+        mask: boolean ``(T, T)`` / ``(B, 1, T, T)``, a flex_attention ``BlockMask`` over one
+            sequence, `ShardedKeys` (with ``key_positions``), or None (no other limit).
+        positions: ``(T,)`` or ``(B, T)`` positions of the queries (for a dense or block mask, also
+            of the keys).
+        window: keys a query attends lie at ``query - key < window`` (`window_mask`).
+    """
+    if isinstance(mask, ShardedKeys):
+        if mask.key_positions is None:
+            raise ConfigError("sliding-window attention of a context-parallel shard needs the gathered "
+                              "keys' positions; build ShardedKeys with key_positions")
+        near = window_mask(positions.reshape(-1), mask.key_positions, window)  # (t, T)
+        return replace(mask, mask=mask.mask & near)
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
+        from torch.nn.attention.flex_attention import and_masks, create_block_mask
+
+        pos = positions.reshape(-1)
+
+        def near_mod(b, h, qi, ki):
+            return pos[qi] - pos[ki] < window
+
+        q_len, kv_len = mask.seq_lengths
+        return create_block_mask(and_masks(mask.mask_mod, near_mod), 1, 1, q_len, kv_len,
+                                 device=str(pos.device), BLOCK_SIZE=mask.BLOCK_SIZE)
+    near = window_mask(positions, positions, window)  # (T, T) or (B, T, T)
+    if near.dim() == 3:
+        near = near[:, None]  # (B, 1, T, T)
+    return near if mask is None else mask & near
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention with grouped key/value heads, optional qk-norm and rotary embedding."""
+    """Multi-head self-attention with grouped key/value heads, optional qk-norm and rotary embedding.
+
+    A sliding window is not the block's business: it arrives already applied to the mask
+    (`restrict_to_window`), so one attention serves windowed and full layers alike.
+    """
 
     def __init__(self, spec: TransformerSpec) -> None:
         super().__init__()
@@ -102,9 +171,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, spec.kv_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(spec.q_dim, h, bias=spec.out_bias)
+        self.qk_norm_per_head = spec.qk_norm_per_head
         if spec.qk_norm:
-            self.q_norm = build_norm(spec.norm, spec.q_dim, spec.norm_eps)
-            self.k_norm = build_norm(spec.norm, spec.kv_dim, spec.norm_eps)
+            q_width, k_width = (self.head_dim, self.head_dim) if spec.qk_norm_per_head else (spec.q_dim, spec.kv_dim)
+            self.q_norm = build_norm(spec.norm, q_width, spec.norm_eps)
+            self.k_norm = build_norm(spec.norm, k_width, spec.norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
@@ -125,10 +196,13 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)  # over all heads together
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, nkv, hd)
+        if self.q_norm is not None and self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)  # over each head's hd channels
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hd), (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

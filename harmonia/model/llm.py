@@ -4,6 +4,14 @@ A `DecoderLM` can hold any contiguous range of blocks ``[a, b)``: the first stag
 the embedding and splices modality-item embeddings into the sequence at their placeholder positions;
 the last stage (``b == n_layers``) owns the final norm and the head. Blocks are keyed by their global
 index, so a stage's parameter names are those of the whole model.
+
+With tied embeddings the head is the embedding matrix. A last stage without the embedding holds its
+own copy under the same name (``embed.weight``, used only as the head), so it loads from the whole
+model's state dict; the runtime sums the two copies' gradients (Megatron-LM's embedding group,
+`harmonia.runtime.grads.sum_tied_grads`), which keeps them equal.
+
+Sliding-window blocks (``TransformerSpec.sliding_window``) get the stage's mask restricted to their
+window (`harmonia.model.layers.restrict_to_window`), built once per forward for each distinct window.
 """
 
 from __future__ import annotations
@@ -12,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harmonia.model.layers import build_blocks, build_norm, init_weights, layer_range, rope_cos_sin
+from harmonia.model.layers import (
+    build_blocks,
+    build_norm,
+    init_weights,
+    layer_range,
+    restrict_to_window,
+    rope_cos_sin,
+)
 from harmonia.model.spec import LLMSpec
 
 IGNORE_INDEX = -100
@@ -33,13 +48,23 @@ class DecoderLM(nn.Module):
         self.indices = layer_range(body.n_layers, layers, f"llm {spec.name!r}")
         self.is_first = self.indices.start == 0
         self.is_last = self.indices.stop == body.n_layers
-        self.embed = nn.Embedding(spec.vocab_size, body.hidden) if self.is_first else None
+        tied_head = self.is_last and spec.tie_embeddings
+        self.embed = nn.Embedding(spec.vocab_size, body.hidden) if self.is_first or tied_head else None
         self.layers = build_blocks(body, self.indices)
         self.norm = build_norm(body.norm, body.hidden, body.norm_eps) if self.is_last else None
-        self.head = None
-        if self.is_last and not (spec.tie_embeddings and self.is_first):
-            self.head = nn.Linear(body.hidden, spec.vocab_size, bias=False)
+        self.head = nn.Linear(body.hidden, spec.vocab_size, bias=False) if self.is_last and not tied_head else None
         init_weights(self)
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This stage's copy of a tied embedding matrix that another stage also holds, else None.
+
+        The first stage's input embedding and the last stage's head when tied embeddings are split
+        over stages; their gradients must be summed (`harmonia.runtime.grads.sum_tied_grads`). None
+        on a stage holding both uses (the whole model) or neither.
+        """
+        if self.spec.tie_embeddings and self.is_first != self.is_last and self.embed is not None:
+            return self.embed.weight
+        return None
 
     def embed_inputs(
         self,
@@ -77,7 +102,8 @@ class DecoderLM(nn.Module):
         Args:
             x: ``(B, T)`` token ids on the first stage, ``(B, T, h)`` hidden states otherwise.
             positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE).
-            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask`, or
+            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask` (without a window:
+                sliding-window blocks restrict it themselves), a flex_attention ``BlockMask``, or
                 `harmonia.model.layers.ShardedKeys` when ``x`` is one context-parallel shard of the
                 sequence (``T`` its tokens, ``positions`` theirs).
             item_embeds: first stage only, see `embed_inputs`.
@@ -88,9 +114,14 @@ class DecoderLM(nn.Module):
         """
         if self.is_first:
             x = self.embed_inputs(x, item_embeds, item_index)
-        rope = rope_cos_sin(positions, self.spec.body.dim_head, self.spec.rope_theta)
-        for block in self.layers.values():
-            x = block(x, mask, rope)
+        body = self.spec.body
+        rope = rope_cos_sin(positions, body.dim_head, self.spec.rope_theta, self.spec.rope_scaling)
+        masks = {None: mask}  # window -> this stage's mask restricted to it
+        for i, block in self.layers.items():
+            window = body.window_of(int(i))
+            if window not in masks:
+                masks[window] = restrict_to_window(mask, positions, window)
+            x = block(x, masks[window], rope)
         if not self.is_last:
             return x
         x = self.norm(x)

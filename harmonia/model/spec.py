@@ -39,12 +39,18 @@ class TransformerSpec:
         qkv_bias: q, k, v projections have biases.
         out_bias: attention output projection has a bias.
         mlp_bias: MLP matrices have biases.
-        qk_norm: per-head norms on q and k (InternViT-6B).
+        qk_norm: norms on q and k before the rotary embedding: over all heads together
+            (InternViT-6B), or over each head with ``qk_norm_per_head`` (Qwen3).
+        qk_norm_per_head: ``qk_norm`` normalises each head's ``head_dim`` channels with one
+            ``head_dim``-wide weight shared by all heads.
         layer_scale: per-channel scales on both residual branches (InternViT, EVA).
         head_dim: per-head width; None = ``hidden // n_heads``.
         norm_eps: epsilon of every norm in the stack.
         gelu_approximate: ``none`` (exact erf GELU), ``tanh`` (SigLIP's ``gelu_pytorch_tanh``) or
             ``quick`` (CLIP's ``quick_gelu``, ``x * sigmoid(1.702 x)``).
+        sliding_window: a query at position ``i`` attends only keys at positions ``j`` with
+            ``i - j < sliding_window`` (Mistral, Qwen2); None = no limit.
+        window_layers: the blocks that use ``sliding_window``; None = every block.
     """
 
     n_layers: int
@@ -62,12 +68,25 @@ class TransformerSpec:
     head_dim: int | None = None
     norm_eps: float = 1e-6
     gelu_approximate: Literal["none", "tanh", "quick"] = "none"
+    qk_norm_per_head: bool = False
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_positive(
             "TransformerSpec", n_layers=self.n_layers, hidden=self.hidden, n_heads=self.n_heads,
             ffn_hidden=self.ffn_hidden, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim,
+            sliding_window=self.sliding_window,
         )
+        if self.window_layers is not None:
+            object.__setattr__(self, "window_layers", tuple(sorted(set(self.window_layers))))
+            if self.sliding_window is None or any(not 0 <= i < self.n_layers for i in self.window_layers):
+                raise ConfigError(
+                    f"TransformerSpec: window_layers={self.window_layers} needs a sliding_window and block "
+                    f"indices in 0..{self.n_layers - 1}"
+                )
+        if self.qk_norm_per_head and not self.qk_norm:
+            raise ConfigError("TransformerSpec: qk_norm_per_head=True needs qk_norm=True")
         if self.head_dim is None and self.hidden % self.n_heads:
             raise ConfigError(
                 f"TransformerSpec: hidden={self.hidden} is not divisible by n_heads={self.n_heads}; "
@@ -86,6 +105,12 @@ class TransformerSpec:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (global index), or None when it attends without one."""
+        if self.sliding_window is None or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
 
     @property
     def dim_head(self) -> int:
@@ -123,7 +148,8 @@ class TransformerSpec:
         if self.mlp_bias:
             p += self.ffn_hidden * (2 if self.mlp == "swiglu" else 1) + self.hidden
         if self.qk_norm:
-            p += 2 * (self.q_dim if self.norm == "rmsnorm" else 2 * self.q_dim)
+            width = 2 * self.dim_head if self.qk_norm_per_head else self.q_dim + self.kv_dim
+            p += width * (1 if self.norm == "rmsnorm" else 2)
         if self.layer_scale:
             p += 2 * self.hidden
         return p
@@ -315,10 +341,46 @@ class ProjectorSpec:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Rescaled rotary frequencies for long contexts, as transformers' ``rope_type``.
+
+    ``linear`` divides every inverse frequency by ``factor``. ``llama3`` (Llama 3.1 / 3.2) divides
+    the low frequencies (wavelength above ``original_max_positions / low_freq_factor``) by
+    ``factor``, keeps the high ones (wavelength below ``original_max_positions / high_freq_factor``)
+    and interpolates smoothly between them.
+
+    Attributes:
+        kind: ``linear`` or ``llama3``.
+        factor: the context extension factor.
+        low_freq_factor: ``llama3`` only.
+        high_freq_factor: ``llama3`` only.
+        original_max_positions: ``llama3`` only, the pretraining context length.
+    """
+
+    kind: Literal["linear", "llama3"]
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("linear", "llama3"):
+            raise ConfigError(f"RopeScaling: kind={self.kind!r} is not implemented; expected 'linear' or 'llama3'")
+        _check_positive("RopeScaling", factor=self.factor, low_freq_factor=self.low_freq_factor,
+                        high_freq_factor=self.high_freq_factor, original_max_positions=self.original_max_positions)
+        if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"RopeScaling: llama3 needs high_freq_factor ({self.high_freq_factor}) > "
+                              f"low_freq_factor ({self.low_freq_factor})")
+
+
+@dataclass(frozen=True)
 class LLMSpec:
     """A decoder LLM (Llama / Qwen family): embedding, blocks, final norm, LM head.
 
-    ``rope_theta`` is the base of the rotary position embedding (Llama 2: 1e4, Qwen2: 1e6).
+    ``rope_theta`` is the base of the rotary position embedding (Llama 2: 1e4, Qwen2: 1e6);
+    ``rope_scaling`` rescales its frequencies (Llama 3.1: ``llama3``), None = plain RoPE. With
+    ``tie_embeddings`` the head is the embedding matrix; a pipeline stage that holds the head but not
+    the embedding keeps its own copy of it, whose gradient the runtime sums with the embedding's.
     """
 
     name: str
@@ -326,9 +388,10 @@ class LLMSpec:
     vocab_size: int
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size)
+        _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size, rope_theta=self.rope_theta)
 
     @property
     def hidden(self) -> int:

@@ -130,4 +130,5 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     local_of[tokens] = torch.arange(tokens.numel(), device=tokens.device)
     mask = multimodal_mask(mb.layout.select(tokens), mb.layout.select(order))  # (t, T)
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
-    return CPShard(tokens, mb.layout.position[tokens][None], ShardedKeys(mask, gather), local_of, token_ranks)
+    return CPShard(tokens, mb.layout.position[tokens][None], ShardedKeys(mask, gather, mb.layout.position[order]),
+                   local_of, token_ranks)

@@ -1,8 +1,9 @@
-"""Llama / Qwen2 / Mistral checkpoints <-> `DecoderLM`.
+"""Llama / Mistral / Qwen2 / Qwen3 checkpoints <-> `DecoderLM`.
 
-HF names (after the ``model.`` prefix) map one to one onto ours; Qwen2 differs only by q/k/v biases
-and its default tied head. Rotary scaling variants (``llama3``, ``yarn``) are not implemented and are
-refused with a clear error rather than loaded wrongly.
+HF names (after the ``model.`` prefix) map one to one onto ours; the families differ only in their
+config (read strictly by `harmonia.model.hf.llama_config`: sliding windows, RoPE scaling, biases,
+Qwen3's per-head q/k norms). A field that would change the numbers and that harmonia does not
+implement is refused with a `ConfigError` naming it, rather than loaded wrongly.
 """
 
 from __future__ import annotations
@@ -21,73 +22,38 @@ from harmonia.model.hf.io import (
     rename,
     write_checkpoint,
 )
+from harmonia.model.hf.llama_config import MODEL_TYPES, llm_config_to_hf, llm_spec_from_hf
 from harmonia.model.llm import DecoderLM, build_llm
 from harmonia.model.lora import merge_lora
-from harmonia.model.spec import LLMSpec, TransformerSpec
+from harmonia.model.spec import LLMSpec
 
+__all__ = [
+    "MODEL_TYPES", "llm_config_to_hf", "llm_spec_from_hf", "llm_state_from_hf", "llm_state_to_hf", "load_hf_llm",
+    "save_hf_llm",
+]
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 TABLE = [
     ("embed_tokens.", "embed."),
-    *[(f"layers.{{i}}.self_attn.{p}.", f"layers.{{i}}.attn.{p}.") for p in ("q_proj", "k_proj", "v_proj", "o_proj")],
+    *[(f"layers.{{i}}.self_attn.{p}.", f"layers.{{i}}.attn.{p}.") for p in _ATTN],
     *[(f"layers.{{i}}.mlp.{p}.", f"layers.{{i}}.mlp.{p}.") for p in ("gate_proj", "up_proj", "down_proj")],
     ("layers.{i}.input_layernorm.", "layers.{i}.attn_norm."),
     ("layers.{i}.post_attention_layernorm.", "layers.{i}.mlp_norm."),
     ("norm.", "norm."),
 ]
-MODEL_TYPES = ("llama", "qwen2", "mistral")
-
-
-def llm_spec_from_hf(config: dict, name: str | None = None) -> LLMSpec:
-    """An `LLMSpec` from a Llama / Qwen2 / Mistral ``config.json``."""
-    kind = config.get("model_type")
-    if kind not in MODEL_TYPES:
-        raise ConfigError(f"config model_type={kind!r} is not a supported LLM; supported: {MODEL_TYPES}")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ConfigError(f"rotary scaling {rope.get('rope_type', rope.get('type'))!r} is not implemented; "
-                          "only default RoPE checkpoints can be loaded")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act={config['hidden_act']!r}: Llama-family adapters expect silu (SwiGLU)")
-    qkv_bias = kind == "qwen2" or bool(config.get("attention_bias", False))
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    body = TransformerSpec(
-        n_layers=config["num_hidden_layers"], hidden=hidden, n_heads=heads,
-        ffn_hidden=config["intermediate_size"], n_kv_heads=config.get("num_key_value_heads") or heads,
-        mlp="swiglu", norm="rmsnorm", qkv_bias=qkv_bias,
-        out_bias=kind != "qwen2" and bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)), head_dim=config.get("head_dim") or hidden // heads,
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-    )
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-    return LLMSpec(name or config.get("_name_or_path") or kind, body, config["vocab_size"],
-                   tie_embeddings=bool(config.get("tie_word_embeddings", False)), rope_theta=float(theta))
-
-
-def llm_config_to_hf(spec: LLMSpec) -> dict:
-    """A ``config.json`` (Qwen2 when q/k/v have biases and the output has none, else Llama)."""
-    b = spec.body
-    qwen = b.qkv_bias and not b.out_bias
-    if b.mlp != "swiglu" or b.norm != "rmsnorm" or b.qk_norm or b.layer_scale:
-        raise ConfigError(f"llm {spec.name!r} is not a Llama-family architecture (swiglu, rmsnorm, no qk-norm)")
-    config = {
-        "model_type": "qwen2" if qwen else "llama",
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "hidden_size": b.hidden, "intermediate_size": b.ffn_hidden, "num_hidden_layers": b.n_layers,
-        "num_attention_heads": b.n_heads, "num_key_value_heads": b.kv_heads, "head_dim": b.dim_head,
-        "rms_norm_eps": b.norm_eps, "vocab_size": spec.vocab_size, "tie_word_embeddings": spec.tie_embeddings,
-        "rope_theta": spec.rope_theta, "hidden_act": "silu", "mlp_bias": b.mlp_bias,
-        "torch_dtype": "float32",
-    }
-    if not qwen:
-        config["attention_bias"] = b.qkv_bias
-    return config
 
 
 def llm_state_from_hf(state: dict[str, torch.Tensor], spec: LLMSpec) -> dict[str, torch.Tensor]:
-    """HF tensors -> our names for the whole model (stages pick their own keys)."""
+    """HF tensors -> our names for the whole model (stages pick their own keys).
+
+    With tied embeddings every stage that uses the matrix reads ``embed.weight`` (the head has no
+    tensor of its own, as in transformers); otherwise the head is ``lm_head.weight``.
+    """
     prefix = find_prefix(state, "embed_tokens.weight", "Llama-family LLM")
     ours = rename(state, TABLE, to_ours=True, src_prefix=prefix)
     head = next((t for k, t in state.items() if k.endswith("lm_head.weight")), None)
-    ours["head.weight"] = ours["embed.weight"] if spec.tie_embeddings or head is None else head
+    if not spec.tie_embeddings and head is not None:
+        ours["head.weight"] = head
     return ours
 
 
