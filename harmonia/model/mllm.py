@@ -39,6 +39,18 @@ def build_module(spec: MLLMSpec, module: str, layers: tuple[int, int] | None = N
     raise ConfigError(f"unknown module {module!r}; modules of {spec.name!r} are {spec.module_names}")
 
 
+def state_prefix(spec: MLLMSpec, module: str) -> str:
+    """Prefix of a module's names in the whole `MLLM`'s state dict (``llm.``, ``encoders.vision.``,
+    ``projectors.vision_proj.``)."""
+    if module == "llm":
+        return "llm."
+    if module in spec.encoders:
+        return f"encoders.{module}."
+    if module in spec.projectors:
+        return f"projectors.{module}."
+    raise ConfigError(f"unknown module {module!r}; modules of {spec.name!r} are {spec.module_names}")
+
+
 def group_mean(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Tensor:
     """Average sequences sharing an output slot: ``(N, P, D) -> (n_groups, P, D)``."""
     if n_groups == x.shape[0]:

@@ -19,6 +19,28 @@ from harmonia.model.lora import apply_lora
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
+def load_cleanly(cls, path):
+    """``cls.from_pretrained(path)``, asserting no missing / unexpected keys and no warnings at all."""
+    import logging
+    import warnings
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, info = cls.from_pretrained(path, output_loading_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert not any(info.values()), info
+    assert not caught, [str(w.message) for w in caught]
+    assert not records, [r.getMessage() for r in records]
+    return model
+
+
 def _randomize(model: torch.nn.Module) -> None:
     """Non-trivial norms and biases too, so that a swapped or dropped tensor shows."""
     torch.manual_seed(0)
@@ -93,7 +115,7 @@ def test_siglip_matches_transformers_and_round_trips(tmp_path):
         want = hf(pixel_values=pixels).last_hidden_state
         torch.testing.assert_close(ours(pixels), want, **TOL)
     save_hf_siglip(ours, tmp_path / "back")
-    again = transformers.SiglipVisionModel.from_pretrained(tmp_path / "back").eval()
+    again = load_cleanly(transformers.SiglipVisionModel, tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(again(pixel_values=pixels).last_hidden_state, want, **TOL)
 
@@ -112,7 +134,7 @@ def test_whisper_encoder_matches_transformers_and_round_trips(tmp_path):
     with torch.no_grad():
         want = hf.get_encoder()(mel).last_hidden_state
         torch.testing.assert_close(ours(mel), want, **TOL)
-    save_hf_whisper(ours, tmp_path / "back")
-    again = transformers.WhisperForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    save_hf_whisper(ours, tmp_path / "back", source=tmp_path / "hf")
+    again = load_cleanly(transformers.WhisperForConditionalGeneration, tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(again.get_encoder()(mel).last_hidden_state, want, **TOL)

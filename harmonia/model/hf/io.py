@@ -27,50 +27,130 @@ def read_config(path: str | Path) -> dict:
     return json.loads(file.read_text())
 
 
+def read_full_config(path: str | Path) -> dict:
+    """``config.json`` with every field transformers fills in by default (nested configs included).
+
+    Hub configs often list only what differs from the defaults (LLaVA-1.5's text config has no
+    ``hidden_size``); the adapters read the completed dict so nothing is guessed.
+    """
+    raw = read_config(path)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path)).to_dict()
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"{path}: transformers cannot read config.json (model_type="
+                          f"{raw.get('model_type')!r}): {e}") from e
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory, read one by one: headers first, data only when asked.
+
+    Args:
+        path: directory with ``model.safetensors`` or shards listed in ``model.safetensors.index.json``,
+            or one ``.safetensors`` file.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        path = Path(path)
+        self.path = path.parent if path.is_file() else path
+        index = self.path / "model.safetensors.index.json"
+        if path.is_dir() and index.is_file():
+            self.file_of = dict(json.loads(index.read_text())["weight_map"])
+        else:
+            self.file_of = {}
+            files = [path.name] if path.is_file() else sorted(p.name for p in self.path.glob("*.safetensors"))
+            for file in files:
+                with safe_open(str(self.path / file), framework="pt") as f:
+                    self.file_of.update({k: file for k in f.keys()})
+        if not self.file_of:
+            raise ConfigError(f"no *.safetensors in {self.path}: convert .bin checkpoints to safetensors first")
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a ``meta`` tensor of its shape and dtype (headers only, no data read)."""
+        from safetensors import safe_open
+
+        out = {}
+        for file in sorted(set(self.file_of.values())):
+            with safe_open(str(self.path / file), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    out[key] = torch.empty(sl.get_shape(), dtype=_DTYPES.get(sl.get_dtype(), torch.float32),
+                                           device="meta")
+        return out
+
+    def read(self, keys) -> dict[str, torch.Tensor]:
+        """The named tensors, on CPU; only these are read from disk."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            if key not in self.file_of:
+                raise ConfigError(f"{self.path} has no tensor {key!r}; check that config.json matches the weights")
+            by_file.setdefault(self.file_of[key], []).append(key)
+        out = {}
+        for file, names in by_file.items():
+            with safe_open(str(self.path / file), framework="pt", device="cpu") as f:
+                out.update({k: f.get_tensor(k) for k in names})
+        return out
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single file or shards), on CPU."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no *.safetensors in {path}: convert .bin checkpoints to safetensors first")
-    out: dict[str, torch.Tensor] = {}
-    for name in files:
-        out.update(load_file(str(path / name)))
-    return out
+    files = CheckpointFiles(path)
+    return files.read(files.keys())
 
 
 def write_checkpoint(path: str | Path, state: dict[str, torch.Tensor], config: dict,
                      max_shard_bytes: int = 5 * 2**30) -> None:
     """Write ``config.json`` and safetensors shards (with an index when more than one)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
+    write_shards(path, sizes, lambda keys: {k: state[k] for k in keys}, max_shard_bytes)
+
+
+def write_shards(path: Path, sizes: dict[str, int], load, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write tensors as ``model.safetensors``, or shards with ``model.safetensors.index.json``.
+
+    Args:
+        path: output directory (stale safetensors files there are removed first).
+        sizes: tensor name -> bytes, in the order to write; shards are cut at ``max_shard_bytes``.
+        load: names -> their tensors, called once per shard so only one shard is held at a time.
+        max_shard_bytes: the largest shard, unless one tensor is larger.
+    """
+    from safetensors.torch import save_file
+
+    for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)
+    shards: list[list[str]] = [[]]
     size = 0
-    for key, t in state.items():
-        nbytes = t.numel() * t.element_size()
+    for key, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][key] = t.detach().contiguous().cpu()
+        shards[-1].append(key)
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for n, shard in enumerate(shards):
-        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
+    for name, keys in zip(names, shards):
+        tensors = {k: t.detach().contiguous().cpu() for k, t in load(keys).items()}
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def find_prefix(state: dict[str, torch.Tensor], anchor: str, what: str) -> str:

@@ -1,33 +1,29 @@
-"""Whisper encoder checkpoints (``WhisperForConditionalGeneration``, ``WhisperModel`` or the encoder alone)
-<-> `AudioEncoder`.
+"""Whisper encoder checkpoints (``WhisperForConditionalGeneration``, ``WhisperModel``) <-> `AudioEncoder`.
 
 Whisper's ``k_proj`` has no bias; ours does. A key bias adds the same ``q . b`` to every score of a
-query, which softmax cancels, so it is loaded as zeros and dropped on saving without changing outputs.
+query, which softmax cancels (and its gradient is zero), so it is loaded as zeros and dropped on
+saving without changing outputs. An encoder alone is not a loadable Whisper checkpoint: saving
+writes the source checkpoint's format with its decoder copied unchanged.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import torch
 
 from harmonia.errors import ConfigError
 from harmonia.model.audio import AudioEncoder, build_audio_encoder
-from harmonia.model.hf.io import (
-    find_prefix,
-    load_into,
-    read_config,
-    read_state_dict,
-    rename,
-    write_checkpoint,
-)
+from harmonia.model.hf.io import CheckpointFiles, Table, find_prefix, load_into, read_full_config, rename
 from harmonia.model.lora import merge_lora
 from harmonia.model.spec import EncoderSpec, TransformerSpec
 
-TABLE = [
+TABLE: Table = [
     ("conv1.", "conv1."),
     ("conv2.", "conv2."),
+    ("embed_positions.weight", "pos_embed"),
     *[(f"layers.{{i}}.self_attn.{p}.", f"layers.{{i}}.attn.{q}.")
       for p, q in (("q_proj", "q_proj"), ("k_proj", "k_proj"), ("v_proj", "v_proj"), ("out_proj", "o_proj"))],
     ("layers.{i}.self_attn_layer_norm.", "layers.{i}.attn_norm."),
@@ -36,12 +32,24 @@ TABLE = [
     ("layers.{i}.fc2.", "layers.{i}.mlp.fc2."),
     ("layer_norm.", "post_norm."),
 ]
+ZERO_KEYS = re.compile(r"^layers\.\d+\.attn\.k_proj\.bias$")  # ours, absent from Whisper
+TRAINING_ONLY = ("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop")
 
 
 def whisper_spec_from_hf(config: dict, name: str = "whisper-encoder", token_merge: int = 1) -> EncoderSpec:
-    """An `EncoderSpec` from a Whisper ``config.json``; 30 s chunks of 16 kHz audio, hop 160."""
+    """An `EncoderSpec` from a Whisper ``config.json``; chunks of ``max_source_positions`` tokens, 16 kHz, hop 160."""
+    if config.get("model_type") != "whisper":
+        raise ConfigError(f"config model_type={config.get('model_type')!r} is not a Whisper checkpoint; a whole "
+                          "multimodal checkpoint is read with harmonia.model.hf.llava.mllm_spec_from_hf")
     if config.get("activation_function", "gelu") != "gelu":
         raise ConfigError(f"Whisper activation_function={config['activation_function']!r} unsupported; expected gelu")
+    for field in TRAINING_ONLY:
+        if config.get(field, 0.0):
+            raise ConfigError(f"Whisper {field}={config[field]} is not implemented (harmonia trains without dropout "
+                              "or layer drop); set it to 0.0")
+    if config.get("apply_spec_augment", False):
+        raise ConfigError("Whisper apply_spec_augment=true (SpecAugment masking in training) is not implemented; "
+                          "set it to false")
     d = config["d_model"]
     body = TransformerSpec(n_layers=config["encoder_layers"], hidden=d, n_heads=config["encoder_attention_heads"],
                            ffn_hidden=config["encoder_ffn_dim"], norm_eps=1e-5)
@@ -52,47 +60,38 @@ def whisper_spec_from_hf(config: dict, name: str = "whisper-encoder", token_merg
                        max_positions=positions, pre_norm=False, post_norm=True, token_merge=token_merge)
 
 
-def whisper_config_to_hf(spec: EncoderSpec) -> dict:
-    b = spec.body
-    return {
-        "model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"], "d_model": b.hidden,
-        "encoder_layers": b.n_layers, "encoder_attention_heads": b.n_heads, "encoder_ffn_dim": b.ffn_hidden,
-        "num_mel_bins": spec.n_mels, "max_source_positions": spec.max_positions, "activation_function": "gelu",
-        # Only the encoder is written; the decoder fields just keep the config valid for transformers.
-        "decoder_layers": b.n_layers, "decoder_attention_heads": b.n_heads, "decoder_ffn_dim": b.ffn_hidden,
-    }
-
-
-def whisper_state_from_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = find_prefix(state, "conv1.weight", "Whisper encoder")
-    ours = rename(state, TABLE, to_ours=True, src_prefix=prefix)
-    ours["pos_embed"] = state[prefix + "embed_positions.weight"]
-    for key in [k for k in ours if k.endswith("attn.k_proj.weight")]:
-        bias = key.replace(".weight", ".bias")
-        ours.setdefault(bias, torch.zeros(ours[key].shape[0], dtype=ours[key].dtype))
-    return ours
-
-
-def whisper_state_to_hf(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    prefix = "model.encoder."
-    hf = rename({k: v for k, v in state.items() if not k.endswith("attn.k_proj.bias")}, TABLE, to_ours=False,
-                dst_prefix=prefix)
-    hf[prefix + "embed_positions.weight"] = state["pos_embed"]
-    return hf
+def whisper_names(keys: list[str]) -> dict[str, str]:
+    """Our encoder names -> the checkpoint's names (keys only); ``k_proj`` biases have none (`ZERO_KEYS`)."""
+    prefix = find_prefix(dict.fromkeys(keys), "conv1.weight", "Whisper encoder")
+    return rename({k: k for k in keys}, TABLE, to_ours=True, src_prefix=prefix)
 
 
 def load_hf_whisper(path: str | Path, layers: tuple[int, int] | None = None, token_merge: int = 1) -> AudioEncoder:
     """Build an `AudioEncoder` (or a stage of it) from a Whisper checkpoint directory (encoder only)."""
-    spec = whisper_spec_from_hf(read_config(path), name=Path(path).name, token_merge=token_merge)
+    spec = whisper_spec_from_hf(read_full_config(path), name=Path(path).name, token_merge=token_merge)
     model = build_audio_encoder(spec, layers)
-    load_into(model, whisper_state_from_hf(read_state_dict(path)), f"Whisper checkpoint {path}")
+    files = CheckpointFiles(path)
+    names = whisper_names(files.keys())
+    own = model.state_dict()
+    state = files.read(names[k] for k in own if k in names)
+    ours = {k: state[names[k]] if k in names else torch.zeros_like(t) for k, t in own.items()
+            if k in names or ZERO_KEYS.match(k)}
+    load_into(model, ours, f"Whisper checkpoint {path}")
     return model
 
 
-def save_hf_whisper(model: AudioEncoder, path: str | Path) -> None:
-    """Write a whole Whisper-architecture `AudioEncoder` as the encoder of a Whisper checkpoint."""
+def save_hf_whisper(model: AudioEncoder, path: str | Path, source: str | Path,
+                    dtype: torch.dtype = torch.float32) -> None:
+    """Write a whole `AudioEncoder` into a copy of its source Whisper checkpoint (LoRA merged first).
+
+    The decoder, tokenizer, processor and generation files come from ``source`` unchanged, so
+    transformers loads the result with no missing keys.
+    """
     if not (model.is_first and model.is_last):
         raise ConfigError("save_hf_whisper needs the whole encoder; gather the stages' state dicts first")
+    from harmonia.model.hf.export import write_like_source
+
     model = copy.deepcopy(model)
     merge_lora(model)
-    write_checkpoint(path, whisper_state_to_hf(model.state_dict()), whisper_config_to_hf(model.spec))
+    names = whisper_names(CheckpointFiles(source).keys())
+    write_like_source(source, path, {names[k]: v for k, v in model.state_dict().items() if k in names}, dtype)

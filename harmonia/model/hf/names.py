@@ -1,0 +1,99 @@
+"""Which checkpoint tensor each of a module's tensors is, from the key lists alone (no data read).
+
+For every module of an `MLLMSpec` built from a source (`harmonia.model.hf.source`), `module_names`
+maps harmonia's module-local names (``build_module(spec, module).state_dict()`` keys, blocks by
+global index) to the names in the checkpoint directory that holds them. Loading inverts nothing
+and export inverts this one map, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harmonia.errors import ConfigError
+from harmonia.model.hf.clip import vision_names
+from harmonia.model.hf.io import CheckpointFiles, find_prefix
+from harmonia.model.hf.llama import llm_state_from_hf
+from harmonia.model.hf.source import HFSource
+from harmonia.model.hf.whisper import ZERO_KEYS, whisper_names
+from harmonia.model.spec import MLLMSpec
+
+MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.")  # keys of a LLaVA that are not the LLM's
+
+
+@dataclass(frozen=True)
+class ModuleNames:
+    """A module's tensors in one checkpoint file set.
+
+    Attributes:
+        path: the checkpoint directory, or the projector file of a composition.
+        names: our module-local name -> the checkpoint's name (tied tensors share one).
+        zeros: patterns of our names with no checkpoint tensor that are zero by construction.
+    """
+
+    path: Path
+    names: dict[str, str]
+    zeros: tuple = field(default_factory=tuple)
+
+    def is_zero(self, key: str) -> bool:
+        return any(p.match(key) for p in self.zeros)
+
+
+def llm_names(files: CheckpointFiles, spec: MLLMSpec) -> dict[str, str]:
+    """Our LLM names -> checkpoint names, through the LLM adapter run on ``meta`` tensors."""
+    meta = {k: t for k, t in files.meta().items() if not any(part in k for part in MULTIMODAL_PARTS)}
+    source_of = {id(t): k for k, t in meta.items()}
+    out = {}
+    for ours, t in llm_state_from_hf(meta, spec.llm).items():
+        if id(t) not in source_of:
+            raise ConfigError(f"LLM tensor {ours!r} is computed from several checkpoint tensors; it cannot be read "
+                              "alone (the LLM adapter transforms tensors)")
+        out[ours] = source_of[id(t)]
+    return out
+
+
+def projector_names(keys: list[str], module: str) -> dict[str, str]:
+    """LLaVA's ``multi_modal_projector.linear_{1,2}`` -> our ``linears.{0,1}``."""
+    prefix = find_prefix(dict.fromkeys(keys), "multi_modal_projector.linear_1.weight", "LLaVA projector")
+    base = prefix + "multi_modal_projector."
+    return {f"linears.{i}.{p}": f"{base}linear_{i + 1}.{p}" for i in (0, 1) for p in ("weight", "bias")
+            if f"{base}linear_{i + 1}.{p}" in keys}
+
+
+def composition_projector_names(path: Path, module: str) -> dict[str, str]:
+    """A projector file `export_hf` wrote: keys ``<module>.<our name>``."""
+    keys = CheckpointFiles(path).keys()
+    return {k[len(module) + 1:]: k for k in keys if k.startswith(module + ".")}
+
+
+def module_names(src: HFSource, spec: MLLMSpec, module: str) -> ModuleNames | None:
+    """Where module ``module``'s tensors are; None for a composition's projector without a file (fresh)."""
+    if module not in spec.module_names:
+        raise ConfigError(f"unknown module {module!r}; modules of {spec.name!r} are {spec.module_names}")
+    if module in spec.projectors:
+        if not src.is_composition:
+            return ModuleNames(src.root, projector_names(CheckpointFiles(src.root).keys(), module))
+        if src.projectors is None:
+            return None
+        return ModuleNames(src.projectors, composition_projector_names(src.projectors, module))
+    path = src.dir_of(module)
+    files = CheckpointFiles(path)
+    if module == "llm":
+        return ModuleNames(path, llm_names(files, spec))
+    if spec.encoders[module].is_audio:
+        return ModuleNames(path, whisper_names(files.keys()), (ZERO_KEYS,))
+    family = "clip" if spec.encoders[module].cls_token else "siglip"
+    return ModuleNames(path, vision_names(files.keys(), family))
+
+
+def fit(t: torch.Tensor, shape: torch.Size, what: str) -> torch.Tensor:
+    """``t`` viewed as ``shape`` when they differ only by size-1 dims (CLIP's class embedding); else an error."""
+    if t.shape == shape:
+        return t
+    if [d for d in t.shape if d != 1] == [d for d in shape if d != 1]:
+        return t.reshape(shape)
+    raise ConfigError(f"{what} has shape {tuple(t.shape)} in the checkpoint, {tuple(shape)} in the model built "
+                      "from its config.json")

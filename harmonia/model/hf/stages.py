@@ -1,0 +1,68 @@
+"""Per-stage loading: a rank reads only the checkpoint tensors of the stage chunks it holds.
+
+`load_module_state` maps the requested names of one module (or of its blocks ``[a, b)``) to the
+checkpoint's names (`harmonia.model.hf.names`), reads exactly those tensors with
+``safetensors.safe_open(...).get_tensor`` (shards located through ``model.safetensors.index.json``)
+and returns them under harmonia's names, so no rank materialises the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from harmonia.errors import ConfigError
+from harmonia.model.hf.io import CheckpointFiles
+from harmonia.model.hf.names import fit, module_names
+from harmonia.model.hf.source import parse_source
+from harmonia.model.spec import MLLMSpec
+
+
+def stage_shapes(spec: MLLMSpec, module: str, layers: tuple[int, int] | None) -> dict[str, torch.Size]:
+    """Names and shapes of ``build_module(spec, module, layers).state_dict()``, built on the meta device."""
+    from harmonia.model.mllm import build_module
+
+    with torch.device("meta"):
+        stage = build_module(spec, module, layers)
+    return {k: t.shape for k, t in stage.state_dict().items()}
+
+
+def load_module_state(source, spec: MLLMSpec, module: str, layers: tuple[int, int] | None = None,
+                      keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one module's stage, named as harmonia's module.
+
+    Args:
+        source: the model source `mllm_spec_from_hf` read ``spec`` from (a directory or a composition).
+        spec: the MLLM spec.
+        module: ``llm``, an encoder name or a projector name.
+        layers: the stage's global block range ``[a, b)``; None = the whole module.
+        keys: which of the stage's module-local names to read (``build_module(spec, module,
+            layers).state_dict()`` keys, LoRA wrappers removed); None = all of them.
+
+    Returns:
+        name -> CPU tensor (the checkpoint's dtype), for every requested name. A composition's
+        projector without a projector file has no checkpoint: the result is empty and the caller
+        initialises it. Whisper's key biases, which the checkpoint lacks, come back as zeros.
+
+    Raises:
+        ConfigError: a requested name the stage does not have, or one the checkpoint lacks.
+    """
+    src = parse_source(source)
+    located = module_names(src, spec, module)
+    if located is None:
+        return {}
+    shapes = stage_shapes(spec, module, layers)
+    wanted = set(shapes) if keys is None else set(keys)
+    unknown = sorted(wanted - set(shapes))
+    if unknown:
+        raise ConfigError(f"{module} (layers {layers}) has no tensors {unknown[:3]}; its names are "
+                          f"build_module(spec, {module!r}, {layers}).state_dict() keys")
+    zeros = {k for k in wanted if k not in located.names and located.is_zero(k)}
+    missing = sorted(wanted - zeros - set(located.names))
+    if missing:
+        raise ConfigError(f"{located.path} lacks {len(missing)} tensors of {module}, e.g. {missing[:3]}; check that "
+                          "config.json matches the weights")
+    read = CheckpointFiles(located.path).read(sorted({located.names[k] for k in wanted - zeros}))
+    out = {k: fit(read[located.names[k]], shapes[k], f"{module}.{k}") for k in wanted - zeros}
+    dtype = next(iter(read.values())).dtype if read else torch.float32
+    out.update({k: torch.zeros(shapes[k], dtype=dtype) for k in zeros})
+    return out
