@@ -153,10 +153,13 @@ class CostModel:
 
     # ---- FLOPs -------------------------------------------------------------------------------
     def _coefficients(self, module: str, start: int, stop: int) -> np.ndarray:
-        """(3 phases, 2 loads) FLOP coefficients of layers [start, stop) of ``module``."""
-        c = np.zeros((3, 2))
+        """(3 phases, 3 loads) FLOP coefficients of layers [start, stop) of ``module``; loads are
+        tokens, pairs and the pairs of sliding-window blocks (`ModuleLoad.windowed_pairs`)."""
+        c = np.zeros((3, 3))
         for layer in self.layers[module][start:stop]:
-            c += [[layer.f_tok, layer.f_pair], [layer.b_tok, layer.b_pair], [layer.w_tok, 0.0]]
+            pair = 2 if layer.windowed else 1
+            c[:, 0] += [layer.f_tok, layer.b_tok, layer.w_tok]
+            c[:2, pair] += [layer.f_pair, layer.b_pair]
         return c
 
     def flops(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -170,9 +173,10 @@ class CostModel:
         coef = self._flat.get(key)
         if coef is None:
             coef = self._flat[key] = tuple(float(x) for x in self._range(module, start, stop)[0].ravel())
-        f_tok, f_pair, b_tok, b_pair, w_tok, w_pair = coef
-        tokens, pairs = float(load.tokens), float(load.pairs)
-        return f_tok * tokens + f_pair * pairs, b_tok * tokens + b_pair * pairs, w_tok * tokens + w_pair * pairs
+        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = coef
+        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
+        return (f_tok * tokens + f_pair * pairs + f_win * win, b_tok * tokens + b_pair * pairs + b_win * win,
+                w_tok * tokens)
 
     def efficiency(self, phase: str) -> float:
         if self.calibration and phase in self.calibration.flops_efficiency:
@@ -223,14 +227,16 @@ class CostModel:
         return self.costs_from_loads(tokens, pairs, phases)
 
     def costs_from_loads(self, tokens: np.ndarray, pairs: np.ndarray, phases: str = "FBW") -> np.ndarray:
-        """`sample_costs` from precomputed ``(tokens, pairs)`` arrays of shape (n, n_modules)."""
+        """`sample_costs` from precomputed ``(tokens, pairs)`` arrays of shape (n, n_modules)
+        (`harmonia.workload.work.load_arrays`: pairs averaged over the blocks, so every block,
+        sliding-window or not, counts the same pairs here)."""
         out = np.zeros(tokens.shape, dtype=float)
         for j, module in enumerate(self.modules):
             for p, phase in enumerate(PHASES):
                 if phase in phases:
                     rate = self.device.peak_flops * self.efficiency(phase)
                     c = self._coef[module][p]
-                    out[:, j] += (c[0] * tokens[:, j] + c[1] * pairs[:, j]) / rate
+                    out[:, j] += (c[0] * tokens[:, j] + (c[1] + c[2]) * pairs[:, j]) / rate
         return out
 
     def sample_loads(self, sample: SampleShape) -> dict[str, ModuleLoad]:

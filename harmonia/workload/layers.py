@@ -22,7 +22,7 @@ Frozen-aware rules (Zero Bubble, Qi et al. 2024, splits B and W; frozen modules 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, Trainability, TransformerSpec
 
@@ -43,6 +43,7 @@ class LayerCost:
         io_elems_tok: elements per token read and written by the forward (memory traffic).
         needs_b: the layer runs an input-gradient backward.
         needs_w: the layer has a weight-gradient step.
+        windowed: a sliding-window block: its pair terms count `ModuleLoad.windowed_pairs`.
     """
 
     name: str
@@ -58,6 +59,7 @@ class LayerCost:
     io_elems_tok: float = 0.0
     needs_b: bool = False
     needs_w: bool = False
+    windowed: bool = False
 
 
 def _lora_params(spec: TransformerSpec, rank: int) -> int:
@@ -158,6 +160,7 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
 
     The embedding is a lookup (no FLOPs); its weight gradient is a scatter-add of ``h`` per token.
     The LM head is a ``h x V`` matmul over every position; its loss is computed in fp32.
+    Sliding-window blocks are marked ``windowed``: their attention counts the window's pairs.
     """
     h, v = llm.hidden, llm.vocab_size
     full = mode is Trainability.FULL
@@ -167,7 +170,7 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
     trains_so_far = upstream_trains or full
     for i in range(llm.body.n_layers):
         blk = block_cost(f"llm.block{i}", llm.body, mode, lora_rank, trains_so_far)
-        layers.append(blk)
+        layers.append(replace(blk, windowed=llm.body.window_of(i) is not None))
         trains_so_far = trains_so_far or blk.needs_w
     head_params = llm.head_params() + llm.body.norm_params
     head = _dense("llm.head", "head", head_params, h * v, full, trains_so_far, h, 2 * v)

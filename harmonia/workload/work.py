@@ -25,14 +25,26 @@ class ModuleLoad:
         tokens: tokens through each layer of the module.
         pairs: (query, key) pairs each attention layer computes under the mask.
         sequences: independent sequences (encoder tiles/chunks; 1 per sample for the LLM).
+        window_pairs: pairs each sliding-window layer computes (`attended_pairs` with the
+            window); None = as many as ``pairs``.
     """
 
     tokens: int = 0
     pairs: int = 0
     sequences: int = 0
+    window_pairs: int | None = None
 
     def __add__(self, other: ModuleLoad) -> ModuleLoad:
-        return ModuleLoad(self.tokens + other.tokens, self.pairs + other.pairs, self.sequences + other.sequences)
+        window = None
+        if self.window_pairs is not None or other.window_pairs is not None:
+            window = self.windowed_pairs + other.windowed_pairs
+        return ModuleLoad(self.tokens + other.tokens, self.pairs + other.pairs, self.sequences + other.sequences,
+                          window)
+
+    @property
+    def windowed_pairs(self) -> int:
+        """Pairs of a sliding-window layer."""
+        return self.pairs if self.window_pairs is None else self.window_pairs
 
 
 def llm_segments(sample: SampleShape, mllm: MLLMSpec) -> list[tuple[str, int]]:
@@ -50,18 +62,36 @@ def llm_segments(sample: SampleShape, mllm: MLLMSpec) -> list[tuple[str, int]]:
     return segments
 
 
-def attended_pairs(segments: list[tuple[str, int]]) -> int:
+def _capped(m: int, window: int | None) -> int:
+    """``sum_{j=1..m} min(j, window)``: keys of the first ``m`` text tokens of a sample."""
+    w = m if window is None else min(m, window)
+    return w * (w + 1) // 2 + (m - w) * w
+
+
+def _dropped(m: int, window: int | None) -> int:
+    """``sum_{p<m} max(0, p - window + 1)``: keys the window hides from the first ``m`` tokens."""
+    t = 0 if window is None else max(0, m - window)
+    return t * (t + 1) // 2
+
+
+def attended_pairs(segments: list[tuple[str, int]], window: int | None = None) -> int:
     """Pairs computed by one attention layer over a sample's segments under the multimodal mask.
 
     A text token at position ``p`` attends ``p + 1`` keys, so a text run of ``n`` tokens starting at
     ``s`` attends ``n*s + n(n+1)/2``. An item of ``L`` tokens starting at ``s`` attends ``L * (s + L)``.
+
+    With a sliding ``window`` (keys at ``p - k < window``, `harmonia.model.attention_mask`) a text
+    token attends ``min(p + 1, window)`` keys: a run attends ``C(s + n) - C(s)`` with
+    ``C(m) = sum_{j<=m} min(j, window)``. An item token at ``p`` loses the ``max(0, p - window + 1)``
+    oldest keys: the item attends ``L * (s + L) - (D(s + L) - D(s))`` with ``D(m) = t(t+1)/2``,
+    ``t = max(0, m - window)``. So attention work grows with ``min(sequence, window)``.
     """
     pairs, pos = 0, 0
     for kind, n in segments:
         if kind == "text":
-            pairs += n * pos + n * (n + 1) // 2
+            pairs += _capped(pos + n, window) - _capped(pos, window)
         else:
-            pairs += n * (pos + n)
+            pairs += n * (pos + n) - (_dropped(pos + n, window) - _dropped(pos, window))
         pos += n
     return pairs
 
@@ -76,24 +106,36 @@ def sample_loads(sample: SampleShape, mllm: MLLMSpec) -> dict[str, ModuleLoad]:
         proj_tokens = llm_tokens_of_item(item, mllm.encoders[enc_name])
         loads[f"{enc_name}_proj"] += ModuleLoad(proj_tokens, 0, 1)
     segments = llm_segments(sample, mllm)
-    loads["llm"] = ModuleLoad(sum(n for _, n in segments), attended_pairs(segments), 1)
+    window = mllm.llm.body.sliding_window
+    loads["llm"] = ModuleLoad(sum(n for _, n in segments), attended_pairs(segments), 1,
+                              None if window is None else attended_pairs(segments, window))
     return loads
 
 
 def load_arrays(samples: list[SampleShape], mllm: MLLMSpec) -> tuple[np.ndarray, np.ndarray]:
     """Tokens and pairs of every sample for every module.
 
+    An LLM with sliding-window layers gets the pairs averaged over its blocks (rounded), so that
+    a whole-module cost from these arrays (`harmonia.workload.cost.CostModel.costs_from_loads`)
+    prices every block with its own window.
+
     Returns:
         ``(tokens, pairs)``, each of shape ``(n_samples, n_modules)`` in ``mllm.module_names`` order.
     """
     names = mllm.module_names
+    body = mllm.llm.body
+    windowed = sum(body.window_of(i) is not None for i in range(body.n_layers))
     tokens = np.zeros((len(samples), len(names)), dtype=np.int64)
     pairs = np.zeros((len(samples), len(names)), dtype=np.int64)
     for i, sample in enumerate(samples):
         loads = sample_loads(sample, mllm)
         for j, name in enumerate(names):
-            tokens[i, j] = loads[name].tokens
-            pairs[i, j] = loads[name].pairs
+            load = loads[name]
+            tokens[i, j] = load.tokens
+            pairs[i, j] = load.pairs
+            if name == "llm" and windowed:
+                full = body.n_layers - windowed
+                pairs[i, j] = round((full * load.pairs + windowed * load.windowed_pairs) / body.n_layers)
     return tokens, pairs
 
 
