@@ -112,6 +112,9 @@ class ImagePreprocessor:
     """
 
     def __init__(self, processor, tile_size: int, max_tiles: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+        if not getattr(processor, "do_resize", True):
+            raise ConfigError(f"image processor {type(processor).__name__} has do_resize=False; a fixed-size "
+                              "encoder needs its images resized to its tiles")
         if _output_side(processor) != (tile_size, tile_size):
             raise ConfigError(
                 f"image processor {type(processor).__name__} gives {_output_side(processor)} images but the "
@@ -157,7 +160,7 @@ class ImagePreprocessor:
         p, s = self.processor, self.tile_size
         if hasattr(p, "crop_to_patches"):
             return p
-        return _processor_class("GotOcr2ImageProcessor", p.backend)(
+        return _processor_class("GotOcr2ImageProcessor", getattr(p, "backend", None))(
             size={"height": s, "width": s}, resample=p.resample, do_rescale=p.do_rescale,
             rescale_factor=p.rescale_factor, do_normalize=p.do_normalize, image_mean=p.image_mean,
             image_std=p.image_std, do_convert_rgb=p.do_convert_rgb,
@@ -202,11 +205,13 @@ def _open(data: bytes | str | Path) -> Image.Image:
 
 
 def _orientation(img: Image.Image) -> int:
-    """EXIF (or XMP) orientation known from the header, without decoding pixels."""
-    if img.format == "PNG" and "exif" not in img.info:
-        return 1  # PIL would decode the file to find an eXIf chunk after the pixels
+    """EXIF (or XMP) orientation known from the header, without decoding pixels.
+
+    A PNG's eXIf chunk after its pixels is not seen here (PIL would decode the file to reach it);
+    `load_image` then finds the decoded size differs and raises ``shape_mismatch``.
+    """
     try:
-        return int(img.getexif().get(0x0112, 1))
+        return int(Image.Image.getexif(img).get(0x0112, 1))  # the base method never loads pixels
     except Exception:
         return 1
 

@@ -21,7 +21,7 @@ import os
 import tarfile
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from harmonia.data.audio import audio_header
@@ -143,10 +143,9 @@ def _fallback(path: Path) -> Path:
 
 
 def _cache_key(items: Sequence[Sequence[MediaFile]], dataset: str | Path | None) -> dict:
-    digest = hashlib.sha1()
-    for refs in items:
-        digest.update(repr([astuple(r) for r in refs]).encode())
-    key: dict = {"version": INDEX_VERSION, "records": len(items), "items": digest.hexdigest()}
+    text = "\n".join("\t".join(f"{r.kind}|{r.path}|{r.shard}|{'|'.join(r.frames)}" for r in refs) for refs in items)
+    digest = hashlib.sha1(text.encode()).hexdigest()
+    key: dict = {"version": INDEX_VERSION, "records": len(items), "items": digest}
     if dataset is not None:
         st = Path(dataset).stat()
         key["dataset"] = {"path": str(Path(dataset).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -160,12 +159,14 @@ def _read_cache(path: Path, key: dict) -> list[list[dict]] | None:
         except (OSError, ValueError):
             continue
         if payload.get("key") == key:
-            return payload["shapes"]
+            distinct = payload["distinct"]
+            return [[distinct[i] for i in rec] for rec in payload["records"]]
     return None
 
 
-def _write_cache(path: Path, key: dict, shapes: list[list[dict]]) -> Path | None:
-    text = json.dumps({"key": key, "shapes": shapes}, separators=(",", ":"))
+def _write_cache(path: Path, key: dict, distinct: list[dict], records: list[list[int]]) -> Path | None:
+    """Write the index as the distinct items' shapes and, per record, their positions (records share files)."""
+    text = json.dumps({"key": key, "distinct": distinct, "records": records}, separators=(",", ":"))
     for candidate in (path, _fallback(path)):
         try:
             candidate.parent.mkdir(parents=True, exist_ok=True)
@@ -214,7 +215,8 @@ def build_shape_index(items: Sequence[Sequence[MediaFile]], num_workers: int = 0
         progress: show a rich progress bar while computing.
 
     Returns:
-        Per record, one `media_shape` dict per item, or ``{"error": kind, "message": ...}``.
+        Per record, one `media_shape` dict per item, or ``{"error": kind, "message": ...}``; records
+        naming the same file share its dict (read it, do not change it).
     """
     key = _cache_key(items, dataset) if cache_path is not None else None
     if cache_path is not None:
@@ -225,8 +227,9 @@ def build_shape_index(items: Sequence[Sequence[MediaFile]], num_workers: int = 0
     for r in unique:
         if r.kind not in KINDS:
             raise MediaError("unsupported_media", f"unknown media kind {r.kind!r} of {r.name}; expected one of {KINDS}")
-    found = dict(zip(unique, _compute(unique, num_workers, progress)))
-    shapes = [[found[r] for r in refs] for refs in items]
+    distinct = _compute(unique, num_workers, progress)
+    position = {r: i for i, r in enumerate(unique)}
+    records = [[position[r] for r in refs] for refs in items]
     if cache_path is not None:
-        _write_cache(Path(cache_path), key, shapes)
-    return shapes
+        _write_cache(Path(cache_path), key, distinct, records)
+    return [[distinct[i] for i in rec] for rec in records]

@@ -116,6 +116,7 @@ def decode_frames(data: bytes | str | Path, indices: list[int]) -> list[Image.Im
     """The frames at ``indices`` (increasing) as RGB images, decoding up to the last one."""
     wanted, out = set(indices), []
     with _open(data) as container:
+        container.streams.video[0].thread_type = "AUTO"
         try:
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:

@@ -55,13 +55,15 @@ def _saved(processor, tmp_path):
 
 
 def test_family_constants_are_those_of_the_transformers_processors():
-    assert FAMILIES["clip"].mean == pytest.approx(OPENAI_CLIP_MEAN) and FAMILIES["clip"].std == pytest.approx(OPENAI_CLIP_STD)
+    assert FAMILIES["clip"].mean == pytest.approx(OPENAI_CLIP_MEAN)
+    assert FAMILIES["clip"].std == pytest.approx(OPENAI_CLIP_STD)
     siglip = _processor_class("SiglipImageProcessor")()
     assert FAMILIES["siglip"].mean == pytest.approx(siglip.image_mean)
     assert FAMILIES["siglip"].std == pytest.approx(siglip.image_std)
     assert FAMILIES["internvit"].mean == pytest.approx(IMAGENET_DEFAULT_MEAN)
     assert FAMILIES["internvit"].std == pytest.approx(IMAGENET_DEFAULT_STD)
-    assert M.image_preprocessor(encoder_preset("clip-vit-l-14-336")).processor.image_mean == pytest.approx(OPENAI_CLIP_MEAN)
+    clip = M.image_preprocessor(encoder_preset("clip-vit-l-14-336"))
+    assert clip.processor.image_mean == pytest.approx(OPENAI_CLIP_MEAN) and clip.tile_size == 336
     with pytest.raises(ConfigError, match="checkpoint directory"):
         ImagePreprocessor.for_encoder(replace(VIT, name="mystery-vit"))
 
@@ -184,8 +186,10 @@ def _m4a_bytes(x: np.ndarray, rate: int) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("fmt,subtype,tol", [("WAV", "PCM_16", 1 / 32768), ("WAV", "PCM_32", 1e-8), ("WAV", "FLOAT", 0.0),
-                                             ("FLAC", "PCM_16", 1 / 32768), ("MP3", "MPEG_LAYER_III", None)])
+@pytest.mark.parametrize("fmt,subtype,tol", [
+    ("WAV", "PCM_16", 1 / 32768), ("WAV", "PCM_32", 1e-8), ("WAV", "FLOAT", 0.0), ("FLAC", "PCM_16", 1 / 32768),
+    ("MP3", "MPEG_LAYER_III", None),
+])
 def test_audio_formats_decode_to_the_mono_mix(fmt, subtype, tol):
     assert fmt in sf.available_formats()
     x = _tone(440.0, 22050, 0.7, channels=2)
