@@ -3,7 +3,7 @@
 A job started from HF checkpoints writes ``model.json`` beside its checkpoints (the model source,
 the training modes, the precision). Export reads it, gathers the whole model's weights from a
 distributed checkpoint in one process (they are keyed by whole-model names, whatever the layout
-that wrote them), and writes the source's HF format (`harmonia.model.hf.llava.export_hf`): config,
+that wrote them), and writes the source's HF format (`harmonia.model.hf.export.export_hf`): config,
 safetensors shards with their index, tokenizer and processor files copied, LoRA merged.
 """
 
@@ -59,7 +59,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from harmonia.model.hf.llava import export_hf
+    from harmonia.model.hf.export import export_hf
     from harmonia.model.mllm import build_mllm_model
     from harmonia.model.resolve import resolve_mllm
 

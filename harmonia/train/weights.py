@@ -3,7 +3,7 @@
 From a preset, every rank builds the whole model's initial weights from the seed (small models,
 identical everywhere) and keeps its chunks' (`harmonia.train.rank.initial_state`). From HF
 checkpoints, each rank reads only the tensors of its own stage chunks and projectors
-(`harmonia.model.hf.llava.load_module_state`, safetensors slices); tensors no checkpoint holds
+(`harmonia.model.hf.stages.load_module_state`, safetensors slices); tensors no checkpoint holds
 (fresh projectors of a composition, LoRA adapters) are initialised per submodule from a seed derived
 from the job's seed and the submodule's whole-model name, so every rank that holds a chunk, under
 any layout, starts from the same values.
@@ -73,7 +73,7 @@ def load_checkpoint_chunk(module: nn.Module, spec: MLLMSpec, source: str | dict,
     Returns:
         the module-local names of the parameters that did not come from a checkpoint.
     """
-    from harmonia.model.hf.llava import load_module_state
+    from harmonia.model.hf.stages import load_module_state
 
     own = module.state_dict()
     base = {k: v for k, v in own.items() if ".lora_a." not in k and ".lora_b." not in k}
