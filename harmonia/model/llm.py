@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from harmonia.model.layers import (
     build_blocks,
@@ -125,7 +126,15 @@ class DecoderLM(nn.Module):
         if not self.is_last:
             return x
         x = self.norm(x)
-        return self.head(x) if self.head is not None else x @ self.embed.weight.t()
+        return self.head(x) if self.head is not None else self._tied_head(x)
+
+    def _tied_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, V)`` from the embedding matrix, vocab-sharded under tensor parallelism."""
+        w = self.embed.weight  # (V, h)
+        if not isinstance(w, DTensor):
+            return x @ w.t()
+        x = DTensor.from_local(x, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False)
+        return (x @ w.t()).redistribute(placements=[Replicate()] * w.device_mesh.ndim).to_local()
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:

@@ -5,6 +5,11 @@ bucket, started as soon as the chunk's last backward of the iteration has run (t
 overlaps the rest of the schedule) and finished before clipping. The sum is right because every
 microbatch's loss is already divided by the global target count. FSDP2 chunks reduce-scatter
 instead (`finish_fsdp_backward`), with the divide factor set to 1 by `apply_fsdp`.
+
+Tied embeddings split over pipeline stages (the first chunk's input embedding, the last chunk's
+head) are two copies of one weight: after the ``dp``/``cp`` reduction `TiedGradSync` sums their
+gradients between the two holders (Megatron-LM's embedding group), so both take the same step;
+the norm counts the weight once (`TiedGradSync.uncounted`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
+
+from harmonia.model.llm import DecoderLM
+from harmonia.plan.layout import Layout
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
@@ -55,6 +63,60 @@ class DPGradSync:
             for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(summed)
         self._inflight.clear()
+
+
+@dataclass
+class TiedGradSync:
+    """Sums the gradients of a tied embedding's copies on the LLM's first and last stage chunks.
+
+    Attributes:
+        weights: this rank's copies (one, or two when it holds both chunks).
+        peer: global rank holding the other copy with this rank's ``dp``/``cp``/``tp``
+            coordinates; None when this rank holds both.
+        group: a process group containing both ranks.
+        uncounted: the last chunk's copy, left out of the gradient norm.
+    """
+
+    weights: list[nn.Parameter]
+    peer: int | None
+    group: dist.ProcessGroup | None
+    uncounted: list[nn.Parameter]
+
+    def run(self) -> None:
+        """Replace every copy's gradient by the sum over all copies (after the ``dp``/``cp`` reduction)."""
+        for p in self.weights:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local_grad(p) for p in self.weights]
+        total = grads[0] + grads[1] if len(grads) == 2 else grads[0].clone()
+        if self.peer is not None:
+            other = torch.empty_like(total)
+            send = dist.isend(total.contiguous(), self.peer, group=self.group)
+            dist.recv(other, self.peer, group=self.group)
+            send.wait()
+            total = total + other  # the same sum on both ranks (addition commutes exactly)
+        for g in grads:
+            g.copy_(total)
+
+
+def plan_tied_sync(chunks: dict[int, nn.Module], layout: Layout, rank: int,
+                   group: dist.ProcessGroup | None) -> TiedGradSync | None:
+    """The tied-embedding sync of this rank's LLM chunks, or None when it holds no trainable copy.
+
+    Both holders must agree: the copies train together (the same training mode on both chunks).
+    """
+    last = layout.n_stages - 1
+    held = {c: w for c, m in chunks.items() if isinstance(m, DecoderLM)
+            and (w := m.tied_weight()) is not None and w.requires_grad}
+    if not held:
+        return None
+    peer = None
+    if set(held) != {0, last}:
+        me = layout.coords(rank)
+        other = last if 0 in held else 0
+        peer = layout.rank_at(pp=other % layout.pp, dp=me["dp"], cp=me["cp"], tp=me["tp"])
+    uncounted = [held[last]] if last in held else []
+    return TiedGradSync(list(held.values()), peer, group, uncounted)
 
 
 def start_fsdp_backward(module: nn.Module) -> None:

@@ -48,8 +48,8 @@ from harmonia.model.mllm import group_mean
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.executor import OptimizerFactory, StepResult, _default_optimizer
-from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, squared_norm_share,
-                                    start_fsdp_backward)
+from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, plan_tied_sync,
+                                    squared_norm_share, start_fsdp_backward)
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
@@ -93,6 +93,7 @@ class ModuleRunner:
         self.dp_sync = DPGradSync(self.mesh.grad_group()) if needs_sync else None
         self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
         self.replication = layout.dp * layout.cp * layout.tp
+        self.tied = plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group) if self.name == LLM else None
 
     def weights(self, c: int) -> Iterator[nn.Parameter]:
         """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
@@ -108,6 +109,12 @@ class ModuleRunner:
     @property
     def trainable(self) -> list[nn.Parameter]:
         return [p for ps in self.params.values() for p in ps]
+
+    @property
+    def norm_params(self) -> list[nn.Parameter]:
+        """Trainable parameters counted in the gradient norm (a tied head's copy counts as the embedding)."""
+        skip = {id(p) for p in self.tied.uncounted} if self.tied is not None else set()
+        return [p for p in self.trainable if id(p) not in skip]
 
     def backward_done(self, c: int) -> None:
         """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
@@ -249,6 +256,9 @@ class MLLMExecutor:
             r.finish_reduction()
         for link in run.links.values():
             link.finish()
+        for r in self.runners.values():
+            if r.tied is not None:
+                r.tied.run()
         # TP ranks repeat the loss; CP ranks each hold the loss of their own tokens.
         counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0
         total = run.loss_sum.detach().double().clone() if counts else torch.zeros((), dtype=torch.float64)
@@ -257,7 +267,7 @@ class MLLMExecutor:
 
     def norm_share(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm, over all its modules."""
-        return sum((squared_norm_share(r.trainable, r.replication) for r in self.runners.values()),
+        return sum((squared_norm_share(r.norm_params, r.replication) for r in self.runners.values()),
                    torch.zeros((), dtype=torch.float64))
 
     def optimizer_step(self) -> None:
