@@ -116,12 +116,13 @@ def merged_state(state: dict[str, torch.Tensor], spec: MLLMSpec) -> dict[str, to
             with torch.device("meta"):
                 built = build_module(spec, module)
             apply_training(built, spec.training_of(module))
-            own = {k: v.detach().clone() if k.endswith(".base.weight") else v.detach() for k, v in own.items()}
-            try:
-                built.load_state_dict(own, strict=True, assign=True)
-            except RuntimeError as e:
+            want = built.state_dict()
+            wrong = sorted(set(want) ^ set(own)) or sorted(k for k in own if own[k].shape != want[k].shape)
+            if wrong:
                 raise ConfigError(f"module {module!r}: the state's LoRA adapters do not match its training mode "
-                                  f"{spec.training_of(module)}: {e}") from e
+                                  f"{spec.training_of(module)} (e.g. {wrong[:3]}); pass the spec it trained with")
+            own = {k: v.detach().clone() if k.endswith(".base.weight") else v.detach() for k, v in own.items()}
+            built.load_state_dict(own, strict=True, assign=True)
             merge_lora(built)
             own = built.state_dict()
         out.update({prefix + k: v for k, v in own.items()})

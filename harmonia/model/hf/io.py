@@ -38,7 +38,7 @@ def read_full_config(path: str | Path) -> dict:
 
     try:
         return AutoConfig.from_pretrained(str(path)).to_dict()
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # transformers and huggingface_hub raise several kinds for a bad config
         raise ConfigError(f"{path}: transformers cannot read config.json (model_type="
                           f"{raw.get('model_type')!r}): {e}") from e
 

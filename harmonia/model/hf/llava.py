@@ -88,7 +88,7 @@ def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
         config["vision_config"], f"{name}-vision", feature_layer=config.get("vision_feature_layer", -2),
         strategy=config.get("vision_feature_select_strategy", "default"),
     )
-    vision = replace(vision, modalities=("image",))
+    vision = replace(vision, modalities=("image",), max_tiles=1)  # LlavaProcessor: one crop per image
     act = config.get("projector_hidden_act", "gelu")
     if act not in PROJECTOR_ACTS:
         raise ConfigError(f"projector_hidden_act={act!r} is not implemented; expected one of {sorted(PROJECTOR_ACTS)}")
