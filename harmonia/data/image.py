@@ -149,7 +149,7 @@ class ImagePreprocessor:
         """
         from transformers import AutoImageProcessor
 
-        if not (Path(path) / "preprocessor_config.json").is_file():
+        if not any((Path(path) / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
             raise ConfigError(f"{path} has no preprocessor_config.json: the image preprocessing of a checkpoint "
                               "comes from it (save the model's processor there)")
         processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)

@@ -105,6 +105,14 @@ class MultimodalDataset(torch.utils.data.Dataset):
         for e in errors:
             self._fail(e.kind, str(e), e.where)
         self._check_tiles()
+        self._check_item_tokens()
+
+    def _check_item_tokens(self) -> None:
+        ours = getattr(self.tokenizer, "item_token_ids", {})
+        for modality, token in self.mllm.item_token_ids.items():
+            if modality in ours and ours[modality] != token:
+                raise ConfigError(f"the tokenizer puts token {ours[modality]} at {modality} items but the model "
+                                  f"{self.mllm.name!r} expects {token}; use the tokenizer of the same checkpoint")
 
     def _check_tiles(self) -> None:
         vision = [e for e in self.mllm.encoders.values() if e.is_vision]

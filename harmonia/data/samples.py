@@ -116,7 +116,7 @@ class SampleBuilder:
             if header is None:
                 header = M.media_shape(_kind(ref), self._read(ref, conv))
             return M.shape_item(_kind(ref), header, self._prep(module), self.sampling)
-        except M.MediaError as e:
+        except (M.MediaError, DataError) as e:  # the record's location, then the file's message
             raise DataError(e.kind, where, str(e)) from e
 
     def decode(self, ref: MediaRef, conv: Conversation) -> tuple[ModalityItem, ItemInputs]:
@@ -125,7 +125,7 @@ class SampleBuilder:
         where = f"{conv.where} ({ref.modality} {ref.name})"
         try:
             item, x = M.decode_item(_kind(ref), self._read(ref, conv), self._prep(module), self.sampling)
-        except M.MediaError as e:
+        except (M.MediaError, DataError) as e:  # the record's location, then the file's message
             raise DataError(e.kind, where, str(e)) from e
         _check_declared(ref, item, where)
         enc = self.mllm.encoders[module]
