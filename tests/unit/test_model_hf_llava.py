@@ -365,3 +365,32 @@ def test_a_llava_directory_is_not_a_vision_encoder(tmp_path):
         mllm_spec_from_hf({"llm": tmp_path / "llm", "encoders": {"vision": tmp_path / "hf"}})
     with pytest.raises(ConfigError, match="'qwen2'"):
         mllm_spec_from_hf(tmp_path / "llm")  # an LLM alone is not a multimodal checkpoint
+
+
+@pytest.mark.parametrize("naming", ["module", "hub"])
+def test_other_key_namings_load_and_export_in_their_own_naming(naming, tmp_path):
+    """transformers' module names (``model.language_model.*``) and the hub's older ones
+    (``vision_tower.vision_model.*``): both read, and the export keeps the source's naming."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = make_llava(tmp_path / "hf")
+    if naming == "module":
+        tensors = hf.state_dict()
+    else:
+        with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+            tensors = {k.replace("vision_tower.", "vision_tower.vision_model."): f.get_tensor(k) for k in f.keys()}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "hf" / "model.safetensors"),
+              metadata={"format": "pt"})
+    spec = mllm_spec_from_hf(tmp_path / "hf")
+    model = load_whole(tmp_path / "hf", spec)
+    ids, pixels, _ = sample_inputs(spec)
+    with torch.no_grad():
+        want = hf(input_ids=ids[None], pixel_values=pixels).logits
+        torch.testing.assert_close(model(pack_samples([tokenized_sample(spec, ids, pixels)])), want, **TOL)
+    export_hf(model.state_dict(), spec, tmp_path / "hf", tmp_path / "out")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == set(tensors)
+    again = load_cleanly(transformers.LlavaForConditionalGeneration, tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids[None], pixel_values=pixels).logits, want, **TOL)
