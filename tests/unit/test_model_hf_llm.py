@@ -143,6 +143,30 @@ def test_rope_scaling_under_either_key_and_old_type_name():
     assert old == new and old.rope_scaling.factor == 2.0 and old.rope_theta == 77.0
     inner = llm_spec_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5.0}})
     assert inner.rope_theta == 5.0 and inner.rope_scaling is None
+    with pytest.raises(ConfigError, match="both rope_scaling"):
+        llm_spec_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0},
+                          "rope_parameters": {"rope_type": "linear", "factor": 3.0}})
+
+
+def test_fields_real_checkpoints_carry_load():
+    """Keys of published Llama 2 / 3.1, Mistral 7B v0.1, Qwen2.5 (R1 distill) and Qwen3 config.json files."""
+    llama31 = _llama(pretraining_tp=1, torch_dtype="bfloat16", transformers_version="4.43.0.dev0", use_cache=True,
+                     bos_token_id=128000, eos_token_id=[128001, 128008, 128009], initializer_range=0.02,
+                     max_position_embeddings=131072, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+                     architectures=["LlamaForCausalLM"], rope_theta=500000.0,
+                     rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+    assert llm_spec_from_hf(llama31).rope_scaling.original_max_positions == 8192
+    qwen = {"model_type": "qwen2", **SIZES, "num_hidden_layers": 2, "use_mrope": False, "sliding_window": 4096,
+            "use_sliding_window": False, "max_window_layers": 28, "rope_theta": 10000, "tie_word_embeddings": False,
+            "bos_token_id": 151643, "eos_token_id": 151643, "torch_dtype": "bfloat16", "use_cache": True}
+    assert llm_spec_from_hf(qwen).body.sliding_window is None
+    mistral = {"model_type": "mistral", **SIZES, "num_hidden_layers": 2, "sliding_window": 4096,
+               "max_position_embeddings": 32768, "rope_theta": 10000.0}
+    assert llm_spec_from_hf(mistral).body.window_of(1) == 4096
+    qwen3 = {"model_type": "qwen3", **SIZES, "num_hidden_layers": 2, "head_dim": 128, "rope_scaling": None,
+             "sliding_window": None, "use_sliding_window": False, "max_window_layers": 36, "attention_bias": False}
+    assert llm_spec_from_hf(qwen3).body.dim_head == 128
 
 
 @pytest.mark.parametrize("cls, kw", [("LlamaConfig", {}), ("MistralConfig", {}), ("Qwen2Config", {}),
@@ -196,6 +220,7 @@ def test_llama_refusals_name_the_field(extra, named):
     ({"model_type": "mistral", "layer_types": ["full_attention"] * 2}, "config field layer_types of model_type mistral"),
     ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
     ({"model_type": "qwen3", "use_sliding_window": True, "layer_types": ["full_attention"]}, "layer_types="),
+    ({"model_type": "qwen2", "use_mrope": True}, "use_mrope=True"),
     ({"model_type": "gemma2"}, "model_type='gemma2'"),
     ({"model_type": "llama", "hidden_size": None}, "lacks ['hidden_size']"),
 ])

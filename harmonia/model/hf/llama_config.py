@@ -3,7 +3,7 @@
 Every field of a config is in one of three sets: fields that cannot change the forward pass (ids,
 dtype, generation settings, ...: `IGNORED`), fields harmonia implements (`IMPLEMENTED`, per
 ``model_type``), and fields implemented for some values only (``hidden_act=silu``,
-``attention_dropout=0``, ``partial_rotary_factor=1``). Any other field, or an unsupported value,
+``attention_dropout=0``, ``partial_rotary_factor=1``, Qwen2's ``use_mrope=false``). Any other field, or an unsupported value,
 is a `ConfigError` naming it: a checkpoint loads with transformers' exact numbers or not at all.
 
 Missing fields take the defaults of the installed transformers' config classes (`DEFAULTS`; a unit
@@ -32,7 +32,8 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 IGNORED = frozenset({
     # identity, bookkeeping and storage
     "model_type", "architectures", "_name_or_path", "transformers_version", "torch_dtype", "dtype",
-    "_attn_implementation_autoset", "_commit_hash", "use_bfloat16", "torchscript", "tokenizer_class",
+    "_attn_implementation", "_attn_implementation_autoset", "attn_implementation", "_commit_hash",
+    "use_bfloat16", "torchscript", "tokenizer_class",
     # special token ids
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
     # inference, initialisation and output switches
@@ -59,7 +60,7 @@ _QWEN_WINDOW = frozenset({"use_sliding_window", "sliding_window", "max_window_la
 IMPLEMENTED = {
     "llama": _COMMON | {"attention_bias", "mlp_bias"},
     "mistral": _COMMON | {"sliding_window"},
-    "qwen2": _COMMON | _QWEN_WINDOW,
+    "qwen2": _COMMON | _QWEN_WINDOW | {"use_mrope"},
     "qwen3": _COMMON | _QWEN_WINDOW | {"attention_bias"},
 }
 """Fields harmonia implements, per ``model_type`` (some for some values only, see the module)."""
@@ -91,12 +92,15 @@ def check_fields(config: dict, kind: str) -> None:
     for field in sorted(config):
         if field not in IGNORED and field not in IMPLEMENTED[kind]:
             raise ConfigError(
-                f"config field {field} of model_type {kind} is not supported; harmonia would load the "
-                f"checkpoint with different numbers than transformers (value {config[field]!r}). "
-                f"Supported fields: {sorted(IMPLEMENTED[kind])}; ignored: ids, dtype, generation settings"
+                f"config field {field} of model_type {kind} is not supported (value {config[field]!r}): "
+                f"harmonia does not know that it leaves the model's numbers unchanged. Implemented fields: "
+                f"{sorted(IMPLEMENTED[kind])}; ignored: ids, dtype, generation settings. If the field is a "
+                "tool's bookkeeping that does not change the model, remove it from config.json"
             )
     if config.get("hidden_act", "silu") != "silu":
         raise _unsupported(kind, "hidden_act", config["hidden_act"], "Llama-family blocks use silu (SwiGLU)")
+    if config.get("use_mrope"):
+        raise _unsupported(kind, "use_mrope", config["use_mrope"], "multimodal RoPE is Qwen2-VL's (model_type qwen2_vl)")
     if float(config.get("attention_dropout") or 0.0) != 0.0:
         raise _unsupported(kind, "attention_dropout", config["attention_dropout"],
                            "harmonia has no attention dropout; set it to 0.0")
