@@ -75,6 +75,15 @@ def encoder_family(encoder: EncoderSpec) -> str:
     )
 
 
+def _check_fixed_size(encoder: EncoderSpec) -> None:
+    if not encoder.is_vision or encoder.native_resolution or encoder.channels != 3:
+        raise ConfigError(
+            f"encoder {encoder.name!r} is not a fixed-size RGB vision encoder (modalities={encoder.modalities}, "
+            f"native_resolution={encoder.native_resolution}, channels={encoder.channels}); images are decoded "
+            "only into square RGB tiles"
+        )
+
+
 def _processor_class(name: str, backend: str | None = None):
     """A transformers image processor class by name, in ``backend`` (default: as AutoImageProcessor picks)."""
     import transformers
@@ -129,6 +138,7 @@ class ImagePreprocessor:
     def for_encoder(cls, encoder: EncoderSpec, family: str | None = None,
                     max_pixels: int = DEFAULT_MAX_PIXELS) -> ImagePreprocessor:
         """The preprocessing of a preset encoder: its family's processor at ``encoder.image_size``."""
+        _check_fixed_size(encoder)
         family = family or encoder_family(encoder)
         if family not in FAMILIES:
             raise ConfigError(f"unknown image family {family!r}; known: {sorted(FAMILIES)}")

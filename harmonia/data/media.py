@@ -39,7 +39,7 @@ from harmonia.workload.shapes import ModalityItem
 
 __all__ = [
     "AudioPreprocessor", "FrameSampling", "ImagePreprocessor", "MediaError", "MediaFile", "audio_chunks",
-    "audio_header", "audio_seconds", "build_media_preprocessors", "build_shape_index", "decode_audio",
+    "audio_header", "build_media_preprocessors", "build_shape_index", "decode_audio",
     "decode_item", "frame_tiles", "image_size", "log_mel", "media_shape", "open_image", "sample_frame_indices",
     "shape_cache_path", "shape_item", "tile_image", "write_wav",
 ]
@@ -194,11 +194,6 @@ def audio_chunks(x: np.ndarray, rate: int, prep: AudioPreprocessor | EncoderSpec
     """A mono waveform at ``rate`` -> ``(n_chunks, n_mels, frames)`` log-mel chunks and the item's shape."""
     chunks, seconds = audio_preprocessor(prep)(x, rate)
     return chunks, ModalityItem.audio(seconds)
-
-
-def audio_seconds(data: Source, prep: AudioPreprocessor | EncoderSpec) -> float:
-    """Duration after resampling to the encoder's rate, from the header only."""
-    return audio_header(data).seconds(audio_preprocessor(prep).rate)
 
 
 def write_wav(path: str | Path | io.BytesIO, x: np.ndarray, rate: int) -> None:

@@ -66,6 +66,8 @@ def test_family_constants_are_those_of_the_transformers_processors():
     assert clip.processor.image_mean == pytest.approx(OPENAI_CLIP_MEAN) and clip.tile_size == 336
     with pytest.raises(ConfigError, match="checkpoint directory"):
         ImagePreprocessor.for_encoder(replace(VIT, name="mystery-vit"))
+    with pytest.raises(ConfigError, match="native_resolution=True"):
+        ImagePreprocessor.for_encoder(replace(VIT, native_resolution=True))
 
 
 @pytest.mark.parametrize("size", [(50, 70), (90, 31), (32, 32)])
@@ -435,3 +437,26 @@ def test_shape_index_cache_falls_back_to_the_user_cache_dir(tmp_path, monkeypatc
     assert M.build_shape_index(items[:2], cache_path=cache, dataset=root / "manifest.jsonl", progress=False) == shapes
     monkeypatch.setattr("harmonia.data.shape_index.os.access", lambda path, mode: False)
     assert M.shape_cache_path(root / "manifest.jsonl").parent == tmp_path / "user-cache" / "harmonia" / "shape-index"
+
+
+def test_model_preprocessors_from_checkpoints_and_presets(tmp_path):
+    from harmonia.model.presets import mllm_preset
+
+    spec = mllm_preset("tiny-omni")
+    vit, aud = spec.encoders["vision"], spec.encoders["audio"]
+    _processor_class("CLIPImageProcessor")(size={"shortest_edge": vit.image_size},
+                                           crop_size={"height": vit.image_size, "width": vit.image_size}
+                                           ).save_pretrained(tmp_path / "vision")
+    WhisperFeatureExtractor(feature_size=aud.n_mels, hop_length=aud.hop_length, chunk_length=2,
+                            n_fft=round(2.5 * aud.hop_length)).save_pretrained(tmp_path / "audio")
+    preps = M.build_media_preprocessors(spec, {"vision": tmp_path / "vision", "audio": tmp_path / "audio"},
+                                        max_pixels=10_000)
+    assert preps["vision"].processor.image_mean == pytest.approx(OPENAI_CLIP_MEAN)  # not the preset's SigLIP numbers
+    assert preps["vision"].max_tiles == vit.max_tiles and preps["vision"].max_pixels == 10_000
+    assert preps["audio"].extractor.feature_size == aud.n_mels
+    presets = M.build_media_preprocessors(spec)
+    assert presets["vision"].processor.image_mean == pytest.approx(FAMILIES["siglip"].mean)
+    with pytest.raises(ConfigError, match="not encoders"):
+        M.build_media_preprocessors(spec, {"vison": tmp_path / "vision"})
+    with pytest.raises(ConfigError, match="preprocessor_config.json"):
+        M.build_media_preprocessors(spec, {"vision": tmp_path})
