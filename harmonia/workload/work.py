@@ -106,6 +106,8 @@ def sample_loads(sample: SampleShape, mllm: MLLMSpec) -> dict[str, ModuleLoad]:
         proj_tokens = llm_tokens_of_item(item, mllm.encoders[enc_name])
         loads[f"{enc_name}_proj"] += ModuleLoad(proj_tokens, 0, 1)
     segments = llm_segments(sample, mllm)
+    if mllm.item_attention == "causal":  # items attend like text (LLaVA)
+        segments = [("text", n) for _, n in segments]
     window = mllm.llm.body.sliding_window
     loads["llm"] = ModuleLoad(sum(n for _, n in segments), attended_pairs(segments), 1,
                               None if window is None else attended_pairs(segments, window))

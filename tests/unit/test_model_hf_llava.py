@@ -394,3 +394,17 @@ def test_other_key_namings_load_and_export_in_their_own_naming(naming, tmp_path)
     again = load_cleanly(transformers.LlavaForConditionalGeneration, tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids[None], pixel_values=pixels).logits, want, **TOL)
+
+
+def test_cost_model_counts_the_causal_mask_of_llava(tmp_path):
+    from harmonia.model.attention_mask import count_pairs
+    from harmonia.workload.shapes import ModalityItem, SampleShape
+    from harmonia.workload.work import sample_loads
+
+    make_llava(tmp_path / "hf")
+    spec = mllm_spec_from_hf(tmp_path / "hf")
+    ids, pixels, _ = sample_inputs(spec, text=(3, 4, 2))
+    batch = pack_samples([tokenized_sample(spec, ids, pixels)])
+    shape = SampleShape(9, (ModalityItem.image(height=40, width=30),) * 2, (3, 7))
+    load = sample_loads(shape, spec)["llm"]
+    assert load.tokens == len(ids) and load.pairs == count_pairs(batch.layout)
