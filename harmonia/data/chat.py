@@ -24,6 +24,8 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
+
 from harmonia.data.conversation import MARKERS, Conversation, MediaRef, Turn
 from harmonia.data.records import DataError
 from harmonia.data.tokenizer import Encoded, Tokenizer
@@ -87,6 +89,7 @@ class HFTokenizer(Tokenizer):
                                                                            reverse=True))) if item_tokens else None
         self._generation = bool(_GENERATION.search(chat_template))
         self.vocab_size = len(hf)
+        self._specials = dict(hf.special_tokens_map)
         self.typed_parts = self._renders_typed_parts()
         self._check_template()
 
@@ -142,7 +145,7 @@ class HFTokenizer(Tokenizer):
 
         prompts, indices = render_jinja_template(
             conversations=[messages], chat_template=self.template, add_generation_prompt=generation_prompt,
-            return_assistant_tokens_mask=spans, **self.hf.special_tokens_map)
+            return_assistant_tokens_mask=spans, **self._specials)
         return (prompts[0], indices[0]) if spans else prompts[0]
 
     def render(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
@@ -198,7 +201,11 @@ class HFTokenizer(Tokenizer):
         enc = self.hf(expanded, add_special_tokens=not (bos and expanded.startswith(bos)),
                       return_offsets_mapping=True)
         ids, offsets = enc["input_ids"], enc["offset_mapping"]
-        targets = [any(s < b and e > a for a, b in spans) for s, e in offsets]
+        starts, ends = np.array(offsets, dtype=np.int64).reshape(-1, 2).T  # (T,) each
+        learned = np.zeros(len(ids), dtype=bool)
+        for a, b in spans:  # a token is learned when it overlaps an assistant span
+            learned |= (starts < b) & (ends > a)
+        targets = learned.tolist()
         items = self._item_runs(ids, media, item_tokens, where)
         for start, n in items:
             targets[start:start + n] = [False] * n
