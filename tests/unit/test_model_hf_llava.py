@@ -119,7 +119,8 @@ def test_spec_describes_the_used_architecture(tmp_path):
     enc, proj = spec.encoders["vision"], spec.projectors["vision_proj"]
     assert enc.body.n_layers == 3 and enc.feature_layers == (2, 3) and not enc.post_norm
     assert enc.out_dim == proj.in_dim == 2 * 24 and not proj.input_norm
-    assert enc.llm_tokens_per_tile() == 16 and spec.item_attention == "causal" and spec.item_token_ids == {"image": IMAGE}
+    assert enc.llm_tokens_per_tile() == 16 and spec.item_attention == "causal"
+    assert spec.item_token_ids == {"image": IMAGE}
     # The cost model counts exactly the parameters of the modules harmonia builds, and of transformers'
     # projector and language model.
     cost = CostModel(spec, device_preset("h100"))
@@ -250,7 +251,8 @@ def test_export_round_trip_merges_lora_and_copies_the_source_files(tmp_path):
     again = load_cleanly(transformers.LlavaForConditionalGeneration, tmp_path / "out")
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids[None], pixel_values=pixels).logits, want, **TOL)
-    torch.testing.assert_close(state["llm.layers.0.attn.q_proj.base.weight"], base, rtol=0, atol=0)  # not merged in place
+    # The caller's state is not merged in place.
+    torch.testing.assert_close(state["llm.layers.0.attn.q_proj.base.weight"], base, rtol=0, atol=0)
     export_hf(state, spec, tmp_path / "hf", tmp_path / "bf16", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     back = mllm_spec_from_hf(tmp_path / "bf16")

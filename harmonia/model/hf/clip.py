@@ -88,8 +88,9 @@ def feature_blocks(layer: int | list[int], n_layers: int) -> tuple[int, ...]:
     return blocks
 
 
-def vision_spec_from_hf(config: dict, name: str, family: str | None = None, feature_layer: int | list[int] | None = None,
-                        strategy: str | None = None, token_merge: int = 1) -> EncoderSpec:
+def vision_spec_from_hf(config: dict, name: str, family: str | None = None,
+                        feature_layer: int | list[int] | None = None, strategy: str | None = None,
+                        token_merge: int = 1) -> EncoderSpec:
     """An `EncoderSpec` of a CLIP or SigLIP vision tower.
 
     Args:
@@ -126,5 +127,4 @@ def vision_spec_from_hf(config: dict, name: str, family: str | None = None, feat
 def vision_names(keys: list[str], family: str) -> dict[str, str]:
     """Our encoder names -> the checkpoint's names of a CLIP / SigLIP tower (keys only, no tensors)."""
     prefix = find_prefix(dict.fromkeys(keys), ANCHOR, f"{family} vision")
-    return {ours: hf for ours, hf in rename({k: k for k in keys}, TABLES[family], to_ours=True,
-                                            src_prefix=prefix).items()}
+    return rename({k: k for k in keys}, TABLES[family], to_ours=True, src_prefix=prefix)

@@ -81,7 +81,7 @@ def write_like_source(source: str | Path, out_dir: str | Path, tensors: dict[str
         return {k: cast(new[k] if k in new else copied[k]) for k in keys}
 
     out.mkdir(parents=True, exist_ok=True)
-    sizes = {k: t.numel() * (cast(torch.empty((), dtype=t.dtype)).element_size()) for k, t in meta.items()}
+    sizes = {k: t.numel() * (dtype if t.is_floating_point() else t.dtype).itemsize for k, t in meta.items()}
     write_shards(out, sizes, load, max_shard_bytes)
     config = _set_dtype(read_config(source), dtype)
     config.setdefault("dtype", _dtype_name(dtype))

@@ -75,7 +75,7 @@ def save_hf_siglip(model: VisionEncoder, path: str | Path, source: str | Path | 
     merge_lora(model)
     if source is None:
         state = {k: v.to(dtype) for k, v in model.state_dict().items()}
-        write_checkpoint(path, siglip_state_to_hf(state), {**siglip_config_to_hf(model.spec), "dtype": str(dtype)[6:]})
+        write_checkpoint(path, siglip_state_to_hf(state), {**siglip_config_to_hf(model.spec), "dtype": str(dtype).removeprefix("torch.")})
         return
     from harmonia.model.hf.export import write_like_source
 
