@@ -132,13 +132,19 @@ def restrict_to_window(mask, positions: torch.Tensor, window: int):
         positions: ``(T,)`` or ``(B, T)`` positions of the queries (for a dense or block mask, also
             of the keys).
         window: keys a query attends lie at ``query - key < window`` (`window_mask`).
+
+    Returns ``mask`` itself when no two positions lie ``window`` apart (the window hides nothing).
     """
     if isinstance(mask, ShardedKeys):
         if mask.key_positions is None:
             raise ConfigError("sliding-window attention of a context-parallel shard needs the gathered "
                               "keys' positions; build ShardedKeys with key_positions")
+        if int(positions.max()) - int(mask.key_positions.min()) < window:
+            return mask
         near = window_mask(positions.reshape(-1), mask.key_positions, window)  # (t, T)
         return replace(mask, mask=mask.mask & near)
+    if mask is not None and int(positions.max()) - int(positions.min()) < window:
+        return mask
     if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
         from torch.nn.attention.flex_attention import and_masks, create_block_mask
 

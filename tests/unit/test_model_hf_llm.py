@@ -217,7 +217,8 @@ def test_llama_refusals_name_the_field(extra, named):
 
 @pytest.mark.parametrize("config, named", [
     ({"model_type": "qwen2", "mlp_bias": True}, "config field mlp_bias of model_type qwen2"),
-    ({"model_type": "mistral", "layer_types": ["full_attention"] * 2}, "config field layer_types of model_type mistral"),
+    ({"model_type": "mistral", "layer_types": ["full_attention"] * 2},
+     "config field layer_types of model_type mistral"),
     ({"model_type": "qwen2", "layer_types": ["sliding_attention", "full_attention"]}, "layer_types="),
     ({"model_type": "qwen3", "use_sliding_window": True, "layer_types": ["full_attention"]}, "layer_types="),
     ({"model_type": "qwen2", "use_mrope": True}, "use_mrope=True"),

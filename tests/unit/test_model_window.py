@@ -51,6 +51,8 @@ def test_windowed_mask_matches_brute_force_and_closed_form():
         assert torch.equal(batched, want[None, None])
         assert count_pairs(layout, block=7, window=window) == sum(attended_pairs(s, window) for s in samples)
         assert int(want.sum()) == count_pairs(layout, window=window)
+        full = multimodal_mask(layout)
+        assert restrict_to_window(full, layout.position, int(layout.position.max()) + 1) is full  # hides nothing
 
 
 def test_window_restricts_a_cp_shard_by_key_positions():

@@ -3,8 +3,9 @@
 Every field of a config is in one of three sets: fields that cannot change the forward pass (ids,
 dtype, generation settings, ...: `IGNORED`), fields harmonia implements (`IMPLEMENTED`, per
 ``model_type``), and fields implemented for some values only (``hidden_act=silu``,
-``attention_dropout=0``, ``partial_rotary_factor=1``, Qwen2's ``use_mrope=false``). Any other field, or an unsupported value,
-is a `ConfigError` naming it: a checkpoint loads with transformers' exact numbers or not at all.
+``attention_dropout=0``, ``partial_rotary_factor=1``, Qwen2's ``use_mrope=false``). Any other
+field, or an unsupported value, is a `ConfigError` naming it: a checkpoint loads with transformers'
+exact numbers or not at all.
 
 Missing fields take the defaults of the installed transformers' config classes (`DEFAULTS`; a unit
 test compares them). What transformers 5.23 computes, mirrored here:
@@ -100,7 +101,8 @@ def check_fields(config: dict, kind: str) -> None:
     if config.get("hidden_act", "silu") != "silu":
         raise _unsupported(kind, "hidden_act", config["hidden_act"], "Llama-family blocks use silu (SwiGLU)")
     if config.get("use_mrope"):
-        raise _unsupported(kind, "use_mrope", config["use_mrope"], "multimodal RoPE is Qwen2-VL's (model_type qwen2_vl)")
+        raise _unsupported(kind, "use_mrope", config["use_mrope"],
+                           "multimodal RoPE is Qwen2-VL's (model_type qwen2_vl)")
     if float(config.get("attention_dropout") or 0.0) != 0.0:
         raise _unsupported(kind, "attention_dropout", config["attention_dropout"],
                            "harmonia has no attention dropout; set it to 0.0")
