@@ -163,8 +163,9 @@ def _audio_chunks(item: ModalityItem, encoder: EncoderSpec) -> list[float]:
 
 
 def audio_encoder_tokens(seconds: float, encoder: EncoderSpec) -> int:
-    """Encoder tokens of an audio chunk: mel frames ``seconds * sample_rate / hop``, then the strided conv."""
-    mel = math.floor(seconds * encoder.sample_rate / encoder.hop_length)
+    """Encoder tokens of an audio chunk: mel frames ``samples // hop`` with ``samples = round(seconds *
+    sample_rate)`` (the decoded length; flooring the product in floats can lose a frame), then the strided conv."""
+    mel = round(seconds * encoder.sample_rate) // encoder.hop_length
     return max(1, math.ceil(mel / encoder.conv_stride))
 
 
