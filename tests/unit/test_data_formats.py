@@ -264,3 +264,55 @@ def test_is_dataset_never_claims_a_users_directory(tmp_path):
     (tmp_path / "synth" / "heldout").mkdir()
     assert dataset_splits(tmp_path / "synth") == (tmp_path / "synth" / "train", tmp_path / "synth" / "heldout")
     assert dataset_splits(tmp_path / "mine") == (tmp_path / "mine", None)
+
+
+def _mp4(n_frames: int, fps: int = 4, side: int = 16) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = side, side, "yuv420p"
+        for i in range(n_frames):
+            img = np.full((side, side, 3), 20 * i, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _wav(seconds: float) -> bytes:
+    from harmonia.data.media import write_wav
+
+    buf = io.BytesIO()
+    write_wav(buf, np.zeros(int(16000 * seconds), np.float32), 16000)
+    return buf.getvalue()
+
+
+def test_audio_and_video_in_shards_and_messages_columns(tmp_path):
+    """key.wav / key.mp4 members and messages' audios / videos columns become audio and video items."""
+    spec = mllm_preset("tiny-omni")
+    with tarfile.open(tmp_path / "av.tar", "w") as tar:
+        _add(tar, "a0.wav", _wav(1.5))
+        _add(tar, "a0.json", json.dumps({"messages": [{"role": "user", "content": "<audio>\nLow or high?"},
+                                                      {"role": "assistant", "content": "low"}]}).encode())
+        _add(tar, "v0.mp4", _mp4(12))
+        _add(tar, "v0.txt", b"A fading square.")
+    (tmp_path / "a.wav").write_bytes(_wav(1.5))
+    (tmp_path / "v.mp4").write_bytes(_mp4(12))
+    row = {"messages": [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "\nLow or high?"}]},
+                        {"role": "assistant", "content": "low"}], "audios": ["a.wav"]}
+    row_v = {"messages": [{"role": "user", "content": "<video>"}, {"role": "assistant", "content": "A fading square."}],
+             "videos": ["v.mp4"]}
+    (tmp_path / "m.jsonl").write_text(json.dumps(row) + "\n" + json.dumps(row_v))
+    shard = open_dataset(tmp_path / "av.tar", spec, max_frames=4)
+    files = open_dataset(tmp_path / "m.jsonl", spec, max_frames=4)
+    assert shard.shapes() == files.shapes()
+    a, v = shard.shapes()
+    assert a.items[0].modality == "audio" and a.items[0].seconds == pytest.approx(1.5)
+    assert v.items[0].modality == "video" and v.items[0].frames == 4
+    for x, y in zip(shard.load([0, 1]), files.load([0, 1])):
+        assert torch.equal(x.tokens.input_ids, y.tokens.input_ids)
+        assert torch.equal(x.tokens.items[0].inputs, y.tokens.items[0].inputs)
+    assert shard.stats.metrics()["data/skipped"] == 0
