@@ -26,7 +26,7 @@ replicas by LLM tokens, with `balance_bins`), which the leader bridge cannot exp
 
 Part 2 runs both schemes on 4 gloo CPU processes for a few layout pairs shaped like the scenarios'
 (rows of 256 fp32 values; samples per rank as in the scenario; item token counts divided by
-``TOKEN_SCALE``): harmonia through `boundary_forward`, the bridge with gather-to-leader, leader P2P
+``TOKEN_SCALE``): harmonia through the executor's `BoundaryLink`, the bridge with gather-to-leader, leader P2P
 (shape first, then rows) and ``dist.broadcast``; forward only (the backward is the mirror image in
 both), median of ``REPEATS`` timed runs after one warm-up, the two schemes alternating. Both outputs are checked to be the same rows.
 
@@ -55,7 +55,7 @@ from rich.table import Table
 from harmonia.launch import launch
 from harmonia.model.presets import mllm_preset
 from harmonia.plan.layout import Layout
-from harmonia.runtime.boundary import boundary_forward
+from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes
 from harmonia.schedule.microbatching import balance_bins
@@ -396,6 +396,17 @@ def _run_leader(lp: LeaderPlan, rank: int, x: torch.Tensor | None, groups: dict)
     return out
 
 
+def _run_link(plan, rank: int, x: torch.Tensor | None, group) -> torch.Tensor:
+    """One forward transfer through the executor's `BoundaryLink` (post, send, take, wait)."""
+    link = BoundaryLink([plan], rank, group, HIDDEN, backward=False)
+    link.post_receives()
+    if x is not None:
+        link.send(0, x)
+    out = link.take(0)
+    link.finish()
+    return out
+
+
 def _worker(cases: list[tuple[Case, list[int]]], result_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -420,7 +431,7 @@ def _worker(cases: list[tuple[Case, list[int]]], result_path: str) -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 if scheme == "harmonia":
-                    out = boundary_forward(plan, rank, x, HIDDEN, group, requires_grad=False) if group else None
+                    out = _run_link(plan, rank, x, group) if group else None
                 else:
                     out = _run_leader(lp, rank, x, groups)
                 dist.barrier()

@@ -1,16 +1,17 @@
-"""Executor benchmark: harmonia's pipeline executor against torch.distributed.pipelining, and
-balanced against sequential microbatches on a real trace, measured side by side in one run.
+"""Executor benchmark: harmonia's executor against torch.distributed.pipelining, and balanced
+against sequential microbatches on a real trace, measured side by side in one run.
 
 Part 1 (identical static-shape work). A decoder LLM split into ``pp`` stages on ``pp`` CPU
 processes (gloo), ``n`` microbatches of identical shape, 1F1B. The same stage modules run under
-harmonia's `PipelineExecutor` (forward and backward of one iteration, the loss normaliser given) and
-under torch's `Schedule1F1B` with `PipelineStage`s. Steps alternate between the two so drift of
+harmonia's `MLLMExecutor` (the one executor of every graph; here an LLM without encoders: forward
+and backward of one iteration, the loss normaliser given) and under torch's `Schedule1F1B` with
+`PipelineStage`s. Steps alternate between the two so drift of
 the machine hits both alike; the table shows the median step time and the ratio (target <= 1.05).
 
 Part 2 (variable-size microbatches from ai2d). Global batches of real sample lengths (the trace's
 LLM tokens, scaled down for a CPU) as text sequences; harmonia's balanced assignment (DP replicas
 then microbatches, by the cost model's per-sample work) against sequential fixed-size microbatches
-(consecutive samples, equal counts), both under harmonia's executor and 1F1B, on two processes
+(consecutive samples, equal counts), both under harmonia's `MLLMExecutor` and 1F1B, on two processes
 (dp2 and pp2: one process per core of the benchmark machine, so a rank that finishes early
 does not lend its core to a slower one). Beside the measured step-time ratio, the
 simulator's prediction of both: each schedule replayed with per-stage, per-microbatch costs from
@@ -41,6 +42,7 @@ from harmonia.model.batch import PackedBatch, TokenizedSample, pack_samples
 from harmonia.model.llm import build_llm, lm_loss
 from harmonia.model.spec import LLMSpec, MLLMSpec, TransformerSpec
 from harmonia.plan.layout import Layout
+from harmonia.runtime.mllm_inputs import RankBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "ai2d.csv"
@@ -75,12 +77,21 @@ class FixedMask(torch.nn.Module):
         return self.chunk(x, self.positions, self.mask)
 
 
+def harmonia_executor(layout: Layout, stage: int, chunk: torch.nn.Module, n: int):
+    """The executor of an LLM-only graph on this rank (holding ``chunk`` as stage ``stage``) and its
+    1F1B schedule of ``n`` microbatches."""
+    from harmonia.runtime.meshes import build_module_meshes
+    from harmonia.runtime.mllm_executor import MLLMExecutor
+    from harmonia.schedule import StageGraph, build_schedule
+
+    meshes = build_module_meshes({"llm": layout})
+    executor = MLLMExecutor(meshes, {"llm": {stage: chunk}}, SPEC.body.hidden)
+    graph = StageGraph.from_layouts({"llm": layout}, {"llm": True})
+    return executor, build_schedule(graph, n, "1f1b")
+
+
 def static_worker(pp: int, n: int, seq: int, steps: int, out: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from harmonia.runtime.executor import PipelineExecutor
-    from harmonia.runtime.parallelize import build_module_mesh
-    from harmonia.schedule import StageGraph, build_schedule, lower
 
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
@@ -89,12 +100,9 @@ def static_worker(pp: int, n: int, seq: int, steps: int, out: str) -> None:
     mbs = [pack_samples([text_sample(seq, rng, m)]) for m in range(n)]
     normalizer = float(sum(mb.n_targets for mb in mbs))
 
-    layout = Layout(pp=pp)
-    mesh = build_module_mesh("llm", layout)
     ours = build_chunk(pp, rank)
-    executor = PipelineExecutor(mesh, {rank: ours})
-    graph = StageGraph.from_layouts({"llm": layout}, {"llm": (True,) * pp}, replica=0)
-    schedule = lower(build_schedule(graph, n, "1f1b"))
+    executor, schedule = harmonia_executor(Layout(pp=pp), rank, ours, n)
+    batch = RankBatch(llm=mbs, n_targets=normalizer)
 
     theirs_chunk = build_chunk(pp, rank)
     stage = PipelineStage(FixedMask(theirs_chunk, mbs[0].positions(), mbs[0].mask()), rank, pp,
@@ -108,7 +116,7 @@ def static_worker(pp: int, n: int, seq: int, steps: int, out: str) -> None:
     labels = torch.cat([mb.labels for mb in mbs])
 
     def run_ours() -> None:
-        executor.forward_backward(schedule, mbs, normalizer)
+        executor.forward_backward(schedule, batch)
         for p in ours.parameters():
             p.grad = None
 
@@ -203,20 +211,13 @@ def predicted_s(lengths: list[int], replicas: list[list[list[int]]], pp: int) ->
 
 
 def variable_worker(dp: int, pp: int, n: int, batches: list[list[int]], out: str) -> None:
-    from harmonia.runtime.executor import PipelineExecutor
-    from harmonia.runtime.parallelize import build_module_mesh
-    from harmonia.schedule import StageGraph, build_schedule, lower
-
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     layout = Layout(pp=pp, dp=dp)
-    mesh = build_module_mesh("llm", layout)
-    stage, replica = mesh.coords["pp"], mesh.coords["dp"]
+    stage, replica = layout.coords(rank)["pp"], layout.coords(rank)["dp"]
     chunk = build_chunk(pp, stage)
-    executor = PipelineExecutor(mesh, {stage: chunk})
-    graph = StageGraph.from_layouts({"llm": layout}, {"llm": (True,) * pp}, replica=0)
-    schedule = lower(build_schedule(graph, n, "1f1b"))
+    executor, schedule = harmonia_executor(layout, stage, chunk, n)
     times: dict[str, list[float]] = {"balanced": [], "sequential": []}
     for b, lengths in enumerate([batches[0], *batches]):  # the first batch once more as warm-up
         rng = np.random.default_rng(b)
@@ -226,7 +227,7 @@ def variable_worker(dp: int, pp: int, n: int, batches: list[list[int]], out: str
             mbs: list[PackedBatch] = [pack_samples([samples[i] for i in g]) for g in replicas[replica]]
             dist.barrier()
             t0 = time.perf_counter()
-            executor.forward_backward(schedule, mbs, normalizer)
+            executor.forward_backward(schedule, RankBatch(llm=mbs, n_targets=normalizer))
             dist.barrier()
             for p in chunk.parameters():
                 p.grad = None

@@ -23,7 +23,53 @@ from torch.distributed.device_mesh import DeviceMesh
 from harmonia.errors import LayoutError
 from harmonia.plan.layout import AXES, Layout
 from harmonia.plan.plan import Plan
-from harmonia.runtime.parallelize import ModuleMesh
+
+
+@dataclass
+class ModuleMesh:
+    """One module's device mesh on one rank, and the process group of all its ranks.
+
+    Attributes:
+        name: module name (``llm``, ``vision``, ...).
+        layout: the module's layout.
+        mesh: ``(pp, dp, cp, tp)`` mesh over the layout's ranks.
+        group: every rank of the layout (loss reporting, default group of the gradient norm).
+        rank: this process's global rank.
+        dp_cp_group: the ranks of this rank's ``(pp, tp)`` position over ``dp`` and ``cp`` together,
+            where both exceed 1 (`grad_group`).
+    """
+
+    name: str
+    layout: Layout
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    rank: int
+    dp_cp_group: dist.ProcessGroup | None = None
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's ``pp``, ``dp``, ``cp``, ``tp`` coordinates in the layout."""
+        return self.layout.coords(self.rank)
+
+    def submesh(self, axis: str) -> DeviceMesh:
+        """The 1-D mesh along ``axis`` through this rank."""
+        return self.mesh[axis]
+
+    def group_of(self, axis: str) -> dist.ProcessGroup:
+        """The process group along ``axis`` through this rank."""
+        return self.mesh.get_group(axis)
+
+    def grad_group(self) -> dist.ProcessGroup:
+        """The ranks holding the same weights: gradients of replicated weights are summed over ``dp x cp``."""
+        if self.layout.cp == 1:
+            return self.group_of("dp")
+        if self.layout.dp == 1:
+            return self.group_of("cp")
+        if self.dp_cp_group is None:
+            raise LayoutError(f"module {self.name!r}: dp={self.layout.dp} x cp={self.layout.cp} needs its dp_cp "
+                              "group; build meshes with harmonia.runtime.meshes.build_module_meshes")
+        return self.dp_cp_group
+
 
 
 @dataclass

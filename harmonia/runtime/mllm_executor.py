@@ -9,8 +9,13 @@ stage, so that stage emits ``(rows, D)`` item embeddings in LLM width. Actions::
     llm.s0.F3        waits for every encoder's rows of microbatch 3, splices them in, runs the stage
     llm.s0.B3        input gradient w.r.t. the spliced rows, sent back through the boundary
     vision.s1.B3.1   the boundary gradient of the sub-microbatch's rows, back through the projector
-    W / BW           as in `harmonia.runtime.executor` (W only on a trainable projector behind a
-                     frozen encoder; no backward at all where nothing trains)
+    llm.s1.B3 / W3   split backward (zero-bubble): B the input gradient only, keeping what W needs
+                     (torch.distributed.pipelining's ``stage_backward_input``), W the weight gradient
+                     later; BW fused. W alone on a trainable projector behind a frozen encoder (it
+                     runs the stage's whole backward); no backward at all where nothing trains
+
+An LLM-only model is the same graph without encoders: every pipeline layout, of an LLM alone or of a
+whole MLLM, runs through this one executor.
 
 The schedule is one LLM replica's (`StageGraph.from_layouts`); every rank takes the actions of its
 own stage chunks from it, whichever replica of each module it is, ordered by the schedule's own
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,19 +52,38 @@ from harmonia.model.layers import ShardedKeys
 from harmonia.model.mllm import group_mean
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
-from harmonia.runtime.executor import OptimizerFactory, StepResult, _default_optimizer
 from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, plan_tied_sync,
                                     squared_norm_share, start_fsdp_backward)
-from harmonia.runtime.meshes import ModuleMeshes
+from harmonia.runtime.meshes import ModuleMesh, ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
-from harmonia.runtime.parallelize import ModuleMesh
 from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
 from harmonia.schedule.costs import replay
 from harmonia.schedule.graph import LLM, StageGraph
 from harmonia.schedule.lowering import strip_communication
 
 Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one iteration reports (identical on every rank).
+
+    Attributes:
+        loss: summed token loss of the global batch divided by its target count.
+        grad_norm: global gradient norm before clipping.
+        n_targets: the global target count the loss was divided by.
+    """
+
+    loss: float
+    grad_norm: float
+    n_targets: float
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW at lr 1e-3: the optimizer of a module when the caller gives none."""
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 @dataclass
@@ -182,7 +206,7 @@ class MLLMExecutor:
         if missing:
             raise LayoutError(f"rank {self.rank} runs {missing} in the plan but got no chunks for them")
         self.dtype, self.device = dtype, device
-        self.optimizers = {n: (optimizer or _default_optimizer)(r.trainable)
+        self.optimizers = {n: (optimizer or default_optimizer)(r.trainable)
                            for n, r in self.runners.items() if r.trainable}
         self.action_times: list[tuple[Action, float, float]] | None = None
         """When a list: every executed action is appended with its start and end (``time.perf_counter``)."""
@@ -364,7 +388,7 @@ class _MLLMIteration:
             recv = Action(name, c, Kind.RECV_B, m, a.sub, peer_rank=self.ex._peer(name, c + 1))
         else:
             return
-        r.p2p.expect(recv)
+        r.p2p.expect(recv, self._message_shape(name, m))
         (self.fwd_in if a.kind is Kind.F else self.bwd_in)[(name, c, m, s)] = recv
 
     def _take(self, box: dict, key: Key, what: str) -> torch.Tensor:
@@ -381,7 +405,19 @@ class _MLLMIteration:
         if nxt in r.chunks:
             (self.fwd_in if kind is Kind.SEND_F else self.bwd_in)[(name, nxt, m, s)] = t
         else:
-            r.p2p.send(Action(name, c, kind, m, a.sub, peer_rank=self.ex._peer(name, nxt)), t)
+            r.p2p.send(Action(name, c, kind, m, a.sub, peer_rank=self.ex._peer(name, nxt)), t,
+                       announce=self._message_shape(name, m) is None)
+
+    def _message_shape(self, name: str, m: int) -> tuple[int, int, int] | None:
+        """The ``(1, t, hidden)`` of the LLM's stage messages of microbatch ``m`` (activations and their
+        gradients): both ends know this rank's token count, so no shape header travels. None for
+        encoders, whose message shapes follow their media."""
+        if name != LLM:
+            return None
+        mesh = self.ex.runners[LLM].mesh
+        if mesh.layout.cp == 1:
+            return 1, self.batch.llm[m].input_ids.shape[-1], self.ex.hidden
+        return 1, int((self.batch.llm_cp[m] == mesh.coords["cp"]).sum()), self.ex.hidden
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, a: Action) -> None:

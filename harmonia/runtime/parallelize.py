@@ -8,90 +8,21 @@ weights into it, then `parallelize_stage`:
 2. `apply_fsdp` — FSDP2 `fully_shard` per block, then the chunk, on the stage's ``dp`` mesh (only when
    the layout says ``fsdp``; otherwise the executor all-reduces gradients over ``dp``).
 
-Meshes come from `build_module_mesh`: one `DeviceMesh` ``(pp, dp, cp, tp)`` over the layout's ranks,
-passed around explicitly. Nothing is stored in module-level state.
+Meshes come from `harmonia.runtime.meshes.build_module_meshes`: per module one `DeviceMesh`
+``(pp, dp, cp, tp)`` over the layout's ranks, passed around explicitly. Nothing is stored in
+module-level state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from harmonia.errors import LayoutError
 from harmonia.model.spec import MLLMSpec
-from harmonia.plan.layout import AXES, Layout
-
-
-@dataclass
-class ModuleMesh:
-    """One module's device mesh on one rank, and the process group of all its ranks.
-
-    Attributes:
-        name: module name (``llm``, ``vision``, ...).
-        layout: the module's layout.
-        mesh: ``(pp, dp, cp, tp)`` mesh over the layout's ranks.
-        group: every rank of the layout (loss reporting, default group of the gradient norm).
-        rank: this process's global rank.
-        dp_cp_group: the ranks of this rank's ``(pp, tp)`` position over ``dp`` and ``cp`` together,
-            where both exceed 1 (`grad_group`).
-    """
-
-    name: str
-    layout: Layout
-    mesh: DeviceMesh
-    group: dist.ProcessGroup
-    rank: int
-    dp_cp_group: dist.ProcessGroup | None = None
-
-    @property
-    def coords(self) -> dict[str, int]:
-        """This rank's ``pp``, ``dp``, ``cp``, ``tp`` coordinates in the layout."""
-        return self.layout.coords(self.rank)
-
-    def submesh(self, axis: str) -> DeviceMesh:
-        """The 1-D mesh along ``axis`` through this rank."""
-        return self.mesh[axis]
-
-    def group_of(self, axis: str) -> dist.ProcessGroup:
-        """The process group along ``axis`` through this rank."""
-        return self.mesh.get_group(axis)
-
-    def grad_group(self) -> dist.ProcessGroup:
-        """The ranks holding the same weights: gradients of replicated weights are summed over ``dp x cp``."""
-        if self.layout.cp == 1:
-            return self.group_of("dp")
-        if self.layout.dp == 1:
-            return self.group_of("cp")
-        if self.dp_cp_group is None:
-            raise LayoutError(f"module {self.name!r}: dp={self.layout.dp} x cp={self.layout.cp} needs its dp_cp "
-                              "group; build meshes with harmonia.runtime.meshes.build_module_meshes")
-        return self.dp_cp_group
-
-
-def build_module_mesh(name: str, layout: Layout, device_type: str = "cpu") -> ModuleMesh:
-    """A module's mesh. Collective: every rank of the default group calls it, in the same order.
-
-    Raises:
-        LayoutError: when this process is not one of the layout's ranks, or ``cp > 1`` (the
-            single-module `harmonia.runtime.executor.PipelineExecutor` has no context parallelism).
-    """
-    rank = dist.get_rank()
-    ranks = layout.rank_list()
-    if layout.cp > 1:
-        raise LayoutError(f"module {name!r}: cp={layout.cp}; the single-module pipeline executor runs cp=1. "
-                          "Context parallelism runs in the MLLM executor (meshes from "
-                          "harmonia.runtime.meshes.build_module_meshes)")
-    grid = torch.tensor(ranks, dtype=torch.int).view(layout.pp, layout.dp, layout.cp, layout.tp)
-    mesh = DeviceMesh(device_type, grid, mesh_dim_names=AXES)
-    group = dist.new_group(list(ranks))
-    if rank not in ranks:
-        raise LayoutError(f"rank {rank} is not in module {name!r}'s layout (ranks {ranks}); "
-                          "build meshes only for the modules a rank runs")
-    return ModuleMesh(name, layout, mesh, group, rank)
+from harmonia.plan.layout import Layout
+from harmonia.runtime.meshes import ModuleMesh
 
 
 def stage_layers(layout: Layout, n_layers: int) -> list[tuple[int, int]]:

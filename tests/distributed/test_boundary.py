@@ -2,10 +2,11 @@
 
 For every layout pair a toy encoder ``y = tanh(inputs @ W)`` runs per sample on the source ranks
 (each source TP replica computes the same rows; with source CP each cp rank keeps its rows), the
-boundary moves the rows to the destination layout, and each destination rank's loss
-``sum(coef * out**2) / 2`` (split over TP ranks in ``partial`` mode) is backpropagated. Every
-destination rank must receive exactly the one-process rows, and every source rank's row gradients
-and ``W`` gradient must equal one-process autograd. All pairs of one world size share one process group.
+executor's `BoundaryLink` moves the rows to the destination layout, and each destination rank's loss
+``sum(coef * out**2) / 2`` (split over TP ranks in ``partial`` mode) is backpropagated; the link
+carries the gradients back. Every destination rank must receive exactly the one-process rows, and
+every source rank's row gradients and ``W`` gradient must equal one-process autograd. All pairs of
+one world size share one process group.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from harmonia.errors import LayoutError
 from harmonia.plan.layout import Layout
-from harmonia.runtime.boundary import boundary_backward, boundary_forward
+from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes
 from tests.distributed._spawn import check_timeout, run_workers
@@ -137,9 +138,12 @@ def _run_case(rank: int, case: Case, seed: int, meshes) -> None:
         full = torch.cat([torch.tanh(inputs[s] @ w) for s in replica] or [torch.zeros(0, D_IN) @ w])
         position = {g: i for i, g in enumerate(r for s in replica for r in range(starts[s], starts[s] + rows[s]))}
         x = full[[position[g] for g in src_ref[rank]]]  # (src_rows, D)
-        x.retain_grad()
-    out = boundary_forward(plan, rank, x, D, group=meshes.boundary_group("enc"))
+    link = BoundaryLink([plan], rank, meshes.boundary_group("enc"), D, backward=True)
+    link.post_receives()
+    if x is not None:
+        link.send(0, x)
     if rank in dst_ref:
+        out = link.take(0).requires_grad_()
         idx = torch.tensor(dst_ref[rank], dtype=torch.long)
         assert torch.equal(out, y_ref.detach()[idx]), f"{case.name} seed {seed}: rank {rank} forward rows differ"
         share = 1.0
@@ -147,18 +151,19 @@ def _run_case(rank: int, case: Case, seed: int, meshes) -> None:
             t = case.llm.coords(rank)["tp"]
             share = (t + 1) / sum(range(1, case.llm.tp + 1))
         (coef[idx] * out**2).sum().div(2).mul(share).backward()
-    else:
-        assert out.shape == (0, D)
-        boundary_backward(out)
+        link.send(0, out.grad, backward=True)
     if x is not None:
+        dx = link.take(0, backward=True)  # (src_rows, D)
         want = y_ref.grad[src_ref[rank]]
-        torch.testing.assert_close(x.grad, want, rtol=1e-6, atol=1e-7,
+        torch.testing.assert_close(dx, want, rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"{case.name} seed {seed}: rank {rank} row grads: {m}")
+        x.backward(dx)
         ref_w = w0.clone().requires_grad_()  # one-process W gradient through this rank's rows only
         y_all = torch.cat([torch.tanh(inputs[s] @ ref_w) for s in range(n)])  # (total_rows, D)
         (y_all[src_ref[rank]] * want).sum().backward()
         torch.testing.assert_close(w.grad, ref_w.grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{case.name} seed {seed}: rank {rank} W grad: {m}")
+    link.finish()
 
 
 def _check_meshes(rank: int, case: Case, meshes) -> None:

@@ -1,4 +1,4 @@
-"""The pipeline executor trains the tiny LLM exactly as one process does, under many layouts.
+"""The executor trains the tiny LLM alone (a graph without encoders) exactly as one process does.
 
 Every layout runs 3 optimizer steps (SGD with momentum, global-norm clipping that binds) on
 variable-size microbatches: each step's samples differ in length and each microbatch in sample
@@ -136,31 +136,33 @@ def reference(frozen: frozenset[str]) -> dict:
 def run_case(case: Case, rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from harmonia.runtime.executor import PipelineExecutor
-    from harmonia.runtime.parallelize import (
-        build_module_mesh,
-        build_stage_modules,
-        parallelize_stage,
-    )
-    from harmonia.schedule import StageGraph, build_schedule, lower
+    from harmonia.runtime.meshes import build_module_meshes
+    from harmonia.runtime.mllm_executor import MLLMExecutor
+    from harmonia.runtime.mllm_inputs import build_rank_batch
+    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
+    from harmonia.schedule import StageGraph, build_schedule
 
     layout = Layout(**case.layout)
-    mesh = build_module_mesh("llm", layout)
-    me = mesh.coords
+    meshes = build_module_meshes({"llm": layout})
+    me = meshes.coords("llm")
     chunks = build_stage_modules(SPEC, "llm", layout, rank, initial_state())
     for c, module in chunks.items():
         module.requires_grad_(c not in case.frozen_chunks)
-        parallelize_stage(module, mesh)
-    executor = PipelineExecutor(mesh, chunks, optimizer=optimizer, max_norm=MAX_NORM)
+        parallelize_stage(module, meshes.module_mesh("llm"))
+    executor = MLLMExecutor(meshes, {"llm": chunks}, SPEC.llm.hidden, optimizer=optimizer, max_norm=MAX_NORM)
     flags = tuple(c not in case.frozen_chunks for c in range(layout.n_stages))
-    graph = StageGraph.from_layouts({"llm": layout}, {"llm": flags}, replica=me["dp"])
+    graph = StageGraph.from_layouts({"llm": layout}, {"llm": flags})
     n = case.n_microbatches
     losses, norms = [], []
     for step in range(STEPS):
         parts = split(samples(step), layout.dp * n, seed=step)
-        microbatches = [pack_samples(p) for p in parts[me["dp"] * n:(me["dp"] + 1) * n]]
-        schedule = lower(build_schedule(graph, n, case.family))
-        result = executor.step(schedule, microbatches)
+        # global microbatch m: every replica's m-th part, replica d's at positions llm_split[m][d]
+        micro = [[s for d in range(layout.dp) for s in parts[d * n + m]] for m in range(n)]
+        bounds = [list(itertools.accumulate((len(parts[d * n + m]) for d in range(layout.dp)), initial=0))
+                  for m in range(n)]
+        llm_split = [[list(range(b[d], b[d + 1])) for d in range(layout.dp)] for b in bounds]
+        batch = build_rank_batch({"llm": layout}, rank, micro, llm_split, {})
+        result = executor.step(build_schedule(graph, n, case.family), batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
     params = {}
