@@ -16,6 +16,7 @@ members itself.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tarfile
 from dataclasses import dataclass, field
@@ -96,9 +97,10 @@ class TarSource:
         self.members = members
         self._tar: tarfile.TarFile | None = None
         self._index: dict[str, tarfile.TarInfo] = {}
+        self._pid = 0
 
     def __getstate__(self) -> dict:
-        return {"path": self.path, "members": self.members, "_tar": None, "_index": {}}
+        return {"path": self.path, "members": self.members, "_tar": None, "_index": {}, "_pid": 0}
 
     def locate(self, name: str, where: str, key: str | None = None) -> str:
         if not isinstance(name, str) or not name:
@@ -108,9 +110,10 @@ class TarSource:
         return name
 
     def read(self, name: str) -> bytes:
-        if self._tar is None:  # kept open for the process's lifetime
-            self._tar = tarfile.open(self.path)  # noqa: SIM115
+        if self._tar is None or self._pid != os.getpid():  # one handle per process: forked workers reopen
+            self._tar = tarfile.open(self.path)  # noqa: SIM115 - kept open for the process's lifetime
             self._index = {m.name: m for m in self._tar.getmembers()}
+            self._pid = os.getpid()
         info = self._index.get(name)
         f = self._tar.extractfile(info) if info is not None else None
         if f is None:

@@ -15,6 +15,7 @@ record that cannot be is one `DataError` of its kind.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from harmonia.data.conversation import Conversation
@@ -74,16 +75,11 @@ def plan_sources(path: str | Path, format: str = "auto", media_root: str | Path 
         if f.suffix not in ANNOTATION_SUFFIXES:
             raise ConfigError(f"{f}: unknown dataset file type {f.suffix!r}; expected one of {ANNOTATION_SUFFIXES}")
         if is_mixture(f):
-            out += [s if s.media_root is not None or root is None else _with_root(s, root) for s in read_mixture(f)]
+            out += [s if s.media_root is not None or root is None else replace(s, media_root=root)
+                    for s in read_mixture(f)]
         else:
             out.append(SourceSpec(f, root, format, name=str(f)))
     return out
-
-
-def _with_root(spec: SourceSpec, root: Path) -> SourceSpec:
-    from dataclasses import replace
-
-    return replace(spec, media_root=root)
 
 
 def _read_raw(spec: SourceSpec, allow_outside_root: bool) -> tuple[list[RawRecord], list[DataError]]:
@@ -125,10 +121,12 @@ def read_conversations(path: str | Path, format: str = "auto", media_root: str |
     conversations: list[Conversation] = []
     errors: list[DataError] = []
     for spec in specs:
+        if spec.format not in FORMATS:
+            raise ConfigError(f"source {spec.name!r}: format={spec.format!r} is not one of {FORMATS}")
         raw, errs = _read_raw(spec, allow_outside_root)
         errors += errs
         schema = spec.format if spec.format in SCHEMAS else "auto"
-        normalised: dict[int, Conversation] = {}
+        normalised: dict[int, Conversation | None] = {}
         for i in select(len(raw), spec, seed):
             if i not in normalised:
                 try:
