@@ -149,20 +149,26 @@ class HFTokenizer(Tokenizer):
         return (prompts[0], indices[0]) if spans else prompts[0]
 
     def render(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text (one item token per item) and its assistant character spans."""
+        """The conversation's text (one item token per item) and the character spans of its learned
+        assistant turns (content and end-of-turn)."""
         where = conversation.where
         messages = [self._message(t, where) for t in conversation.turns]
         try:
             if self._generation:
                 text, spans = self._render(messages, spans=True)
-                return text, [(a, b) for a, b in spans]
-            text = self._render(messages)
-            return text, self._prefix_spans(messages, text, where)
+            else:
+                text = self._render(messages)
+                spans = self._prefix_spans(messages, text, where)
         except DataError:
             raise
         except Exception as e:
             raise DataError("template_error", where, f"the chat template cannot render this conversation: "
                             f"{type(e).__name__}: {e}") from e
+        learn = [t.learn for t in conversation.turns if t.role == "assistant"]
+        if len(spans) != len(learn):
+            raise DataError("template_mismatch", where, f"the chat template marks {len(spans)} assistant spans for "
+                            f"{len(learn)} assistant turns; give each assistant turn one {{% generation %}} block")
+        return text, [(a, b) for (a, b), keep in zip(spans, learn) if keep]
 
     def _prefix_spans(self, messages: list[dict], text: str, where: str) -> list[tuple[int, int]]:
         spans = []

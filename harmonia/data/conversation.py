@@ -48,10 +48,12 @@ class MediaRef:
 
 @dataclass
 class Turn:
-    """One message: its role and its text runs and media in order."""
+    """One message: its role, its text runs and media in order, and whether an assistant turn is learned
+    (a record may exclude some turns from the loss: ms-swift's ``loss``, axolotl's ``weight``)."""
 
     role: str
     parts: list[str | MediaRef] = field(default_factory=list)
+    learn: bool = True
 
     def text(self) -> str:
         """The turn's text with media left out."""

@@ -9,6 +9,9 @@
   ``{"type": "image" | "video" | "audio"}`` parts (a part may name its own file).
 - a caption: a webdataset key's ``.txt`` beside its media (the media, then the caption to learn).
 
+Every assistant turn is learned unless the turn says otherwise (``"loss": false`` as in ms-swift,
+``"weight": 0`` as in axolotl's ShareGPT).
+
 ``auto`` detects the schema from the record's keys. A record of no known schema is a bad record
 ``unknown_schema``; malformed turns are ``bad_turns``; tags that do not match the media given are
 ``placeholder_mismatch``; a media path outside the media root is ``outside_root``.
@@ -118,10 +121,11 @@ def _chat_turns(raw: RawRecord, key: str) -> list[Turn]:
     messages = data.get(key)
     if not isinstance(messages, list) or not messages:
         raise DataError("bad_turns", raw.where, f"{key!r} must be a non-empty list of turns")
-    roles, contents = [], []
+    roles, contents, learn = [], [], []
     if isinstance(data.get("system"), str) and data["system"]:
         roles.append("system")
         contents.append([data["system"]])
+        learn.append(True)
     for i, m in enumerate(messages):
         role = (m.get("from", m.get("role")) if isinstance(m, dict) else None)
         if ROLE_NAMES.get(role) is None:
@@ -129,16 +133,28 @@ def _chat_turns(raw: RawRecord, key: str) -> list[Turn]:
                             f"{sorted(ROLE_NAMES)} under 'from' or 'role'")
         roles.append(ROLE_NAMES[role])
         contents.append(_content_parts(raw, m.get("value", m.get("content"))))
-    turns = [Turn(r, p) for r, p in zip(roles, place_media(contents, _columns(raw), raw.where))]
+        learn.append(_learn(raw, i, m))
+    turns = [Turn(r, p, keep) for r, p, keep in zip(roles, place_media(contents, _columns(raw), raw.where), learn)]
     _check_turns(turns, raw.where)
     return turns
+
+
+def _learn(raw: RawRecord, i: int, message: dict) -> bool:
+    """A turn's ``loss`` (ms-swift: true / false) or ``weight`` (axolotl: 0 / 1); learned when absent."""
+    value = message.get("loss", message.get("weight"))
+    if value is None:
+        return True
+    if value not in (0, 1):  # True / False compare equal to 1 / 0
+        raise DataError("bad_turns", raw.where, f"turn {i} has loss/weight {value!r}; only true/false (1/0) "
+                        "is implemented, not a scaled loss")
+    return bool(value)
 
 
 def _check_turns(turns: list[Turn], where: str) -> None:
     if any(t.role == "system" for t in turns[1:]):
         raise DataError("bad_turns", where, "a system turn may only come first")
-    if not any(t.role == "assistant" for t in turns):
-        raise DataError("bad_turns", where, "no assistant turn: the record has nothing to learn")
+    if not any(t.role == "assistant" and t.learn for t in turns):
+        raise DataError("bad_turns", where, "no learned assistant turn: the record has nothing to learn")
 
 
 def _harmonia_turns(raw: RawRecord) -> list[Turn]:

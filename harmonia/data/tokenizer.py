@@ -60,8 +60,8 @@ class ByteTokenizer(Tokenizer):
     """Bytes as ids; ``pad`` 0, ``bos`` 1, ``eos`` 2, item ``placeholder`` 3 (never produced by text).
 
     Its rendering: ``bos``, then every turn's text bytes and item runs in order, with ``eos`` after
-    each assistant turn; the assistant's bytes and that ``eos`` are targets. A one-question record is
-    ``bos, prompt and items, answer, eos``.
+    each assistant turn; a learned assistant turn's bytes and that ``eos`` are targets. A one-question
+    record is ``bos, prompt and items, answer, eos``.
     """
 
     pad, bos, eos, placeholder = 0, 1, 2, 3
@@ -81,7 +81,7 @@ class ByteTokenizer(Tokenizer):
         ids, targets, items = [self.bos], [False], []
         lengths = iter(item_tokens)
         for turn in conversation.turns:
-            learned = turn.role == "assistant"
+            learned = turn.role == "assistant" and turn.learn
             for part in turn.parts:
                 if isinstance(part, MediaRef):
                     n = next(lengths)
@@ -92,7 +92,7 @@ class ByteTokenizer(Tokenizer):
                     b = self.encode_text(part)
                     ids += b
                     targets += [learned] * len(b)
-            if learned:
+            if turn.role == "assistant":
                 ids.append(self.eos)
-                targets.append(True)
+                targets.append(learned)
         return Encoded(ids, targets, items)

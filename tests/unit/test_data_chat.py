@@ -159,3 +159,25 @@ def test_media_without_item_token_is_a_bad_record(tmp_path):
     ds = open_dataset(tmp_path / "d.jsonl", mllm_preset("tiny-omni"), tokenizer=tok)
     assert ds.shapes() == [] and set(ds.stats.skipped) == {"unknown_modality"}
     assert "audio_token_index" in ds.stats.examples["unknown_modality"][0]
+
+
+@pytest.mark.parametrize("template", ["chatml", "generation", None])
+def test_turns_marked_not_learned_carry_no_labels(tmp_path, template):
+    """ms-swift's "loss": false and axolotl's "weight": 0 keep a turn in the context but out of the loss."""
+    from harmonia.data.tokenizer import ByteTokenizer
+
+    msgs = []
+    for k, (q, a) in enumerate(zip(QUESTIONS, ANSWERS)):
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a, **({"loss": False} if k == 1 else {})}]
+    rows = [{"messages": msgs}, {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a",
+                                                                                 "weight": 0}]},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "loss": 0.5}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    tok = build_tokenizer(write_chat_tokenizer(tmp_path / "tok", template)) if template else ByteTokenizer()
+    ds = open_dataset(tmp_path / "d.jsonl", llava_spec(), tokenizer=tok)
+    assert len(ds) == 1 and ds.stats.skipped == {"bad_turns": 2}  # nothing learned; a scaled loss
+    (s,) = ds.load([0])
+    labels = s.tokens.labels[s.tokens.labels != -100].tolist()
+    text = tok.decode(labels)
+    assert ANSWERS[0] in text and ANSWERS[2] in text and ANSWERS[1] not in text
+    assert ANSWERS[1] in tok.decode(s.tokens.input_ids.tolist())
