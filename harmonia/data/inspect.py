@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harmonia.data.loader import MultimodalDataset, build_tokenizer, open_dataset
+from harmonia.data.loader import MultimodalDataset, build_tokenizer, checkpoint_preprocessors, open_dataset
 from harmonia.data.samples import LoadedSample
 
 PERCENTILES = (50, 90, 99)
@@ -136,13 +136,7 @@ def _open(args: argparse.Namespace) -> tuple[MultimodalDataset, str]:
     from harmonia.model.resolve import resolve_mllm
 
     spec = resolve_mllm(args.preset or args.model_hf or "tiny-omni")
-    preprocessors = None
-    if args.model_hf and any((Path(args.model_hf) / f).is_file() for f in ("preprocessor_config.json",
-                                                                           "processor_config.json")):
-        from harmonia.data.media import build_media_preprocessors
-
-        vision = [m for m, e in spec.encoders.items() if e.is_vision]
-        preprocessors = build_media_preprocessors(spec, {m: args.model_hf for m in vision})
+    preprocessors = checkpoint_preprocessors(spec, args.model_hf)
     tok = build_tokenizer(args.model_hf, args.chat_template)
     ds = open_dataset(args.path, spec, tokenizer=tok, format=args.format, max_tokens=args.max_tokens,
                       max_frames=args.max_frames, on_error="skip", media_root=args.media_root,

@@ -219,6 +219,17 @@ def build_tokenizer(hf_dir: str | Path | None = None, chat_template: str | Path 
     return HFTokenizer.from_pretrained(hf_dir, chat_template)
 
 
+def checkpoint_preprocessors(mllm: MLLMSpec, hf_dir: str | Path | None) -> dict | None:
+    """Media preprocessing of a whole checkpoint (LLaVA: its processor's image processor for the vision
+    encoders), or None (each encoder's preset family) when ``hf_dir`` is None or has no processor files."""
+    if not hf_dir or not any((Path(hf_dir) / f).is_file() for f in ("preprocessor_config.json",
+                                                                     "processor_config.json")):
+        return None
+    from harmonia.data.media import build_media_preprocessors
+
+    return build_media_preprocessors(mllm, {m: hf_dir for m, e in mllm.encoders.items() if e.is_vision})
+
+
 def open_dataset(path: str | Path, mllm: MLLMSpec, *, tokenizer: Tokenizer | None = None, format: str = "auto",
                  max_tokens: int = 4096, max_frames: int = 8, on_error: str = "skip", **options) -> MultimodalDataset:
     """Open a dataset for a model: records read and normalised, bad ones counted by kind.
