@@ -155,6 +155,10 @@ def _check_turns(turns: list[Turn], where: str) -> None:
         raise DataError("bad_turns", where, "a system turn may only come first")
     if not any(t.role == "assistant" and t.learn for t in turns):
         raise DataError("bad_turns", where, "no learned assistant turn: the record has nothing to learn")
+    empty = [i for i, t in enumerate(turns)
+             if t.role == "assistant" and not t.text().strip() and not any(isinstance(p, MediaRef) for p in t.parts)]
+    if empty:
+        raise DataError("bad_turns", where, f"assistant turn(s) {empty} are empty; drop them or fill them in")
 
 
 def _harmonia_turns(raw: RawRecord) -> list[Turn]:
@@ -172,7 +176,9 @@ def _harmonia_turns(raw: RawRecord) -> list[Turn]:
         for r in refs:
             by_kind.setdefault(r.modality, []).append(r)
         user = place_media([[prompt]], by_kind, raw.where)[0]
-    return [Turn("user", user), Turn("assistant", [answer])]
+    turns = [Turn("user", user), Turn("assistant", [answer])]
+    _check_turns(turns, raw.where)
+    return turns
 
 
 def _harmonia_media(raw: RawRecord, entry: dict) -> MediaRef:

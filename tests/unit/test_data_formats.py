@@ -316,3 +316,13 @@ def test_audio_and_video_in_shards_and_messages_columns(tmp_path):
         assert torch.equal(x.tokens.input_ids, y.tokens.input_ids)
         assert torch.equal(x.tokens.items[0].inputs, y.tokens.items[0].inputs)
     assert shard.stats.metrics()["data/skipped"] == 0
+
+
+def test_empty_assistant_turns_are_bad_records(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]},
+            {"prompt": "q", "answer": ""},
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "fine"}]}]
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    ds = open_dataset(tmp_path / "d.jsonl", SPEC)
+    assert len(ds) == 1 and dict(ds.stats.skipped) == {"bad_turns": 2}
+    assert "empty" in ds.stats.examples["bad_turns"][0]
