@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from harmonia.errors import HarmoniaError
 
@@ -203,6 +205,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 DEMO_OVERRIDES = ["--parallel.llm_pp=2", "--checkpoint.every=60"]
 """The demo is the default config with the LLM pipelined over 2 stages and a checkpoint half-way
 (configs/demo.toml spells the same job out field by field)."""
+DEMO_FRESH = ["--checkpoint.resume=false", "--checkpoint.on_existing=replace"]
+"""`harmonia demo` starts afresh each time, replacing the previous demo's checkpoints."""
 
 
 def _train(config) -> int:
@@ -214,11 +218,12 @@ def _train(config) -> int:
         return 0
     if result.records:
         console.print(summary_table(result.records, result.accuracy))
-        console.print(f"metrics.jsonl, TensorBoard events, timeline.png and summary.json in {config.log.dir}/")
+        console.print(f"metrics.jsonl, TensorBoard events, timeline.png and summary.json in {config.log.dir}/",
+                      markup=False)
     else:
         console.print(f"nothing to train: the checkpoint in {config.checkpoint.dir} is already at step "
-                      f"{result.start_step} (train.steps={config.train.steps}); raise train.steps or start afresh "
-                      "with --checkpoint.resume=false")
+                      f"{result.start_step} (train.steps={config.train.steps}); raise train.steps, or start afresh "
+                      "in another checkpoint.dir", markup=False, soft_wrap=True)
     return 0
 
 
@@ -232,15 +237,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job on its embedded default: train the tiny omni MLLM on 4 local processes.
 
-    A fresh run each time (the previous demo's checkpoints are removed; the synthesized data stays).
+    A fresh run each time: the previous demo's checkpoints are replaced, only in a checkpoint
+    directory harmonia created (checked, with the rest of the config, before anything is deleted);
+    the synthesized data stays.
     """
-    import shutil
-
     from harmonia.config import load_config
 
-    config = load_config(None, DEMO_OVERRIDES + args.overrides)
-    shutil.rmtree(config.checkpoint.dir, ignore_errors=True)
-    return _train(config)
+    return _train(load_config(None, DEMO_OVERRIDES + DEMO_FRESH + args.overrides))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -364,8 +367,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except HarmoniaError as err:
-        console.print(f"[red]error:[/red] {err}")
-        return 2
+        from harmonia.runtime.watchdog import StopRequested
+
+        if isinstance(err, StopRequested):  # a requested stop, said as it is
+            console.print(Text(str(err)), soft_wrap=True)
+        else:
+            _print_error(str(err))
+        return getattr(err, "exit_code", 2)
+    except KeyboardInterrupt:
+        _print_error("interrupted")
+        return 128 + signal.SIGINT
+
+
+def _print_error(message: str) -> None:
+    """``error: message``, the message verbatim (never read as rich markup), unwrapped."""
+    console.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ in ``__post_init__``, so a bad config fails before any process starts, naming th
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -24,6 +25,10 @@ def _f(default: Any, help: str, **kw) -> Any:
 def _require(cond: bool, name: str, value: Any, expected: str) -> None:
     if not cond:
         raise ConfigError(f"config {name}={value!r} is invalid: expected {expected}")
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,10 @@ class ParallelConfig:
     schedule: str = _f("1f1b", "pipeline schedule family when the plan does not fix one")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
     llm_pp: int = _f(0, "LLM pipeline stages the plan search must use (0 = the search decides)")
-    timeout_s: float = _f(0.0, "stop every rank if the job runs longer than this (0 = no limit)")
+    timeout_s: float = _f(0.0, "time limit of the job: past it every rank stops as on SIGTERM (0 = no limit)")
+    hang_timeout_s: float = _f(0.0, "a rank without a heartbeat for this long is named and the job stopped "
+                               "(0 = auto: 300 s on GPUs, 60 s on CPU)")
+    collective_timeout_s: float = _f(600.0, "process-group timeout: a collective waiting longer fails")
     schedule_search: int = _f(16, "schedules the per-batch microbatch-order search replays each step, in the "
                               "background (0 = keep the balancer's order)")
 
@@ -104,7 +112,11 @@ class ParallelConfig:
                  "gpipe, 1f1b, interleaved or zb")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
         _require(self.llm_pp >= 0, "parallel.llm_pp", self.llm_pp, ">= 0")
-        _require(self.timeout_s >= 0, "parallel.timeout_s", self.timeout_s, ">= 0")
+        for name in ("timeout_s", "hang_timeout_s"):
+            value = getattr(self, name)
+            _require(_finite(value) and value >= 0, f"parallel.{name}", value, "a finite number >= 0")
+        _require(_finite(self.collective_timeout_s) and self.collective_timeout_s > 0, "parallel.collective_timeout_s",
+                 self.collective_timeout_s, "a finite number > 0")
         _require(self.schedule_search >= 0, "parallel.schedule_search", self.schedule_search, ">= 0")
         if self.plan != "auto":
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
@@ -121,6 +133,8 @@ class TrainConfig:
     max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
     seed: int = _f(0, "seed of weights, data order and schedules")
     precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
+    on_nonfinite: str = _f("stop", "a step whose loss or gradient norm is not finite: stop (before the weights "
+                           "change) or skip its update (the job still stops after 3 such steps in a row)")
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
@@ -128,8 +142,12 @@ class TrainConfig:
                  "auto, fp32 or bf16")
         _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
         _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
-        _require(self.lr > 0, "train.lr", self.lr, "a positive number")
-        _require(self.max_norm >= 0, "train.max_norm", self.max_norm, ">= 0")
+        _require(_finite(self.lr) and self.lr > 0, "train.lr", self.lr, "a finite positive number")
+        _require(_finite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay", self.weight_decay,
+                 "a finite number >= 0")
+        _require(_finite(self.max_norm) and self.max_norm >= 0, "train.max_norm", self.max_norm,
+                 "a finite number >= 0")
+        _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "'stop' or 'skip'")
         _require(0 <= self.warmup <= self.steps, "train.warmup", self.warmup, f"0..train.steps ({self.steps})")
 
 
@@ -137,10 +155,19 @@ class TrainConfig:
 class CheckpointConfig:
     dir: str = _f("runs/demo/checkpoints", "checkpoint directory")
     every: int = _f(0, "save every N steps (0 = only at the end)")
-    resume: bool = _f(True, "resume from the newest checkpoint in `dir` when one exists")
+    resume: bool = _f(True, "resume from the newest checkpoint in `dir` when one exists (it must be of the same "
+                      "model and trained modules)")
+    keep: int = _f(3, "newest checkpoints kept; older ones are deleted after each save (0 = keep all)")
+    on_signal: bool = _f(True, "save a checkpoint when SIGTERM, SIGINT or SIGHUP stops the job")
+    on_existing: str = _f("refuse", "resume=false into a directory holding checkpoints: refuse, new_dir (write to "
+                          "<dir>-2, <dir>-3, ...) or replace (delete its checkpoints; only in a directory harmonia "
+                          "created)")
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _require(self.keep >= 0, "checkpoint.keep", self.keep, ">= 0")
+        _require(self.on_existing in ("refuse", "new_dir", "replace"), "checkpoint.on_existing", self.on_existing,
+                 "refuse, new_dir or replace")
 
 
 @dataclass(frozen=True)

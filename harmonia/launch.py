@@ -48,13 +48,11 @@ PEER_ERRORS = re.compile(r"Connection reset by peer|Connection closed by peer|Br
 class LaunchError(HarmoniaError):
     """A rank failed or hung; the message names it and carries its error."""
 
+    exit_code = 1
 
-class JobStopped(HarmoniaError):
+
+class JobStopped(StopRequested):
     """The job stopped on request (a signal, the time limit); ``exit_code`` is what the CLI returns."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def under_torchrun() -> bool:
@@ -243,12 +241,13 @@ def _outcome(job: _Job) -> Any:
         sig = job.stops[first][1] if first is not None else (job.signals or [signal.SIGTERM])[0]
         message = job.stops[first][0] if first is not None else f"stopped by {signal_name(sig)} before training started"
         if job.timed_out is not None:
-            raise JobStopped(f"the job ran past its time limit (parallel.timeout_s={job.timed_out:g}): {message}", 124)
+            raise JobStopped(f"the job ran past its time limit (parallel.timeout_s={job.timed_out:g}): {message}",
+                             sig, exit_code=124)
         if len(job.signals) > 1:
             message = f"stopped by a second {signal_name(job.signals[1])}: every rank was killed without saving"
         elif set(job.terminated) - set(job.stops) and first is not None:
             message += f" (ranks {sorted(job.terminated)} did not stop in time and were killed)"
-        raise JobStopped(message, 128 + sig)
+        raise JobStopped(message, sig)
     bad = [(r, p.exitcode) for r, p in enumerate(job.procs) if p.exitcode != 0]
     if bad:
         raise LaunchError(f"ranks {bad} ended with non-zero exit codes")

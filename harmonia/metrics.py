@@ -3,60 +3,120 @@
 Each logged step is one JSON object per line in ``metrics.jsonl`` (loss, tokens/s, samples/s,
 per-module time, bubble fraction, balance statistics, peak memory, skipped samples, ...), and the
 same numbers as TensorBoard scalars under their names when TensorBoard is installed and enabled.
+
+Metrics never stop training: a write that fails (a full or unwritable disk) warns once and
+metrics of that kind are no longer written in this run. A resumed run first cuts
+``metrics.jsonl`` back to the steps before the one it resumes at (and TensorBoard purges the
+same), so no step appears twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger(__name__)
+
+
+def cut_metrics(path: Path, start_step: int) -> None:
+    """Keep only the records of ``path`` before ``start_step`` (a torn last line goes too); atomic."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < start_step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
 
 class MetricsWriter:
-    """Append-only metrics for one run.
+    """Metrics for one run, appended from ``start_step`` on.
 
     Args:
         directory: where ``metrics.jsonl`` and the TensorBoard events go.
         enabled: False on ranks other than 0 (then every call is a no-op).
         tensorboard: also write TensorBoard events.
+        start_step: the step the run starts at; records of this step and later are removed first.
     """
 
-    def __init__(self, directory: str | Path, enabled: bool = True, tensorboard: bool = True) -> None:
+    def __init__(self, directory: str | Path, enabled: bool = True, tensorboard: bool = True,
+                 start_step: int = 0) -> None:
         self.enabled = enabled
         self.path = Path(directory) / "metrics.jsonl"
+        self._file = None
         self._tb = None
         if not enabled:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            cut_metrics(self.path, start_step)
+            self._file = self.path.open("a")
+        except OSError as err:
+            self._warn(str(self.path), err)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:  # tensorboard not installed: JSONL only
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self._tb = SummaryWriter(str(Path(directory) / "tensorboard"))
+                try:
+                    self._tb = SummaryWriter(str(Path(directory) / "tensorboard"), purge_step=start_step or None)
+                except OSError as err:
+                    self._warn("TensorBoard events", err)
+
+    @staticmethod
+    def _warn(what: str, err: OSError) -> None:
+        log.warning("could not write %s (%s): no more of it is written in this run; training goes on", what, err)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """Record one step's values (nested dicts become ``a/b`` names in TensorBoard)."""
         if not self.enabled:
             return
-        record = {"step": step, "time": time.time(), **values}
-        self._file.write(json.dumps(record, default=float) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            record = {"step": step, "time": time.time(), **values}
+            try:
+                self._file.write(json.dumps(record, default=float) + "\n")
+                self._file.flush()
+            except OSError as err:
+                self._warn(str(self.path), err)
+                self._close_file()
         if self._tb is not None:
-            for name, value in _flatten(values):
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tb.add_scalar(name, value, step)
+            try:
+                for name, value in _flatten(values):
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        self._tb.add_scalar(name, value, step)
+            except OSError as err:
+                self._warn("TensorBoard events", err)
+                self._tb = None
+
+    def _close_file(self) -> None:
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._file.close()
+        if self._file is not None:
+            self._close_file()
         if self._tb is not None:
-            self._tb.close()
+            try:
+                self._tb.close()
+            except OSError as err:
+                self._warn("TensorBoard events", err)
 
 
 def _flatten(values: dict[str, Any], prefix: str = ""):

@@ -33,11 +33,13 @@ HEARTBEAT_PREFIX = "harmonia/heartbeat"
 
 
 class StopRequested(HarmoniaError):
-    """The job stopped because a stop signal arrived; ``signum`` is that signal."""
+    """The job stopped because a stop signal arrived; ``signum`` is that signal, ``exit_code`` what the
+    command returns (128 + the signal, as a shell reports a process ended by it)."""
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, exit_code: int | None = None) -> None:
         super().__init__(message)
         self.signum = signum
+        self.exit_code = 128 + signum if exit_code is None else exit_code
 
 
 def signal_name(signum: int) -> str:

@@ -5,22 +5,24 @@ validates the config, synthesizes the dataset if it is missing, reads every samp
 samples reported and skipped by policy), and loads or searches the plan (printed). Then it spawns
 ``parallel.world_size`` processes (`harmonia.launch.launch`: a failing rank ends the job with its
 message, never a hang), and finally evaluates held-out answer accuracy of the initial and the
-trained model from the last checkpoint and prints the summary. Under torchrun every process runs
-`train_worker` directly and rank 0 does the preparation, sharing the plan with the others.
+trained model from the last checkpoint and prints the summary. Before anything is prepared,
+`harmonia.train.preflight` checks the plan file and the directories, locks ``checkpoint.dir`` for
+the whole job and decides where training starts (a finished job does not start again). Under
+torchrun every process runs `train_worker` directly and rank 0 does the preparation, sharing the
+plan with the others.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harmonia.config import Config
-from harmonia.plan.plan import Plan
+from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
 
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 class TrainResult:
     """What a finished job reports (the parent's view)."""
 
-    plan: Plan
+    plan: Plan | None
     records: list[dict]
     losses: list[float]
     start_step: int
@@ -135,42 +137,63 @@ def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
                       f"in {report.seconds:.1f} s")
 
 
+def hang_timeout(config: Config) -> float:
+    """Seconds without a heartbeat after which a rank is hung: ``parallel.hang_timeout_s``, or (auto)
+    300 s on GPUs and 60 s on CPU."""
+    if config.parallel.hang_timeout_s:
+        return config.parallel.hang_timeout_s
+    return 300.0 if backend_of(config) == "nccl" else 60.0
+
+
 def run_training(config: Config, console) -> TrainResult | None:
     """Run the job on local processes (or in this process under torchrun); returns what rank 0 saw
-    (None on the other ranks under torchrun)."""
-    from harmonia.launch import launch, under_torchrun
-    from harmonia.runtime.checkpoint import latest_step
-    from harmonia.train.loop import train_worker
+    (None on the other ranks under torchrun).
 
-    log_dir = Path(config.log.dir)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    result_path = log_dir / "result.json"
-    result_path.unlink(missing_ok=True)
-    report = None
+    Raises:
+        HarmoniaError: a config, plan or directory that would fail (before any process starts);
+            `harmonia.launch.LaunchError` when a rank fails or hangs; `harmonia.launch.JobStopped`
+            when a signal or the time limit stops it.
+    """
+    from harmonia.launch import launch, under_torchrun
+    from harmonia.train.preflight import preflight
+    from harmonia.train.report import best_effort
+    from harmonia.train.worker import train_worker
+
     if under_torchrun():
-        train_worker(config, None, str(result_path))
-        if int(os.environ["RANK"]) != 0:
+        out = train_worker(config, None)
+        if out is None:
             return None
-        plan = Plan.load(log_dir / "plan.json")
-    else:
-        check_cluster(config)
+        return _finish(out["config"], Plan.from_json(out["plan"]), out, None)
+    check_cluster(config)
+    with preflight(config) as checked:
+        config = checked.config
+        if checked.finished:
+            return TrainResult(None, [], [], checked.start_step)
         t0 = time.perf_counter()
         existed = (Path(config.data.path) / "train").exists()
         prepare_data(config)
         if not existed:
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
-                          f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)")
+                          f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)", markup=False)
         plan, report = resolve_plan(config)
         print_plan(plan, report, console)
         console.print(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
-        plan.save(log_dir / "plan.json")
-        launch(train_worker, config.parallel.world_size, (config, plan.to_json(), str(result_path)),
-               timeout=config.parallel.timeout_s or None)
-    out = json.loads(result_path.read_text())
+        best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
+        out = launch(train_worker, config.parallel.world_size, (config, plan.to_json()),
+                     timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config))
+        return _finish(config, plan, out, report)
+
+
+def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) -> TrainResult:
+    """Held-out accuracy from the newest checkpoint, and ``summary.json`` (a failed write only warns)."""
+    from harmonia.runtime.checkpoint import latest_step
+    from harmonia.train.report import best_effort
+
     accuracy = evaluate(config, latest_step(config.checkpoint.dir))
     result = TrainResult(plan, out["records"], out["losses"], out["start_step"], accuracy, report)
-    (log_dir / "summary.json").write_text(json.dumps({
+    summary = json.dumps({
         "plan": json.loads(plan.to_json()), "losses": result.losses, "start_step": result.start_step,
         "accuracy": {t: dict(zip(("before", "after", "n", "chance"), v)) for t, v in accuracy.items()},
-        "last": result.records[-1] if result.records else None}, indent=1, default=float))
+        "last": result.records[-1] if result.records else None}, indent=1, default=float)
+    best_effort("summary.json", (Path(config.log.dir) / "summary.json").write_text, summary)
     return result

@@ -5,14 +5,20 @@ prefetch thread prepared a step ahead (balanced microbatches, searched schedule,
 runs it through the executor, and steps the optimizers with the step's learning rate. Rank 0 logs
 metrics, drives the progress bar, and writes the measured and simulated timelines of one step.
 Checkpoints are collective (every ``checkpoint.every`` steps and at the end).
+
+Nothing a rank does can corrupt the run: the step's loss and gradient norm are checked before the
+optimizer step (a non-finite step stops the job, or is skipped, by ``train.on_nonfinite``), and
+weights are checked before a save. A stop signal is voted on at every step boundary, so every
+rank stops after the same step (saving a checkpoint when ``checkpoint.on_signal``) and raises
+`StopRequested` with one line that says what happened. A heartbeat thread lets the launcher (or,
+under torchrun, the other ranks) name a rank that stopped responding.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
+import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,23 +28,31 @@ import torch.distributed as dist
 
 from harmonia.config import Config
 from harmonia.errors import HarmoniaError
-from harmonia.plan.plan import Plan
+from harmonia.schedule.plan import Plan
+from harmonia.runtime.checkpoint import latest_step
+from harmonia.runtime.grads import clip_grad_norm
+from harmonia.runtime.watchdog import StopRequested, StopSignals, signal_name
 from harmonia.schedule.graph import LLM
+from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
-from harmonia.train.planning import model_spec
 from harmonia.train.job import backend_of
+from harmonia.train.planning import model_spec
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
-from harmonia.train.report import write_timelines
+from harmonia.train.report import best_effort, write_timelines
 from harmonia.train.state import load_training, save_training
 
-FAULT_ENV = "HARMONIA_FAULT"
-"""``<raise|kill|nan>:<rank>:<step>`` makes that rank fail at that step, to exercise fault handling:
-raise an exception, die by SIGKILL, or poison its weights so the step's loss is NaN. It fires on a
-job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted job gets past it."""
+__all__ = ["FAULT_ENV", "Trainer", "TrainingError", "learning_rate"]
+
+log = logging.getLogger(__name__)
+
+MAX_SKIPPED_IN_A_ROW = 3
+"""With ``train.on_nonfinite=skip``, this many non-finite steps in a row stop the job anyway."""
 
 
 class TrainingError(HarmoniaError):
     """Training cannot go on (a non-finite loss, ...); the message names the step and the batch."""
+
+    exit_code = 1
 
 
 def learning_rate(config: Config, step: int) -> float:
@@ -50,20 +64,13 @@ def learning_rate(config: Config, step: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def _inject_fault(rank: int, step: int, model: RankModel) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return
-    kind, r, s = spec.split(":")
-    if int(r) != rank or int(s) != step:
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), 9)
-    if kind == "nan":
-        with torch.no_grad():
-            next(iter((model.trainable_named() or model.named).values())).fill_(float("nan"))
-        return
-    raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+@dataclass
+class StepOutcome:
+    """What one step gave: the global loss and gradient norm, and whether its update was skipped."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool = False
 
 
 @dataclass
@@ -107,6 +114,7 @@ class Trainer:
     def __init__(self, config: Config, plan: Plan, rank: int) -> None:
         from harmonia.data.loader import MultimodalDataset
         from harmonia.runtime.meshes import build_module_meshes
+        from harmonia.train.preflight import run_fingerprint
         from harmonia.workload.cost import CostModel
         from harmonia.workload.devices import cluster_from_string
 
@@ -116,8 +124,7 @@ class Trainer:
         self.meshes = build_module_meshes(plan, self.device.type)
         tc = config.train
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
-                                      tc.max_norm or None, self.device, tc.precision,
-                                      source=config.model.source if config.model.from_checkpoint else None)
+                                      tc.max_norm or None, self.device, tc.precision)
         self.dataset = MultimodalDataset(Path(config.data.path) / "train", self.spec, config.data.max_tokens,
                                          on_error=config.data.on_error)
         usable = [s.sample_id for s in self.dataset.shapes()]
@@ -128,7 +135,11 @@ class Trainer:
                                         schedule_graph(self.spec, plan), rank,
                                         search_evaluations=config.parallel.schedule_search, simulate=rank == 0)
         self.modules = [LLM, *plan.encoders]
+        self.fingerprint = run_fingerprint(config)
+        self.faults = Faults(rank)
         self.start_step = 0
+        self.saved_step = 0  # the newest step with a checkpoint (0: none, or the initial weights)
+        self.nonfinite_in_a_row = 0
         self.losses: list[float] = []
 
     def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -137,12 +148,10 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
-        from harmonia.runtime.checkpoint import latest_step
-
         ck = self.config.checkpoint
         if ck.resume and latest_step(ck.dir) is not None:
             state = load_training(ck.dir, self.model)
-            self.start_step = int(state["step"])
+            self.start_step = self.saved_step = int(state["step"])
             self.losses = list(state.get("losses", []))
 
     def _set_lr(self, step: int) -> None:
@@ -152,12 +161,22 @@ class Trainer:
                 group["lr"] = lr
 
     def _save(self, step: int) -> None:
-        save_training(self.config.checkpoint.dir, step, self.model,
+        ck = self.config.checkpoint
+        save_training(ck.dir, step, self.model,
                       {"data_position": step * self.config.train.global_batch, "losses": self.losses,
-                       "plan": json.loads(self.plan.to_json())})
+                       "plan": json.loads(self.plan.to_json()), "fingerprint": self.fingerprint},
+                      keep=ck.keep, before_commit=lambda: self.faults.inside_save(step))
+        self.saved_step = step
 
-    def run(self, report) -> None:
-        """Train from ``start_step`` to ``train.steps``; ``report`` receives rank 0's per-step records."""
+    def run(self, report, stops: StopSignals | None = None, progress=None) -> None:
+        """Train from ``start_step`` to ``train.steps``.
+
+        Args:
+            report: receives rank 0's per-step records.
+            stops: the stop signals of this process; a signal stops every rank at the next step
+                boundary (`StopRequested` is raised after the optional checkpoint).
+            progress: called with the number of finished steps after each step (the heartbeat).
+        """
         from harmonia.schedule.prefetch import SchedulePrefetcher
 
         tc, ck = self.config.train, self.config.checkpoint
@@ -166,40 +185,89 @@ class Trainer:
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
         with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps) as prefetch:
             for step in range(self.start_step, tc.steps):
+                self.faults.before_step(step, self.model)
+                self._stop_if_asked(step, stops)  # also the step's barrier
                 it = prefetch.get(step)
                 self._set_lr(step)
-                _inject_fault(self.rank, step, self.model)
                 self.model.executor.action_times = []
-                dist.barrier()
                 t0 = time.perf_counter()
                 batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-                result = self.model.executor.step(it.schedule, batch)
+                result = self._step(step, it, batch)
                 step_s = time.perf_counter() - t0
-                if not math.isfinite(result.loss):
-                    raise TrainingError(f"step {step}: loss is {result.loss} (gradient norm {result.grad_norm}); "
-                                        f"batch samples {it.sample_ids}; lower train.lr or check those samples")
                 self.losses.append(result.loss)
                 times = _step_times(self.model, step_s, self.modules)
                 module_s, bubble = _reduce_times(times, self.modules)
                 if step in (calibration_step, timeline_step):
                     actions = self._gather_actions(t0)
                     if step == calibration_step and self.rank == 0 and it.predicted is not None:
-                        self._calibrate(actions, it)
+                        best_effort("calibration.json", self._calibrate, actions, it)
                     if step == timeline_step and self.rank == 0:
-                        write_timelines(Path(self.config.log.dir), step, actions, it.predicted, step_s,
-                                        calibrated=it.calibrated)
+                        best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
+                                    it.predicted, step_s, calibrated=it.calibrated)
                 if self.rank == 0:
                     report(self._record(step, it, result, step_s, module_s, bubble, prefetch.stats))
+                if progress is not None:
+                    progress(step + 1)
                 if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
                     self._save(step + 1)
-        self._save(tc.steps)
+        if tc.steps > self.saved_step:
+            self._save(tc.steps)
 
-    def _record(self, step: int, it: PreparedIteration, result, step_s: float, module_s: dict[str, float],
-                bubble: float, stats) -> dict:
+    def _step(self, step: int, it: PreparedIteration, batch) -> StepOutcome:
+        """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite."""
+        ex = self.model.executor
+        loss = ex.forward_backward(it.schedule, batch)
+        self.faults.after_backward(step, self.model)
+        norm = clip_grad_norm(ex.norm_share(), ex.trainable, ex.max_norm, ex.norm_group)
+        if math.isfinite(loss) and math.isfinite(norm):
+            ex.optimizer_step()
+            self.nonfinite_in_a_row = 0
+            return StepOutcome(loss, norm)
+        self.nonfinite_in_a_row += 1
+        what = (f"loss is {loss} (gradient norm {norm})" if not math.isfinite(loss) else
+                f"gradient norm is {norm} (loss {loss})")
+        message = f"step {step}: {what}; batch samples {it.sample_ids}"
+        if self.config.train.on_nonfinite == "skip" and self.nonfinite_in_a_row < MAX_SKIPPED_IN_A_ROW:
+            if self.rank == 0:
+                log.warning("%s; its update was skipped (train.on_nonfinite=skip)", message)
+            return StepOutcome(loss, norm, skipped=True)
+        newest = f"step-{self.saved_step}" if self.saved_step else "none yet"
+        again = f" ({self.nonfinite_in_a_row} steps in a row)" if self.nonfinite_in_a_row > 1 else ""
+        raise TrainingError(f"{message}{again}; the weights were not updated, so the newest checkpoint ({newest}) "
+                            "holds finite weights; lower train.lr, check those samples, or set "
+                            "train.on_nonfinite=skip")
+
+    def _stop_if_asked(self, step: int, stops: StopSignals | None) -> None:
+        """Every rank's pending stop signal, gathered (collective): stop here if any rank has one."""
+        mine = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
+        mine[self.rank] = stops.signum if stops is not None else 0
+        dist.all_reduce(mine)
+        asked = {r: int(s) for r, s in enumerate(mine.tolist()) if s}
+        if not asked:
+            return
+        first = min(asked)
+        signum = asked[first]
+        who = (f"stopped by {signal_name(signum)}" if len(asked) == len(mine) else
+               f"rank {first} received {signal_name(signum)}" + (f" (and ranks {sorted(asked)[1:]} too)"
+                                                                 if len(asked) > 1 else "")
+               + ": every rank stopped")
+        where = f"{who} at step {step}/{self.config.train.steps}"
+        ck = self.config.checkpoint
+        if ck.on_signal and step > self.saved_step:
+            self._save(step)
+            raise StopRequested(f"{where}; saved checkpoint step-{step} in {ck.dir}; run the same command to resume",
+                                signum)
+        kept = (f"the newest checkpoint is step-{self.saved_step} in {ck.dir}" if self.saved_step else
+                "no checkpoint was saved")
+        why = "" if ck.on_signal or step == self.saved_step else " (checkpoint.on_signal=false)"
+        raise StopRequested(f"{where}; {kept}{why}", signum)
+
+    def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float,
+                module_s: dict[str, float], bubble: float, stats) -> dict:
         loads = it.assignment.loads
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
         return {
-            "step": step, "loss": result.loss, "grad_norm": result.grad_norm,
+            "step": step, "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": result.skipped,
             "lr": learning_rate(self.config, step), "step_s": step_s,
             "tokens_per_s": it.n_tokens / step_s, "samples_per_s": len(it.sample_ids) / step_s,
             "tokens": it.n_tokens, "samples": len(it.sample_ids),
@@ -231,74 +299,8 @@ class Trainer:
             self.builder.calibrate(calibration)
             calibration.save(Path(self.config.log.dir) / "calibration.json")
 
-
 def _rss_bytes() -> int:
     """Peak resident memory of this process (CPU runs)."""
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _shared_plan(config: Config, rank: int) -> str:
-    """Under torchrun: rank 0 prepares the data and the plan; every rank gets the plan."""
-    from harmonia.train.job import prepare_data, print_plan, resolve_plan
-    from harmonia.train.report import console
-
-    box: list = [None]
-    if rank == 0:
-        try:
-            prepare_data(config)
-            plan, report = resolve_plan(config)
-            print_plan(plan, report, console)
-            Path(config.log.dir).mkdir(parents=True, exist_ok=True)
-            plan.save(Path(config.log.dir) / "plan.json")
-            box[0] = plan.to_json()
-        except HarmoniaError as err:
-            box[0] = err
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
-
-
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, its keys prefixed by the torchrun restart attempt.
-
-    A restarted attempt reuses the store of the failed one; without a prefix, gloo's connection
-    set-up can read the dead attempt's peer addresses and fail with "connection refused".
-    """
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    return dist.PrefixStore(f"harmonia/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def train_worker(config: Config, plan_json: str | None, result_path: str) -> None:
-    """Entry point of one rank (spawned by `harmonia.launch.launch` or started by torchrun).
-
-    Args:
-        config: the job.
-        plan_json: the plan; None under torchrun (rank 0 prepares it).
-        result_path: where rank 0 writes its records and losses.
-    """
-    from harmonia.train.report import ProgressReporter
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = backend_of(config)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    timeout = datetime.timedelta(minutes=5)
-    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
-                            timeout=timeout)
-    try:
-        plan = Plan.from_json(plan_json or _shared_plan(config, rank))
-        trainer = Trainer(config, plan, rank)
-        trainer.resume()
-        reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
-        with reporter:
-            trainer.run(reporter.step)
-        if rank == 0:
-            Path(result_path).write_text(json.dumps({
-                "start_step": trainer.start_step, "losses": trainer.losses,
-                "records": reporter.records, "data": trainer.dataset.stats.metrics(),
-            }, default=float))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

@@ -4,12 +4,17 @@ Rank 0 shows a rich progress bar (step, loss, tokens/s, ETA) and writes every st
 ``metrics.jsonl`` and TensorBoard (`harmonia.metrics.MetricsWriter`). One step's measured actions
 (every rank's, gathered to rank 0) become a timeline drawn exactly like the simulator's, next to
 the simulated timeline of the same step, so the two can be compared bar by bar.
+
+None of it can stop training: a file that cannot be written warns (`best_effort`) and the run goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -21,6 +26,16 @@ from harmonia.metrics import MetricsWriter
 from harmonia.sim.engine import Task, Timeline
 
 console = Console(width=None if sys.stdout.isatty() else 140)
+log = logging.getLogger(__name__)
+
+
+def best_effort(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
+    """``fn(*args, **kwargs)``; an OSError (full or unwritable disk) only warns that ``what`` was not written."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as err:
+        log.warning("could not write %s (%s); training goes on", what, err)
+        return None
 
 
 class ProgressReporter:
@@ -29,7 +44,8 @@ class ProgressReporter:
     def __init__(self, config: Config, start_step: int, enabled: bool) -> None:
         self.config, self.enabled = config, enabled
         self.records: list[dict] = []
-        self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard)
+        self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard,
+                                    start_step=start_step)
         self.progress = Progress(TextColumn("[bold]train[/] step {task.completed}/{task.total}"), BarColumn(),
                                  TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -99,7 +115,10 @@ def write_timelines(directory: Path, step: int, actions: dict, simulated: Timeli
 def sparkline(values: list[float], width: int = 40) -> str:
     """``values`` as a row of block characters (min = lowest block), averaged into ``width`` bins."""
     blocks = "▁▂▃▄▅▆▇█"
-    bins = [float(np.mean(chunk)) for chunk in np.array_split(np.asarray(values, dtype=float), min(width, len(values)))]
+    finite = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
+    if not len(finite):
+        return ""
+    bins = [float(np.mean(chunk)) for chunk in np.array_split(finite, min(width, len(finite)))]
     lo, hi = min(bins), max(bins)
     return "".join(blocks[int((v - lo) / (hi - lo) * (len(blocks) - 1)) if hi > lo else 0] for v in bins)
 

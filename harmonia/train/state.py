@@ -8,10 +8,14 @@ checkpoint gives each rank exactly the slices it now holds. Optimizer states (Ad
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from harmonia.errors import HarmoniaError
 from harmonia.runtime.checkpoint import load_state, save_state
 from harmonia.train.rank import RankModel
 
@@ -42,10 +46,40 @@ def rank_state(model: RankModel) -> dict:
     return {"model": {n: t.detach() for n, t in model.named.items()}, "optim": optim}
 
 
-def save_training(directory: str | Path, step: int, model: RankModel, trainer_state: dict) -> Path:
-    """Save the job after ``step`` (collective)."""
+class NonFiniteWeights(HarmoniaError):
+    """A parameter holds inf or NaN; the job stops instead of saving it."""
+
+    exit_code = 1
+
+
+def first_nonfinite(named: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor of ``named`` (this rank's part of it) with an inf or NaN, else None."""
+    for name, t in named.items():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return name
+    return None
+
+
+def check_finite_weights(model: RankModel, step: int) -> None:
+    """Raise `NonFiniteWeights` on every rank when any rank holds a non-finite parameter (collective)."""
+    bad = first_nonfinite(model.named)
+    flag = torch.tensor([0.0 if bad is None else 1.0], device=next(iter(model.named.values())).device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        where = f"{bad} on rank {dist.get_rank() if dist.is_initialized() else 0}" if bad else "on another rank"
+        raise NonFiniteWeights(f"the weights are not finite after step {step - 1}'s update ({where}); checkpoint "
+                               f"step-{step} was not saved, so every checkpoint holds finite weights; lower "
+                               "train.lr (or raise train.warmup) and resume")
+
+
+def save_training(directory: str | Path, step: int, model: RankModel, trainer_state: dict, keep: int = 0,
+                  before_commit: Callable[[], None] | None = None) -> Path:
+    """Save the job after ``step`` (collective), refusing non-finite weights; keep the newest ``keep``."""
+    check_finite_weights(model, step)
     ensure_optimizer_state(model)
-    return save_state(directory, step, rank_state(model), trainer_state)
+    return save_state(directory, step, rank_state(model), trainer_state, keep=keep, before_commit=before_commit)
 
 
 def load_training(directory: str | Path, model: RankModel, step: int | None = None) -> dict:

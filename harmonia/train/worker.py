@@ -1,0 +1,120 @@
+"""One process of `harmonia train`: the process group, the heartbeat, the plan, the trainer.
+
+Spawned by `harmonia.launch.launch` (which hosts the rendezvous store and watches every rank), or
+started by torchrun, where rank 0 first checks the job's files (`harmonia.train.preflight`), holds
+the checkpoint lock, prepares the data and the plan, and shares plan and config with the others;
+there each rank also exits with its agent and watches its peers' heartbeats itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from harmonia.config import Config
+from harmonia.errors import HarmoniaError
+from harmonia.schedule.plan import Plan
+from harmonia.runtime.watchdog import StopSignals
+from harmonia.train.job import backend_of, hang_timeout
+from harmonia.train.loop import Trainer
+from harmonia.train.report import best_effort
+
+
+def _shared_plan(config: Config, rank: int):
+    """Under torchrun: rank 0 checks the job's files (holding the checkpoint lock until it ends), prepares
+    the data and the plan; every rank gets the plan and the checked config. Returns (plan JSON, config,
+    the lock's holder on rank 0 or None)."""
+    from harmonia.train.job import prepare_data, print_plan, resolve_plan
+    from harmonia.train.preflight import preflight
+    from harmonia.train.report import console
+
+    box: list = [None]
+    checked = None
+    if rank == 0:
+        try:
+            checked = preflight(config)
+            prepare_data(checked.config)
+            plan, report = resolve_plan(checked.config)
+            print_plan(plan, report, console)
+            best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
+            box[0] = (plan.to_json(), checked.config)
+        except HarmoniaError as err:
+            box[0] = err
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0][0], box[0][1], checked
+
+
+def _attempt() -> str:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store, its keys prefixed by the torchrun restart attempt.
+
+    A restarted attempt reuses the store of the failed one; without a prefix, gloo's connection
+    set-up can read the dead attempt's peer addresses and fail with "connection refused".
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    return dist.PrefixStore(f"harmonia/attempt-{_attempt()}", store)
+
+
+def _heartbeat(config: Config, rank: int, world: int):
+    """This rank's heartbeat in the job's store; under torchrun it also watches the other ranks."""
+    from harmonia.launch import LAUNCHER_ENV
+    from harmonia.runtime.watchdog import Heartbeat, connect_store, exit_with_parent
+
+    torchrun = LAUNCHER_ENV not in os.environ
+    if torchrun:  # under the local launcher, its entry point did this
+        exit_with_parent(os.getppid())
+    store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    return Heartbeat(store, rank, world, hang_timeout(config), attempt=_attempt(), detect=torchrun)
+
+
+def train_worker(config: Config, plan_json: str | None) -> dict | None:
+    """Entry point of one rank (spawned by `harmonia.launch.launch` or started by torchrun).
+
+    Args:
+        config: the job.
+        plan_json: the plan; None under torchrun (rank 0 checks the files and prepares it).
+
+    Returns:
+        On rank 0, what it saw: ``start_step``, ``losses``, per-step ``records``, ``data`` statistics,
+        the ``plan`` JSON and the ``config`` it ran (None on the other ranks).
+
+    Raises:
+        StopRequested: a stop signal ended the job at a step boundary.
+    """
+    from harmonia.train.report import ProgressReporter
+
+    stops = StopSignals.install()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend_of(config)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
+    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
+                            timeout=timeout)
+    checked = None
+    try:
+        with _heartbeat(config, rank, world) as beat:
+            if plan_json is None:
+                plan_json, config, checked = _shared_plan(config, rank)
+            trainer = Trainer(config, Plan.from_json(plan_json), rank)
+            trainer.resume()
+            reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
+            with reporter:
+                trainer.run(reporter.step, stops, beat.progress)
+            dist.barrier()
+        if rank != 0:
+            return None
+        return {"start_step": trainer.start_step, "losses": trainer.losses, "records": reporter.records,
+                "data": trainer.dataset.stats.metrics(), "plan": plan_json, "config": config}
+    finally:
+        dist.destroy_process_group()
+        if checked is not None:
+            checked.close()
