@@ -1,5 +1,10 @@
 """The dataset the trainer reads: shapes for the scheduler, decoded samples for the executor.
 
+`open_dataset(path, mllm, tokenizer=..., format=...)` reads any supported format (harmonia.data.sources),
+renders each record with the tokenizer (`build_tokenizer`: a checkpoint's tokenizer and chat template,
+or the byte tokenizer of the synthetic demo) and decodes media with the model's preprocessing
+(`checkpoint_preprocessors`).
+
 Bad data never disappears silently. Every unusable sample (a line that is not JSON, a missing or
 corrupt media file, an unknown modality, a sample longer than ``max_tokens``) raises a `DataError`
 naming its file and line; with ``on_error="skip"`` it is logged, counted by kind in `DataStats` (whose
@@ -108,6 +113,10 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self._check_item_tokens()
 
     def _check_item_tokens(self) -> None:
+        if self.mllm.item_token_ids and isinstance(self.tokenizer, ByteTokenizer):
+            raise ConfigError(f"the model {self.mllm.name!r} comes from a checkpoint with its own tokenizer (it names "
+                              "item token ids) but the dataset was opened with the byte tokenizer of the synthetic "
+                              "demo; pass the checkpoint's tokenizer (build_tokenizer(checkpoint_dir))")
         ours = getattr(self.tokenizer, "item_token_ids", {})
         for modality, token in self.mllm.item_token_ids.items():
             if modality in ours and ours[modality] != token:

@@ -181,3 +181,16 @@ def test_turns_marked_not_learned_carry_no_labels(tmp_path, template):
     text = tok.decode(labels)
     assert ANSWERS[0] in text and ANSWERS[2] in text and ANSWERS[1] not in text
     assert ANSWERS[1] in tok.decode(s.tokens.input_ids.tolist())
+
+
+def test_tokenizer_must_match_the_checkpoint_model(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                               {"role": "assistant", "content": "a"}]}))
+    tok = build_tokenizer(write_chat_tokenizer(tmp_path / "tok", "chatml"))
+    image = tok.item_token_ids["image"]
+    spec = replace(llava_spec(), item_token_ids={"image": image})
+    assert len(open_dataset(tmp_path / "d.jsonl", spec, tokenizer=tok)) == 1
+    with pytest.raises(ConfigError, match="byte tokenizer"):
+        open_dataset(tmp_path / "d.jsonl", spec)
+    with pytest.raises(ConfigError, match="same checkpoint"):
+        open_dataset(tmp_path / "d.jsonl", replace(spec, item_token_ids={"image": image + 1}), tokenizer=tok)
