@@ -14,3 +14,28 @@ def test_jsonl_and_tensorboard(tmp_path) -> None:
     silent = MetricsWriter(tmp_path / "other", enabled=False)
     silent.log(1, {"loss": 1.0})
     assert not (tmp_path / "other").exists()
+
+
+def test_resume_cuts_metrics_back_and_a_torn_line_goes(tmp_path) -> None:
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(5):
+        writer.log(step, {"loss": 1.0})
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a write cut short by a crash
+    resumed = MetricsWriter(tmp_path, tensorboard=False, start_step=3)
+    resumed.log(3, {"loss": 0.5})
+    resumed.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+    MetricsWriter(tmp_path, tensorboard=False).close()  # a fresh run starts an empty file
+    assert read_metrics(tmp_path) == []
+
+
+def test_a_full_disk_warns_once_and_logging_goes_on(tmp_path, caplog) -> None:
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    writer = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(3):
+        writer.log(step, {"loss": 1.0})
+    writer.close()
+    warnings = [r.getMessage() for r in caplog.records if "could not write" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0]

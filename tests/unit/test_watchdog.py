@@ -1,0 +1,49 @@
+"""Heartbeats through a real store: a rank whose beats stop is named; stop signals are recorded."""
+
+import datetime
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+from harmonia.runtime.watchdog import HangDetector, Heartbeat, StopSignals, process_state
+
+
+def test_a_rank_whose_heartbeat_stops_is_named() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    beats = [Heartbeat(server, r, 2, hang_timeout=1.0) for r in range(2)]
+    for beat in beats:
+        beat.interval = 0.1
+        beat.__enter__()
+    detector = HangDetector(server, 2, hang_timeout=1.0, startup_s=0.0)
+    beats[1].progress(3)
+    deadline = time.monotonic() + 0.8
+    while time.monotonic() < deadline:
+        assert detector.poll() is None
+        time.sleep(0.1)
+    beats[1].__exit__()  # rank 1 goes silent
+    deadline, hung = time.monotonic() + 5, None
+    while hung is None and time.monotonic() < deadline:
+        hung = detector.poll()
+        time.sleep(0.1)
+    beats[0].__exit__()
+    assert hung is not None and hung[0] == 1
+    assert hung[1].startswith("rank 1 stopped responding: no heartbeat for 1 s")
+    assert "its last finished step was 3" in hung[1]
+
+
+def test_stop_signals_are_recorded_not_fatal() -> None:
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        stops = StopSignals.install()
+        assert StopSignals.install() is stops
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stops.signum == signal.SIGHUP
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert process_state(os.getpid()) in ("R", "S")
