@@ -168,9 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="decoding worker processes")
     a = p.parse_args(argv)
     console = Console()
-    logging.getLogger("harmonia.data.loader").setLevel(logging.ERROR)  # bad records go in the report instead
-    ds, model = _open(a)
-    report = inspect_dataset(ds, num_workers=a.workers)
+    loader_log = logging.getLogger("harmonia.data.loader")
+    level = loader_log.level
+    loader_log.setLevel(logging.ERROR)  # bad records go in the report instead of one warning each
+    try:
+        ds, model = _open(a)
+        report = inspect_dataset(ds, num_workers=a.workers)
+    finally:
+        loader_log.setLevel(level)
     print_report(report, console, model)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
