@@ -54,12 +54,12 @@ from rich.table import Table
 
 from harmonia.launch import launch
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes
 from harmonia.schedule.microbatching import balance_bins
-from harmonia.sim.scenario import Scenario
+from harmonia.plan.scenario import Scenario
 from harmonia.workload.shapes import llm_tokens_of_item
 from harmonia.workload.traces import load_trace
 

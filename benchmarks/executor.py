@@ -41,7 +41,7 @@ from harmonia.launch import launch
 from harmonia.model.batch import PackedBatch, TokenizedSample, pack_samples
 from harmonia.model.llm import build_llm, lm_loss
 from harmonia.model.spec import LLMSpec, MLLMSpec, TransformerSpec
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 from harmonia.runtime.mllm_inputs import RankBatch
 
 ROOT = Path(__file__).resolve().parents[1]

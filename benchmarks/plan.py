@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 from harmonia.errors import LayoutError
+from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import PlanReport, search_plan
-from harmonia.sim.scenario import Scenario, ScenarioRun
 
 ROOT = Path(__file__).resolve().parents[1]
 LARGE = ("b-qwen72b-omni-256gpu.toml", "h100:128x8", 4)
@@ -64,7 +64,7 @@ def held_out_rate(run: ScenarioRun, report: PlanReport | None, n: int) -> float:
     if report is None:
         return float("nan")
     cand = report.ranked[0][2]
-    seconds = np.mean([run._timeline(cand, k, 0.0).iteration_s for k in range(n)])
+    seconds = np.mean([run.timeline(cand, k, 0.0).iteration_s for k in range(n)])
     return run.scenario.global_batch / float(seconds)
 
 

@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 
 from harmonia.schedule import CostTable, ModuleStages, PhaseCost, StageGraph
+from harmonia.schedule.order_search import search_order
 from harmonia.sim.engine import Task, replay
-from harmonia.sim.search import search_order
 from harmonia.sim.timeline import plot_timeline
 
 ROOT = Path(__file__).resolve().parents[1]

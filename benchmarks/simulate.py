@@ -20,9 +20,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from harmonia.sim.recipes import RECIPES, assign, search_orders
-from harmonia.sim.scenario import Scenario, ScenarioRun
-from harmonia.sim.stagework import plan_iteration_work
+from harmonia.plan.compare import run_recipe
+from harmonia.plan.recipes import RECIPES, assign, search_orders
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.schedule.stagework import plan_iteration_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def main(paths: list[str]) -> int:
         scenario = Scenario.load(path)
         t0 = time.perf_counter()
         run = ScenarioRun(scenario)
-        results = {r: run.run(r) for r in RECIPES}
+        results = {r: run_recipe(run, r) for r in RECIPES}
         bound = float(run.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / run.cluster.world_size
         table = Table(title=f"{scenario.name} — {scenario.iterations} iterations of {scenario.global_batch} "
                             f"samples ({time.perf_counter() - t0:.0f} s)")

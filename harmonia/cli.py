@@ -121,7 +121,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from harmonia.sim.scenario import Scenario, ScenarioRun
+    from harmonia.plan.compare import run_recipe
+    from harmonia.plan.scenario import Scenario, ScenarioRun
 
     scenario = Scenario.load(args.scenario)
     if args.iterations:
@@ -131,7 +132,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     results = {}
     for recipe in recipes:
         with console.status(f"searching {recipe} layouts"):
-            results[recipe] = runner.run(recipe)
+            results[recipe] = run_recipe(runner, recipe)
     bound = float(runner.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / runner.cluster.world_size
     table = Table(title=f"{scenario.name}: {scenario.iterations} iterations of {scenario.global_batch} samples")
     for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "plan", "searched"):
@@ -172,7 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write plan.json."""
     from harmonia.plan.search import search_plan
-    from harmonia.sim.scenario import Scenario
+    from harmonia.plan.scenario import Scenario
     from harmonia.workload.devices import cluster_from_string
 
     training = {m: "frozen" for m in filter(None, args.frozen.split(","))}

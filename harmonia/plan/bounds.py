@@ -1,8 +1,9 @@
 """Communication-aware bounds on a plan's iteration time, computed without simulating.
 
 The planner ranks and prunes candidates with these numbers before it spends a simulation on
-them, so they must count what the simulator counts (`harmonia.sim.tasks`): compute, the
-collectives inside a stage, FSDP weight gathers and the DP gradient reduction. A compute-only
+them, so they must count what the simulator counts: compute, the collectives inside a stage, FSDP
+weight gathers and the DP gradient reduction, each priced by the simulator's own functions
+(`harmonia.sim.collectives`). A compute-only
 bound ranks a communication-heavy layout (low TP on a 72B LLM, say) as good as any, although its
 gathers and reductions cost more than its compute.
 
@@ -36,7 +37,7 @@ schedule, balancing or order beats it, and a candidate whose bound exceeds the b
 time can be skipped.
 
 `work_bound` is the second, sharper level, for one batch once its microbatches are known (the
-balancer's assignment and the stage work of `harmonia.sim.stagework`, both cheap next to a
+balancer's assignment and the stage work of `harmonia.schedule.stagework`, both cheap next to a
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
 lasting its compute plus its in-stage collectives, so the iteration lasts at least the largest sum
 of those durations on one rank. This sees what averages hide: an encoder replica fed more items
@@ -59,15 +60,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harmonia.plan.layout import Placement
-from harmonia.plan.plan import Plan
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import StageRef
-from harmonia.sim.orders import stage_trainable
-from harmonia.sim.stagework import IterationWork, stage_layer_range
-from harmonia.sim.tasks import collective_extra, ring_allreduce_s
-from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel, PhaseTimes
+from harmonia.schedule.layout import Placement
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
+from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, stage_group,
+                                      tp_allreduce_s)
+from harmonia.sim.tasks import collective_extra
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
 
@@ -144,66 +146,21 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     has_b, has_w = graph.needs_b(ref), graph.needs_w(ref)
     backward = times.B + times.W if (has_b or has_w) else 0.0
     n_mb = plan.n_microbatches if module == "llm" else 0
-    ranks = _stage_ranks(plan, module, chunk % layout.pp)
-    blocks = layout.stage_split(len(cost.layers[module]) - 2)[chunk]
+    blocks = chunk_blocks(cost, layout, module, chunk)
     # F, and B or BW (a W-only backward has no collectives), whose recompute runs F's collectives again
     phases = 1 + ((2 if recompute else 1) if has_b else 0)
-    comm = phases * _tp_s(cost, cluster, module, blocks, load.tokens, n_mb, tuple(ranks[:tp]), layout)
-    comm += phases * _cp_s(cost, cluster, module, blocks, load.tokens, tuple(ranks[:tp * cp:tp]), layout)
+    comm = phases * tp_allreduce_s(cost, cluster, layout, module, blocks, load.tokens,
+                                   stage_group(layout, chunk, "tp"), calls=n_mb)
+    comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))
     forward = times.F
     if layout.fsdp and dp > 1 and n_mb:
-        gather = _gather_s(plan, cost, cluster, module, chunk, ranks)
+        gather = fsdp_gather_s(cost, cluster, plan, module, chunk)
         comm += max(0.0, n_mb * gather - times.F)
         if has_b:
             comm += max(0.0, n_mb * gather - backward)
         forward = max(n_mb * gather, times.F)
-    reduce = _reduce_s(plan, cost, cluster, module, chunk, ranks) if has_w else 0.0
+    reduce = grad_reduce_s(cost, cluster, plan, module, chunk) if has_w else 0.0
     return ChunkBound(times.F + backward, comm, reduce, forward, times.W if has_b and has_w else 0.0)
-
-
-def _tp_s(cost: CostModel, cluster: ClusterSpec, module: str, blocks: int, tokens: int, n_mb: int,
-          group: tuple[int, ...], layout) -> float:
-    """Two ring all-reduces of ``tokens/cp x hidden`` activations per block, summed over microbatches."""
-    if layout.tp <= 1:
-        return 0.0
-    hidden = cost.mllm.llm.hidden if module == "llm" else cost.mllm.encoders[module].out_dim
-    nbytes = tokens / layout.cp * hidden * cost.act_bytes
-    bytes_term = ring_allreduce_s(nbytes, group, cluster) - 2 * (layout.tp - 1) * cluster.device.latency_s
-    return 2 * blocks * (max(bytes_term, 0.0) + n_mb * 2 * (layout.tp - 1) * cluster.device.latency_s)
-
-
-def _cp_s(cost: CostModel, cluster: ClusterSpec, module: str, blocks: int, tokens: int,
-          group: tuple[int, ...], layout) -> float:
-    """An all-gather of K and V per block over the CP group."""
-    if layout.cp <= 1:
-        return 0.0
-    spec = cost.mllm.llm.body if module == "llm" else cost.mllm.encoders[module].body
-    kv = 2 * tokens * spec.kv_dim * cost.act_bytes / layout.tp
-    return blocks * (layout.cp - 1) / layout.cp * kv / cluster.group_bandwidth(group)
-
-
-def _dp_group(plan: Plan, module: str, chunk: int) -> tuple[int, ...]:
-    layout = plan.layouts[module]
-    return tuple(layout.rank_at(pp=chunk % layout.pp, dp=d) for d in range(layout.dp))
-
-
-def _gather_s(plan: Plan, cost: CostModel, cluster: ClusterSpec, module: str, chunk: int, ranks) -> float:
-    layout = plan.layouts[module]
-    start, stop = stage_layer_range(cost, plan, module, chunk)
-    weights = cost.param_count(module, start, stop)[0] * PARAM_BYTES / layout.tp
-    group = _dp_group(plan, module, chunk)
-    return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
-
-
-def _reduce_s(plan: Plan, cost: CostModel, cluster: ClusterSpec, module: str, chunk: int, ranks) -> float:
-    layout = plan.layouts[module]
-    if layout.dp <= 1:
-        return 0.0
-    start, stop = stage_layer_range(cost, plan, module, chunk)
-    trainable = cost.param_count(module, start, stop)[1]
-    if chunk == layout.n_stages - 1 and module != "llm":
-        trainable += cost.param_count(f"{module}_proj")[1]
-    return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, _dp_group(plan, module, chunk), cluster)
 
 
 def plan_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
@@ -305,8 +262,6 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, seconds: dict) -
     llm = plan.layouts["llm"]
     if llm.n_stages != llm.pp:  # interleaved chunks share ranks: the chain argument is per rank
         return 0.0
-    from harmonia.sim.stagework import StageKey
-
     out = 0.0
     for d, mbs in iw.microbatches.items():
         ms = range(len(mbs))

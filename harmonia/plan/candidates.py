@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from harmonia.model.spec import MLLMSpec, TransformerSpec
-from harmonia.plan.layout import Layout
 from harmonia.plan.partition import plan_module_stages
-from harmonia.plan.plan import Plan
 from harmonia.plan.profiling import BatchProfile
-from harmonia.sim.stagework import stage_layer_range
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import stage_layer_range
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from harmonia.errors import HarmoniaError, LayoutError
-from harmonia.sim.scenario import ScenarioRun
+from harmonia.plan.scenario import ScenarioRun
 from harmonia.workload.devices import ClusterSpec
 
 Enumerate = Callable[[ClusterSpec, int, Counter | None], Iterator]

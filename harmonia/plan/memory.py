@@ -28,13 +28,12 @@ from __future__ import annotations
 import math
 
 from harmonia.plan.candidates import state_bytes_per_rank
-from harmonia.plan.layout import Layout
-from harmonia.plan.plan import Plan
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import StageRef
-from harmonia.sim.orders import stage_trainable
-from harmonia.sim.stagework import stage_layer_range
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import stage_layer_range, stage_trainable
 from harmonia.workload.cost import CostModel
 
 LLM = "llm"

@@ -44,12 +44,11 @@ from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
-from harmonia.plan.plan import Plan
+from harmonia.plan.recipes import Candidate, assign, candidates, homogeneous_candidates, simulate_work
+from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule import StageGraph
-from harmonia.sim.orders import stage_trainable
-from harmonia.sim.recipes import Candidate, assign, candidates, homogeneous_candidates, simulate_work
-from harmonia.sim.scenario import Scenario, ScenarioRun
-from harmonia.sim.stagework import plan_iteration_work
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import plan_iteration_work, stage_trainable
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -107,7 +106,7 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
         samples: sample shapes to profile instead of the scenario's trace (a dataset's own).
         homogeneous: search only plans with one layout for all modules (each encoder on the LLM's
             first pipeline stage with the LLM's tp and dp), the baseline per-module layouts beat.
-        recipe: whose rules the candidates follow (`harmonia.sim.recipes.RECIPES`); the bounds hold
+        recipe: whose rules the candidates follow (`harmonia.plan.recipes.RECIPES`); the bounds hold
             for every recipe, so each baseline also gets the best layout its rules allow.
 
     Raises:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harmonia.errors import LayoutError, SampleError
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 
 Run = tuple[int, int, int]  # (sender_row, receiver_row, n_rows)
 TP_GRADS = ("replicated", "partial")

@@ -24,7 +24,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from harmonia.model.llm import DecoderLM
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from harmonia.errors import LayoutError
-from harmonia.plan.layout import AXES, Layout
-from harmonia.plan.plan import Plan
+from harmonia.schedule.layout import AXES, Layout
+from harmonia.schedule.plan import Plan
 
 
 @dataclass

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harmonia.errors import LayoutError, ScheduleError
-from harmonia.model.llm import lm_loss
 from harmonia.model.layers import ShardedKeys
+from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import group_mean
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
@@ -57,9 +57,9 @@ from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_back
 from harmonia.runtime.meshes import ModuleMesh, ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
-from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.costs import replay
-from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
 from harmonia.schedule.lowering import strip_communication
 
 Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)

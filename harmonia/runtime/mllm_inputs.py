@@ -28,10 +28,10 @@ import torch
 from harmonia.errors import SampleError
 from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, pack_samples
 from harmonia.model.spec import TransformerSpec
-from harmonia.plan.layout import Layout
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
 from harmonia.schedule.graph import LLM
+from harmonia.schedule.layout import Layout
 
 Split = Sequence[Sequence[int]]
 """Per DP replica, positions of its samples in the global microbatch (in packing order)."""

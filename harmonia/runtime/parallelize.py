@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from harmonia.errors import LayoutError
 from harmonia.model.spec import MLLMSpec
-from harmonia.plan.layout import Layout
 from harmonia.runtime.meshes import ModuleMesh
+from harmonia.schedule.layout import Layout
 
 
 def stage_layers(layout: Layout, n_layers: int) -> list[tuple[int, int]]:

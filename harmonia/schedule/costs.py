@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, IterationSchedule, Kind
+from harmonia.schedule.actions import Action, Kind
+from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.validator import Checker
 
 

@@ -12,11 +12,11 @@ from collections import deque
 from typing import Mapping, Sequence
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.costs import CostTable
 from harmonia.schedule.generators import (FAMILIES, Policy, default_lanes, is_colocated, list_schedule,
                                           normalize_order, normalize_sub, stage_actions)
-from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
 
 _CLASS = {Kind.F: "F", Kind.B: "grad", Kind.BW: "grad", Kind.W: "W"}
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.costs import CostTable
-from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
 
 FAMILIES = ("gpipe", "1f1b", "interleaved", "zb")
 _INF = float("inf")

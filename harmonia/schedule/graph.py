@@ -23,14 +23,12 @@ Frozen-awareness (per stage):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from harmonia.errors import ScheduleError
 from harmonia.schedule.actions import Action, Kind, StageRef
-
-if TYPE_CHECKING:
-    from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 
 LLM = "llm"
 
@@ -247,6 +245,50 @@ class StageGraph:
                 flags = (flags,) * layout.n_stages
             modules.append(ModuleStages(name, tuple(hs[0] for hs in holders), tuple(flags), holders))
         return StageGraph(tuple(modules))
+
+
+@dataclass
+class IterationSchedule:
+    """One iteration's per-rank ordered action lists: the data every consumer reads.
+
+    Attributes:
+        graph: the stage graph the schedule runs on.
+        n_microbatches: microbatches in the iteration.
+        n_sub: encoder -> number of sub-microbatches of each microbatch (1 = not split).
+        orders: rank -> its actions in execution order.
+        family: name of the generator that produced it (informational).
+    """
+
+    graph: StageGraph
+    n_microbatches: int
+    n_sub: dict[str, tuple[int, ...]]
+    orders: dict[int, list[Action]] = field(default_factory=dict)
+    family: str = ""
+    producers: tuple[dict, dict] | None = field(default=None, compare=False, repr=False)
+    """(stage -> grad kind, compute action -> its producers) the generator derived; `replay` reuses
+    them for the same grad kinds instead of deriving them again (None: derive)."""
+
+    def subs(self, module: str, microbatch: int) -> list[int | None]:
+        """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""
+        n = self.n_sub.get(module, ())
+        count = n[microbatch] if n else 1
+        return [None] if count == 1 else list(range(count))
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.orders)
+
+    def compute_orders(self) -> dict[int, list[Action]]:
+        """Per-rank compute actions only (what the simulator times)."""
+        return {r: [a for a in acts if a.kind.is_compute] for r, acts in self.orders.items()}
+
+    def is_lowered(self) -> bool:
+        """Whether communication actions are present."""
+        return any(not a.kind.is_compute for acts in self.orders.values() for a in acts)
+
+    def to_text(self) -> dict[int, list[str]]:
+        return {r: [str(a) for a in acts] for r, acts in self.orders.items()}
+
 
 
 def colocated_holders(layouts: Mapping[str, Layout], encoder: str, chunk: int,

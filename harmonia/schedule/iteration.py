@@ -14,7 +14,7 @@ microbatches. `assign_iteration` builds it from the balancer:
    replica with the least work so far this iteration (on that encoder's cost column). The loads
    carry over between microbatches: restarting from zero would hand the heaviest sample of every
    microbatch to the same replica. With the simulator's ``feeds``
-   (`harmonia.sim.stagework.feeding_replicas`: colocated encoder replicas feed the LLM replica on
+   (`harmonia.schedule.stagework.feeding_replicas`: colocated encoder replicas feed the LLM replica on
    their own ranks) the runtime places encoder work where the simulated step priced it.
 """
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, IterationSchedule, Kind
+from harmonia.schedule.actions import Action, Kind
+from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.validator import Checker, Message, data_message
 
 

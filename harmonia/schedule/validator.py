@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
 from harmonia.errors import ScheduleError
-from harmonia.schedule.actions import Action, IterationSchedule, Kind, StageRef
+from harmonia.schedule.actions import Action, Kind, StageRef
+from harmonia.schedule.graph import IterationSchedule
 
 Message = tuple[str, StageRef, StageRef, int, "int | None"]
 

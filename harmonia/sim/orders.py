@@ -15,72 +15,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from harmonia.plan.plan import Plan
-from harmonia.schedule import CostTable, PhaseCost, StageGraph, build_schedule, replay
+from harmonia.schedule import StageGraph, build_schedule, replay
 from harmonia.schedule.graph import colocated_holders
-from harmonia.sim.stagework import IterationWork, StageKey, stage_layer_range
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import IterationWork, StageKey, cost_table, encoder_replicas, stage_trainable
 from harmonia.sim.tasks import ComputeKey
 from harmonia.workload.cost import CostModel
-
-
-def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
-    """Per module, whether each stage chunk has trainable weights (projectors count on the encoder's
-    last chunk)."""
-    out = {}
-    for module, layout in plan.layouts.items():
-        flags = []
-        for chunk in range(layout.n_stages):
-            start, stop = stage_layer_range(cost, plan, module, chunk)
-            trains = cost.param_count(module, start, stop)[1] > 0
-            if module != "llm" and chunk == layout.n_stages - 1:
-                trains = trains or cost.param_count(f"{module}_proj")[1] > 0
-            flags.append(trains)
-        out[module] = tuple(flags)
-    return out
-
-
-def _encoder_replicas(plan: Plan, iw: IterationWork, enc: str, d: int, m: int) -> list[int]:
-    return iw.encoder_feeds.get((enc, d, m), [])
-
-
-def cost_table(plan: Plan, iw: IterationWork, d: int) -> CostTable:
-    """Per-microbatch stage durations of LLM replica ``d`` (encoders: the slowest feeding replica;
-    a colocated encoder on each holder: the slowest of the encoder replicas on its ranks)."""
-    return CostTable(_stage_costs(plan, iw, d), shares=_share_costs(plan, iw, d))
-
-
-def _slowest(works: list) -> PhaseCost:
-    return PhaseCost(max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
-
-
-def _share_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
-    out = {}
-    for enc in plan.encoders:
-        for chunk in range(plan.layouts[enc].n_stages):
-            held = colocated_holders(plan.layouts, enc, chunk, d)
-            if held is None or len(held) < 2:
-                continue
-            for m in range(len(iw.microbatches[d])):
-                for rank, replicas in held.items():
-                    works = [iw.work[(StageKey(enc, e, chunk), (d, m))] for e in replicas
-                             if (StageKey(enc, e, chunk), (d, m)) in iw.work]
-                    out[(rank, enc, chunk, m)] = _slowest(works) if works else PhaseCost(0.0, 0.0, 0.0)
-    return out
-
-
-def _stage_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
-    entries = {}
-    for m in range(len(iw.microbatches[d])):
-        for module, layout in plan.layouts.items():
-            replicas = [d] if module == "llm" else _encoder_replicas(plan, iw, module, d, m)
-            for chunk in range(layout.n_stages):
-                works = [iw.work[(StageKey(module, e, chunk), (d, m))] for e in replicas
-                         if (StageKey(module, e, chunk), (d, m)) in iw.work]
-                if not works:
-                    entries[(module, chunk, m, None)] = PhaseCost(0.0, 0.0, 0.0)
-                    continue
-                entries[(module, chunk, m, None)] = _slowest(works)
-    return entries
 
 
 def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | None = None,
@@ -113,7 +53,7 @@ def plan_orders(plan: Plan, cost: CostModel, iw: IterationWork, family: str | No
                 if not a.kind.is_compute:
                     continue
                 m = a.microbatch
-                replicas = [d] if a.module == "llm" else _encoder_replicas(plan, iw, a.module, d, m)
+                replicas = [d] if a.module == "llm" else encoder_replicas(plan, iw, a.module, d, m)
                 if a.stage_ref in shares:  # this holder's copy: the encoder replicas on its ranks
                     replicas = [e for e in replicas if e in shares[a.stage_ref][rep_rank]]
                 for e in replicas:

@@ -24,43 +24,21 @@ so only the part longer than the compute adds time.
 
 from __future__ import annotations
 
-from harmonia.plan.plan import Plan
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import IterationWork, StageKey
+from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s,
+                                      tp_allreduce_s)
 from harmonia.sim.engine import Task
-from harmonia.sim.stagework import IterationWork, StageKey, stage_layer_range
-from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
 ComputeKey = tuple[str, int, int, str, tuple[int, int]]
 
 
-def ring_allreduce_s(nbytes: float, ranks: tuple[int, ...], cluster: ClusterSpec) -> float:
-    """Ring all-reduce time: each rank sends and receives ``2 (n-1)/n`` of the buffer."""
-    n = len(ranks)
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return 2 * (n - 1) / n * nbytes / cluster.group_bandwidth(ranks) + 2 * (n - 1) * cluster.device.latency_s
-
-
-def p2p_s(nbytes: float, src: int, dst: int, cluster: ClusterSpec) -> float:
-    """Point-to-point transfer delay (zero on the same rank)."""
-    if src == dst or nbytes <= 0:
-        return 0.0
-    return cluster.device.latency_s + nbytes / cluster.p2p_bandwidth(src, dst)
-
-
-def _fsdp_gather_s(plan: Plan, cost: CostModel, key: StageKey, rank: int, cluster: ClusterSpec) -> float:
-    """Seconds to all-gather a stage's weights over its DP group (FSDP)."""
-    layout = plan.layouts[key.module]
-    start, stop = stage_layer_range(cost, plan, key.module, key.stage)
-    weights = cost.param_count(key.module, start, stop)[0] * PARAM_BYTES / layout.tp
-    coords = layout.coords(rank)
-    group = tuple(layout.rank_at(pp=coords["pp"], dp=d, cp=coords["cp"], tp=coords["tp"]) for d in range(layout.dp))
-    return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
-
-
 def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
-                      cluster: ClusterSpec, cache: dict) -> float:
-    """TP all-reduces and CP K/V all-gathers inside a stage for one phase."""
+                     cluster: ClusterSpec, cache: dict) -> float:
+    """TP all-reduces, CP K/V all-gathers and exposed FSDP gathers inside a stage for one phase
+    (`harmonia.sim.collectives`); ``cache`` keeps one FSDP gather price per stage chunk."""
     layout = plan.layouts[key.module]
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
@@ -71,22 +49,14 @@ def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageK
     ranks = iw.stage_ranks[key]
     extra = 0.0
     if tp_collective or cp_collective:
-        blocks = layout.stage_split(len(cost.layers[key.module]) - 2)[key.stage]
+        blocks = chunk_blocks(cost, layout, key.module, key.stage)
         passes = 2 if kind in ("B", "BW") and key.module in plan.recompute else 1  # recompute: forward again
-    if tp_collective:
-        hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
-        tp_group = ranks[: layout.tp]
-        extra += passes * 2 * blocks * ring_allreduce_s(work.tokens / layout.cp * hidden * cost.act_bytes,
-                                                        tp_group, cluster)
-    if cp_collective:
-        spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
-        kv = 2 * work.tokens * spec.kv_dim * cost.act_bytes / layout.tp
-        cp_group = ranks[:: layout.tp]
-        extra += passes * blocks * (len(cp_group) - 1) / len(cp_group) * kv / cluster.group_bandwidth(cp_group)
+        extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[: layout.tp])
+        extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[:: layout.tp])
     if fsdp_gather:
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
         if (key.module, key.stage) not in cache:
-            cache[(key.module, key.stage)] = _fsdp_gather_s(plan, cost, key, ranks[0], cluster)
+            cache[(key.module, key.stage)] = fsdp_gather_s(cost, cluster, plan, key.module, key.stage, key.replica)
         gather = cache[(key.module, key.stage)]
         compute = {"F": work.times.F, "B": work.times.B, "BW": work.times.B + work.times.W}[kind]
         extra += max(0.0, gather - compute)
@@ -195,7 +165,7 @@ def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders,
                          cluster: ClusterSpec) -> dict[int, list[int]]:
     """One DP gradient all-reduce per trainable stage and rank, after its last weight gradient."""
     comm: dict[int, list[int]] = {r: [] for r in orders}
-    seconds_of: dict[tuple, float | None] = {}  # (module, chunk, cp, tp) -> seconds: one DP group's reduction
+    seconds_of: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> seconds: one DP group's reduction
     for rank, keys in orders.items():
         last: dict[tuple[str, int, int], int] = {}
         for ck in keys:
@@ -208,16 +178,9 @@ def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders,
             coords = layout.coords(rank)
             group_key = (module, chunk, coords["cp"], coords["tp"])
             if group_key not in seconds_of:
-                start, stop = stage_layer_range(cost, plan, module, chunk)
-                _, trainable = cost.param_count(module, start, stop)
-                if chunk == layout.n_stages - 1 and module != "llm":
-                    trainable += cost.param_count(f"{module}_proj")[1]
-                group = tuple(layout.rank_at(pp=chunk % layout.pp, dp=d, cp=coords["cp"], tp=coords["tp"])
-                              for d in range(layout.dp))
-                seconds_of[group_key] = (ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
-                                         if trainable else None)
+                seconds_of[group_key] = grad_reduce_s(cost, cluster, plan, module, chunk, coords["cp"], coords["tp"])
             seconds = seconds_of[group_key]
-            if seconds is None:
+            if seconds <= 0:  # nothing to train on the chunk
                 continue
             comm[rank].append(len(tasks))
             tasks.append(Task(f"{module}.r{replica}.s{chunk}.allreduce", rank, seconds, [(i, 0.0)], module, "C"))

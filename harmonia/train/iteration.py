@@ -20,14 +20,13 @@ import numpy as np
 from harmonia.data.loader import MultimodalDataset
 from harmonia.errors import SampleError
 from harmonia.model.spec import MLLMSpec
-from harmonia.plan.plan import Plan
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule import build_schedule, lower
-from harmonia.schedule.actions import IterationSchedule
-from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
 from harmonia.schedule.iteration import IterationAssignment, assign_iteration
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import feeding_replicas
 from harmonia.sim.engine import Timeline
-from harmonia.sim.stagework import feeding_replicas
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import load_arrays
@@ -168,9 +167,10 @@ class IterationBuilder:
                   sim_cost: CostModel) -> tuple[IterationSchedule, Timeline | None]:
         """The searched microbatch order's lowered schedule, and (rank 0) its simulated timeline."""
         from harmonia.sim.engine import replay
-        from harmonia.sim.orders import cost_table, plan_orders
-        from harmonia.sim.search import search_order
-        from harmonia.sim.stagework import plan_iteration_work
+        from harmonia.sim.orders import plan_orders
+        from harmonia.schedule.stagework import cost_table
+        from harmonia.schedule.order_search import search_order
+        from harmonia.schedule.stagework import plan_iteration_work
         from harmonia.sim.tasks import build_tasks
 
         plan, n = self.plan, assignment.n_microbatches

@@ -13,9 +13,9 @@ from dataclasses import replace
 from harmonia.config import Config
 from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec, ModuleTraining
-from harmonia.plan.plan import Plan
+from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport, search_plan
-from harmonia.sim.scenario import Scenario
+from harmonia.plan.scenario import Scenario
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.shapes import SampleShape
 

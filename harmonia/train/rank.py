@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from harmonia.model.spec import MLLMSpec
-from harmonia.plan.plan import Plan
+from harmonia.schedule.plan import Plan
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_executor import MLLMExecutor
 from harmonia.schedule.graph import LLM, StageGraph

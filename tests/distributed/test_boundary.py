@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import LayoutError
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes

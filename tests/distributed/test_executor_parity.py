@@ -19,7 +19,7 @@ import torch
 from harmonia.model.batch import TokenizedSample, pack_samples
 from harmonia.model.llm import build_llm, lm_loss
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 from tests.distributed._spawn import check_timeout, run_workers
 
 pytestmark = pytest.mark.distributed

@@ -26,7 +26,7 @@ import torch
 from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
 from harmonia.model.mllm import build_mllm_model
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 from tests.distributed._spawn import check_timeout, run_workers
 
 pytestmark = pytest.mark.distributed

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from harmonia.errors import LayoutError, SampleError
-from harmonia.plan.layout import Layout
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import plan_cp_shards
+from harmonia.schedule.layout import Layout
 
 DEGREES = [{"dp": 1}, {"dp": 2}, {"dp": 4}, {"tp": 2}, {"dp": 2, "tp": 2}, {"cp": 2}, {"dp": 2, "cp": 2},
            {"pp": 2, "dp": 2}, {"tp": 2, "cp": 2}, {"dp": 3}]

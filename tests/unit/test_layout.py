@@ -3,7 +3,7 @@
 import pytest
 
 from harmonia.errors import LayoutError
-from harmonia.plan.layout import Layout
+from harmonia.schedule.layout import Layout
 
 
 def test_grid_order_tp_fastest() -> None:

@@ -9,8 +9,8 @@ import torch
 from harmonia.errors import SampleError
 from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
 from harmonia.model.presets import llm_preset
-from harmonia.plan.layout import Layout
 from harmonia.runtime.mllm_inputs import build_rank_batch, cp_token_ranks, item_positions
+from harmonia.schedule.layout import Layout
 
 
 def _sample(segments: list[tuple[str, int]], i: int) -> TokenizedSample:

@@ -2,9 +2,9 @@
 
 import pytest
 
-from harmonia.plan.layout import Layout
 from harmonia.runtime.p2p import message_tag
 from harmonia.schedule import StageGraph, build_schedule, lower
+from harmonia.schedule.layout import Layout
 
 
 @pytest.mark.parametrize("family, layout", [("1f1b", Layout(pp=4)), ("zb", Layout(pp=2)),

@@ -13,11 +13,11 @@ import pytest
 import harmonia.plan.bounds as bounds
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s
-from harmonia.plan.layout import Layout
-from harmonia.sim.recipes import (RECIPES, Candidate, assign, candidates, homogeneous_candidates, recompute_options,
-                                  simulate_work)
-from harmonia.sim.scenario import Scenario, ScenarioRun
-from harmonia.sim.stagework import plan_iteration_work
+from harmonia.plan.recipes import (Candidate, RECIPES, assign, candidates, homogeneous_candidates,
+                                   recompute_options, simulate_work)
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.stagework import plan_iteration_work
 
 TOLERANCE = 1e-9
 

@@ -1,16 +1,10 @@
 """Planner candidates: valid factorisations, memory filter, work-proportional rank sets."""
 
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.candidates import (
-    balanced_split,
-    check_memory,
-    disjoint_sizes,
-    encoder_layouts,
-    llm_layouts,
-    lower_bound_s,
-)
-from harmonia.plan.layout import Layout
+from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts,
+                                      lower_bound_s)
 from harmonia.plan.profiling import profile_batches
+from harmonia.schedule.layout import Layout
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string, device_preset
 from harmonia.workload.traces import synthesize_trace

@@ -4,8 +4,8 @@ import pytest
 
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.layout import Layout
-from harmonia.plan.plan import Plan
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
 
 
 def disjoint_plan(**kw) -> Plan:

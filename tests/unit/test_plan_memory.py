@@ -7,15 +7,15 @@ from dataclasses import replace
 import pytest
 
 from harmonia.plan.candidates import state_bytes_per_rank
-from harmonia.plan.layout import Layout
 from harmonia.plan.memory import plan_peak_bytes
-from harmonia.plan.plan import Plan
-from harmonia.plan.search import _branch_and_bound, _Scorer
+from harmonia.plan.recipes import candidates
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.plan.search import _Scorer, _branch_and_bound
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import plan_iteration_work
 from harmonia.sim.engine import replay
 from harmonia.sim.orders import plan_orders
-from harmonia.sim.recipes import candidates
-from harmonia.sim.scenario import Scenario, ScenarioRun
-from harmonia.sim.stagework import plan_iteration_work
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.devices import cluster_from_string
 

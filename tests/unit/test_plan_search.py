@@ -7,10 +7,10 @@ import pytest
 
 from harmonia.cli import main
 from harmonia.errors import ConfigError, LayoutError
-from harmonia.plan.plan import Plan
+from harmonia.plan.recipes import candidates
+from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
-from harmonia.sim.recipes import candidates
-from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.schedule.plan import Plan
 
 
 def _exhaustive_best(scenario: Scenario) -> tuple[float, int]:
@@ -22,7 +22,7 @@ def _exhaustive_best(scenario: Scenario) -> tuple[float, int]:
         distinct.setdefault((c.recipe, c.fused, p.placement, p.schedule, p.n_microbatches,
                              tuple(sorted(p.layouts.items()))), c)
     search = range(scenario.iterations, scenario.iterations + scenario.search_batches)
-    scores = [np.mean([run._timeline(c, k, 0.0).iteration_s for k in search]) for c in distinct.values()]
+    scores = [np.mean([run.timeline(c, k, 0.0).iteration_s for k in search]) for c in distinct.values()]
     return float(min(scores)), len(distinct)
 
 

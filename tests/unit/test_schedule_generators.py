@@ -5,12 +5,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harmonia.errors import ScheduleError
-from harmonia.plan.layout import Layout
 from harmonia.schedule import (CostTable, Kind, ModuleStages, StageGraph, build_1f1b, build_gpipe,
-                               build_interleaved_1f1b, build_schedule, build_zero_bubble, lower, makespan,
-                               replay, strip_communication, validate)
+                               build_interleaved_1f1b, build_schedule, build_zero_bubble, lower, makespan, replay,
+                               strip_communication, validate)
 from harmonia.schedule.actions import StageRef
 from harmonia.schedule.costs import PhaseCost
+from harmonia.schedule.layout import Layout
 
 FAMILIES = ("gpipe", "1f1b", "zb")
 

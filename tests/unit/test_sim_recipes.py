@@ -5,12 +5,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from harmonia.plan.layout import Placement
+from harmonia.plan.compare import run_recipe
+from harmonia.plan.recipes import candidates
+from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule import StageGraph, build_schedule, validate
-from harmonia.sim.assign import assign_reordered, assign_sequential
-from harmonia.sim.orders import stage_trainable
-from harmonia.sim.recipes import candidates
-from harmonia.sim.scenario import Scenario, ScenarioRun
+from harmonia.schedule.assign import assign_reordered, assign_sequential
+from harmonia.schedule.layout import Placement
+from harmonia.schedule.stagework import stage_trainable
 
 BASELINES = ("megatron", "cornstarch", "disttrain")
 
@@ -50,7 +51,7 @@ def test_candidates_follow_each_recipes_rules(run) -> None:
 
 def test_each_baseline_runs_and_its_schedule_validates(run) -> None:
     for recipe in BASELINES:
-        result = run.run(recipe)
+        result = run_recipe(run, recipe)
         assert result.candidate is not None and result.tried >= 1
         assert 0 < result.bubble_frac < 1 and 0 < result.mfu < 0.6
         plan = result.candidate.plan
@@ -70,7 +71,7 @@ def test_harmonia_never_loses_to_a_baseline(scenario, shared_traces) -> None:
     if scenario.trace.endswith(".csv"):
         scenario = replace(scenario, trace=str(shared_traces / scenario.trace))
     run = ScenarioRun(scenario)
-    results = {r: run.run(r) for r in (*BASELINES, "harmonia")}
+    results = {r: run_recipe(run, r) for r in (*BASELINES, "harmonia")}
     best_baseline = min(results[r].iteration_s for r in BASELINES)
     assert results["harmonia"].iteration_s <= best_baseline, {r: v.iteration_s for r, v in results.items()}
 

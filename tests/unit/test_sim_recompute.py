@@ -7,12 +7,12 @@ import pytest
 
 from harmonia.cli import main
 from harmonia.plan.candidates import state_bytes_per_rank
-from harmonia.plan.layout import Layout
 from harmonia.plan.memory import plan_peak_bytes
-from harmonia.plan.plan import Plan
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import StageKey, plan_iteration_work, stage_layer_range
 from harmonia.sim.engine import replay
 from harmonia.sim.orders import plan_orders
-from harmonia.sim.stagework import StageKey, plan_iteration_work, stage_layer_range
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.work import ModuleLoad, sample_loads
@@ -126,7 +126,7 @@ def test_plan_that_fits_only_with_recompute_gets_it(tmp_path) -> None:
     plan = Plan.load(out)
     assert "llm" in plan.recompute
     # and without it the same plan is over the device
-    from harmonia.sim.scenario import Scenario, ScenarioRun
+    from harmonia.plan.scenario import Scenario, ScenarioRun
 
     run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x2", "synthetic:image=1", 64, iterations=1,
                                search_batches=1))

@@ -3,7 +3,7 @@
 import numpy as np
 
 from harmonia.schedule import CostTable, ModuleStages, PhaseCost, StageGraph
-from harmonia.sim.search import light_ends_order, search_order
+from harmonia.schedule.order_search import light_ends_order, search_order
 
 
 def graph_and_costs(n: int, seed: int):
@@ -39,9 +39,9 @@ def test_search_of_every_replica_fits_its_budget(shared_traces) -> None:
     """search_orders shares one budget over all LLM replicas (heaviest first) and stops in time."""
     import time
 
-    from harmonia.sim.recipes import assign, candidates, search_orders
-    from harmonia.sim.scenario import Scenario, ScenarioRun
-    from harmonia.sim.stagework import plan_iteration_work
+    from harmonia.plan.recipes import assign, candidates, search_orders
+    from harmonia.plan.scenario import Scenario, ScenarioRun
+    from harmonia.schedule.stagework import plan_iteration_work
 
     run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x8", str(shared_traces / "ai2d.csv"), 256,
                                iterations=1, search_batches=1))

@@ -3,10 +3,10 @@
 import pytest
 
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.layout import Layout
-from harmonia.plan.plan import Plan
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import plan_iteration_work, stage_layer_range
 from harmonia.sim.engine import replay
-from harmonia.sim.stagework import plan_iteration_work, stage_layer_range
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string, device_preset

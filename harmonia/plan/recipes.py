@@ -36,16 +36,17 @@ import numpy as np
 
 from harmonia.errors import ConfigError
 from harmonia.plan.candidates import balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts
-from harmonia.plan.layout import Layout, Placement
-from harmonia.plan.plan import Plan
+from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.profiling import BatchProfile
-from harmonia.sim.assign import assign_reordered, assign_sequential
-from harmonia.sim.engine import Timeline, replay
 from harmonia.schedule import StageGraph
+from harmonia.schedule.assign import assign_reordered, assign_sequential
 from harmonia.schedule.dp_balance import balance_dp
-from harmonia.sim.orders import cost_table, fuse_encoders_into_first_stage, plan_orders, stage_trainable
-from harmonia.sim.search import search_order
-from harmonia.sim.stagework import IterationWork, plan_iteration_work
+from harmonia.schedule.layout import Layout, Placement
+from harmonia.schedule.order_search import search_order
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work, stage_trainable
+from harmonia.sim.engine import Timeline, replay
+from harmonia.sim.orders import fuse_encoders_into_first_stage, plan_orders
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -163,8 +164,6 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     (`recompute_options`) it needs and with every larger recompute option: the estimate is for
     the profile's mean microbatch, and a batch with heavier microbatches than the mean may fit
     only with more recompute when simulated. Those that fit with none are counted in ``rejected``."""
-    from harmonia.plan.memory import plan_peak_bytes  # the planner's memory model builds on this package
-
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for cand in found:
         options = recompute_options(cost, cand.plan)

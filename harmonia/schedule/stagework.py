@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from harmonia.plan.plan import Plan
+from harmonia.schedule.costs import CostTable, PhaseCost
+from harmonia.schedule.graph import LLM, colocated_holders
+from harmonia.schedule.plan import Plan
 from harmonia.workload.cost import CostModel, PhaseTimes
 from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
 from harmonia.workload.work import ModuleLoad
@@ -214,3 +216,64 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
             out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
         out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)
+
+
+def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
+    """Per module, whether each stage chunk has trainable weights (projectors count on the encoder's
+    last chunk)."""
+    out = {}
+    for module, layout in plan.layouts.items():
+        flags = []
+        for chunk in range(layout.n_stages):
+            start, stop = stage_layer_range(cost, plan, module, chunk)
+            trains = cost.param_count(module, start, stop)[1] > 0
+            if module != "llm" and chunk == layout.n_stages - 1:
+                trains = trains or cost.param_count(f"{module}_proj")[1] > 0
+            flags.append(trains)
+        out[module] = tuple(flags)
+    return out
+
+
+def encoder_replicas(plan: Plan, iw: IterationWork, enc: str, d: int, m: int) -> list[int]:
+    """The encoder replicas holding part of microbatch ``m`` of LLM replica ``d``."""
+    return iw.encoder_feeds.get((enc, d, m), [])
+
+
+def cost_table(plan: Plan, iw: IterationWork, d: int) -> CostTable:
+    """Per-microbatch stage durations of LLM replica ``d`` (encoders: the slowest feeding replica;
+    a colocated encoder on each holder: the slowest of the encoder replicas on its ranks)."""
+    return CostTable(_stage_costs(plan, iw, d), shares=_share_costs(plan, iw, d))
+
+
+def _slowest(works: list) -> PhaseCost:
+    return PhaseCost(max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
+
+
+def _share_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
+    out = {}
+    for enc in plan.encoders:
+        for chunk in range(plan.layouts[enc].n_stages):
+            held = colocated_holders(plan.layouts, enc, chunk, d)
+            if held is None or len(held) < 2:
+                continue
+            for m in range(len(iw.microbatches[d])):
+                for rank, replicas in held.items():
+                    works = [iw.work[(StageKey(enc, e, chunk), (d, m))] for e in replicas
+                             if (StageKey(enc, e, chunk), (d, m)) in iw.work]
+                    out[(rank, enc, chunk, m)] = _slowest(works) if works else PhaseCost(0.0, 0.0, 0.0)
+    return out
+
+
+def _stage_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
+    entries = {}
+    for m in range(len(iw.microbatches[d])):
+        for module, layout in plan.layouts.items():
+            replicas = [d] if module == "llm" else encoder_replicas(plan, iw, module, d, m)
+            for chunk in range(layout.n_stages):
+                works = [iw.work[(StageKey(module, e, chunk), (d, m))] for e in replicas
+                         if (StageKey(module, e, chunk), (d, m)) in iw.work]
+                if not works:
+                    entries[(module, chunk, m, None)] = PhaseCost(0.0, 0.0, 0.0)
+                    continue
+                entries[(module, chunk, m, None)] = _slowest(works)
+    return entries

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.spec import MLLMSpec
-from harmonia.plan.layout import Layout, Placement
+from harmonia.schedule.layout import Layout, Placement
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 

@@ -1,0 +1,97 @@
+"""Scenarios: a model, a cluster, a trace and a batch size, loaded once for the planner.
+
+A `ScenarioRun` holds what every candidate plan is scored on: the model and its cost model, the
+cluster, the trace's sample shapes and their per-module work, and the profiled global batches
+(`harmonia.plan.profiling`). The planner searches it (`harmonia.plan.search`); every recipe's best
+plan on it is compared by `harmonia.plan.compare`.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harmonia.errors import ConfigError
+from harmonia.model.resolve import resolve_mllm
+from harmonia.plan.profiling import profile_batches
+from harmonia.plan.recipes import Candidate, simulate
+from harmonia.sim.engine import Timeline
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec, cluster_from_string
+from harmonia.workload.shapes import SampleShape
+from harmonia.workload.traces import load_trace
+from harmonia.workload.work import load_arrays
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What to simulate.
+
+    Attributes:
+        name: scenario name.
+        model: MLLM preset name, HF checkpoint directory, or composition (`harmonia.model.resolve`).
+        training: module -> full / frozen / lora.
+        cluster: ``DEVICE:NODESxGPUS``.
+        trace: CSV path (relative paths resolve against the project root) or ``synthetic:...``.
+        global_batch: samples per iteration.
+        iterations: batches averaged in the report.
+        search_batches: batches each candidate is scored on during the search.
+        seed: sampling seed.
+    """
+
+    name: str
+    model: str | dict
+    cluster: str
+    trace: str
+    global_batch: int
+    training: dict[str, str] = field(default_factory=dict)
+    iterations: int = 20
+    search_batches: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
+            raise ConfigError(f"scenario {self.name!r}: global_batch, iterations and search_batches must be >= 1")
+
+    @staticmethod
+    def load(path: str | Path) -> Scenario:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+            return Scenario(**raw["scenario"])
+        except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"scenario file {path}: {err}; expected a [scenario] table with name, model, "
+                              "cluster, trace and global_batch") from None
+
+    def trace_spec(self) -> str:
+        if self.trace.startswith("synthetic"):
+            return self.trace
+        p = Path(self.trace)
+        return str(p if p.is_absolute() else ROOT / p)
+
+
+class ScenarioRun:
+    """Loads a scenario's model, cluster and trace once and runs recipes on it."""
+
+    def __init__(self, scenario: Scenario, samples: list[SampleShape] | None = None) -> None:
+        """Load the scenario; ``samples`` (e.g. a dataset's shapes) replace its trace when given."""
+        self.scenario = scenario
+        self.mllm = resolve_mllm(scenario.model, training=scenario.training)
+        self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
+        self.cost = CostModel(self.mllm, self.cluster.device)
+        self.samples = samples if samples is not None else load_trace(
+            scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096), seed=scenario.seed)
+        tokens, pairs = load_arrays(self.samples, self.mllm)
+        self.costs = self.cost.costs_from_loads(tokens, pairs)
+        self.tokens = tokens[:, self.cost.modules.index("llm")]
+        n_batches = scenario.iterations + scenario.search_batches
+        self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
+
+    def timeline(self, cand: Candidate, k: int, search_budget_s: float = 0.1) -> Timeline:
+        """One simulated iteration of profiled batch ``k`` under a candidate."""
+        batch = self.profile.batches[k]
+        return simulate(cand, self.samples, batch, self.costs[batch], self.tokens[batch], self.cost, self.cluster,
+                        search_budget_s)

@@ -1,0 +1,112 @@
+"""Seconds of every transfer and collective harmonia's step runs, one function each.
+
+The simulator (`harmonia.sim.tasks`) prices each piece of work with these, and the planner's bounds
+(`harmonia.plan.bounds`) sum the same functions over a replica's microbatches, so the two can never
+count a collective differently.
+
+- ring all-reduce over ``n`` ranks: each rank sends and receives ``2 (n-1)/n`` of the buffer, in
+  ``2 (n-1)`` steps of one latency each: ``2 (n-1)/n * bytes / bw + 2 (n-1) * latency``;
+- TP: two all-reduces of the ``tokens/cp x hidden`` activations per block in a forward pass
+  (Megatron-LM's column/row split: one after attention, one after the MLP) and two in the backward;
+- CP: an all-gather of K and V per block, ``(c-1)/c * 2 tokens kv_dim bytes / tp / bw``;
+- FSDP: an all-gather of the chunk's weights over its ``dp`` group before a forward or a backward,
+  ``(dp-1)/dp * weight bytes / tp / bw``;
+- DP gradient reduction: a ring all-reduce of the chunk's trainable gradients (its projector's on an
+  encoder's last chunk) over ``dp``;
+- P2P: ``latency + bytes / bw`` between two ranks, nothing on the same rank.
+
+Bandwidths come from the cluster model: a group within a node runs at the node's link speed, one
+that crosses nodes at the network's (`ClusterSpec.group_bandwidth`).
+"""
+
+from __future__ import annotations
+
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.stagework import stage_layer_range
+from harmonia.workload.cost import CostModel, GRAD_BYTES, PARAM_BYTES
+from harmonia.workload.devices import ClusterSpec
+
+
+def ring_allreduce_s(nbytes: float, ranks: tuple[int, ...], cluster: ClusterSpec) -> float:
+    """Ring all-reduce time: each rank sends and receives ``2 (n-1)/n`` of the buffer."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / cluster.group_bandwidth(ranks) + 2 * (n - 1) * cluster.device.latency_s
+
+
+def p2p_s(nbytes: float, src: int, dst: int, cluster: ClusterSpec) -> float:
+    """Point-to-point transfer delay (zero on the same rank)."""
+    if src == dst or nbytes <= 0:
+        return 0.0
+    return cluster.device.latency_s + nbytes / cluster.p2p_bandwidth(src, dst)
+
+
+def chunk_blocks(cost: CostModel, layout: Layout, module: str, chunk: int) -> int:
+    """Transformer blocks of a stage chunk (the front end and the head are not blocks)."""
+    return layout.stage_split(len(cost.layers[module]) - 2)[chunk]
+
+
+def stage_group(layout: Layout, chunk: int, axis: str, dp: int = 0, cp: int = 0, tp: int = 0) -> tuple[int, ...]:
+    """The ranks of a chunk's pipeline rank along ``axis`` through the given coordinates."""
+    coords = {"dp": dp, "cp": cp, "tp": tp}
+    out = []
+    for i in range(getattr(layout, axis)):
+        coords[axis] = i
+        out.append(layout.rank_at(pp=chunk % layout.pp, **coords))
+    return tuple(out)
+
+
+def tp_allreduce_s(cost: CostModel, cluster: ClusterSpec, layout: Layout, module: str, blocks: int,
+                   tokens: float, group: tuple[int, ...], calls: int = 1) -> float:
+    """TP all-reduces of one forward (or one backward) pass of ``blocks`` blocks over ``tokens``.
+
+    A ring is affine in its bytes, so ``calls`` passes whose tokens sum to ``tokens`` take the bytes
+    term of ``tokens`` once and the latency term ``calls`` times (the planner's bound over a replica's
+    microbatches; the simulator prices one microbatch with ``calls=1``).
+    """
+    if layout.tp <= 1 or tokens <= 0:
+        return 0.0
+    n = layout.tp
+    hidden = cost.mllm.llm.hidden if module == "llm" else cost.mllm.encoders[module].out_dim
+    nbytes = tokens / layout.cp * hidden * cost.act_bytes
+    per_block = 2 * (n - 1) / n * nbytes / cluster.group_bandwidth(group) + calls * 2 * (n - 1) * cluster.device.latency_s
+    return 2 * blocks * per_block
+
+
+def cp_kv_gather_s(cost: CostModel, cluster: ClusterSpec, layout: Layout, module: str, blocks: int,
+                   tokens: float, group: tuple[int, ...]) -> float:
+    """The K and V all-gathers of one pass of ``blocks`` blocks over ``tokens`` (context parallelism)."""
+    if layout.cp <= 1 or tokens <= 0:
+        return 0.0
+    spec = cost.mllm.llm.body if module == "llm" else cost.mllm.encoders[module].body
+    kv = 2 * tokens * spec.kv_dim * cost.act_bytes / layout.tp
+    return blocks * (layout.cp - 1) / layout.cp * kv / cluster.group_bandwidth(group)
+
+
+def fsdp_gather_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str, chunk: int,
+                  dp: int = 0, cp: int = 0, tp: int = 0) -> float:
+    """One all-gather of a chunk's weights over its DP group (FSDP), before a forward or a backward."""
+    layout = plan.layouts[module]
+    if not layout.fsdp or layout.dp <= 1:
+        return 0.0
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    weights = cost.param_count(module, start, stop)[0] * PARAM_BYTES / layout.tp
+    group = stage_group(layout, chunk, "dp", dp, cp, tp)
+    return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
+
+
+def grad_reduce_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str, chunk: int,
+                  cp: int = 0, tp: int = 0) -> float:
+    """The DP all-reduce of a chunk's trainable gradients (its projector's on an encoder's last chunk);
+    zero with ``dp = 1`` or nothing to train."""
+    layout = plan.layouts[module]
+    if layout.dp <= 1:
+        return 0.0
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    trainable = cost.param_count(module, start, stop)[1]
+    if chunk == layout.n_stages - 1 and module != "llm":
+        trainable += cost.param_count(f"{module}_proj")[1]
+    group = stage_group(layout, chunk, "dp", 0, cp, tp)
+    return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
