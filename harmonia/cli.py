@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -251,7 +252,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a training checkpoint as an HF directory in its source's format."""
     from harmonia.train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out)
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype)
     console.print(f"exported {args.checkpoint} to {out}", markup=False, highlight=False)
     return 0
 
@@ -338,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "HF directory transformers loads: config, safetensors shards, tokenizer and processor files")
     p.add_argument("--checkpoint", required=True, help="checkpoint.dir of the job (its newest step) or a step-N dir")
     p.add_argument("--out", required=True, help="a new or empty directory to write")
+    p.add_argument("--dtype", default="source", choices=("source", "float32", "bfloat16", "float16"),
+                   help="dtype of the written weights (source: the source checkpoint's)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("hf", help="HF checkpoint tools: tiny-llava OUT (a tiny random-weight LLaVA with tokenizer "
@@ -370,8 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except HarmoniaError as err:
         from harmonia.runtime.watchdog import StopRequested
 
-        if isinstance(err, StopRequested):  # a requested stop, said as it is
-            console.print(Text(str(err)), soft_wrap=True)
+        if isinstance(err, StopRequested):  # a requested stop, said once (by rank 0 under torchrun)
+            if os.environ.get("RANK", "0") == "0":
+                console.print(Text(str(err)), soft_wrap=True)
         else:
             _print_error(str(err))
         return getattr(err, "exit_code", 2)

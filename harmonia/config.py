@@ -76,17 +76,31 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = _f("runs/data/synthetic", "dataset directory, JSONL manifest or tar shard")
-    synthesize: int = _f(480, "samples to synthesize when `path` is missing (0 = fail instead)")
+    path: str = _f("runs/data/synthetic", "dataset: a file or directory (harmonia manifest, LLaVA JSON/JSONL, "
+                   "messages JSONL, webdataset shards, a mixture YAML/JSON), or where to synthesize one")
+    format: str = _f("auto", "record format: auto (detected per record), harmonia, llava, messages or webdataset")
+    chat_template: str = _f("", "a Jinja chat template file replacing the tokenizer's own")
+    media_root: str = _f("", "directory media paths are relative to (default: the dataset file's directory)")
+    allow_outside_root: bool = _f(False, "allow media paths that resolve outside the media root")
+    synthesize: int = _f(480, "samples to synthesize when `path` does not exist or is empty (0 = fail instead)")
     heldout: int = _f(96, "held-out samples synthesized beside the training set")
     trace: str = _f("", "size mix of synthesized samples: a trace CSV path, or empty for the default mix")
     max_tokens: int = _f(512, "longest sample in LLM tokens; longer samples are skipped by policy")
+    max_frames: int = _f(8, "frames sampled uniformly from each video")
+    max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
     num_workers: int = _f(0, "decoding worker processes per rank")
 
     def __post_init__(self) -> None:
+        _require(self.format in ("auto", "harmonia", "llava", "messages", "webdataset"), "data.format", self.format,
+                 "auto, harmonia, llava, messages or webdataset")
+        if self.chat_template:
+            _require(Path(self.chat_template).is_file(), "data.chat_template", self.chat_template,
+                     "an existing Jinja template file")
         _require(self.synthesize >= 0 and self.heldout >= 0, "data.synthesize", self.synthesize, ">= 0")
         _require(self.max_tokens > 0, "data.max_tokens", self.max_tokens, "a positive integer")
+        _require(self.max_frames > 0, "data.max_frames", self.max_frames, "a positive integer")
+        _require(self.max_pixels > 0, "data.max_pixels", self.max_pixels, "a positive integer")
         _require(self.on_error in ("skip", "fail"), "data.on_error", self.on_error, "'skip' or 'fail'")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")
 

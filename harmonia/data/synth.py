@@ -38,6 +38,8 @@ TASK_ANSWERS: dict[str, tuple[str, ...]] = {
     "direction": ("left", "right"), "arith": tuple(str(i) for i in range(9)),
 }
 DEFAULT_MIX = {"colour": 0.3, "count": 0.15, "pitch": 0.2, "direction": 0.15, "arith": 0.2}
+TASK_MODALITY: dict[str, str | None] = {"colour": "image", "count": "image", "pitch": "audio", "direction": "video",
+                                        "arith": None}
 _TASK_OF_MODALITY = {"image": "colour", "video": "direction", "audio": "pitch"}
 
 

@@ -52,3 +52,27 @@ def resolve_mllm(source: ModelSource, training: dict[str, str] | None = None,
         spec = replace(spec, training={m: ModuleTraining(t.mode, lora_rank=lora_rank)
                                        for m, t in spec.training.items()})
     return spec
+
+
+def source_identity(source: ModelSource) -> str | dict:
+    """A model source with absolute paths (what a checkpoint records, valid from any directory)."""
+    if isinstance(source, dict):
+        return {"llm": str(Path(source["llm"]).resolve()),
+                "encoders": {k: str(Path(v).resolve()) for k, v in source.get("encoders", {}).items()}}
+    return str(Path(source).resolve()) if is_checkpoint_dir(source) else source
+
+
+def tokenizer_identity(directory: str | Path | None) -> str | None:
+    """A digest of a checkpoint's tokenizer files (vocabulary, merges, special tokens, chat template),
+    or None when there is no directory (the byte tokenizer)."""
+    import hashlib
+
+    if not directory:
+        return None
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model"):
+        path = Path(directory) / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]

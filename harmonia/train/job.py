@@ -24,6 +24,7 @@ from pathlib import Path
 from harmonia.config import Config
 from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
+from harmonia.train.data import open_split, prepare_data
 from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
 
 log = logging.getLogger(__name__)
@@ -50,37 +51,9 @@ def backend_of(config: Config) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def prepare_data(config: Config) -> Path:
-    """The dataset directory (``train/`` and ``heldout/`` inside), synthesized when missing."""
-    from harmonia.errors import ConfigError
-
-    root = Path(config.data.path)
-    if (root / "train").exists():
-        return root
-    if not config.data.synthesize:
-        raise ConfigError(f"config data.path={str(root)!r} has no train/ split and data.synthesize=0; point it "
-                          "at a dataset or set data.synthesize to a sample count")
-    from harmonia.data.synth import write_synthetic_dataset
-
-    spec = model_spec(config)
-    tile = next((e.image_size for e in spec.encoders.values() if not e.is_audio), 16)
-    trace = None
-    if config.data.trace:
-        from harmonia.workload.traces import load_trace
-
-        trace = load_trace(config.data.trace, n_samples=config.data.synthesize, seed=config.train.seed)
-    n = config.data.synthesize + config.data.heldout
-    write_synthetic_dataset(root, n, seed=config.train.seed, heldout=config.data.heldout / n, trace=trace, tile=tile)
-    return root
-
-
 def dataset_shapes(config: Config) -> list:
     """Shapes of every usable training sample (bad ones counted, reported and skipped)."""
-    from harmonia.data.loader import MultimodalDataset
-
-    ds = MultimodalDataset(Path(config.data.path) / "train", model_spec(config), config.data.max_tokens,
-                           on_error=config.data.on_error)
-    return ds.shapes()
+    return open_split(config, "train").shapes()
 
 
 def resolve_plan(config: Config) -> tuple[Plan, PlanReport | None]:
@@ -96,26 +69,22 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     import torch.distributed.checkpoint as dcp
 
     from harmonia.data.evaluate import answer_accuracy, chance_accuracy
-    from harmonia.data.loader import MultimodalDataset
-    from harmonia.model.mllm import build_mllm_model
-    from harmonia.train.rank import initial_state
+    from harmonia.train.weights import initial_model
 
-    heldout = Path(config.data.path) / "heldout"
-    if not heldout.exists():
-        return {}
     spec = model_spec(config)
-    ds = MultimodalDataset(heldout, spec, config.data.max_tokens, on_error="skip")
+    ds = open_split(config, "heldout", spec)
+    if ds is None:
+        return {}
     samples = ds.load(list(range(len(ds))))
-    model = build_mllm_model(spec)
-    model.load_state_dict(initial_state(spec, config.train.seed))
-    before = answer_accuracy(model, samples)
+    model = initial_model(config, spec)
+    before = answer_accuracy(model, samples, ds.tokenizer)
     if checkpoint_step is None:
         return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}
     state = {"model": dict(model.state_dict())}
     with warnings.catch_warnings():  # loading in one process is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{checkpoint_step}"), no_dist=True)
-    after = answer_accuracy(model, samples)
+    after = answer_accuracy(model, samples, ds.tokenizer)
     return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
 
 
@@ -170,9 +139,7 @@ def run_training(config: Config, console) -> TrainResult | None:
         if checked.finished:
             return TrainResult(None, [], [], checked.start_step)
         t0 = time.perf_counter()
-        existed = (Path(config.data.path) / "train").exists()
-        prepare_data(config)
-        if not existed:
+        if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
                           f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)", markup=False)
         plan, report = resolve_plan(config)

@@ -112,8 +112,8 @@ class Trainer:
     """
 
     def __init__(self, config: Config, plan: Plan, rank: int) -> None:
-        from harmonia.data.loader import MultimodalDataset
         from harmonia.runtime.meshes import build_module_meshes
+        from harmonia.train.data import open_split
         from harmonia.train.preflight import run_fingerprint
         from harmonia.workload.cost import CostModel
         from harmonia.workload.devices import cluster_from_string
@@ -124,9 +124,9 @@ class Trainer:
         self.meshes = build_module_meshes(plan, self.device.type)
         tc = config.train
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
-                                      tc.max_norm or None, self.device, tc.precision)
-        self.dataset = MultimodalDataset(Path(config.data.path) / "train", self.spec, config.data.max_tokens,
-                                         on_error=config.data.on_error)
+                                      tc.max_norm or None, self.device, tc.precision,
+                                      source=config.model.source if config.model.from_checkpoint else None)
+        self.dataset = open_split(config, "train", self.spec)
         usable = [s.sample_id for s in self.dataset.shapes()]
         self.order = DataOrder(usable, tc.global_batch, tc.seed)
         cluster = cluster_from_string(config.parallel.cluster)

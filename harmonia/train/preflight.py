@@ -42,14 +42,24 @@ LOG_ROOM_BYTES = 64 * 2**20
 def run_fingerprint(config: Config) -> dict:
     """What a checkpoint must share with the job that resumes it: the model, how each module trains,
     the parameter counts and the tokenizer. JSON-able; compared key by key."""
+    from harmonia.model.resolve import source_identity, tokenizer_identity
+
     spec = model_spec(config)
     return {
-        "model": config.model.source,
+        "model": source_identity(config.model.source),
         "training": {m: spec.training_of(m).mode.value for m in spec.module_names},
         "lora_rank": config.model.lora_rank if config.model.lora else None,
         "parameters": spec.n_params(),
-        "tokenizer": {"vocab_size": spec.llm.vocab_size},
+        "tokenizer": {"vocab_size": spec.llm.vocab_size,
+                      "files": tokenizer_identity(config.model.hf or config.model.llm),
+                      "chat_template": _file_digest(config.data.chat_template)},
     }
+
+
+def _file_digest(path: str) -> str | None:
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16] if path else None
 
 
 def fingerprint_differences(saved: dict, current: dict) -> list[str]:

@@ -95,3 +95,19 @@ def load_checkpoint_chunk(module: nn.Module, spec: MLLMSpec, source: str | dict,
 def _unwrapped(key: str) -> str:
     """The plain-linear name of a LoRA-wrapped weight (``q_proj.base.weight`` -> ``q_proj.weight``)."""
     return key.replace(".base.", ".")
+
+
+def initial_model(config, spec: MLLMSpec) -> nn.Module:
+    """The whole MLLM with the job's initial weights, in one process (held-out evaluation, export):
+    the seed's for presets, the checkpoints' (fresh tensors from the seed) for HF sources."""
+    from harmonia.model.mllm import build_mllm_model, state_prefix
+    from harmonia.train.rank import initial_state
+
+    model = build_mllm_model(spec)
+    if not config.model.from_checkpoint:
+        model.load_state_dict(initial_state(spec, config.train.seed))
+        return model
+    for name in spec.module_names:
+        load_checkpoint_chunk(model.module(name), spec, config.model.source, name, None, state_prefix(spec, name),
+                              config.train.seed)
+    return model

@@ -1,0 +1,94 @@
+"""The job's dataset: the user's data as they hold it, or the synthetic learnable set.
+
+``data.path`` is any dataset `harmonia.data.sources` reads (harmonia's manifest, LLaVA JSON/JSONL,
+messages JSONL, webdataset shards, a mixture file) or the synthetic layout (``train/`` and
+``heldout/``). Data is synthesized only where ``data.path`` does not exist or is an empty directory:
+a user's directory is never written into. Samples are rendered with the model's own tokenizer and
+chat template and its processor's media numbers when the model comes from HF checkpoints, and with
+the byte tokenizer for presets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harmonia.config import Config
+from harmonia.train.planning import model_spec
+
+
+def tokenizer_dir(config: Config) -> str | None:
+    """Where the job's tokenizer lives: the HF checkpoint, or a composition's LLM; None for presets."""
+    return config.model.hf or config.model.llm or None
+
+
+def job_tokenizer(config: Config):
+    """The job's `harmonia.data.tokenizer.Tokenizer` (the checkpoint's with its chat template, or bytes)."""
+    from harmonia.data.loader import build_tokenizer
+
+    return build_tokenizer(tokenizer_dir(config), config.data.chat_template or None)
+
+
+def job_preprocessors(config: Config, spec) -> dict:
+    """Media preprocessing per encoder: a whole checkpoint's processor (LLaVA's image processor), an
+    encoder checkpoint's processor files, or each encoder's family constants for presets."""
+    from harmonia.data.media import build_media_preprocessors
+
+    has_processor = ("preprocessor_config.json", "processor_config.json")
+    if config.model.hf:
+        given = {m: config.model.hf for m, e in spec.encoders.items() if e.is_vision}
+    else:
+        given = dict(config.model.encoders)
+    given = {m: d for m, d in given.items() if any((Path(d) / f).is_file() for f in has_processor)}
+    return build_media_preprocessors(spec, given, max_pixels=config.data.max_pixels)
+
+
+def open_split(config: Config, split: str = "train", spec=None, tokenizer=None):
+    """The ``train`` or ``heldout`` split of ``data.path`` as a `MultimodalDataset`, or None when the
+    dataset has no such split (only the synthetic layout holds one out)."""
+    from harmonia.data.loader import open_dataset
+    from harmonia.data.sources import dataset_splits
+
+    train, heldout = dataset_splits(config.data.path)
+    path = train if split == "train" else heldout
+    if path is None:
+        return None
+    spec = spec or model_spec(config)
+    d = config.data
+    return open_dataset(path, spec, tokenizer=tokenizer or job_tokenizer(config), format=d.format,
+                        max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if split == "train" else "skip",
+                        media_root=d.media_root or None, allow_outside_root=d.allow_outside_root,
+                        seed=config.train.seed, num_workers=d.num_workers,
+                        preprocessors=job_preprocessors(config, spec))
+
+
+def prepare_data(config: Config) -> bool:
+    """Synthesize the learnable dataset at ``data.path`` when nothing is there; returns whether it did.
+
+    Raises:
+        ConfigError: nothing at ``data.path`` and ``data.synthesize`` is 0.
+    """
+    from harmonia.data.sources import is_dataset
+    from harmonia.errors import ConfigError
+
+    root = Path(config.data.path)
+    if is_dataset(root):
+        return False
+    if not config.data.synthesize:
+        raise ConfigError(f"config data.path={str(root)!r} holds no dataset and data.synthesize=0; point it at a "
+                          "dataset or set data.synthesize to a sample count")
+    from harmonia.data.synth import DEFAULT_MIX, TASK_MODALITY, write_synthetic_dataset
+
+    spec = model_spec(config)
+    tile = next((e.image_size for e in spec.encoders.values() if not e.is_audio), 16)
+    trace = None
+    if config.data.trace:
+        from harmonia.workload.traces import load_trace
+
+        trace = load_trace(config.data.trace, n_samples=config.data.synthesize, seed=config.train.seed)
+    n = config.data.synthesize + config.data.heldout
+    encoded = {m for e in spec.encoders.values() for m in e.modalities}
+    mix = {t: w for t, w in DEFAULT_MIX.items() if TASK_MODALITY[t] is None or TASK_MODALITY[t] in encoded}
+    fmt = "llava" if config.model.from_checkpoint and encoded <= {"image"} else "harmonia"
+    write_synthetic_dataset(root, n, seed=config.train.seed, heldout=config.data.heldout / n, mix=mix, trace=trace,
+                            tile=tile, fmt=fmt)
+    return True

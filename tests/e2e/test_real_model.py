@@ -1,0 +1,120 @@
+"""The real-model path end to end: an HF LLaVA checkpoint and LLaVA JSON data through
+`harmonia train` (4 processes, the encoder's layout unlike the LLM's) -> `harmonia export` ->
+transformers, which must load the export with no missing or unexpected keys and no warnings, give
+the same logits as harmonia's trained model, and score the training conversations better than the
+initial checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from harmonia.config import load_config
+from harmonia.data.synth import write_synthetic_dataset
+from harmonia.model.hf.tiny import write_tiny_llava
+from harmonia.train import run_training
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("real")
+    base = write_tiny_llava(tmp / "base")
+    write_synthetic_dataset(tmp / "data", 112, seed=0, heldout=1 / 7, tile=32, fmt="llava")
+    config = load_config(None, [
+        f"--model.hf={base}", "--model.frozen=vision", f"--data.path={tmp / 'data' / 'train' / 'llava.json'}",
+        "--train.steps=10", "--train.global_batch=16", "--train.warmup=1", "--train.lr=5e-3",
+        "--parallel.llm_pp=2", "--parallel.timeout_s=400", "--log.tensorboard=false",
+        f"--log.dir={tmp / 'run'}", f"--checkpoint.dir={tmp / 'run' / 'ck'}"])
+    printed = io.StringIO()
+    result = run_training(config, Console(file=printed, width=200))
+    from harmonia.train.export import export_checkpoint
+
+    export_checkpoint(tmp / "run" / "ck", tmp / "export")
+    return tmp, config, result
+
+
+def _conversations(tmp: Path, n: int) -> list[dict]:
+    return json.loads((tmp / "data" / "train" / "llava.json").read_text())[:n]
+
+
+def _inputs(processor, row: dict, root: Path) -> dict:
+    """transformers' inputs for a LLaVA-JSON row, labels on the answer and end of turn only."""
+    from PIL import Image
+
+    from harmonia.train.hf_generate import _messages
+
+    msgs, answer = _messages(row["conversations"])
+    prompt = processor.apply_chat_template(msgs, add_generation_prompt=True)
+    full = prompt + answer + "<|im_end|>\n"
+    images = [Image.open(root / row["image"]).convert("RGB")] if "image" in row else None
+    batch = processor(images=images, text=[full], return_tensors="pt")
+    n_prompt = processor(images=images, text=[prompt], return_tensors="pt")["input_ids"].shape[1]
+    labels = batch["input_ids"].clone()
+    labels[:, :n_prompt] = -100
+    return {**batch, "labels": labels}
+
+
+def test_plan_gives_the_encoder_its_own_layout(job) -> None:
+    _, _, result = job
+    llm = result.plan.layouts["llm"]
+    assert llm.pp == 2 and result.plan.layouts["vision"] != llm
+    assert result.losses[-1] < result.losses[0]
+
+
+def test_export_loads_cleanly_with_harmonia_logits(job, caplog) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from harmonia.model.batch import pack_samples
+    from harmonia.model.hf.llava import tokenized_sample
+    from harmonia.model.mllm import build_mllm_model
+    from harmonia.runtime.checkpoint import latest_step
+    from harmonia.train.planning import model_spec
+
+    tmp, config, _ = job
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        model, info = transformers.LlavaForConditionalGeneration.from_pretrained(
+            tmp / "export", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not [str(w.message) for w in caught if "checkpoint" in str(w.message).lower()]
+    assert not [r.message for r in caplog.records if "weight" in r.message.lower()]
+    processor = transformers.AutoProcessor.from_pretrained(tmp / "export")
+
+    spec = model_spec(config)
+    ours = build_mllm_model(spec).eval()
+    state = {"model": dict(ours.state_dict())}
+    step = latest_step(config.checkpoint.dir)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{step}"), no_dist=True)
+    row = _conversations(tmp, 3)[0]
+    batch = _inputs(processor, row, tmp / "data" / "train")
+    sample = tokenized_sample(spec, batch["input_ids"][0], batch["pixel_values"])
+    with torch.no_grad():
+        want = model.eval()(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"]).logits
+        got = ours(pack_samples([sample]))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_training_lowered_the_transformers_loss(job) -> None:
+    tmp, _, _ = job
+    losses = {}
+    for name in ("base", "export"):
+        model = transformers.LlavaForConditionalGeneration.from_pretrained(tmp / name).eval()
+        processor = transformers.AutoProcessor.from_pretrained(tmp / name)
+        with torch.no_grad():
+            losses[name] = sum(float(model(**_inputs(processor, row, tmp / "data" / "train")).loss)
+                               for row in _conversations(tmp, 24)) / 24
+    assert losses["export"] < losses["base"], losses
