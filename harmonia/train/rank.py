@@ -33,14 +33,6 @@ def prefix_of(module: str) -> str:
     return f"encoders.{module}."
 
 
-def initial_state(spec: MLLMSpec, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial weights (LoRA adapters included), identical on every rank."""
-    from harmonia.model.mllm import build_mllm_model
-
-    torch.manual_seed(seed)
-    return build_mllm_model(spec).state_dict()
-
-
 def _load(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> None:
     own = module.state_dict()
     module.load_state_dict({k: state[prefix + k] for k in own})
@@ -116,7 +108,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage, stage_layers
-    from harmonia.train.weights import load_checkpoint_chunk
+    from harmonia.train.weights import initial_state, load_checkpoint_chunk
 
     state = initial_state(spec, seed) if source is None else None
 

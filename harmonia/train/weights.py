@@ -1,7 +1,7 @@
 """Where a rank's initial weights come from: the job's seed, or HF checkpoints.
 
 From a preset, every rank builds the whole model's initial weights from the seed (small models,
-identical everywhere) and keeps its chunks' (`harmonia.train.rank.initial_state`). From HF
+identical everywhere) and keeps its chunks' (`initial_state`). From HF
 checkpoints, each rank reads only the tensors of its own stage chunks and projectors
 (`harmonia.model.hf.stages.load_module_state`, safetensors slices); tensors no checkpoint holds
 (fresh projectors of a composition, LoRA adapters) are initialised per submodule from a seed derived
@@ -19,6 +19,14 @@ from torch import nn
 from harmonia.errors import ConfigError
 from harmonia.model.lora import LoRALinear
 from harmonia.model.spec import MLLMSpec
+
+
+def initial_state(spec: MLLMSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights from the seed (LoRA adapters included), identical on every rank."""
+    from harmonia.model.mllm import build_mllm_model
+
+    torch.manual_seed(seed)
+    return build_mllm_model(spec).state_dict()
 
 
 def name_seed(seed: int, name: str) -> int:
@@ -101,7 +109,6 @@ def initial_model(config, spec: MLLMSpec) -> nn.Module:
     """The whole MLLM with the job's initial weights, in one process (held-out evaluation, export):
     the seed's for presets, the checkpoints' (fresh tensors from the seed) for HF sources."""
     from harmonia.model.mllm import build_mllm_model, state_prefix
-    from harmonia.train.rank import initial_state
 
     model = build_mllm_model(spec)
     if not config.model.from_checkpoint:
