@@ -8,16 +8,19 @@
 - `Heartbeat` and `HangDetector`: every rank counts beats (and finished steps) in the job's
   rendezvous store from a thread; a rank whose count stops moving for ``hang_timeout`` seconds is
   stopped, frozen or stuck outside Python, and is named. The local launcher runs the detector; under
-  torchrun each rank runs it while it waits.
+  torchrun each rank runs it while it waits, and ends a hung peer on its own host (which would
+  otherwise ignore the agent's SIGTERM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -165,8 +168,21 @@ class HangDetector:
         self._warn_stall(now)
         return None
 
+    def local_pid(self, rank: int) -> int | None:
+        """The pid of ``rank`` when it runs on this host (its heartbeat published it), else None."""
+        if rank in self.pids:
+            return self.pids[rank]
+        key = _key(self.attempt, "proc", rank)
+        try:
+            if not self.store.check([key]):
+                return None
+            host, pid = self.store.get(key).decode().split()
+        except Exception:  # noqa: BLE001 -- no pid to offer
+            return None
+        return int(pid) if host == socket.gethostname() else None
+
     def _describe(self, rank: int, silent_s: float, started: bool) -> str:
-        state = process_state(self.pids.get(rank))
+        state = process_state(self.local_pid(rank))
         why = ("its process is stopped (SIGSTOP?)" if state in ("T", "t") else
                "stopped, frozen or stuck outside Python")
         what = "no heartbeat" if started else "no first heartbeat"
@@ -222,6 +238,10 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="harmonia-heartbeat", daemon=True)
 
     def __enter__(self) -> Heartbeat:
+        try:
+            self.store.set(_key(self.attempt, "proc", self.rank), f"{socket.gethostname()} {os.getpid()}")
+        except Exception as err:  # noqa: BLE001 -- beats still help without it
+            log.debug("heartbeat store unavailable: %s", err)
         self._thread.start()
         return self
 
@@ -253,4 +273,8 @@ class Heartbeat:
             if hung is not None:
                 sys.stderr.write(f"error: {hung[1]} (seen by rank {self.rank}); stopping\n")
                 sys.stderr.flush()
+                pid = detector.local_pid(hung[0])
+                if pid is not None:  # a stopped process ignores the agent's SIGTERM: end it now
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
                 os._exit(1)

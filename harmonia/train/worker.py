@@ -44,8 +44,16 @@ def _shared_plan(config: Config, rank: int):
             box[0] = (plan.to_json(), checked.config)
         except HarmoniaError as err:
             box[0] = err
+        except BaseException as err:  # the others must not wait for a plan that never comes
+            box[0] = RuntimeError(f"rank 0 failed while preparing the job: {type(err).__name__}: {err}")
+            dist.broadcast_object_list(box, src=0)
+            if checked is not None:
+                checked.close()
+            raise
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], BaseException):
+        if checked is not None:
+            checked.close()
         raise box[0]
     return box[0][0], box[0][1], checked
 

@@ -45,10 +45,13 @@ def tmp(tmp_path_factory) -> Path:
     return tmp
 
 
-def _start(args: list[str], fault: str = "") -> subprocess.Popen:
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+def _start(args: list[str], fault: str = "", launcher: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", FAULT_ENV: fault}
-    return subprocess.Popen([sys.executable, "-m", "harmonia", "train", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([sys.executable, *launcher, "-m", "harmonia", "train", *args], cwd=ROOT, env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
@@ -240,6 +243,28 @@ def test_a_stopped_rank_is_named_within_the_hang_timeout(tmp) -> None:
     assert code == 1, out[-3000:]
     assert "error: rank 1 stopped responding: no heartbeat for" in out and "(its process is stopped (SIGSTOP?)" in out
     assert not any(_alive(p) for p in ranks)
+
+
+def test_under_torchrun_each_agent_does_the_same(tmp) -> None:
+    """SIGTERM to the torchrun agent stops its ranks at a step boundary with a checkpoint; a stopped
+    rank is named by its peers, which end it, so the agent ends the job."""
+    run, ck = tmp / "torchrun", tmp / "torchrun" / "ck"
+    args = _args(tmp, "torchrun", "--train.steps=40", "--parallel.hang_timeout_s=5")
+    proc = _start(args, launcher=tuple(TORCHRUN))
+    _wait_for_steps(run / "metrics.jsonl", 1, proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out = _finish(proc)
+    assert code != 0
+    stopped = [x for x in out.splitlines() if x.startswith("stopped by SIGTERM")]
+    assert len(stopped) == 1, out  # said once, by rank 0
+    step = int(stopped[0].split(" at step ")[1].split("/")[0])
+    assert _steps(ck) == [f"step-{step}"]
+
+    t0 = time.monotonic()
+    code, out = _finish(_start(args, fault=f"stop:1:{step + 1}", launcher=tuple(TORCHRUN)))
+    assert code != 0 and time.monotonic() - t0 < 120, out[-3000:]
+    assert ("error: rank 1 stopped responding: no heartbeat for" in out and
+            "(its process is stopped (SIGSTOP?)" in out and "(seen by rank 0)" in out), out[-3000:]
 
 
 def test_nonfinite_steps_never_reach_the_weights(tmp) -> None:
