@@ -234,19 +234,20 @@ def _outcome(job: _Job) -> Any:
     cause = _root_cause(job)
     if cause is not None:
         raise LaunchError(cause)
+    if not job.stops and all(p.exitcode == 0 for p in job.procs):
+        return job.results.get(0)  # finished before a signal or the time limit could stop it
     if job.stops or job.signals or job.timed_out is not None:
-        if not job.stops and len(job.results) == len(job.procs) and not job.signals:
-            return job.results.get(0)
         first = min(job.stops) if job.stops else None
         sig = job.stops[first][1] if first is not None else (job.signals or [signal.SIGTERM])[0]
-        message = job.stops[first][0] if first is not None else f"stopped by {signal_name(sig)} before training started"
+        message = (job.stops[first][0] if first is not None else
+                   f"stopped by {signal_name(sig)} before training started")
         if job.timed_out is not None:
             raise JobStopped(f"the job ran past its time limit (parallel.timeout_s={job.timed_out:g}): {message}",
                              sig, exit_code=124)
         if len(job.signals) > 1:
             message = f"stopped by a second {signal_name(job.signals[1])}: every rank was killed without saving"
-        elif set(job.terminated) - set(job.stops) and first is not None:
-            message += f" (ranks {sorted(job.terminated)} did not stop in time and were killed)"
+        elif job.terminated - set(job.stops) and first is not None:
+            message += f" (ranks {sorted(job.terminated - set(job.stops))} did not stop in time and were killed)"
         raise JobStopped(message, sig)
     bad = [(r, p.exitcode) for r, p in enumerate(job.procs) if p.exitcode != 0]
     if bad:

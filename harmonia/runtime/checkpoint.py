@@ -230,8 +230,9 @@ def load_rng_file(path: Path) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError:
-        raise CheckpointError(f"{path} is not an RNG state harmonia wrote (it holds more than tensors and numbers, so "
-                              "it was not unpickled); restore the checkpoint from a trusted copy or remove it") from None
+        raise CheckpointError(f"{path} is not an RNG state harmonia wrote (it holds more than tensors and numbers, "
+                              "so it was not unpickled); restore the checkpoint from a trusted copy or remove it") \
+            from None
     except Exception as err:  # noqa: BLE001 -- unreadable or truncated: not a file harmonia wrote either
         raise CheckpointError(f"{path} cannot be read as an RNG state ({str(err).splitlines()[0]}); restore the "
                               "checkpoint from a trusted copy or remove it") from None
