@@ -103,7 +103,7 @@ def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
     if report is not None:
         console.print(f"searched {report.simulated} layouts in the simulator ({report.pruned} pruned by their "
                       f"lower bound, {sum(report.rejected.values())} rejected: {dict(report.rejected)}) "
-                      f"in {report.seconds:.1f} s")
+                      f"in {report.seconds:.1f} s", markup=False)
 
 
 def hang_timeout(config: Config) -> float:
