@@ -45,6 +45,8 @@ __all__ = ["FAULT_ENV", "Trainer", "TrainingError", "learning_rate"]
 
 log = logging.getLogger(__name__)
 
+STOP_SETTLE_S = 0.5
+"""After a rank asks to stop, the others' signals this long after still count as theirs in the message."""
 MAX_SKIPPED_IN_A_ROW = 3
 """With ``train.on_nonfinite=skip``, this many non-finite steps in a row stop the job anyway."""
 
@@ -237,17 +239,23 @@ class Trainer:
                             "holds finite weights; lower train.lr, check those samples, or set "
                             "train.on_nonfinite=skip")
 
-    def _stop_if_asked(self, step: int, stops: StopSignals | None) -> None:
-        """Every rank's pending stop signal, gathered (collective): stop here if any rank has one."""
+    def _stop_votes(self, stops: StopSignals | None) -> dict[int, int]:
+        """Every rank's pending stop signal, gathered (collective): rank -> signal, for ranks that have one."""
         mine = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self.device)
         mine[self.rank] = stops.signum if stops is not None else 0
         dist.all_reduce(mine)
-        asked = {r: int(s) for r, s in enumerate(mine.tolist()) if s}
+        return {r: int(s) for r, s in enumerate(mine.tolist()) if s}
+
+    def _stop_if_asked(self, step: int, stops: StopSignals | None) -> None:
+        """Stop here (collective) if any rank has a stop signal; the message says which ranks got one."""
+        asked = self._stop_votes(stops)
         if not asked:
             return
+        time.sleep(STOP_SETTLE_S)  # a signal sent to every rank reaches them a moment apart
+        asked = self._stop_votes(stops)
         first = min(asked)
         signum = asked[first]
-        who = (f"stopped by {signal_name(signum)}" if len(asked) == len(mine) else
+        who = (f"stopped by {signal_name(signum)}" if len(asked) == dist.get_world_size() else
                f"rank {first} received {signal_name(signum)}" + (f" (and ranks {sorted(asked)[1:]} too)"
                                                                  if len(asked) > 1 else "")
                + ": every rank stopped")
