@@ -24,6 +24,7 @@ from pathlib import Path
 from harmonia.config import Config
 from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
+from harmonia.train.backend import backend_of, hang_timeout
 from harmonia.train.data import open_split, prepare_data
 from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
 
@@ -40,15 +41,6 @@ class TrainResult:
     start_step: int
     accuracy: dict[str, tuple[float, float, int, float]] = field(default_factory=dict)
     report: PlanReport | None = None
-
-
-def backend_of(config: Config) -> str:
-    """The process-group backend: the config's, or nccl where GPUs are visible and gloo elsewhere."""
-    import torch
-
-    if config.parallel.backend != "auto":
-        return config.parallel.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def dataset_shapes(config: Config) -> list:
@@ -106,14 +98,6 @@ def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
                       f"in {report.seconds:.1f} s", markup=False)
 
 
-def hang_timeout(config: Config) -> float:
-    """Seconds without a heartbeat after which a rank is hung: ``parallel.hang_timeout_s``, or (auto)
-    300 s on GPUs and 60 s on CPU."""
-    if config.parallel.hang_timeout_s:
-        return config.parallel.hang_timeout_s
-    return 300.0 if backend_of(config) == "nccl" else 60.0
-
-
 def run_training(config: Config, console) -> TrainResult | None:
     """Run the job on local processes (or in this process under torchrun); returns what rank 0 saw
     (None on the other ranks under torchrun).
@@ -129,7 +113,7 @@ def run_training(config: Config, console) -> TrainResult | None:
     from harmonia.train.worker import train_worker
 
     if under_torchrun():
-        out = train_worker(config, None)
+        out = train_worker(config, None, prepare_shared)
         if out is None:
             return None
         return _finish(out["config"], Plan.from_json(out["plan"]), out, None)
@@ -149,6 +133,24 @@ def run_training(config: Config, console) -> TrainResult | None:
         out = launch(train_worker, config.parallel.world_size, (config, plan.to_json()),
                      timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config))
         return _finish(config, plan, out, report)
+
+
+def prepare_shared(config: Config):
+    """Under torchrun, on rank 0: check the files (the returned `Preflight` holds the checkpoint lock),
+    prepare the data and the plan (printed and saved). Returns (plan, checked config, preflight)."""
+    from harmonia.train.preflight import preflight
+    from harmonia.train.report import best_effort, console
+
+    checked = preflight(config)
+    try:
+        prepare_data(checked.config)
+        plan, report = resolve_plan(checked.config)
+        print_plan(plan, report, console)
+        best_effort("plan.json", plan.save, Path(checked.config.log.dir) / "plan.json")
+        return plan, checked.config, checked
+    except BaseException:
+        checked.close()
+        raise
 
 
 def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) -> TrainResult:

@@ -35,7 +35,7 @@ from harmonia.runtime.watchdog import StopRequested, StopSignals, signal_name
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
-from harmonia.train.job import backend_of
+from harmonia.train.backend import backend_of
 from harmonia.train.planning import model_spec
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines

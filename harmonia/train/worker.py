@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,41 +19,28 @@ from harmonia.config import Config
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.watchdog import StopSignals
-from harmonia.train.job import backend_of, hang_timeout
+from harmonia.train.backend import backend_of, hang_timeout
 from harmonia.train.loop import Trainer
-from harmonia.train.report import best_effort
 
 
-def _shared_plan(config: Config, rank: int):
-    """Under torchrun: rank 0 checks the job's files (holding the checkpoint lock until it ends), prepares
-    the data and the plan; every rank gets the plan and the checked config. Returns (plan JSON, config,
-    the lock's holder on rank 0 or None)."""
-    from harmonia.train.job import prepare_data, print_plan, resolve_plan
-    from harmonia.train.preflight import preflight
-    from harmonia.train.report import console
-
+def _shared_plan(config: Config, rank: int, prepare: Callable):
+    """Under torchrun: rank 0 runs ``prepare`` (checks the job's files, holding the checkpoint lock until
+    the job ends, and prepares the data and the plan); every rank gets the plan and the checked config.
+    Returns (plan JSON, config, the `Preflight` to close on rank 0 or None)."""
     box: list = [None]
     checked = None
     if rank == 0:
         try:
-            checked = preflight(config)
-            prepare_data(checked.config)
-            plan, report = resolve_plan(checked.config)
-            print_plan(plan, report, console)
-            best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
-            box[0] = (plan.to_json(), checked.config)
+            plan, checked_config, checked = prepare(config)
+            box[0] = (plan.to_json(), checked_config)
         except HarmoniaError as err:
             box[0] = err
         except BaseException as err:  # the others must not wait for a plan that never comes
             box[0] = RuntimeError(f"rank 0 failed while preparing the job: {type(err).__name__}: {err}")
             dist.broadcast_object_list(box, src=0)
-            if checked is not None:
-                checked.close()
             raise
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], BaseException):
-        if checked is not None:
-            checked.close()
         raise box[0]
     return box[0][0], box[0][1], checked
 
@@ -84,12 +71,14 @@ def _heartbeat(config: Config, rank: int, world: int):
     return Heartbeat(store, rank, world, hang_timeout(config), attempt=_attempt(), detect=torchrun)
 
 
-def train_worker(config: Config, plan_json: str | None) -> dict | None:
+def train_worker(config: Config, plan_json: str | None, prepare: Callable | None = None) -> dict | None:
     """Entry point of one rank (spawned by `harmonia.launch.launch` or started by torchrun).
 
     Args:
         config: the job.
-        plan_json: the plan; None under torchrun (rank 0 checks the files and prepares it).
+        plan_json: the plan; None under torchrun, where rank 0 gets it from ``prepare``.
+        prepare: under torchrun, what rank 0 runs to check the files and make the plan
+            (`harmonia.train.job.prepare_shared`).
 
     Returns:
         On rank 0, what it saw: ``start_step``, ``losses``, per-step ``records``, ``data`` statistics,
@@ -111,7 +100,7 @@ def train_worker(config: Config, plan_json: str | None) -> dict | None:
     try:
         with _heartbeat(config, rank, world) as beat:
             if plan_json is None:
-                plan_json, config, checked = _shared_plan(config, rank)
+                plan_json, config, checked = _shared_plan(config, rank, prepare)
             trainer = Trainer(config, Plan.from_json(plan_json), rank)
             trainer.resume()
             reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
