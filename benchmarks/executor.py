@@ -192,7 +192,7 @@ def predicted_s(lengths: list[int], replicas: list[list[list[int]]], pp: int) ->
     """The slowest replica's 1F1B makespan, per-stage and per-microbatch costs from the cost model."""
     from harmonia.runtime.parallelize import stage_layers
     from harmonia.schedule import CostTable, StageGraph, build_schedule
-    from harmonia.schedule.costs import makespan
+    from harmonia.schedule.replay import makespan
     from harmonia.workload.work import ModuleLoad
 
     _, cost = text_costs(lengths)

@@ -21,9 +21,8 @@ from rich.console import Console
 from rich.table import Table
 
 from harmonia.plan.compare import run_recipe
-from harmonia.plan.recipes import RECIPES, assign, search_orders
+from harmonia.plan.recipes import RECIPES, search_microbatch_order
 from harmonia.plan.scenario import Scenario, ScenarioRun
-from harmonia.schedule.stagework import plan_iteration_work
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,14 +43,13 @@ def plan_text(result) -> str:
 
 
 def order_search_ms(run: ScenarioRun, result, budget_s: float = 0.1) -> list[float]:
-    """Wall milliseconds of the per-batch schedule search (every LLM replica) on each iteration."""
+    """Wall milliseconds of the per-batch schedule search (one order for every LLM replica) on each
+    iteration."""
     cand, out = result.candidate, []
     for k in range(run.scenario.iterations):
-        batch = run.profile.batches[k]
-        microbatches, _ = assign(cand, batch, run.costs[batch], run.tokens[batch])
-        iw = plan_iteration_work(run.samples, cand.plan, run.cost, microbatches)
+        iw = run.iteration_work(cand, k)
         t0 = time.perf_counter()
-        search_orders(cand.plan, run.cost, iw, budget_s)
+        search_microbatch_order(cand.plan, run.cost, iw, budget_s)
         out.append(1e3 * (time.perf_counter() - t0))
     return out
 

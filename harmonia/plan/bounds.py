@@ -68,7 +68,7 @@ from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
 from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, stage_group,
                                       tp_allreduce_s)
-from harmonia.sim.tasks import collective_extra
+from harmonia.sim.tasks import collective_extra, compute_seconds
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -213,12 +213,10 @@ def _fill_s(plan: Plan, chunks: dict[str, list[ChunkBound]]) -> float:
         per_mb = max(0.0, split.busy - 2 * split.weight) / n_mb
     out = (plan.layouts["llm"].pp - 1) * per_mb
     if plan.placement is Placement.DISJOINT:
-        llm_dp = plan.layouts["llm"].dp
         for enc in plan.encoders:
-            # an encoder rank serves n_mb microbatches of each LLM replica it feeds; the LLM waits for
-            # the first one's forward, the encoder for the last one's gradient
-            units = n_mb * -(-llm_dp // plan.layouts[enc].dp)
-            out += sum(c.busy for c in chunks[enc]) / units
+            # an encoder rank encodes n_mb microbatches (each for every LLM replica it feeds); the LLM
+            # waits for the first one's forward, the encoder for the last one's gradient
+            out += sum(c.busy for c in chunks[enc]) / n_mb
     return out
 
 
@@ -232,62 +230,68 @@ def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationW
     busy: dict[int, float] = {}
     seconds: dict = {}
     gathers: dict = {}
-    for (key, mb), work in iw.work.items():
-        t = work.times
+    for (key, m, sub), work in iw.work.items():
         backward = kinds[StageRef(key.module, key.stage)]
-        total = t.F + collective_extra(plan, cost, iw, key, mb, "F", cluster, gathers)
+        total = work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)
         for kind in backward:
-            if kind.value == "W" and len(backward) == 1:  # W-only stage: its W backpropagates too
-                total += t.B + t.W
-            else:
-                total += {"B": t.B, "W": t.W, "BW": t.B + t.W}[kind.value]
-            total += collective_extra(plan, cost, iw, key, mb, kind.value, cluster, gathers)
-        seconds[(key, mb)] = total
+            w_only = kind.value == "W" and len(backward) == 1  # W-only stage: its W backpropagates too
+            total += compute_seconds(work, kind.value, w_only)
+            total += collective_extra(plan, cost, key, work, kind.value, cluster, gathers)
+        seconds[(key, m, sub)] = total
         for rank in iw.stage_ranks[key]:
             busy[rank] = busy.get(rank, 0.0) + total
     return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, seconds))
+
+
+def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, d: int, m: int) -> tuple[float, float]:
+    """The shortest forward chain through the encoders that LLM replica ``d``'s microbatch ``m`` waits
+    for (the slowest encoder replica with rows for it: every sub-microbatch runs its chunks in turn,
+    and the rows leave once the last one has), and the backward chain its gradient still runs there."""
+    head = tail = 0.0
+    for enc in plan.encoders:
+        layout = plan.layouts[enc]
+        trains_all = all(kinds[StageRef(enc, c)] for c in range(layout.n_stages))
+        for e in range(layout.dp):
+            if (enc, e, d, m) not in iw.boundary_bytes:
+                continue
+            for sub in iw.subs(enc, m):
+                works = [w for c in range(layout.n_stages) if (w := iw.unit(StageKey(enc, e, c), m, sub)) is not None]
+                head = max(head, sum(w.times.F for w in works))
+                if works and trains_all:
+                    # one chunk: its B then W (or fused BW) follow the LLM's gradient; over several
+                    # chunks only the input gradients are sure to form a chain
+                    tail = max(tail, sum(w.times.B + (w.times.W if layout.n_stages == 1 else 0.0) for w in works))
+    return head, tail
 
 
 def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, seconds: dict) -> float:
     """Fill and drain of every LLM stage ``s`` of every replica, from the iteration's microbatches.
 
     Stage ``s`` starts with a forward, which waits for some microbatch's forward through the
-    encoders (the slowest feeding replica) and stages ``0 .. s-1``; it ends, unless its backward
-    is split into B and W (its last task may then be a W nothing waits for), with an input
-    gradient whose microbatch still needs the gradients of stages ``s-1 .. 0`` and the encoders'
-    backward. The stage's own tasks run one after another in between, so the iteration lasts at
-    least ``min_m head(m) + stage work + min_m tail(m)``. Chains use compute seconds only (the
-    transfers between them are not counted, so it stays a lower bound).
+    encoders (the slowest encoder replica holding its rows) and stages ``0 .. s-1``; it ends, unless
+    its backward is split into B and W (its last task may then be a W nothing waits for), with an
+    input gradient whose microbatch still needs the gradients of stages ``s-1 .. 0`` and the
+    encoders' backward. The stage's own tasks run one after another in between, so the iteration
+    lasts at least ``min_m head(m) + stage work + min_m tail(m)``. Chains use compute seconds only
+    (the transfers between them are not counted, so it stays a lower bound).
     """
     llm = plan.layouts["llm"]
     if llm.n_stages != llm.pp:  # interleaved chunks share ranks: the chain argument is per rank
         return 0.0
     out = 0.0
-    for d, mbs in iw.microbatches.items():
-        ms = range(len(mbs))
-        enc_f, enc_b = [0.0] * len(mbs), [0.0] * len(mbs)
-        for m in ms:
-            for enc in plan.encoders:
-                layout = plan.layouts[enc]
-                for e in iw.encoder_feeds.get((enc, d, m), []):
-                    works = [iw.work.get((StageKey(enc, e, c), (d, m))) for c in range(layout.n_stages)]
-                    works = [w for w in works if w is not None]
-                    enc_f[m] = max(enc_f[m], sum(w.times.F for w in works))
-                    if works and all(kinds[StageRef(enc, c)] for c in range(layout.n_stages)):
-                        # one chunk: its B then W (or fused BW) follow the LLM's gradient; over several
-                        # chunks only the input gradients are sure to form a chain
-                        chain = sum(w.times.B + (w.times.W if layout.n_stages == 1 else 0.0) for w in works)
-                        enc_b[m] = max(enc_b[m], chain)
-        head = list(enc_f)
-        tail = [0.0] * len(mbs)
-        tail_open = [True] * len(mbs)  # the gradient chain below the stage reaches the encoders
+    ms = range(iw.n_microbatches)
+    for d in range(llm.dp):
+        chains = [_encoder_chains(plan, iw, kinds, d, m) for m in ms]
+        head = [f for f, _ in chains]
+        tail = [0.0] * len(ms)
+        tail_open = [True] * len(ms)  # the gradient chain below the stage reaches the encoders
         for s in range(llm.n_stages):
             key = StageKey("llm", d, s)
-            works = [iw.work[(key, (d, m))] for m in ms]
+            works = [iw.unit(key, m, None) for m in ms]
             stage_kinds = [k.value for k in kinds[StageRef("llm", s)]]
-            own = sum(seconds[(key, (d, m))] for m in ms)
+            own = sum(seconds[(key, m, None)] for m in ms)
             drains = bool(stage_kinds) and stage_kinds[0] in ("B", "BW") and len(stage_kinds) == 1
-            after = min(tail[m] + (enc_b[m] if tail_open[m] else 0.0) for m in ms) if drains else 0.0
+            after = min(tail[m] + (chains[m][1] if tail_open[m] else 0.0) for m in ms) if drains else 0.0
             out = max(out, min(head) + own + after)
             for m, w in zip(ms, works):
                 head[m] += w.times.F

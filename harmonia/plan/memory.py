@@ -25,8 +25,6 @@ the simulated peak (actual microbatches, actual order) decides after scoring.
 
 from __future__ import annotations
 
-import math
-
 from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
@@ -68,19 +66,11 @@ def _largest(sizes: list[float], copies: int, count: float) -> float:
     return total
 
 
-def served_replicas(plan: Plan, module: str) -> int:
-    """LLM replicas one replica of ``module`` feeds (round-robin when it has fewer replicas)."""
-    llm_dp, dp = plan.layouts[LLM].dp, plan.layouts[module].dp
-    return 1 if module == LLM or dp >= llm_dp else math.ceil(llm_dp / dp)
-
-
 def _microbatch_share(plan: Plan, module: str) -> float:
-    """Mean samples of one microbatch a replica of ``module`` runs (split over the encoder replicas
-    feeding one LLM replica)."""
-    layout: Layout = plan.layouts[module]
-    llm_dp = plan.layouts[LLM].dp
-    feeders = 1 if module == LLM else max(1, layout.dp // llm_dp)
-    return plan.global_batch / (llm_dp * plan.n_microbatches) / feeders
+    """Mean samples of one microbatch a replica of ``module`` runs: an LLM replica its share of the
+    global microbatch, an encoder replica the global microbatch over the encoder's replicas."""
+    replicas = plan.layouts[module].dp
+    return plan.global_batch / plan.n_microbatches / replicas
 
 
 def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str,
@@ -127,7 +117,7 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
                 mine = sorted(acts[pp_rank::layout.pp], reverse=True)
                 act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
             else:
-                act = in_flight(graph, plan, StageRef(module, chunk), fused) * served_replicas(plan, module) * acts[chunk]
+                act = in_flight(graph, plan, StageRef(module, chunk), fused) * acts[chunk]
             again = max(recompute_transient_bytes(cost, plan, profile, module, c)
                         for c in range(pp_rank, layout.n_stages, layout.pp))
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:

@@ -27,7 +27,6 @@ recompute does; only what fits in none of these counts as a memory misfit.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -38,16 +37,17 @@ from harmonia.errors import ConfigError
 from harmonia.plan.candidates import balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.profiling import BatchProfile
-from harmonia.schedule import StageGraph
 from harmonia.schedule.assign import assign_reordered, assign_sequential
-from harmonia.schedule.dp_balance import balance_dp
+from harmonia.schedule.families import fuse_encoders
+from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, feeding_replicas,
+                                        module_columns)
 from harmonia.schedule.layout import Layout, Placement
-from harmonia.schedule.order_search import search_order
+from harmonia.schedule.order_search import SearchResult, search_order
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work, stage_trainable
-from harmonia.sim.engine import Timeline, replay
-from harmonia.sim.orders import fuse_encoders_into_first_stage, plan_orders
-from harmonia.sim.tasks import build_tasks
+from harmonia.schedule.stagework import IterationWork, cost_table, iteration_schedule, plan_iteration_work, stage_trainable
+from harmonia.sim.engine import Timeline
+from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -281,66 +281,60 @@ def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:
             yield (first, *rest)
 
 
-def assign(candidate: Candidate, batch: np.ndarray, costs: np.ndarray,
-           tokens: np.ndarray) -> tuple[dict[int, list[list[int]]], dict[int, list[int]] | None]:
-    """Microbatches per LLM replica (sample indices) and an optional pipeline order per replica."""
+def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: CostModel) -> IterationAssignment:
+    """The recipe's assignment of a batch (``costs``: (n, modules) rows of its samples, columns
+    ``cost.modules``): global microbatches as batch positions, split over the LLM replicas by the
+    recipe's rule, and over each encoder's replicas by sample (`assemble_iteration`); harmonia's is
+    the trainer's own (`assign_iteration`)."""
     plan = candidate.plan
     dp, n_mb = plan.layouts["llm"].dp, plan.n_microbatches
+    encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
+    feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
+    columns, names = module_columns(costs, cost.modules, plan.encoders)
+    positions = np.arange(len(costs))
     if candidate.recipe in ("megatron", "cornstarch"):
-        return assign_sequential(batch, dp, n_mb), None
-    if candidate.recipe == "disttrain":
-        return assign_reordered(batch, costs, dp, n_mb), None
-    balanced = balance_dp(costs, dp, tokens=tokens, n_microbatches=n_mb)
-    out = {d: [[int(batch[i]) for i in mb] for mb in mbs] for d, mbs in enumerate(balanced.microbatches)}
-    return out, None
+        per_replica = assign_sequential(positions, dp, n_mb)
+    elif candidate.recipe == "disttrain":
+        per_replica = assign_reordered(positions, costs, dp, n_mb)
+    else:
+        return assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds)
+    return assemble_iteration([per_replica[d] for d in range(dp)], columns, names, encoder_dp, feeds=feeds)
 
 
-def search_orders(plan: Plan, cost: CostModel, iw, budget_s: float) -> dict[int, list[int]]:
-    """Per LLM replica, the microbatch order the per-batch search finds, all within ``budget_s``.
+def assignment_key(candidate: Candidate) -> tuple:
+    """What `assign` depends on besides the batch: two candidates with equal keys assign alike."""
+    plan = candidate.plan
+    feeds = tuple((e, plan.layouts[e].dp, tuple(map(tuple, feeding_replicas(plan, e)))) for e in plan.encoders)
+    return candidate.recipe, plan.layouts["llm"].dp, plan.n_microbatches, feeds
 
-    The slowest replica sets the iteration time, so replicas are searched heaviest first, each with
-    an equal share of what is left of the budget. A replica is searched only while the time left
-    fits its start and one more schedule (timed like the slowest seen so far); the others keep the
-    balancer's order, so the search costs at most about the budget at any DP degree.
-    """
-    deadline = time.perf_counter() + budget_s
-    trainable = stage_trainable(plan, cost)
-    weight: dict[int, float] = {d: 0.0 for d in iw.microbatches}
-    for (key, _), work in iw.work.items():
-        if key.module == "llm":
-            weight[key.replica] += work.times.total
-    replicas = sorted(iw.microbatches, key=lambda d: -weight[d])
-    per_schedule, out = 0.0, {}
-    for k, d in enumerate(replicas):
-        left = deadline - time.perf_counter()
-        if left <= 2 * per_schedule:
-            break
-        graph = StageGraph.from_layouts(plan.layouts, trainable, replica=d)
-        found = search_order(graph, cost_table(plan, iw, d), len(iw.microbatches[d]), (plan.schedule,),
-                             budget_s=left / (len(replicas) - k), seed=d)
-        out[d] = found.order
-        per_schedule = max(per_schedule, found.seconds / max(found.evaluated, 1))
-    return out
+
+def search_microbatch_order(plan: Plan, cost: CostModel, iw: IterationWork, budget_s: float) -> SearchResult:
+    """The per-batch search's microbatch order for one iteration's stage work, within ``budget_s``
+    (every LLM replica runs it: one schedule serves all of them)."""
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    return search_order(graph, cost_table(plan, iw), iw.n_microbatches, (plan.schedule,), budget_s=budget_s)
 
 
 def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray, costs: np.ndarray,
              tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec, search_budget_s: float = 0.1) -> Timeline:
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
-    microbatches, order = assign(candidate, batch, costs, tokens)
-    iw = plan_iteration_work(samples, candidate.plan, cost, microbatches)
-    return simulate_work(candidate, iw, order, cost, cluster, search_budget_s)
+    assignment = assign(candidate, costs, tokens, cost)
+    iw = plan_iteration_work([samples[i] for i in batch], candidate.plan, cost, assignment)
+    return simulate_work(candidate, iw, cost, cluster, search_budget_s)
 
 
-def simulate_work(candidate: Candidate, iw: IterationWork, order: dict[int, list[int]] | None, cost: CostModel,
-                  cluster: ClusterSpec, search_budget_s: float = 0.1) -> Timeline:
-    """The second half of `simulate`: order, lower and replay an iteration's stage work."""
+def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, cluster: ClusterSpec,
+                  search_budget_s: float = 0.1) -> Timeline:
+    """The second half of `simulate`: order an iteration's stage work (harmonia: the per-batch
+    search within ``search_budget_s``), build its schedule and time every rank's action list."""
+    plan = candidate.plan
+    order = None
     if candidate.recipe == "harmonia" and search_budget_s > 0:
-        order = search_orders(candidate.plan, cost, iw, search_budget_s)
-    orders = plan_orders(candidate.plan, cost, iw, order=order)
+        order = search_microbatch_order(plan, cost, iw, search_budget_s).order
+    schedule = iteration_schedule(plan, cost, iw, order=order)
     if candidate.fused:
-        orders = fuse_encoders_into_first_stage(orders)
-    tasks, queue, comm = build_tasks(candidate.plan, cost, iw, orders, cluster)
-    return replay(tasks, queue, comm)
+        schedule = fuse_encoders(schedule)
+    return simulate_schedule(plan, cost, cluster, iw, schedule)
 
 
 def with_schedule(candidate: Candidate, schedule: str) -> Candidate:

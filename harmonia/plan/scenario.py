@@ -15,7 +15,8 @@ from pathlib import Path
 from harmonia.errors import ConfigError
 from harmonia.model.resolve import resolve_mllm
 from harmonia.plan.profiling import profile_batches
-from harmonia.plan.recipes import Candidate, simulate
+from harmonia.plan.recipes import Candidate, assign, simulate
+from harmonia.schedule.stagework import IterationWork, plan_iteration_work
 from harmonia.sim.engine import Timeline
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string
@@ -89,6 +90,12 @@ class ScenarioRun:
         self.tokens = tokens[:, self.cost.modules.index("llm")]
         n_batches = scenario.iterations + scenario.search_batches
         self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
+
+    def iteration_work(self, cand: Candidate, k: int) -> IterationWork:
+        """The stage work of profiled batch ``k`` under a candidate (its recipe's assignment)."""
+        batch = self.profile.batches[k]
+        assignment = assign(cand, self.costs[batch], self.tokens[batch], self.cost)
+        return plan_iteration_work([self.samples[i] for i in batch], cand.plan, self.cost, assignment)
 
     def timeline(self, cand: Candidate, k: int, search_budget_s: float = 0.1) -> Timeline:
         """One simulated iteration of profiled batch ``k`` under a candidate."""

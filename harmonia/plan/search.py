@@ -44,11 +44,13 @@ from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
-from harmonia.plan.recipes import Candidate, assign, candidates, homogeneous_candidates, simulate_work
+from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidates, homogeneous_candidates,
+                                   simulate_work)
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule import StageGraph
+from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import plan_iteration_work, stage_trainable
+from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -213,14 +215,14 @@ or the simulated time (each at least the one before)."""
 
 class _Scorer:
     """The three levels of a candidate's value on a search batch, with the work they share cached:
-    the balancer's assignment per (dp, microbatches, batch) and the last few iterations' stage work,
+    the recipe's assignment per (assignment key, batch) and the last few iterations' stage work,
     which depends on the layouts and the assignment but not on the schedule (a 1F1B candidate and
     its zero-bubble twin share it)."""
 
     def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 8) -> None:
         self.run, self.batches, self.keep = run, batches, keep
-        self.assignments: dict[tuple, tuple] = {}
-        self.work_cache: dict[tuple, tuple] = {}
+        self.assignments: dict[tuple, IterationAssignment] = {}
+        self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
         self.timelines = 0
 
@@ -230,23 +232,22 @@ class _Scorer:
         return [max(plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
                     lower_bound_s(run.profile, cand.plan.layouts, [k])) for k in self.batches]
 
-    def _iteration(self, cand: Candidate, j: int):
+    def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
         wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches,
                 tuple(sorted(plan.layouts.items())), plan.recompute, j)
         if wkey in self.work_cache:
             return self.work_cache[wkey]
         run, k = self.run, self.batches[j]
-        akey = (cand.recipe, plan.layouts["llm"].dp, plan.n_microbatches, k)
+        batch = run.profile.batches[k]
+        akey = (*assignment_key(cand), k)
         if akey not in self.assignments:
-            batch = run.profile.batches[k]
-            self.assignments[akey] = assign(cand, batch, run.costs[batch], run.tokens[batch])
-        microbatches, order = self.assignments[akey]
-        iw = plan_iteration_work(run.samples, plan, run.cost, microbatches)
+            self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost)
+        iw = plan_iteration_work([run.samples[i] for i in batch], plan, run.cost, self.assignments[akey])
         if len(self.work_cache) >= self.keep:
             self.work_cache.pop(next(iter(self.work_cache)))
-        self.work_cache[wkey] = (iw, order)
-        return iw, order
+        self.work_cache[wkey] = iw
+        return iw
 
     def over_memory(self, key: tuple) -> str | None:
         """Why a simulated candidate cannot run: its peak on some rank exceeds the device (None if it fits)."""
@@ -257,14 +258,14 @@ class _Scorer:
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`)."""
-        iw, _ = self._iteration(cand, j)
+        iw = self._iteration(cand, j)
         return work_bound(cand.plan, self.run.cost, self.run.cluster, iw)
 
     def simulate(self, cand: Candidate, key: tuple, j: int) -> float:
         """Simulated seconds of batch ``j`` (the balancer's order; no per-batch order search)."""
-        iw, order = self._iteration(cand, j)
+        iw = self._iteration(cand, j)
         self.timelines += 1
-        timeline = simulate_work(cand, iw, order, self.run.cost, self.run.cluster, 0.0)
+        timeline = simulate_work(cand, iw, self.run.cost, self.run.cluster, 0.0)
         states = state_bytes_per_rank(self.run.cost, cand.plan)
         peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
         self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)

@@ -17,15 +17,15 @@ stage, so that stage emits ``(rows, D)`` item embeddings in LLM width. Actions::
 An LLM-only model is the same graph without encoders: every pipeline layout, of an LLM alone or of a
 whole MLLM, runs through this one executor.
 
-The schedule is one LLM replica's (`StageGraph.from_layouts`); every rank takes the actions of its
-own stage chunks from it, whichever replica of each module it is, ordered by the schedule's own
-timeline (`harmonia.schedule.costs.replay`), so ranks that merge stages of several modules or serve
-several replicas still follow one global order (no wait cycles). A colocated encoder stage held by
-several LLM ranks has one copy of its actions per holder: a rank takes the copy of the holder at
-its own LLM pipeline position (the primary's when that position holds none). Communication is asynchronous:
-stage messages through `P2P` (one per module, on its group), boundary rows through `BoundaryLink`
-(one plan per microbatch and encoder). After the actions: gradient reduction over each module's
-``dp x cp``, one global-norm clip over all modules, one optimizer step per module.
+The schedule is one LLM replica's (`StageGraph.from_layouts`); every rank runs its own action list
+of it, `harmonia.schedule.rank_actions.plan_rank_actions`: the compute of its stage chunks in the
+schedule's timeline order, and every send, receive, boundary transfer and gradient reduction in its
+place. The executor derives nothing: it interprets the list, the same list the simulator times.
+Communication is asynchronous: every receive is posted when the iteration starts, stage messages
+travel through `P2P` (one per module, on its group), boundary rows through `BoundaryLink` (one
+plan per microbatch and encoder); a receive action waits for its data, a send never blocks. After
+the actions: the reductions finish, one global-norm clip over all modules, one optimizer step per
+module.
 
 Context parallelism (LLM only; encoders run ``cp=1``): every CP rank of an LLM stage runs its own
 tokens of every microbatch (the batch's token-to-rank assignment, `RankBatch.llm_cp`), attention
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,15 +52,14 @@ from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import group_mean
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
-from harmonia.runtime.grads import (DPGradSync, clip_grad_norm, finish_fsdp_backward, plan_tied_sync,
-                                    squared_norm_share, start_fsdp_backward)
-from harmonia.runtime.meshes import ModuleMesh, ModuleMeshes
+from harmonia.runtime.grads import clip_grad_norm, squared_norm_share, start_fsdp_backward
+from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
+from harmonia.runtime.runner import ModuleRunner
 from harmonia.schedule.actions import Action, Kind, StageRef
-from harmonia.schedule.costs import replay
-from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
-from harmonia.schedule.lowering import strip_communication
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
+from harmonia.schedule.rank_actions import plan_rank_actions
 
 Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -84,76 +83,6 @@ class StepResult:
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW at lr 1e-3: the optimizer of a module when the caller gives none."""
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-@dataclass
-class ModuleRunner:
-    """One module's stage chunks on this rank, with their communication and gradient reduction.
-
-    Attributes:
-        mesh: the module's mesh on this rank.
-        chunks: chunk index -> stage module.
-        projector: the encoder's projector (on the rank holding the encoder's last chunk), else None.
-        p2p: stage-to-stage messages on the module's own group.
-    """
-
-    mesh: ModuleMesh
-    chunks: dict[int, nn.Module]
-    projector: nn.Module | None
-    p2p: P2P
-
-    def __post_init__(self) -> None:
-        layout = self.mesh.layout
-        self.name = self.mesh.name
-        self.n_stages = layout.n_stages
-        self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
-        self.fsdp = layout.fsdp and layout.dp > 1
-        # Gradients all-reduced over dp x cp (every rank holding the same weights): every one, or
-        # with FSDP (which reduce-scatters the chunks' own over dp) the projector's, a whole replica
-        # on every dp rank; FSDP shards are then all-reduced over cp (`cp_sync`).
-        self.all_reduced = {c: self.projector_weights(c) if self.fsdp else self.params[c]
-                            for c in self.chunks}
-        needs_sync = layout.dp * layout.cp > 1 and any(self.all_reduced.values())
-        self.dp_sync = DPGradSync(self.mesh.grad_group()) if needs_sync else None
-        self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
-        self.replication = layout.dp * layout.cp * layout.tp
-        self.tied = plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group) if self.name == LLM else None
-
-    def weights(self, c: int) -> Iterator[nn.Parameter]:
-        """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
-        yield from (p for p in self.chunks[c].parameters() if p.requires_grad)
-        yield from self.projector_weights(c)
-
-    def projector_weights(self, c: int) -> list[nn.Parameter]:
-        """Trainable parameters of the projector, on the last chunk (else none)."""
-        if c != self.n_stages - 1 or self.projector is None:
-            return []
-        return [p for p in self.projector.parameters() if p.requires_grad]
-
-    @property
-    def trainable(self) -> list[nn.Parameter]:
-        return [p for ps in self.params.values() for p in ps]
-
-    @property
-    def norm_params(self) -> list[nn.Parameter]:
-        """Trainable parameters counted in the gradient norm (a tied head's copy counts as the embedding)."""
-        skip = {id(p) for p in self.tied.uncounted} if self.tied is not None else set()
-        return [p for p in self.trainable if id(p) not in skip]
-
-    def backward_done(self, c: int) -> None:
-        """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
-        if self.fsdp:
-            finish_fsdp_backward(self.chunks[c])
-            if self.cp_sync is not None:
-                self.cp_sync.start([p for p in self.chunks[c].parameters() if p.requires_grad])
-        if self.dp_sync is not None and self.all_reduced[c]:
-            self.dp_sync.start(self.all_reduced[c])
-
-    def finish_reduction(self) -> None:
-        """Wait for every gradient reduction started by `backward_done`."""
-        for sync in (self.dp_sync, self.cp_sync):
-            if sync is not None:
-                sync.finish()
 
 
 class MLLMExecutor:
@@ -209,48 +138,27 @@ class MLLMExecutor:
         self.optimizers = {n: (optimizer or default_optimizer)(r.trainable)
                            for n, r in self.runners.items() if r.trainable}
         self.action_times: list[tuple[Action, float, float]] | None = None
-        """When a list: every executed action is appended with its start and end (``time.perf_counter``)."""
+        """When a list: every compute action run is appended with its start and end (``time.perf_counter``)."""
+        self.executed: list[Action] = []
+        """Every action of the last iteration, in the order it ran."""
 
     @property
     def trainable(self) -> list[nn.Parameter]:
         """This rank's trainable parameters over all its modules."""
         return [p for r in self.runners.values() for p in r.trainable]
 
-    # -- schedule -> this rank's actions --------------------------------------------------------------
-    def local_actions(self, schedule: IterationSchedule) -> list[Action]:
-        """Compute actions of this rank's stage chunks, in the order of the schedule's timeline."""
-        compute = strip_communication(schedule)
-        times = replay(compute)
-        graph = schedule.graph
-        mine = {StageRef(n, c) for n, r in self.runners.items() for c in r.chunks}
-        holder = {ref: self._holder(graph, ref) for ref in mine}
-        out = []
-        for rank, acts in compute.orders.items():
-            for pos, a in enumerate(acts):
-                if a.stage_ref in mine and rank == holder[a.stage_ref]:
-                    out.append((times[(rank, pos)][0], rank, pos, a))
-        return [a for *_, a in sorted(out, key=lambda t: t[:3])]
-
-    def _holder(self, graph: StageGraph, ref: StageRef) -> int:
-        """The schedule rank whose copy of ``ref``'s actions this rank runs."""
-        holders = graph.holders_of(ref)
-        if len(holders) == 1 or LLM not in self.runners:
-            return holders[0]
-        mine = graph.llm.ranks[self.runners[LLM].mesh.coords["pp"]]
-        return mine if mine in holders else holders[0]
-
-    def _peer(self, name: str, chunk: int) -> int:
-        """The rank holding ``name``'s chunk ``chunk`` in this rank's replica."""
-        layout, me = self.runners[name].mesh.layout, self.runners[name].mesh.coords
-        return layout.rank_at(pp=chunk % layout.pp, dp=me["dp"], cp=me["cp"], tp=me["tp"])
+    def rank_actions(self, schedule: IterationSchedule) -> list[Action]:
+        """This rank's action list of a schedule (`harmonia.schedule.rank_actions.plan_rank_actions`):
+        exactly what `forward_backward` runs, in order."""
+        return plan_rank_actions(self.meshes.layouts, schedule, [self.rank])[self.rank]
 
     # -- one iteration ------------------------------------------------------------------------------
     def step(self, schedule: IterationSchedule, batch: RankBatch) -> StepResult:
         """One iteration: the schedule's actions, gradient reduction, global-norm clip, optimizer steps.
 
         Args:
-            schedule: a schedule of one LLM replica over all modules (lowered or not: stage and
-                boundary messages are derived from the layouts and the plans).
+            schedule: the iteration's schedule of one LLM replica over all modules; this rank runs
+                its own action list of it (`rank_actions`).
             batch: this rank's data (`harmonia.runtime.mllm_inputs.build_rank_batch`).
         """
         loss = self.forward_backward(schedule, batch)
@@ -274,7 +182,7 @@ class MLLMExecutor:
                 for module in r.chunks.values():
                     start_fsdp_backward(module)
         run = _MLLMIteration(self, schedule, batch)
-        run.execute(self.local_actions(schedule))
+        run.execute(self.rank_actions(schedule))
         for r in self.runners.values():
             r.p2p.wait_sends()
             r.finish_reduction()
@@ -307,8 +215,10 @@ class _MLLMIteration:
         self.ex, self.schedule, self.batch = ex, schedule, batch
         self.graph: StageGraph = schedule.graph
         self.normalizer = max(batch.n_targets, 1.0)
-        self.fwd_in: dict[Key, torch.Tensor | Action] = {}
-        self.bwd_in: dict[Key, torch.Tensor | Action] = {}
+        self.inbox: dict[Key, torch.Tensor] = {}  # a chunk's inputs: activations or output gradients
+        self.outbox: dict[tuple[str, Key], torch.Tensor] = {}  # ("F" or "B", producer) -> tensor to send
+        self.rows_in: dict[tuple[str, int], torch.Tensor] = {}  # (encoder, microbatch) -> LLM input rows
+        self.row_grads: dict[tuple[str, int], torch.Tensor] = {}  # their gradients, to send back
         self.saved: dict[Key, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]] = {}
         self.w_groups: dict[Key, list] = {}
         self.enc_rows: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # encoder output rows per sub
@@ -334,29 +244,29 @@ class _MLLMIteration:
 
     # -- driving the actions ------------------------------------------------------------------------
     def execute(self, actions: list[Action]) -> None:
+        """Run this rank's action list, in order (every receive posted first, so data flows early)."""
         for link in self.links.values():
             link.post_receives()
         for a in actions:
-            self._expect(a)
-        last_backward = {(a.module, a.stage): i for i, a in enumerate(actions)
-                         if a.kind in (Kind.B, Kind.W, Kind.BW)}
+            if a.kind.is_recv and a.peer is None and not self._empty(a):
+                self.ex.runners[a.module].p2p.expect(a, self._message_shape(a.module, a.microbatch))
         handlers = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
-                    Kind.BW: self.backward}
-        for i, a in enumerate(actions):
+                    Kind.BW: self.backward, Kind.SEND_F: self.send, Kind.SEND_B: self.send,
+                    Kind.RECV_F: self.receive, Kind.RECV_B: self.receive, Kind.REDUCE: self.reduce}
+        self.ex.executed = []
+        for a in actions:
             for r in self.ex.runners.values():
                 r.p2p.poll()
-            if self.ex.action_times is None:
+            self.ex.executed.append(a)
+            if self.ex.action_times is None or not a.kind.is_compute:
                 handlers[a.kind](a)
             else:
                 start = time.perf_counter()
                 handlers[a.kind](a)
                 self.ex.action_times.append((a, start, time.perf_counter()))
-            runner = self.ex.runners[a.module]
-            if last_backward.get((a.module, a.stage)) == i and runner.params[a.stage]:
-                runner.backward_done(a.stage)
-        if self.saved or self.w_groups or self.pending_g:
+        if self.saved or self.w_groups or self.pending_g or self.outbox:
             raise ScheduleError(f"iteration ended with unfinished work: backward pending for "
-                                f"{sorted(self.saved)}, W for {sorted(self.w_groups)}")
+                                f"{sorted(self.saved)}, W for {sorted(self.w_groups)}, unsent {sorted(self.outbox)}")
 
     def _key(self, a: Action) -> Key:
         return a.module, a.stage, a.microbatch, 0 if a.sub is None else a.sub
@@ -370,43 +280,26 @@ class _MLLMIteration:
         return subs[a.microbatch][self._key(a)[3]]
 
     def _empty(self, a: Action) -> bool:
+        """The unit has no data on this replica (an encoder replica without items): its compute and
+        stage messages do nothing, on both ends of each message."""
         return a.module != LLM and self._media(a) is None
 
-    def _is_grad_action(self, a: Action) -> bool:
-        """The action consuming the stage's output gradient (B, BW, or a W-only stage's W)."""
-        return a.kind in (Kind.B, Kind.BW) or (a.kind is Kind.W and not self.graph.needs_b(a.stage_ref))
-
-    def _expect(self, a: Action) -> None:
-        """Post the stage-message receive an action will consume, if its producer is on another rank."""
-        r, (name, c, m, s) = self.ex.runners[a.module], self._key(a)
-        if self._empty(a):
-            return
-        if a.kind is Kind.F and c > 0 and c - 1 not in r.chunks:
-            recv = Action(name, c, Kind.RECV_F, m, a.sub, peer_rank=self.ex._peer(name, c - 1))
-        elif (self._is_grad_action(a) and c < r.n_stages - 1 and c + 1 not in r.chunks
-              and self.graph.needs_b(StageRef(name, c + 1))):
-            recv = Action(name, c, Kind.RECV_B, m, a.sub, peer_rank=self.ex._peer(name, c + 1))
-        else:
-            return
-        r.p2p.expect(recv, self._message_shape(name, m))
-        (self.fwd_in if a.kind is Kind.F else self.bwd_in)[(name, c, m, s)] = recv
-
-    def _take(self, box: dict, key: Key, what: str) -> torch.Tensor:
-        value = box.pop(key, None)
+    def _take(self, key: Key, what: str) -> torch.Tensor:
+        value = self.inbox.pop(key, None)
         if value is None:
             raise ScheduleError(f"{key[0]}.s{key[1]} microbatch {key[2]}.{key[3]}: {what} has not arrived; "
-                                "the schedule runs a consumer before its producer")
-        return self.ex.runners[key[0]].p2p.take(value) if isinstance(value, Action) else value
+                                "the action list runs a consumer before its producer")
+        return value
 
-    def _pass(self, a: Action, kind: Kind, t: torch.Tensor) -> None:
-        """Hand a stage's output (F) or input gradient (B) to the neighbouring stage."""
-        r, (name, c, m, s) = self.ex.runners[a.module], self._key(a)
-        nxt = c + 1 if kind is Kind.SEND_F else c - 1
-        if nxt in r.chunks:
-            (self.fwd_in if kind is Kind.SEND_F else self.bwd_in)[(name, nxt, m, s)] = t
+    def _pass(self, a: Action, forward: bool, t: torch.Tensor) -> None:
+        """Hand a stage's output (forward) or input gradient to the neighbouring chunk: straight into
+        its inbox when this rank holds it, else to the outbox its send action empties."""
+        name, c, m, s = self._key(a)
+        nxt = c + 1 if forward else c - 1
+        if nxt in self.ex.runners[name].chunks:
+            self.inbox[(name, nxt, m, s)] = t
         else:
-            r.p2p.send(Action(name, c, kind, m, a.sub, peer_rank=self.ex._peer(name, nxt)), t,
-                       announce=self._message_shape(name, m) is None)
+            self.outbox[("F" if forward else "B", (name, c, m, s))] = t
 
     def _message_shape(self, name: str, m: int) -> tuple[int, int, int] | None:
         """The ``(1, t, hidden)`` of the LLM's stage messages of microbatch ``m`` (activations and their
@@ -418,6 +311,43 @@ class _MLLMIteration:
         if mesh.layout.cp == 1:
             return 1, self.batch.llm[m].input_ids.shape[-1], self.ex.hidden
         return 1, int((self.batch.llm_cp[m] == mesh.coords["cp"]).sum()), self.ex.hidden
+
+    # -- communication ------------------------------------------------------------------------------
+    def send(self, a: Action) -> None:
+        """A stage message to the peer rank, or this rank's part of a boundary transfer."""
+        name, c, m, s = self._key(a)
+        if a.peer is None:
+            if not self._empty(a):
+                t = self.outbox.pop(("F" if a.kind is Kind.SEND_F else "B", (name, c, m, s)))
+                self.ex.runners[name].p2p.send(a, t, announce=self._message_shape(name, m) is None)
+        elif a.kind is Kind.SEND_F:  # the encoder's rows of the microbatch, every sub-microbatch's
+            parts = self.enc_rows.pop((name, m))
+            self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
+            self.links[name].send(m, torch.cat([parts[j] for j in sorted(parts)]))  # (src_rows, D)
+        else:  # the gradients of the LLM input rows of one encoder
+            e = a.peer.module
+            grads = self.row_grads.pop((e, m), None)
+            if grads is None:  # this rank received none of its rows
+                grads = torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype, device=self.ex.device)
+            self.links[e].send(m, grads, backward=True)
+
+    def receive(self, a: Action) -> None:
+        """A stage message from the peer rank, or this rank's part of a boundary transfer."""
+        name, c, m, s = self._key(a)
+        if a.peer is None:
+            if not self._empty(a):
+                self.inbox[(name, c, m, s)] = self.ex.runners[name].p2p.take(a)
+        elif a.kind is Kind.RECV_F:  # (dst_rows, D) rows of encoder a.peer, in media.index order
+            self.rows_in[(a.peer.module, m)] = self.links[a.peer.module].take(m)
+        else:  # (src_rows, D) gradients of this encoder's rows, cut back into its sub-microbatches
+            dx = self.links[name].take(m, backward=True)
+            self.enc_grads[(name, m)] = list(dx.split(self.enc_sizes.pop((name, m))))
+
+    def reduce(self, a: Action) -> None:
+        """Start the chunk's gradient reduction over ``dp x cp`` (after its last backward)."""
+        runner = self.ex.runners[a.module]
+        if runner.params[a.stage]:
+            runner.backward_done(a.stage)
 
     # -- forward ------------------------------------------------------------------------------------
     def forward(self, a: Action) -> None:
@@ -432,7 +362,7 @@ class _MLLMIteration:
             if c == 0:
                 x = media.inputs  # (N, C, H, W) tiles or (N, n_mels, F) audio chunks
             else:
-                x = self._take(self.fwd_in, key, "the activation")  # (N, P', h)
+                x = self._take(key, "the activation")  # (N, P', h)
                 x.requires_grad_(self.graph.needs_b(ref))
             grad = self.graph.needs_backward(ref)
             with torch.set_grad_enabled(grad), self._autocast():
@@ -443,15 +373,11 @@ class _MLLMIteration:
             if grad:
                 self.saved[key] = ([x] if c > 0 else [], y)
             if not last:
-                self._pass(a, Kind.SEND_F, y.detach())
-        if last:
+                self._pass(a, True, y.detach())
+        if last:  # the boundary send after the microbatch's last forward takes every part
             parts = self.enc_rows.setdefault((name, m), {})
-            parts[s] = y.detach() if media is not None else torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype)
-            if len(parts) == len(self.schedule.subs(name, m)):  # the microbatch's rows are complete
-                rows = torch.cat([parts[j] for j in sorted(parts)])  # (src_rows, D)
-                self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
-                del self.enc_rows[(name, m)]
-                self.links[name].send(m, rows)
+            parts[s] = y.detach() if media is not None else torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype,
+                                                                        device=self.ex.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         dtype = self.ex.autocast
@@ -486,7 +412,7 @@ class _MLLMIteration:
             x, inputs = mb.input_ids if shard is None else mb.input_ids[:, shard.tokens], []  # (1, t)
             leaves = self.leaves.setdefault(m, {})
             for e in self.graph.encoders:
-                rows = self.links[e].take(m)  # (dst_rows, D) in media.index order (this CP rank's)
+                rows = self.rows_in.pop((e, m))  # (dst_rows, D) in media.index order (this CP rank's)
                 at = mb.media[e].index if e in mb.media else torch.zeros(0, dtype=torch.long)
                 if shard is not None:
                     at = shard.item_rows(at)[1]
@@ -501,7 +427,7 @@ class _MLLMIteration:
                 embeds.append(rows)
                 index.append(at)
         else:
-            x = self._take(self.fwd_in, key, "the activation")  # (1, t, h)
+            x = self._take(key, "the activation")  # (1, t, h)
             x.requires_grad_(self.graph.needs_b(ref))
             inputs = [x]
         with torch.set_grad_enabled(grad), self._autocast():
@@ -514,20 +440,17 @@ class _MLLMIteration:
         if grad:
             self.saved[key] = (inputs, y)
         if c < r.n_stages - 1:
-            self._pass(a, Kind.SEND_F, y.detach())
+            self._pass(a, True, y.detach())
 
     # -- backward -----------------------------------------------------------------------------------
     def _grad_output(self, a: Action) -> torch.Tensor | None:
         r, key = self.ex.runners[a.module], self._key(a)
         name, c, m, s = key
         if c < r.n_stages - 1:
-            return self._take(self.bwd_in, key, "the output gradient")
+            return self._take(key, "the output gradient")
         if name == LLM:
             return None  # the loss itself
-        if (name, m) not in self.enc_grads:  # the boundary gradient of the microbatch's rows
-            dx = self.links[name].take(m, backward=True)  # (src_rows, D)
-            self.enc_grads[(name, m)] = list(dx.split(self.enc_sizes.pop((name, m))))
-        return self.enc_grads[(name, m)][s]
+        return self.enc_grads[(name, m)][s]  # the boundary gradient of the sub-microbatch's rows
 
     def _route(self, a: Action, inputs: list[torch.Tensor], grads) -> None:
         """Send the input gradients back: to the previous stage, or across the boundaries."""
@@ -535,11 +458,11 @@ class _MLLMIteration:
             return
         grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
         name, c, m, _ = self._key(a)  # LLM s0: one input per encoder with rows, else the activation
-        if name == LLM and c == 0:
+        if name == LLM and c == 0:  # the boundary sends that follow take them
             for e, rows in self.leaves.pop(m, {}).items():
-                self.links[e].send(m, _grad_of(rows, inputs, grads), backward=True)
+                self.row_grads[(e, m)] = _grad_of(rows, inputs, grads)
         elif c > 0:
-            self._pass(a, Kind.SEND_B, grads[0])
+            self._pass(a, False, grads[0])
 
     def backward(self, a: Action) -> None:
         """BW: input and weight gradients in one pass."""

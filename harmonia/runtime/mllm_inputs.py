@@ -9,7 +9,8 @@ rows from the encoder replica that encoded it to the LLM replica that packs it
 same way on every rank).
 
 Inside an encoder replica a microbatch's items may be cut into sub-microbatches (the schedule's
-``n_sub``): contiguous runs of its items, so their outputs concatenate back to the replica's rows.
+``n_sub``): contiguous runs of its items (`harmonia.schedule.stagework.item_runs`, the cut the
+schedule's stage work is priced with), so their outputs concatenate back to the replica's rows.
 
 With LLM ``cp > 1`` every token of an LLM replica's packed microbatch belongs to one CP rank (the
 balancer's assignment, `plan_cp_shards` by default); each CP rank keeps the whole packed batch and
@@ -31,6 +32,7 @@ from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
 from harmonia.schedule.graph import LLM
+from harmonia.schedule.stagework import item_runs
 from harmonia.schedule.layout import Layout
 
 Split = Sequence[Sequence[int]]
@@ -75,17 +77,6 @@ def gather_media(items: Sequence[ItemInputs]) -> MediaInputs | None:
         groups.append(g + n)
         n += item.n_groups
     return MediaInputs(torch.cat(inputs), torch.cat(groups), n, torch.zeros(0, dtype=torch.long))
-
-
-def _cut(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges over ``n`` items, as even as possible (front-heavy)."""
-    base, extra = divmod(n, parts)
-    out, start = [], 0
-    for p in range(parts):
-        size = base + (1 if p < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
 
 
 def item_positions(samples: Sequence[TokenizedSample], encoder: str) -> np.ndarray:
@@ -177,7 +168,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                 continue
             mine = [item for i in encoder_split[e][m][layouts[e].coords(rank)["dp"]] for item, _ in items[i]]
             parts = (n_sub or {}).get(e, ())
-            cuts = _cut(len(mine), parts[m] if parts else 1)
+            cuts = item_runs(len(mine), parts[m] if parts else 1)
             out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in cuts])
     out.n_targets = float(total)
     return out

@@ -10,6 +10,10 @@ An action names a stage of a module and what happens there for one microbatch::
     llm.s1.SEND_B3@r0         send microbatch 3's input gradient to stage s-1 on rank 0
     vision.s1.SEND_F3.1>llm.s0@r2   boundary: encoder output of sub-microbatch 1 to the LLM
     llm.s0.RECV_F3.1<vision.s1@r0   the matching receive on the LLM's first stage
+    vision.s1.SEND_F3>llm.s0        a rank's whole boundary transfer of microbatch 3 (its rows go
+                                    where the batch's boundary plan says; no single peer rank)
+    llm.s1.REDUCE             the stage chunk's gradient reduction over its dp x cp group, started
+                              after its last backward of the iteration
 
 Within a module the peer stage of a communication is implicit (``SEND_F``/``RECV_B`` talk to
 stage s+1, ``RECV_F``/``SEND_B`` to stage s-1); across a module boundary it is written after
@@ -38,6 +42,7 @@ class Kind(str, Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    REDUCE = "REDUCE"  # gradient reduction of a stage chunk (a collective; no microbatch)
 
     @property
     def is_compute(self) -> bool:
@@ -59,7 +64,7 @@ _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _VALID_MODULES: set[str] = set()  # names already checked against _NAME
 _KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(
-    rf"^(?P<module>{_NAME})\.s(?P<stage>\d+)\.(?P<kind>{_KINDS})(?P<mb>\d+)(?:\.(?P<sub>\d+))?"
+    rf"^(?P<module>{_NAME})\.s(?P<stage>\d+)\.(?P<kind>{_KINDS})(?P<mb>\d+)?(?:\.(?P<sub>\d+))?"
     rf"(?:(?P<dir>[<>])(?P<pmod>{_NAME})\.s(?P<pstage>\d+))?(?:@r(?P<prank>\d+))?$"
 )
 
@@ -98,7 +103,7 @@ class Action:
         module: module name (``llm``, ``vision``, ...).
         stage: stage chunk index inside the module.
         kind: F, B, W, BW or a send/receive.
-        microbatch: microbatch index.
+        microbatch: microbatch index (0 for a REDUCE, which covers every microbatch).
         sub: sub-microbatch index on encoder stages; None when the microbatch is not split.
         peer: for a boundary transfer, the other module's stage; None within a module.
         peer_rank: for a communication, the rank on the other end (set by lowering).
@@ -121,9 +126,12 @@ class Action:
             _VALID_MODULES.add(self.module)
         if self.stage < 0 or self.microbatch < 0 or (self.sub is not None and self.sub < 0):
             raise ScheduleError(f"action {self}: stage, microbatch and sub must be >= 0")
-        if self.kind.is_compute and (self.peer is not None or self.peer_rank is not None):
+        if (self.kind.is_compute or self.kind is Kind.REDUCE) and (self.peer is not None or self.peer_rank is not None):
             raise ScheduleError(f"compute action {self.module}.s{self.stage}.{self.kind.value} "
                                 "cannot name a peer; only sends and receives do")
+        if self.kind is Kind.REDUCE and (self.microbatch or self.sub is not None):
+            raise ScheduleError(f"{self.module}.s{self.stage}.REDUCE covers the whole iteration; it has no "
+                                "microbatch or sub-microbatch")
 
     @_computed_once
     def stage_ref(self) -> StageRef:
@@ -136,7 +144,7 @@ class Action:
 
     def peer_stage(self) -> StageRef:
         """The stage on the other end of a communication (explicit or the adjacent stage)."""
-        if self.kind.is_compute:
+        if self.kind.is_compute or self.kind is Kind.REDUCE:
             raise ScheduleError(f"{self} is a compute action and has no peer")
         if self.peer is not None:
             return self.peer
@@ -148,6 +156,8 @@ class Action:
         return Action(self.module, self.stage, self.kind, self.microbatch, self.sub)
 
     def __str__(self) -> str:
+        if self.kind is Kind.REDUCE:
+            return f"{self.module}.s{self.stage}.REDUCE"
         text = f"{self.module}.s{self.stage}.{self.kind.value}{self.microbatch}"
         if self.sub is not None:
             text += f".{self.sub}"
@@ -168,10 +178,12 @@ class Action:
             )
         g = match.groupdict()
         kind = Kind(g["kind"])
+        if (g["mb"] is None) != (kind is Kind.REDUCE):
+            raise ScheduleError(f"cannot parse action {text!r}: every kind but REDUCE names its microbatch")
         peer = StageRef(g["pmod"], int(g["pstage"])) if g["pmod"] else None
         if peer is not None and (kind.is_compute or (g["dir"] == ">") != kind.is_send):
             raise ScheduleError(f"action {text!r}: use '>' after a send and '<' after a receive")
-        return Action(g["module"], int(g["stage"]), kind, int(g["mb"]),
+        return Action(g["module"], int(g["stage"]), kind, int(g["mb"] or 0),
                       int(g["sub"]) if g["sub"] is not None else None, peer,
                       int(g["prank"]) if g["prank"] is not None else None)
 

@@ -9,6 +9,7 @@ sends and receives. See `harmonia.schedule.generators` for how the policies belo
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from harmonia.errors import ScheduleError
@@ -72,6 +73,7 @@ def _skeleton(graph, n_microbatches, n_sub, order, family) -> tuple[IterationSch
 
 def _finish(skeleton: IterationSchedule, policy: Policy, order, costs) -> IterationSchedule:
     skeleton.orders = list_schedule(skeleton, policy, order, costs or CostTable.uniform())
+    skeleton.costs = costs
     return skeleton
 
 
@@ -200,3 +202,31 @@ def build_schedule(graph: StageGraph, n_microbatches: int, family: str = "1f1b",
     if family not in builders:
         raise ScheduleError(f"schedule family {family!r} unknown; expected one of {FAMILIES}")
     return builders[family](graph, n_microbatches, order=order, n_sub=n_sub, costs=costs)
+
+
+def fuse_encoders(schedule: IterationSchedule) -> IterationSchedule:
+    """Megatron-LM's order: on every rank, an encoder's forwards of a microbatch run right before the
+    LLM's first-stage forward of it, and its backwards right after that stage's last backward of it
+    (encoders placed inside the LLM's first pipeline stage). A copy of a compute-only schedule."""
+    orders = {}
+    for rank, acts in schedule.orders.items():
+        enc_f: dict[int, list[Action]] = {}
+        enc_b: dict[int, list[Action]] = {}
+        rest = []
+        for a in acts:
+            if a.module == LLM:
+                rest.append(a)
+            else:
+                (enc_f if a.kind is Kind.F else enc_b).setdefault(a.microbatch, []).append(a)
+        last_b = {a.microbatch: i for i, a in enumerate(rest) if a.stage == 0 and a.kind is not Kind.F}
+        fused = []
+        for i, a in enumerate(rest):
+            if a.stage == 0 and a.kind is Kind.F:
+                fused += enc_f.pop(a.microbatch, [])
+            fused.append(a)
+            if last_b.get(a.microbatch) == i:
+                fused += enc_b.pop(a.microbatch, [])
+        for leftovers in (*enc_f.values(), *enc_b.values()):
+            fused += leftovers
+        orders[rank] = fused
+    return replace(schedule, orders=orders, family=schedule.family + "+fused", producers=None)

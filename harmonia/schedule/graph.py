@@ -28,6 +28,7 @@ from typing import Callable, Mapping
 
 from harmonia.errors import ScheduleError
 from harmonia.schedule.actions import Action, Kind, StageRef
+from harmonia.schedule.costs import CostTable
 from harmonia.schedule.layout import Layout
 
 LLM = "llm"
@@ -267,6 +268,10 @@ class IterationSchedule:
     producers: tuple[dict, dict] | None = field(default=None, compare=False, repr=False)
     """(stage -> grad kind, compute action -> its producers) the generator derived; `replay` reuses
     them for the same grad kinds instead of deriving them again (None: derive)."""
+    costs: CostTable | None = field(default=None, compare=False, repr=False)
+    """The durations the generator ordered the actions with (None: uniform). Every rank expands the
+    schedule to its own action list by the schedule's timeline under these costs
+    (`harmonia.schedule.rank_actions`), so they are part of the schedule."""
 
     def subs(self, module: str, microbatch: int) -> list[int | None]:
         """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""

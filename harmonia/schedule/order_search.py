@@ -21,7 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from harmonia.schedule import CostTable, StageGraph, build_schedule, makespan
+from harmonia.schedule.costs import CostTable
+from harmonia.schedule.families import build_schedule
+from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.replay import makespan
 
 
 @dataclass(frozen=True)

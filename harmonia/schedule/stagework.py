@@ -1,33 +1,37 @@
-"""Durations and bytes of every stage's work for one iteration's microbatches.
+"""Durations and bytes of every stage's work for one iteration, from the cost model.
 
-Given a plan (layouts, stage splits), the cost model and the iteration's assignment — for each LLM
-DP replica, its microbatches as lists of sample indices — this computes, for every
-``(module, replica, stage, microbatch)``, the F, B and W seconds on one rank of that stage's TP x CP
-group, the activation bytes the microbatch keeps there, the bytes sent to the next stage, and the
-boundary bytes an encoder's last stage sends to the LLM's first stage. A module in
-``plan.recompute`` keeps only its blocks' inputs and runs their forward again in B
-(`harmonia.workload.cost`).
+Given a plan (layouts, stage splits), the cost model and the iteration's assignment
+(`harmonia.schedule.iteration.IterationAssignment`: global microbatches, the LLM replicas' and every
+encoder's split of them, by sample), this computes for every ``(module, replica, stage, microbatch,
+sub-microbatch)`` the F, B and W seconds on one rank of that stage's TP x CP group, the activation
+bytes the unit keeps there, the bytes sent to the next stage, and the boundary bytes each encoder
+replica sends each LLM replica. A module in ``plan.recompute`` keeps only its blocks' inputs and runs
+their forward again in B (`harmonia.workload.cost`).
 
-Encoder replicas and LLM replicas are matched by rank when every encoder replica lies inside one
-LLM replica's ranks (colocated encoders): LLM replica ``d`` is fed by the encoder replicas on its
-own ranks, so its pipeline never waits for encoder work queued behind another replica's LLM work,
-and boundary rows stay on the replica's ranks. Otherwise they are matched round-robin: with
-``enc_dp >= llm_dp`` LLM replica ``d`` is fed by encoder replicas ``{e : e % llm_dp == d}``; with
-``enc_dp < llm_dp`` encoder replica ``e`` serves LLM replicas ``{d : d % enc_dp == e}`` one
-microbatch after another. The replicas feeding one microbatch split its items largest first onto
-the replica least loaded so far this iteration.
+The work is exactly what the executor runs: LLM replica ``d`` packs its samples of global
+microbatch ``m``; encoder replica ``e`` encodes its samples of ``m`` (of every LLM replica it feeds,
+at once), cut into the schedule's sub-microbatches as contiguous runs of its items
+(`item_runs`, the same cut `harmonia.runtime.mllm_inputs` gives the executor).
+
+`cost_table` turns it into the durations the schedule is ordered with: one schedule serves every
+LLM replica, so each stage and microbatch takes the slowest replica's work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from harmonia.schedule.costs import CostTable, PhaseCost
-from harmonia.schedule.graph import LLM, colocated_holders
+from harmonia.schedule.families import build_schedule
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders
+from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.workload.cost import CostModel, PhaseTimes
 from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
 from harmonia.workload.work import ModuleLoad
+
+NO_WORK = PhaseCost(0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,10 @@ class StageKey:
     module: str
     replica: int
     stage: int
+
+
+WorkKey = tuple[StageKey, int, "int | None"]
+"""(stage chunk of a replica, global microbatch, sub-microbatch or None)."""
 
 
 @dataclass
@@ -56,18 +64,33 @@ class IterationWork:
     """All stage work of one iteration.
 
     Attributes:
-        work: (stage key, microbatch id) -> work. Microbatch ids are ``(llm_replica, index)``.
-        encoder_feeds: (encoder, llm_replica, index) -> encoder replicas that hold part of it.
-        boundary_bytes: (encoder, encoder_replica, llm_replica, index) -> bytes to the LLM.
+        assignment: the iteration's samples: global microbatches and their replica splits.
+        n_sub: encoder -> sub-microbatches of each global microbatch (absent: 1).
+        work: (stage key, microbatch, sub) -> work, for every unit with something to do (an encoder
+            replica without items in a unit has no entry: it does nothing there).
+        boundary_bytes: (encoder, encoder replica, LLM replica, microbatch) -> bytes of rows.
         stage_ranks: stage key -> the ranks (TP x CP group) that run it.
-        microbatches: llm replica -> list of sample-index lists.
     """
 
-    work: dict[tuple[StageKey, tuple[int, int]], MicrobatchWork] = field(default_factory=dict)
-    encoder_feeds: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
+    assignment: IterationAssignment
+    n_sub: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    work: dict[WorkKey, MicrobatchWork] = field(default_factory=dict)
     boundary_bytes: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
     stage_ranks: dict[StageKey, tuple[int, ...]] = field(default_factory=dict)
-    microbatches: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.assignment.n_microbatches
+
+    def subs(self, module: str, m: int) -> list[int | None]:
+        """Sub-microbatch indices of microbatch ``m`` on ``module`` (``[None]`` when not split)."""
+        n = self.n_sub.get(module, ())
+        count = n[m] if n else 1
+        return [None] if count == 1 else list(range(count))
+
+    def unit(self, key: StageKey, m: int, sub: int | None) -> MicrobatchWork | None:
+        """The work of one unit, None where the replica has nothing to do."""
+        return self.work.get((key, m, sub))
 
 
 def stage_layer_range(cost: CostModel, plan: Plan, module: str, stage: int) -> tuple[int, int]:
@@ -85,119 +108,84 @@ def stage_layer_range(cost: CostModel, plan: Plan, module: str, stage: int) -> t
     return start, stop
 
 
-def stage_of_chunk(plan: Plan, module: str, chunk: int) -> tuple[int, int]:
-    """(pp rank, virtual index) holding a stage chunk: chunks go round-robin over pp ranks."""
-    pp = plan.layouts[module].pp
-    return chunk % pp, chunk // pp
-
-
-def _ranks_of(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, ...]:
+def stage_ranks(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, ...]:
+    """The TP x CP group running a replica's stage chunk (chunk ``c`` on pipeline rank ``c % pp``)."""
     layout = plan.layouts[module]
-    pp_rank, _ = stage_of_chunk(plan, module, chunk)
-    return tuple(layout.rank_at(pp=pp_rank, dp=replica, cp=c, tp=t)
+    return tuple(layout.rank_at(pp=chunk % layout.pp, dp=replica, cp=c, tp=t)
                  for c in range(layout.cp) for t in range(layout.tp))
 
 
-def _encoder_shares(samples: list[SampleShape], cost: CostModel, encoder: str, idx: list[int],
-                    replicas: list[int], loads: list[float]) -> list[list[tuple[int, int]]]:
-    """Split the items of ``encoder`` in samples ``idx`` over ``replicas``: largest item first onto
-    the replica with the smallest running load (``loads[e]``: FLOPs so far this iteration).
-
-    The loads carry over from one microbatch to the next, so replicas that got the heaviest items of
-    one microbatch get lighter ones in the next; restarting from zero every microbatch would hand
-    the heaviest item of every microbatch to the same replica, and none at all to the replicas
-    beyond a microbatch's item count.
-
-    Returns per replica (in ``replicas`` order) a list of (sample index, item index) pairs;
-    ``loads`` is updated in place.
-    """
-    spec = cost.mllm.encoders[encoder]
-    items = []
-    for i in idx:
-        for j, item in enumerate(samples[i].items):
-            if item.modality in spec.modalities:
-                seqs = encoder_sequences(item, spec)
-                flops = float(cost.flops(encoder, ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))).sum())
-                items.append((flops, i, j))
-    shares: list[list[tuple[int, int]]] = [[] for _ in replicas]
-    for flops, i, j in sorted(items, reverse=True):
-        k = min(range(len(replicas)), key=lambda k: loads[replicas[k]])
-        shares[k].append((i, j))
-        loads[replicas[k]] += flops
-    return shares
-
-
-def _item_load(samples: list[SampleShape], cost: CostModel, encoder: str, pairs: list[tuple[int, int]]):
-    spec = cost.mllm.encoders[encoder]
-    enc, proj = ModuleLoad(), ModuleLoad()
-    for i, j in pairs:
-        seqs = encoder_sequences(samples[i].items[j], spec)
-        enc += ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))
-        proj += ModuleLoad(llm_tokens_of_item(samples[i].items[j], spec), 0, 1)
-    return enc, proj
-
-
-def plan_iteration_work(samples: list[SampleShape], plan: Plan, cost: CostModel,
-                        microbatches: dict[int, list[list[int]]]) -> IterationWork:
-    """Stage work of every module for an iteration's microbatches (see module docstring)."""
-    out = IterationWork(microbatches=microbatches)
-    h_llm = cost.mllm.llm.hidden
-    llm = plan.layouts["llm"]
-    feeds = {enc: feeding_replicas(plan, enc) for enc in plan.encoders}
-    loads = {enc: [0.0] * plan.layouts[enc].dp for enc in plan.encoders}  # FLOPs per encoder replica so far
-    for d, mbs in microbatches.items():
-        for m, idx in enumerate(mbs):
-            load = ModuleLoad()
-            for i in idx:
-                load += cost.sample_loads(samples[i])["llm"]
-            _add_module_work(out, plan, cost, "llm", d, (d, m), load, ModuleLoad(), h_llm, llm.tp, llm.cp)
-            for enc in plan.encoders:
-                _add_encoder_work(out, samples, plan, cost, enc, d, m, idx, h_llm, feeds[enc][d], loads[enc])
+def item_runs(n_items: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ranges over ``n_items`` items, as even as possible (front-heavy): how one
+    encoder replica's items of a microbatch are cut into sub-microbatches."""
+    base, extra = divmod(n_items, parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append((start, start + size))
+        start += size
     return out
 
 
-def feeding_replicas(plan: Plan, enc: str) -> list[list[int]]:
-    """Per LLM replica, the encoder replicas that feed it (see the module docstring): those on its
-    own ranks when every encoder replica lies inside one LLM replica, else round-robin."""
-    enc_layout, llm = plan.layouts[enc], plan.layouts["llm"]
-    enc_dp, llm_dp = enc_layout.dp, llm.dp
-    owner = {r: llm.coords(r)["dp"] for r in llm.rank_list()}
-    inside: list[list[int]] = [[] for _ in range(llm_dp)]
-    for e in range(enc_dp):
-        ranks = [enc_layout.rank_at(pp=p, dp=e, cp=c, tp=t) for p in range(enc_layout.pp)
-                 for c in range(enc_layout.cp) for t in range(enc_layout.tp)]
-        replicas = {owner.get(r) for r in ranks}
-        if len(replicas) != 1 or None in replicas:
-            break
-        inside[replicas.pop()].append(e)
-    else:
-        if all(inside):
-            return inside
-    if enc_dp >= llm_dp:
-        return [[e for e in range(enc_dp) if e % llm_dp == d] for d in range(llm_dp)]
-    return [[d % enc_dp] for d in range(llm_dp)]
+def _items(shapes: Sequence[SampleShape], positions: Sequence[int], cost: CostModel, encoder: str) -> list:
+    """One encoder's items of the samples at ``positions``, in sample order."""
+    spec = cost.mllm.encoders[encoder]
+    return [item for i in positions for item in shapes[i].items if item.modality in spec.modalities]
 
 
-def _add_encoder_work(out: IterationWork, samples, plan: Plan, cost: CostModel, enc: str, d: int, m: int,
-                      idx: list[int], h_llm: int, replicas: list[int], loads: list[float]) -> None:
-    shares = _encoder_shares(samples, cost, enc, idx, replicas, loads)
-    feeds = []
-    layout = plan.layouts[enc]
-    for e, share in zip(replicas, shares):
-        if not share:
-            continue
-        enc_load, proj_load = _item_load(samples, cost, enc, share)
-        _add_module_work(out, plan, cost, enc, e, (d, m), enc_load, proj_load, cost.mllm.encoders[enc].out_dim,
-                         layout.tp, layout.cp)
-        out.boundary_bytes[(enc, e, d, m)] = proj_load.tokens * h_llm * cost.act_bytes
-        feeds.append(e)
-    out.encoder_feeds[(enc, d, m)] = feeds
+def _item_load(cost: CostModel, encoder: str, items: list) -> tuple[ModuleLoad, ModuleLoad]:
+    spec = cost.mllm.encoders[encoder]
+    enc, proj = ModuleLoad(), ModuleLoad()
+    for item in items:
+        seqs = encoder_sequences(item, spec)
+        enc += ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))
+        proj += ModuleLoad(llm_tokens_of_item(item, spec), 0, 1)
+    return enc, proj
 
 
-def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, replica: int,
-                     mb: tuple[int, int], load: ModuleLoad, proj_load: ModuleLoad, hidden: int,
-                     tp: int, cp: int) -> None:
+def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostModel, assignment: IterationAssignment,
+                        n_sub: Mapping[str, Sequence[int]] | None = None) -> IterationWork:
+    """Stage work of every module for an iteration (see the module docstring).
+
+    Args:
+        shapes: the batch's sample shapes; the assignment's positions index them.
+        plan: layouts and recompute.
+        cost: the cost model.
+        assignment: global microbatches and their LLM and encoder replica splits.
+        n_sub: encoder -> sub-microbatches per microbatch (the schedule's ``n_sub``; default 1).
+    """
+    out = IterationWork(assignment, {e: tuple(v) for e, v in (n_sub or {}).items()})
+    h_llm = cost.mllm.llm.hidden
+    for m, samples in enumerate(assignment.microbatches):
+        owner = {}
+        for d, positions in enumerate(assignment.llm_split[m]):
+            load = ModuleLoad()
+            for p in positions:
+                load += cost.sample_loads(shapes[samples[p]])["llm"]
+                owner[p] = d
+            _add_module_work(out, plan, cost, LLM, d, m, None, load, ModuleLoad())
+        for enc in plan.encoders:
+            spec_dim = cost.mllm.encoders[enc].out_dim
+            for e, positions in enumerate(assignment.encoder_split[enc][m]):
+                items = _items(shapes, [samples[p] for p in positions], cost, enc)
+                runs = item_runs(len(items), len(out.subs(enc, m)))
+                for sub, (a, b) in zip(out.subs(enc, m), runs):
+                    if a < b:
+                        enc_load, proj_load = _item_load(cost, enc, items[a:b])
+                        _add_module_work(out, plan, cost, enc, e, m, sub, enc_load, proj_load, spec_dim)
+                for p in positions:  # boundary rows: this replica's samples, to the replica packing each
+                    rows = _item_load(cost, enc, _items(shapes, [samples[p]], cost, enc))[1].tokens
+                    if rows:
+                        key = (enc, e, owner[p], m)
+                        out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
+    return out
+
+
+def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, replica: int, m: int,
+                     sub: int | None, load: ModuleLoad, proj_load: ModuleLoad, hidden: int | None = None) -> None:
     layout = plan.layouts[module]
+    tp, cp = layout.tp, layout.cp
+    hidden = cost.mllm.llm.hidden if hidden is None else hidden
     recompute = module in plan.recompute
     for chunk in range(layout.n_stages):
         start, stop = stage_layer_range(cost, plan, module, chunk)
@@ -206,16 +194,16 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
         transient = cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp) if recompute else 0.0
         last = chunk == layout.n_stages - 1
-        if last and module != "llm":  # the projector runs on the encoder's last stage
+        if last and module != LLM:  # the projector runs on the encoder's last stage
             proj = f"{module}_proj"
             times = times + cost.stage_times(proj, proj_load, tp=tp, cp=cp)
             flops += sum(cost.phase_flops(proj, proj_load))
             act += cost.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
-            out.stage_ranks[key] = _ranks_of(plan, module, replica, chunk)
+            out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
-        out.work[(key, mb)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)
+        out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)
 
 
 def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
@@ -227,53 +215,72 @@ def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
         for chunk in range(layout.n_stages):
             start, stop = stage_layer_range(cost, plan, module, chunk)
             trains = cost.param_count(module, start, stop)[1] > 0
-            if module != "llm" and chunk == layout.n_stages - 1:
+            if module != LLM and chunk == layout.n_stages - 1:
                 trains = trains or cost.param_count(f"{module}_proj")[1] > 0
             flags.append(trains)
         out[module] = tuple(flags)
     return out
 
 
-def encoder_replicas(plan: Plan, iw: IterationWork, enc: str, d: int, m: int) -> list[int]:
-    """The encoder replicas holding part of microbatch ``m`` of LLM replica ``d``."""
-    return iw.encoder_feeds.get((enc, d, m), [])
-
-
-def cost_table(plan: Plan, iw: IterationWork, d: int) -> CostTable:
-    """Per-microbatch stage durations of LLM replica ``d`` (encoders: the slowest feeding replica;
-    a colocated encoder on each holder: the slowest of the encoder replicas on its ranks)."""
-    return CostTable(_stage_costs(plan, iw, d), shares=_share_costs(plan, iw, d))
-
-
-def _slowest(works: list) -> PhaseCost:
+def _slowest(works: list[MicrobatchWork]) -> PhaseCost:
+    if not works:
+        return NO_WORK
     return PhaseCost(max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
 
 
-def _share_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
+def cost_table(plan: Plan, iw: IterationWork) -> CostTable:
+    """The durations one schedule for every LLM replica is ordered with: per stage, microbatch and
+    sub-microbatch, the slowest replica's work (every replica runs the schedule's order, so the
+    slowest one sets each step); a colocated encoder stage held by several LLM ranks, on each
+    holder, the slowest encoder replica on the ranks of that holder's pipeline position in any
+    LLM replica."""
+    entries = {}
+    for m in range(iw.n_microbatches):
+        for module, layout in plan.layouts.items():
+            for chunk in range(layout.n_stages):
+                for sub in iw.subs(module, m):
+                    works = [w for r in range(layout.dp)
+                             if (w := iw.unit(StageKey(module, r, chunk), m, sub)) is not None]
+                    entries[(module, chunk, m, sub)] = _slowest(works)
+    return CostTable(entries, shares=_share_costs(plan, iw))
+
+
+def _share_costs(plan: Plan, iw: IterationWork) -> dict:
+    """(holder rank, encoder, chunk, microbatch) -> the holder's share, for colocated encoder stages
+    held by several LLM ranks of replica 0's graph (a holder stands for its pipeline position)."""
+    llm = plan.layouts[LLM]
     out = {}
     for enc in plan.encoders:
         for chunk in range(plan.layouts[enc].n_stages):
-            held = colocated_holders(plan.layouts, enc, chunk, d)
-            if held is None or len(held) < 2:
+            if len(colocated_holders(plan.layouts, enc, chunk, 0) or ()) < 2:
                 continue
-            for m in range(len(iw.microbatches[d])):
-                for rank, replicas in held.items():
-                    works = [iw.work[(StageKey(enc, e, chunk), (d, m))] for e in replicas
-                             if (StageKey(enc, e, chunk), (d, m)) in iw.work]
-                    out[(rank, enc, chunk, m)] = _slowest(works) if works else PhaseCost(0.0, 0.0, 0.0)
+            by_position: dict[int, list[int]] = {}
+            for d in range(llm.dp):
+                for rank, replicas in (colocated_holders(plan.layouts, enc, chunk, d) or {}).items():
+                    by_position.setdefault(llm.coords(rank)["pp"], []).extend(replicas)
+            for pp, replicas in by_position.items():
+                holder = llm.rank_at(pp=pp, dp=0)
+                for m in range(iw.n_microbatches):
+                    out[(holder, enc, chunk, m)] = _whole_slowest(iw, enc, chunk, m, replicas)
     return out
 
 
-def _stage_costs(plan: Plan, iw: IterationWork, d: int) -> dict:
-    entries = {}
-    for m in range(len(iw.microbatches[d])):
-        for module, layout in plan.layouts.items():
-            replicas = [d] if module == "llm" else encoder_replicas(plan, iw, module, d, m)
-            for chunk in range(layout.n_stages):
-                works = [iw.work[(StageKey(module, e, chunk), (d, m))] for e in replicas
-                         if (StageKey(module, e, chunk), (d, m)) in iw.work]
-                if not works:
-                    entries[(module, chunk, m, None)] = PhaseCost(0.0, 0.0, 0.0)
-                    continue
-                entries[(module, chunk, m, None)] = _slowest(works)
-    return entries
+def _whole_slowest(iw: IterationWork, enc: str, chunk: int, m: int, replicas: list[int]) -> PhaseCost:
+    """The slowest replica's whole microbatch, its sub-microbatches summed (a holder's share is split
+    over the sub-microbatches like a microbatch entry)."""
+    best = NO_WORK
+    for e in replicas:
+        parts = [w for sub in iw.subs(enc, m) if (w := iw.unit(StageKey(enc, e, chunk), m, sub)) is not None]
+        total = PhaseCost(sum(w.times.F for w in parts), sum(w.times.B for w in parts), sum(w.times.W for w in parts))
+        if total.F + total.B + total.W > best.F + best.B + best.W:
+            best = total
+    return best
+
+
+def iteration_schedule(plan: Plan, cost: CostModel, iw: IterationWork, family: str | None = None,
+                       order: Sequence[int] | None = None) -> IterationSchedule:
+    """The schedule an iteration's stage work runs under: the plan's family (or ``family``) on replica
+    0's stage graph (trainability from the cost model), ordered with `cost_table`."""
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    return build_schedule(graph, iw.n_microbatches, family or plan.schedule, order=order, costs=cost_table(plan, iw),
+                          n_sub=iw.n_sub or None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harmonia.errors import ScheduleError
+from harmonia.schedule.actions import Action
 
 
 @dataclass
@@ -30,10 +31,12 @@ class Task:
         duration: seconds on the compute stream.
         deps: (task index, transfer delay in seconds) pairs that must finish first.
         module: module name (for colouring and per-module time).
-        kind: ``F``, ``B``, ``W``, ``BW`` or ``C`` (a collective on the communication stream).
+        kind: ``F``, ``B``, ``W``, ``BW``, a send or receive (``SEND_F`` ...: no time of its own; a
+            receive waits for its message) or ``C`` (a collective on the communication stream).
         mem_delta: activation bytes allocated (+) or freed (-) when the task ends.
         flops: useful FLOPs of the task (for MFU).
         transient: bytes held only while the task runs (a recomputed block's activations in B).
+        action: the rank's action the task times (None for tasks built otherwise, e.g. measured).
     """
 
     name: str
@@ -45,6 +48,7 @@ class Task:
     mem_delta: float = 0.0
     flops: float = 0.0
     transient: float = 0.0
+    action: Action | None = None
 
 
 @dataclass

@@ -1,52 +1,55 @@
-"""Turn per-rank compute orders into replayable tasks with dependencies and communication.
+"""Time every rank's action list: one task per action, in the list's order, with real costs.
 
-A compute key is ``(module, replica, chunk, kind, microbatch)``, with ``kind`` in F, B, W, BW and
-``microbatch = (llm_replica, index)``. Every rank of a stage's TP x CP group runs the same keys. The
-dependencies are the pipeline's data flow:
+The lists are the ones the executor runs (`harmonia.schedule.rank_actions.plan_rank_actions`); a
+rank's tasks are exactly its actions, in its order:
 
-- F of chunk c waits for F of chunk c-1 (P2P delay of the activations); F of the LLM's first
-  chunk waits for the last encoder chunk of every encoder replica feeding the microbatch (boundary
-  delay of its rows).
-- B of chunk c waits for B (or BW) of chunk c+1, for the LLM's last chunk on its own F; an
-  encoder's last chunk waits for the LLM's first-chunk B (boundary gradients). W waits for its B,
-  or, on a stage with no B (a trainable projector behind a frozen encoder), for the gradient itself.
-- After a rank's last W (or BW) of a trainable stage, the DP gradient reduction runs on its
-  communication stream: a ring all-reduce, ``2 (dp-1)/dp * bytes / bandwidth``.
+- a compute action (F, B, W, BW) runs on the rank's compute stream for the cost model's seconds of
+  its unit on that rank's replica (`harmonia.schedule.stagework`; nothing where the replica has no
+  data in the unit), plus the collectives inside it: TP adds two all-reduces of the activations per
+  block and pass, CP an all-gather of K and V per block; a recomputed module's backward runs its
+  blocks' forward again, collectives included; FSDP gathers a stage's weights before the forward
+  and again before the backward, overlapped with compute (only the part longer than the compute
+  adds time). Every price is one function of `harmonia.sim.collectives`;
+- a send takes no time on the stream (sends are asynchronous);
+- a receive holds the stream until its message has arrived: the matching send's end plus the
+  transfer (``latency + bytes / bandwidth``), within a module from the peer the action names, at a
+  boundary from every replica that has rows for it (the encoder replicas encoding the LLM
+  replica's samples forward, the LLM replicas packing the encoder replica's samples backward);
+- a ``REDUCE`` runs the chunk's gradient all-reduce over ``dp x cp`` on the rank's communication
+  stream, after the compute action before it (the chunk's last backward).
 
-TP adds two all-reduces of the activations per block forward and two per backward, CP an
-all-gather of K and V per block; both are added to the compute duration (they are synchronous). A
-recomputed module's backward (B or BW) runs its blocks' forward again, collectives included: two
-more all-reduces and one more K/V all-gather per block.
-FSDP gathers a stage's weights over its DP group before the forward and again before the backward
-(weights resharded after forward, FSDP2's default); prefetching overlaps the gather with compute,
-so only the part longer than the compute adds time.
+A W on a stage without B (nothing trainable upstream) still backpropagates through its own interior
+for its weight gradients: that work runs inside its W. Activations are kept from F and freed by the
+backward (half at B, half at W when split).
 """
 
 from __future__ import annotations
 
+from harmonia.schedule.actions import Action, Kind, StageRef
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, StageKey
-from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s,
-                                      tp_allreduce_s)
-from harmonia.sim.engine import Task
+from harmonia.schedule.rank_actions import plan_rank_actions
+from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
+from harmonia.sim.collectives import chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s, tp_allreduce_s
+from harmonia.sim.engine import Task, Timeline, replay
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
-ComputeKey = tuple[str, int, int, str, tuple[int, int]]
 
-
-def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageKey, mb, kind: str,
+def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: MicrobatchWork, kind: str,
                      cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces, CP K/V all-gathers and exposed FSDP gathers inside a stage for one phase
-    (`harmonia.sim.collectives`); ``cache`` keeps one FSDP gather price per stage chunk."""
+    (`harmonia.sim.collectives`); ``cache`` keeps each stage key's ranks and one FSDP gather price per
+    stage chunk."""
     layout = plan.layouts[key.module]
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
     fsdp_gather = layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
     if not (tp_collective or cp_collective or fsdp_gather):
         return 0.0
-    work = iw.work[(key, mb)]
-    ranks = iw.stage_ranks[key]
+    if key not in cache:
+        cache[key] = stage_ranks(plan, key.module, key.replica, key.stage)
+    ranks = cache[key]
     extra = 0.0
     if tp_collective or cp_collective:
         blocks = chunk_blocks(cost, layout, key.module, key.stage)
@@ -57,45 +60,15 @@ def collective_extra(plan: Plan, cost: CostModel, iw: IterationWork, key: StageK
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
         if (key.module, key.stage) not in cache:
             cache[(key.module, key.stage)] = fsdp_gather_s(cost, cluster, plan, key.module, key.stage, key.replica)
-        gather = cache[(key.module, key.stage)]
         compute = {"F": work.times.F, "B": work.times.B, "BW": work.times.B + work.times.W}[kind]
-        extra += max(0.0, gather - compute)
+        extra += max(0.0, cache[(key.module, key.stage)] - compute)
     return extra
 
 
-def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, orders: dict[int, list[ComputeKey]],
-                cluster: ClusterSpec) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
-    """Tasks, per-rank compute queues and per-rank communication queues for `harmonia.sim.engine.replay`."""
-    tasks: list[Task] = []
-    index: dict[tuple[ComputeKey, int], int] = {}
-    queue: dict[int, list[int]] = {r: [] for r in orders}
-    gathers: dict[tuple[str, int], float] = {}
-    has_w = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] == "W"}
-    has_b = {(k[0], k[1], k[2], k[4]) for keys in orders.values() for k in keys if k[3] in ("B", "BW")}
-    for rank, keys in orders.items():
-        for ck in keys:
-            module, replica, chunk, kind, mb = ck
-            skey = StageKey(module, replica, chunk)
-            work = iw.work[(skey, mb)]
-            t = work.times
-            # a stage without a B action (nothing trainable upstream) still backpropagates through
-            # its own interior for its weight gradients: that work runs inside its W
-            w_only = kind == "W" and (module, replica, chunk, mb) not in has_b
-            duration = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
-            duration += collective_extra(plan, cost, iw, skey, mb, kind, cluster, gathers)
-            flops_share = {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W,
-                           "BW": t.B + t.W}[kind] / max(t.total, 1e-30)
-            mem = _activation_delta(kind, work.act_bytes, w_only, (module, replica, chunk, mb) in has_w)
-            recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
-            index[(ck, rank)] = len(tasks)
-            queue[rank].append(len(tasks))
-            tasks.append(Task(f"{module}.r{replica}.s{chunk}.{kind}{mb[0]}.{mb[1]}", rank, duration, [],
-                              module, kind, mem, work.flops * flops_share,
-                              work.transient if recomputes else 0.0))
-    for (ck, rank), i in index.items():
-        tasks[i].deps = _deps(plan, iw, ck, rank, index, cluster)
-    comm = _gradient_reductions(plan, cost, iw, orders, tasks, index, cluster)
-    return tasks, queue, comm
+def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
+    """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward)."""
+    t = work.times
+    return {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
 
 
 def _activation_delta(kind: str, act_bytes: float, w_only: bool, has_w: bool) -> float:
@@ -108,80 +81,122 @@ def _activation_delta(kind: str, act_bytes: float, w_only: bool, has_w: bool) ->
     return -act_bytes
 
 
-def _peer(iw: IterationWork, key: StageKey, position: int) -> int:
-    ranks = iw.stage_ranks[key]
-    return ranks[position % len(ranks)]
+class _Builder:
+    """Tasks of every rank's actions, and the receives' dependencies once every send exists."""
+
+    def __init__(self, plan: Plan, cost: CostModel, iw: IterationWork, graph: StageGraph,
+                 cluster: ClusterSpec) -> None:
+        self.plan, self.cost, self.iw, self.graph, self.cluster = plan, cost, iw, graph, cluster
+        self.tasks: list[Task] = []
+        self.sends: dict[tuple[int, Action], int] = {}
+        self.recvs: list[tuple[int, int, Action]] = []  # (task, rank, action)
+        self.gathers: dict = {}
+        self.last_compute: dict[int, int] = {}  # rank -> its latest compute task
+        self.replicas: dict[tuple[str, int], int] = {}
+        self.reductions: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> one DP group's reduction
+        self.first_rank: dict[tuple[str, int, int], int] = {}  # a replica's stage chunk -> its first rank
+
+    def replica(self, module: str, rank: int) -> int:
+        key = (module, rank)
+        if key not in self.replicas:
+            self.replicas[key] = self.plan.layouts[module].coords(rank)["dp"]
+        return self.replicas[key]
+
+    def first(self, module: str, replica: int, chunk: int) -> int:
+        """The first rank of a replica's stage chunk (where a boundary message is priced from)."""
+        key = (module, replica, chunk)
+        if key not in self.first_rank:
+            self.first_rank[key] = stage_ranks(self.plan, module, replica, chunk)[0]
+        return self.first_rank[key]
+
+    def add(self, rank: int, a: Action) -> int:
+        i = len(self.tasks)
+        if a.kind.is_compute:
+            self.tasks.append(self._compute(rank, a))
+            self.last_compute[rank] = i
+        elif a.kind is Kind.REDUCE:  # after the chunk's last backward, the compute action before it
+            me = self.plan.layouts[a.module].coords(rank)
+            group = (a.module, a.stage, me["cp"], me["tp"])
+            if group not in self.reductions:
+                self.reductions[group] = grad_reduce_s(self.cost, self.cluster, self.plan, *group)
+            seconds = self.reductions[group]
+            self.tasks.append(Task(str(a), rank, seconds, [(self.last_compute[rank], 0.0)], a.module, "C", action=a))
+        else:
+            self.tasks.append(Task(str(a), rank, 0.0, [], a.module, a.kind.value, action=a))
+            if a.kind.is_send:
+                self.sends[(rank, a)] = i
+            else:
+                self.recvs.append((i, rank, a))
+        return i
+
+    def _compute(self, rank: int, a: Action) -> Task:
+        ref, kind = a.stage_ref, a.kind.value
+        key = StageKey(a.module, self.replica(a.module, rank), a.stage)
+        work = self.iw.unit(key, a.microbatch, a.sub)
+        name = f"{a.module}.r{key.replica}.s{a.stage}.{kind}{a.microbatch}" + ("" if a.sub is None else f".{a.sub}")
+        if work is None:  # this replica has no data in the unit
+            return Task(name, rank, 0.0, [], a.module, kind, action=a)
+        w_only = kind == "W" and not self.graph.needs_b(ref)
+        seconds = compute_seconds(work, kind, w_only)
+        duration = seconds + collective_extra(self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
+        share = seconds / max(work.times.total, 1e-30)
+        mem = _activation_delta(kind, work.act_bytes, w_only, self.graph.needs_w(ref))
+        recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
+        return Task(name, rank, duration, [], a.module, kind, mem, work.flops * share,
+                    work.transient if recomputes else 0.0, action=a)
+
+    def link_receives(self) -> None:
+        for i, rank, a in self.recvs:
+            self.tasks[i].deps = [(self.sends[(src, send)], p2p_s(nbytes, src, rank, self.cluster))
+                                  for src, send, nbytes in self._senders(rank, a)]
+
+    def _senders(self, rank: int, a: Action) -> list[tuple[int, Action, float]]:
+        """(rank, send action, bytes) of every message a receive waits for."""
+        m, iw = a.microbatch, self.iw
+        if a.peer is None:  # a stage message from the neighbouring chunk's rank
+            forward = a.kind is Kind.RECV_F
+            src = a.stage - 1 if forward else a.stage + 1
+            send = Action(a.module, src, Kind.SEND_F if forward else Kind.SEND_B, m, a.sub, peer_rank=rank)
+            work = iw.unit(StageKey(a.module, self.replica(a.module, rank), a.stage - 1 if forward else a.stage),
+                           m, a.sub)
+            return [(a.peer_rank, send, work.send_bytes if work else 0.0)]
+        if a.module == LLM:  # boundary rows of every encoder replica holding some of this replica's
+            enc, d = a.peer.module, self.replica(LLM, rank)
+            send = Action(enc, a.peer.stage, Kind.SEND_F, m, peer=StageRef(LLM, 0))
+            return [(self.first(enc, e, a.peer.stage), send, iw.boundary_bytes[(enc, e, d, m)])
+                    for e in range(self.plan.layouts[enc].dp) if (enc, e, d, m) in iw.boundary_bytes]
+        e = self.replica(a.module, rank)  # boundary gradients from every LLM replica it encoded for
+        send = Action(LLM, 0, Kind.SEND_B, m, peer=StageRef(a.module, a.stage))
+        return [(self.first(LLM, d, 0), send, iw.boundary_bytes[(a.module, e, d, m)])
+                for d in range(self.plan.layouts[LLM].dp) if (a.module, e, d, m) in iw.boundary_bytes]
 
 
-def _find(index, ck: ComputeKey, rank: int) -> int | None:
-    return index.get((ck, rank))
+def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[int, list[Action]],
+                graph: StageGraph, cluster: ClusterSpec) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
+    """Tasks, per-rank compute queues and per-rank communication queues for `harmonia.sim.engine.replay`.
+
+    Args:
+        plan: the layouts the actions were placed with.
+        cost: the cost model.
+        iw: the iteration's stage work.
+        actions: every rank's action list (`plan_rank_actions`).
+        graph: the schedule's stage graph (what trains where).
+        cluster: the cluster model.
+    """
+    b = _Builder(plan, cost, iw, graph, cluster)
+    queue: dict[int, list[int]] = {}
+    comm: dict[int, list[int]] = {}
+    for rank, acts in actions.items():
+        queue[rank], comm[rank] = [], []
+        for a in acts:
+            (comm if a.kind is Kind.REDUCE else queue)[rank].append(b.add(rank, a))
+    b.link_receives()
+    return b.tasks, queue, comm
 
 
-def _deps(plan: Plan, iw: IterationWork, ck: ComputeKey, rank: int, index, cluster) -> list[tuple[int, float]]:
-    module, replica, chunk, kind, mb = ck
-    skey = StageKey(module, replica, chunk)
-    pos = iw.stage_ranks[skey].index(rank)
-    n_chunks = plan.layouts[module].n_stages
-    deps: list[tuple[int, float]] = []
-
-    def need(dep_ck: ComputeKey, dep_rank: int, nbytes: float) -> None:
-        i = _find(index, dep_ck, dep_rank)
-        if i is None:
-            alt = _find(index, (*dep_ck[:3], "BW", dep_ck[4]), dep_rank) if dep_ck[3] == "B" else None
-            if alt is None:
-                return
-            i = alt
-        deps.append((i, p2p_s(nbytes, dep_rank, rank, cluster)))
-
-    if kind == "F":
-        if chunk > 0:
-            prev = StageKey(module, replica, chunk - 1)
-            need((module, replica, chunk - 1, "F", mb), _peer(iw, prev, pos), iw.work[(prev, mb)].send_bytes)
-        elif module == "llm":
-            for enc in plan.encoders:
-                last = plan.layouts[enc].n_stages - 1
-                for e in iw.encoder_feeds.get((enc, mb[0], mb[1]), []):
-                    src = StageKey(enc, e, last)
-                    need((enc, e, last, "F", mb), _peer(iw, src, 0), iw.boundary_bytes[(enc, e, mb[0], mb[1])])
-    else:
-        i = _find(index, (module, replica, chunk, "B", mb), rank) if kind == "W" else None
-        if i is not None:  # W after its own B, which already waited for the gradient
-            deps.append((i, 0.0))
-            return deps
-        index_f = _find(index, (module, replica, chunk, "F", mb), rank)
-        if index_f is not None:
-            deps.append((index_f, 0.0))
-        if chunk < n_chunks - 1:
-            nxt = StageKey(module, replica, chunk + 1)
-            need((module, replica, chunk + 1, "B", mb), _peer(iw, nxt, pos), iw.work[(skey, mb)].send_bytes)
-        elif module != "llm":
-            llm_key = StageKey("llm", mb[0], 0)
-            need(("llm", mb[0], 0, "B", mb), _peer(iw, llm_key, 0),
-                 iw.boundary_bytes.get((module, replica, mb[0], mb[1]), 0.0))
-    return deps
-
-
-def _gradient_reductions(plan: Plan, cost: CostModel, iw: IterationWork, orders, tasks: list[Task], index,
-                         cluster: ClusterSpec) -> dict[int, list[int]]:
-    """One DP gradient all-reduce per trainable stage and rank, after its last weight gradient."""
-    comm: dict[int, list[int]] = {r: [] for r in orders}
-    seconds_of: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> seconds: one DP group's reduction
-    for rank, keys in orders.items():
-        last: dict[tuple[str, int, int], int] = {}
-        for ck in keys:
-            if ck[3] in ("W", "BW"):
-                last[(ck[0], ck[1], ck[2])] = index[(ck, rank)]
-        for (module, replica, chunk), i in last.items():
-            layout = plan.layouts[module]
-            if layout.dp <= 1:
-                continue
-            coords = layout.coords(rank)
-            group_key = (module, chunk, coords["cp"], coords["tp"])
-            if group_key not in seconds_of:
-                seconds_of[group_key] = grad_reduce_s(cost, cluster, plan, module, chunk, coords["cp"], coords["tp"])
-            seconds = seconds_of[group_key]
-            if seconds <= 0:  # nothing to train on the chunk
-                continue
-            comm[rank].append(len(tasks))
-            tasks.append(Task(f"{module}.r{replica}.s{chunk}.allreduce", rank, seconds, [(i, 0.0)], module, "C"))
-    return comm
+def simulate_schedule(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork,
+                      schedule: IterationSchedule) -> Timeline:
+    """One iteration of ``schedule`` as the executor runs it: every rank's action list
+    (`plan_rank_actions`), timed with the stage work ``iw`` on the cluster model."""
+    actions = plan_rank_actions(plan.layouts, schedule)
+    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster))

@@ -50,7 +50,7 @@ COMPUTE_Y = (-0.40, 0.24)  # bar extent around the row centre (axis inverted: ra
 COMM_Y = (0.29, 0.43)
 
 _NAME = re.compile(r"^(?P<module>[^.]+)\.r(?P<replica>\d+)\.s(?P<chunk>\d+)\.(?P<kind>[A-Z]+)"
-                   r"(?P<llm_replica>\d+)\.(?P<microbatch>\d+)$")
+                   r"(?P<microbatch>\d+)(?:\.(?P<sub>\d+))?$")
 
 
 def module_colour(module: str) -> str:
@@ -76,16 +76,17 @@ def _shade(colour: str, factor: float) -> tuple[float, float, float]:
     return (r + (1 - r) * t, g + (1 - g) * t, b + (1 - b) * t)
 
 
-def parse_task_name(name: str) -> dict[str, int | str]:
-    """Fields of a compute task name ``module.rR.sC.KINDl.m``; empty for other names (collectives).
+def parse_task_name(name: str) -> dict[str, int | str | None]:
+    """Fields of a compute task name ``module.rR.sC.KINDm`` or ``module.rR.sC.KINDm.sub`` (replica
+    ``R``, chunk ``C``, global microbatch ``m``); empty for other names (messages, collectives).
 
     Returns:
-        ``module``, ``replica``, ``chunk``, ``kind``, ``llm_replica`` and ``microbatch``.
+        ``module``, ``replica``, ``chunk``, ``kind``, ``microbatch`` and ``sub`` (None when not split).
     """
     m = _NAME.match(name)
     if m is None:
         return {}
-    return {k: (v if k in ("module", "kind") else int(v)) for k, v in m.groupdict().items()}
+    return {k: (v if k in ("module", "kind") or v is None else int(v)) for k, v in m.groupdict().items()}
 
 
 def _title(timeline: Timeline, title: str) -> str:
@@ -117,7 +118,7 @@ def to_chrome_trace(timeline: Timeline, path: str | Path, title: str = "harmonia
         args = {"module": task.module, "kind": task.kind, "microbatch": fields.get("microbatch"),
                 "flops": task.flops}
         if fields:
-            args.update(llm_replica=fields["llm_replica"], replica=fields["replica"], chunk=fields["chunk"])
+            args.update(replica=fields["replica"], chunk=fields["chunk"], sub=fields["sub"])
         events.append({"ph": "X", "name": task.name, "cat": f"{task.module},{task.kind}", "pid": task.rank,
                        "tid": 1 if task.kind == "C" else 0, "ts": start * 1e6, "dur": (end - start) * 1e6,
                        "args": args})

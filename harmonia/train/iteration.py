@@ -6,8 +6,9 @@ work per sample; the balancer forms the global microbatches, LLM replicas and en
 (`harmonia.schedule.iteration.assign_iteration`) and, with LLM ``cp > 1``, each replica's CP token
 shards (`harmonia.runtime.mllm_inputs.cp_token_ranks`); the per-batch search picks the microbatch order
 that minimises the replayed step time (a fixed number of evaluations, so every rank gets the same
-schedule); the schedule is lowered and the rank's own tensors are cut from the batch. Rank 0 also
-simulates the step on the cluster model (the "simulated" time beside the measured one).
+schedule), and the rank's own tensors are cut from the batch. Every rank runs its own action list
+of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
+model: the same lists, every rank's, timed (the "simulated" time beside the measured one).
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from harmonia.data.loader import MultimodalDataset
 from harmonia.errors import SampleError
 from harmonia.model.spec import MLLMSpec
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
-from harmonia.schedule import build_schedule, lower
-from harmonia.schedule.graph import IterationSchedule, LLM, StageGraph
-from harmonia.schedule.iteration import IterationAssignment, assign_iteration
+from harmonia.schedule.families import build_schedule
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
+from harmonia.schedule.iteration import IterationAssignment, assign_iteration, balancer_costs, feeding_replicas
+from harmonia.schedule.order_search import search_order
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import feeding_replicas
+from harmonia.schedule.stagework import cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
+from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
-from harmonia.workload.work import load_arrays
 
 
 class DataOrder:
@@ -69,7 +71,7 @@ class PreparedIteration:
         sample_ids: dataset indices trained this step (decoded successfully).
         skipped: samples of the step's batch dropped by the data policy.
         assignment: global microbatches and replicas (batch positions).
-        schedule: the lowered schedule every rank follows.
+        schedule: the schedule every rank expands to its action list.
         batch: this rank's tensors.
         n_tokens: LLM tokens of the step's batch.
         predicted: the simulated step on the cluster model (rank 0 only).
@@ -87,25 +89,6 @@ class PreparedIteration:
     predicted: Timeline | None
     prepare_s: float
     calibrated: bool = False
-
-
-def module_costs(cost: CostModel, shapes: list, plan: Plan) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Per-sample work of the LLM and of every encoder with its projector, and LLM tokens.
-
-    Returns:
-        ``(costs, columns, tokens)``: costs (n, 1 + encoders) in seconds, column names (``llm``
-        first), and (n,) LLM tokens.
-    """
-    tokens, pairs = load_arrays(shapes, cost.mllm)
-    per_module = cost.costs_from_loads(tokens, pairs)
-    col = {m: j for j, m in enumerate(cost.modules)}
-    columns = [LLM, *plan.encoders]
-    out = np.zeros((len(shapes), len(columns)))
-    out[:, 0] = per_module[:, col[LLM]]
-    for k, e in enumerate(plan.encoders, start=1):
-        proj = per_module[:, col[f"{e}_proj"]] if f"{e}_proj" in col else 0.0
-        out[:, k] = per_module[:, col[e]] + proj
-    return out, columns, tokens[:, col[LLM]]
 
 
 class IterationBuilder:
@@ -131,7 +114,7 @@ class IterationBuilder:
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
-        self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}  # where the simulator prices encoder work
+        self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
 
     def calibrate(self, calibration: Calibration) -> None:
         """Price later simulated steps with ``calibration`` (balancing and the order search keep the
@@ -147,7 +130,7 @@ class IterationBuilder:
             raise SampleError(f"step {step}: only {len(samples)} of {len(wanted)} samples decoded, fewer than "
                               f"llm dp x n_microbatches = {llm.dp * plan.n_microbatches}; fix the data")
         shapes = [s.shape for s in samples]
-        costs, columns, tokens = module_costs(self.cost, shapes, plan)
+        costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
         assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
                                       plan.n_microbatches, tokens=tokens, seed=step, feeds=self.feeds)
         sim_cost = self.sim_cost
@@ -165,29 +148,19 @@ class IterationBuilder:
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
                   sim_cost: CostModel) -> tuple[IterationSchedule, Timeline | None]:
-        """The searched microbatch order's lowered schedule, and (rank 0) its simulated timeline."""
-        from harmonia.sim.engine import replay
-        from harmonia.sim.orders import plan_orders
-        from harmonia.schedule.stagework import cost_table
-        from harmonia.schedule.order_search import search_order
-        from harmonia.schedule.stagework import plan_iteration_work
-        from harmonia.sim.tasks import build_tasks
-
+        """The searched microbatch order's schedule, and (rank 0) the simulated timeline of exactly
+        the action lists every rank runs from it."""
         plan, n = self.plan, assignment.n_microbatches
-        per_replica = {d: [[assignment.microbatches[m][i] for i in assignment.llm_split[m][d]] for m in range(n)]
-                       for d in range(plan.layouts[LLM].dp)}
-        iw = plan_iteration_work(shapes, plan, self.cost, per_replica)
-        table = cost_table(plan, iw, 0)
+        iw = plan_iteration_work(shapes, plan, self.cost, assignment)
+        table = cost_table(plan, iw)
         order = list(range(n))
         if self.search_evaluations and n > 1:
             order = search_order(self.graph, table, n, (plan.schedule,), budget_s=float("inf"),
                                  max_evaluations=self.search_evaluations).order
-        schedule = lower(build_schedule(self.graph, n, plan.schedule, order=order, costs=table))
+        schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=table)
         predicted = None
         if self.simulate:
             if sim_cost is not self.cost:
-                iw = plan_iteration_work(shapes, plan, sim_cost, per_replica)
-            orders = plan_orders(plan, sim_cost, iw, order={d: order for d in per_replica})
-            tasks, queue, comm = build_tasks(plan, sim_cost, iw, orders, self.cluster)
-            predicted = replay(tasks, queue, comm)
+                iw = plan_iteration_work(shapes, plan, sim_cost, assignment)
+            predicted = simulate_schedule(plan, sim_cost, self.cluster, iw, schedule)
         return schedule, predicted

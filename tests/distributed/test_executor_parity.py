@@ -141,6 +141,7 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.runtime.mllm_inputs import build_rank_batch
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
     from harmonia.schedule import StageGraph, build_schedule
+    from harmonia.schedule.rank_actions import plan_rank_actions
 
     layout = Layout(**case.layout)
     meshes = build_module_meshes({"llm": layout})
@@ -162,9 +163,11 @@ def run_case(case: Case, rank: int) -> dict:
                   for m in range(n)]
         llm_split = [[list(range(b[d], b[d + 1])) for d in range(layout.dp)] for b in bounds]
         batch = build_rank_batch({"llm": layout}, rank, micro, llm_split, {})
-        result = executor.step(build_schedule(graph, n, case.family), batch)
+        schedule = build_schedule(graph, n, case.family)
+        result = executor.step(schedule, batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        assert executor.executed == plan_rank_actions({"llm": layout}, schedule, [rank])[rank], f"rank {rank} order"
     params = {}
     for module in chunks.values():
         for name, p in module.named_parameters():

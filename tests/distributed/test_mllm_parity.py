@@ -248,6 +248,7 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.runtime.mllm_inputs import build_rank_batch
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
     from harmonia.schedule import StageGraph, build_schedule, lower
+    from harmonia.schedule.rank_actions import plan_rank_actions
 
     s, layouts = spec(case.training), case.layouts()
     state = initial_state()
@@ -286,6 +287,8 @@ def run_case(case: Case, rank: int) -> dict:
         result = executor.step(schedule, batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        # the step ran exactly this rank's list, the one the simulator times (tests/unit/test_rank_actions.py)
+        assert executor.executed == plan_rank_actions(layouts, schedule, [rank])[rank], f"rank {rank} order"
     from torch.distributed.tensor import DTensor
 
     params = {}

@@ -13,11 +13,10 @@ import pytest
 import harmonia.plan.bounds as bounds
 from harmonia.plan.bounds import plan_bound, work_bound
 from harmonia.plan.candidates import lower_bound_s
-from harmonia.plan.recipes import (Candidate, RECIPES, assign, candidates, homogeneous_candidates,
-                                   recompute_options, simulate_work)
+from harmonia.plan.recipes import (RECIPES, Candidate, candidates, homogeneous_candidates, recompute_options,
+                                   simulate_work)
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.layout import Layout
-from harmonia.schedule.stagework import plan_iteration_work
 
 TOLERANCE = 1e-9
 
@@ -64,10 +63,8 @@ def _recomputed(cost, cand: Candidate) -> Candidate | None:
 
 
 def _bounds_and_time(run: ScenarioRun, cand: Candidate, k: int) -> tuple[dict[str, float], float, object]:
-    batch = run.profile.batches[k]
-    microbatches, order = assign(cand, batch, run.costs[batch], run.tokens[batch])
-    iw = plan_iteration_work(run.samples, cand.plan, run.cost, microbatches)
-    simulated = float(simulate_work(cand, iw, order, run.cost, run.cluster, 0.0).iteration_s)
+    iw = run.iteration_work(cand, k)
+    simulated = float(simulate_work(cand, iw, run.cost, run.cluster, 0.0).iteration_s)
     found = {
         "work_bound": work_bound(cand.plan, run.cost, run.cluster, iw),
         "plan_bound": plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,

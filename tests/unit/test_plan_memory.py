@@ -13,11 +13,10 @@ from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import _Scorer, _branch_and_bound
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import plan_iteration_work
-from harmonia.sim.engine import replay
-from harmonia.sim.orders import plan_orders
-from harmonia.sim.tasks import build_tasks
+from harmonia.schedule.stagework import iteration_schedule, plan_iteration_work
+from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.devices import cluster_from_string
+from tests.unit.iteration_helpers import assignment
 
 BATCH = 16
 
@@ -32,11 +31,11 @@ def _plan(layouts, schedule):
 
 
 def _simulated_peaks(cost, samples, plan):
-    mbs = {d: [list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(4)] for d in range(2)}
-    iw = plan_iteration_work(samples, plan, cost, mbs)
-    tasks, queue, comm = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster_from_string("h100x8"))
+    per_replica = [[list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(4)] for d in range(2)]
+    iw = plan_iteration_work(samples, plan, cost, assignment(plan, cost, samples, per_replica))
+    timeline = simulate_schedule(plan, cost, cluster_from_string("h100x8"), iw, iteration_schedule(plan, cost, iw))
     states = state_bytes_per_rank(cost, plan)
-    acts = replay(tasks, queue, comm).peak_mem
+    acts = timeline.peak_mem
     return {r: states.get(r, 0.0) + acts.get(r, 0.0) for r in states}, acts
 
 
@@ -63,7 +62,7 @@ def test_an_encoder_replica_serving_more_llm_replicas_holds_more(equal_samples) 
     two = plan_peak_bytes(cost, _plan({"vision": Layout(dp=1), "llm": Layout(pp=2, dp=2, rank_offset=1)}, "1f1b"),
                           profile)
     states = cost.state_bytes("vision") + cost.state_bytes("vision_proj")
-    # dp1 serves both LLM replicas their whole microbatches; dp2 serves one each
+    # dp1 encodes both LLM replicas' samples of every microbatch at once; dp2 one replica's each
     assert two[0] - states == pytest.approx(2 * (one[0] - states))
 
 

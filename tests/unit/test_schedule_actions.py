@@ -13,6 +13,8 @@ NAMES = st.sampled_from(["llm", "vision", "audio", "vision_proj"])
 @st.composite
 def actions(draw):
     kind = draw(st.sampled_from(list(Kind)))
+    if kind is Kind.REDUCE:  # a stage chunk's collective: no microbatch, no peer
+        return Action(draw(NAMES), draw(st.integers(0, 12)), kind, 0)
     sub = draw(st.none() | st.integers(0, 9))
     peer = peer_rank = None
     if not kind.is_compute:
@@ -29,7 +31,7 @@ def test_text_round_trips(action):
 
 @pytest.mark.parametrize("text", ["llm.s1.F3", "vision.s0.F2.1", "llm.s0.RECV_F3", "llm.s2.BW0",
                                   "vision.s1.SEND_F3.1>llm.s0@r2", "llm.s0.RECV_F3.1<vision.s1@r0",
-                                  "llm.s1.SEND_B3@r0"])
+                                  "llm.s1.SEND_B3@r0", "vision.s1.SEND_F3>llm.s0", "llm.s1.REDUCE"])
 def test_documented_examples(text):
     assert str(Action.parse(text)) == text
 

@@ -10,12 +10,13 @@ from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import StageKey, plan_iteration_work, stage_layer_range
+from harmonia.schedule.rank_actions import plan_rank_actions
+from harmonia.schedule.stagework import StageKey, iteration_schedule, plan_iteration_work, stage_layer_range
 from harmonia.sim.engine import replay
-from harmonia.sim.orders import plan_orders
 from harmonia.sim.tasks import build_tasks
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.work import ModuleLoad, sample_loads
+from tests.unit.iteration_helpers import assignment
 
 BATCH = 16
 
@@ -31,9 +32,14 @@ def _plan(recompute, schedule="1f1b", llm=Layout(pp=4, dp=1, tp=2, rank_offset=2
 
 
 def _work(cost, samples, plan):
-    mbs = {d: [list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(plan.n_microbatches)]
-           for d in range(plan.layouts["llm"].dp)}
-    return plan_iteration_work(samples, plan, cost, mbs)
+    per_replica = [[list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(plan.n_microbatches)]
+                   for d in range(plan.layouts["llm"].dp)]
+    return plan_iteration_work(samples, plan, cost, assignment(plan, cost, samples, per_replica))
+
+
+def _tasks(cost, plan, iw, cluster):
+    schedule = iteration_schedule(plan, cost, iw)
+    return build_tasks(plan, cost, iw, plan_rank_actions(plan.layouts, schedule), schedule.graph, cluster)
 
 
 def _blocks(cost, module, start, stop):
@@ -47,12 +53,13 @@ def test_recomputed_stage_backward_is_plain_backward_plus_its_blocks_forward(set
     plain, again = _plan(()), _plan(("llm", "vision"))
     iw_plain, iw_again = _work(cost, samples, plain), _work(cost, samples, again)
     checked = 0
-    for (key, mb), work in iw_plain.work.items():
-        redo = iw_again.work[(key, mb)]
+    for (key, m, sub), work in iw_plain.work.items():
+        redo = iw_again.work[(key, m, sub)]
         start, stop = stage_layer_range(cost, plain, key.module, key.stage)
         lo, hi = _blocks(cost, key.module, start, stop)
         layout = plain.layouts[key.module]
-        load = (sum((sample_loads(samples[i], cost.mllm)["llm"] for i in plain_mb(iw_plain, mb)), ModuleLoad())
+        load = (sum((sample_loads(samples[i], cost.mllm)["llm"] for i in llm_samples(iw_plain, key.replica, m)),
+                    ModuleLoad())
                 if key.module == "llm" else None)
         if load is not None:
             forward = cost.stage_times("llm", load, lo, hi, layout.tp, layout.cp).F
@@ -66,17 +73,18 @@ def test_recomputed_stage_backward_is_plain_backward_plus_its_blocks_forward(set
     cluster = cluster_from_string("h100x8")
     b = {}
     for plan, iw in ((plain, iw_plain), (again, iw_again)):
-        tasks, _, _ = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster)
-        b[plan.recompute] = {t.name: t.duration for t in tasks if t.kind == "B" and t.module == "llm"}
-    for name, seconds in b[again.recompute].items():
-        key = StageKey("llm", 0, int(name.split(".s")[1].split(".")[0]))
-        mb = (0, int(name.rsplit(".", 1)[1]))
-        extra = iw_again.work[(key, mb)].times.B - iw_plain.work[(key, mb)].times.B
-        assert seconds > b[()][name] + extra
+        tasks, _, _ = _tasks(cost, plan, iw, cluster)
+        b[plan.recompute] = {(t.rank, t.action): t.duration for t in tasks if t.kind == "B" and t.module == "llm"}
+    for (rank, a), seconds in b[again.recompute].items():
+        key = StageKey("llm", 0, a.stage)
+        extra = iw_again.work[(key, a.microbatch, None)].times.B - iw_plain.work[(key, a.microbatch, None)].times.B
+        assert seconds > b[()][(rank, a)] + extra
 
 
-def plain_mb(iw, mb):
-    return iw.microbatches[mb[0]][mb[1]]
+def llm_samples(iw, d, m):
+    """Batch positions of LLM replica ``d``'s samples of global microbatch ``m``."""
+    samples = iw.assignment.microbatches[m]
+    return [samples[p] for p in iw.assignment.llm_split[m][d]]
 
 
 def test_recomputed_stage_keeps_only_each_block_input(setup) -> None:
@@ -91,7 +99,7 @@ def test_recomputed_stage_keeps_only_each_block_input(setup) -> None:
             assert kept < full
     plan = _plan(("llm",))
     iw = _work(cost, samples, plan)
-    for (key, mb), work in iw.work.items():
+    for (key, _, _), work in iw.work.items():
         if key.module == "llm" and 0 < key.stage < 3:  # middle stages hold blocks only
             start, stop = stage_layer_range(cost, plan, "llm", key.stage)
             assert work.act_bytes == pytest.approx((stop - start) * work.tokens * hidden * cost.act_bytes, rel=1e-12)
@@ -106,8 +114,7 @@ def test_recompute_lowers_the_simulated_peak_and_the_estimate_bounds_it(setup, r
     for modules in ((), recompute):
         plan = _plan(modules, llm=Layout(pp=2, dp=2, rank_offset=2))
         iw = _work(cost, samples, plan)
-        tasks, queue, comm = build_tasks(plan, cost, iw, plan_orders(plan, cost, iw), cluster)
-        acts = replay(tasks, queue, comm).peak_mem
+        acts = replay(*_tasks(cost, plan, iw, cluster)).peak_mem
         states = state_bytes_per_rank(cost, plan)
         simulated = {r: states[r] + acts.get(r, 0.0) for r in states}
         estimate = plan_peak_bytes(cost, plan, profile)

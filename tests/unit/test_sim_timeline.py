@@ -28,20 +28,20 @@ def two_stage_timeline() -> Timeline:
     Rank 0: vision F0 F1, llm s0 F0 F1, ..., llm s0 B/W, vision W; rank 1: llm s1 F then BW.
     """
     tasks = [
-        Task("vision.r0.s0.F0.0", 0, 0.2, module="vision", mem_delta=2**30),
-        Task("vision.r0.s0.F0.1", 0, 0.2, module="vision", mem_delta=2**30),
-        Task("llm.r0.s0.F0.0", 0, 1.0, [(0, 0.0)], "llm", mem_delta=2**31),
-        Task("llm.r0.s0.F0.1", 0, 1.0, [(1, 0.0)], "llm", mem_delta=2**31),
-        Task("llm.r0.s1.F0.0", 1, 1.0, [(2, 0.1)], "llm"),
-        Task("llm.r0.s1.F0.1", 1, 1.0, [(3, 0.1)], "llm"),
-        Task("llm.r0.s1.BW0.0", 1, 2.0, [(4, 0.0)], "llm", "BW"),
-        Task("llm.r0.s1.BW0.1", 1, 2.0, [(5, 0.0)], "llm", "BW"),
-        Task("llm.r0.s0.B0.0", 0, 1.0, [(6, 0.1)], "llm", "B", mem_delta=-(2**31)),
-        Task("llm.r0.s0.B0.1", 0, 1.0, [(7, 0.1)], "llm", "B", mem_delta=-(2**31)),
-        Task("llm.r0.s0.W0.0", 0, 0.5, [(8, 0.0)], "llm", "W"),
-        Task("llm.r0.s0.W0.1", 0, 0.5, [(9, 0.0)], "llm", "W"),
-        Task("vision.r0.s0.W0.0", 0, 0.3, [(8, 0.0)], "vision", "W", mem_delta=-(2**30)),
-        Task("vision.r0.s0.W0.1", 0, 0.3, [(9, 0.0)], "vision", "W", mem_delta=-(2**30)),
+        Task("vision.r0.s0.F0", 0, 0.2, module="vision", mem_delta=2**30),
+        Task("vision.r0.s0.F1", 0, 0.2, module="vision", mem_delta=2**30),
+        Task("llm.r0.s0.F0", 0, 1.0, [(0, 0.0)], "llm", mem_delta=2**31),
+        Task("llm.r0.s0.F1", 0, 1.0, [(1, 0.0)], "llm", mem_delta=2**31),
+        Task("llm.r0.s1.F0", 1, 1.0, [(2, 0.1)], "llm"),
+        Task("llm.r0.s1.F1", 1, 1.0, [(3, 0.1)], "llm"),
+        Task("llm.r0.s1.BW0", 1, 2.0, [(4, 0.0)], "llm", "BW"),
+        Task("llm.r0.s1.BW1", 1, 2.0, [(5, 0.0)], "llm", "BW"),
+        Task("llm.r0.s0.B0", 0, 1.0, [(6, 0.1)], "llm", "B", mem_delta=-(2**31)),
+        Task("llm.r0.s0.B1", 0, 1.0, [(7, 0.1)], "llm", "B", mem_delta=-(2**31)),
+        Task("llm.r0.s0.W0", 0, 0.5, [(8, 0.0)], "llm", "W"),
+        Task("llm.r0.s0.W1", 0, 0.5, [(9, 0.0)], "llm", "W"),
+        Task("vision.r0.s0.W0", 0, 0.3, [(8, 0.0)], "vision", "W", mem_delta=-(2**30)),
+        Task("vision.r0.s0.W1", 0, 0.3, [(9, 0.0)], "vision", "W", mem_delta=-(2**30)),
         Task("llm.r0.s1.allreduce", 1, 0.4, [(7, 0.0)], "llm", "C"),
         Task("llm.r0.s0.allreduce", 0, 0.4, [(11, 0.0)], "llm", "C"),
     ]
@@ -49,8 +49,9 @@ def two_stage_timeline() -> Timeline:
 
 
 def test_task_names_parse_into_fields() -> None:
-    assert parse_task_name("llm.r2.s1.BW3.17") == {"module": "llm", "replica": 2, "chunk": 1, "kind": "BW",
-                                                   "llm_replica": 3, "microbatch": 17}
+    assert parse_task_name("llm.r2.s1.BW17") == {"module": "llm", "replica": 2, "chunk": 1, "kind": "BW",
+                                                 "microbatch": 17, "sub": None}
+    assert parse_task_name("vision.r0.s1.F3.1")["sub"] == 1
     assert parse_task_name("llm.r0.s0.allreduce") == {}
 
 
@@ -69,7 +70,7 @@ def test_chrome_trace_schema(tmp_path) -> None:
         assert e["ts"] == pytest.approx(tl.start[i] * 1e6)
         assert e["pid"] == task.rank and e["tid"] == (1 if task.kind == "C" else 0)
         assert e["args"]["module"] == task.module and e["args"]["kind"] == task.kind
-        expected_mb = None if task.kind == "C" else int(task.name.rsplit(".", 1)[1])
+        expected_mb = None if task.kind == "C" else int(task.name.rsplit(".", 1)[1].lstrip("FBW"))
         assert e["args"]["microbatch"] == expected_mb
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {0: "rank 0", 1: "rank 1"}

@@ -1,0 +1,83 @@
+"""One module's stage chunks on one rank: their communication and their gradient reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from harmonia.runtime.grads import DPGradSync, finish_fsdp_backward, plan_tied_sync
+from harmonia.runtime.meshes import ModuleMesh
+from harmonia.runtime.p2p import P2P
+from harmonia.schedule.graph import LLM
+
+
+@dataclass
+class ModuleRunner:
+    """One module's stage chunks on this rank, with their communication and gradient reduction.
+
+    Attributes:
+        mesh: the module's mesh on this rank.
+        chunks: chunk index -> stage module.
+        projector: the encoder's projector (on the rank holding the encoder's last chunk), else None.
+        p2p: stage-to-stage messages on the module's own group.
+    """
+
+    mesh: ModuleMesh
+    chunks: dict[int, nn.Module]
+    projector: nn.Module | None
+    p2p: P2P
+
+    def __post_init__(self) -> None:
+        layout = self.mesh.layout
+        self.name = self.mesh.name
+        self.n_stages = layout.n_stages
+        self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
+        self.fsdp = layout.fsdp and layout.dp > 1
+        # Gradients all-reduced over dp x cp (every rank holding the same weights): every one, or
+        # with FSDP (which reduce-scatters the chunks' own over dp) the projector's, a whole replica
+        # on every dp rank; FSDP shards are then all-reduced over cp (`cp_sync`).
+        self.all_reduced = {c: self.projector_weights(c) if self.fsdp else self.params[c]
+                            for c in self.chunks}
+        needs_sync = layout.dp * layout.cp > 1 and any(self.all_reduced.values())
+        self.dp_sync = DPGradSync(self.mesh.grad_group()) if needs_sync else None
+        self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
+        self.replication = layout.dp * layout.cp * layout.tp
+        self.tied = plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group) if self.name == LLM else None
+
+    def weights(self, c: int) -> Iterator[nn.Parameter]:
+        """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
+        yield from (p for p in self.chunks[c].parameters() if p.requires_grad)
+        yield from self.projector_weights(c)
+
+    def projector_weights(self, c: int) -> list[nn.Parameter]:
+        """Trainable parameters of the projector, on the last chunk (else none)."""
+        if c != self.n_stages - 1 or self.projector is None:
+            return []
+        return [p for p in self.projector.parameters() if p.requires_grad]
+
+    @property
+    def trainable(self) -> list[nn.Parameter]:
+        return [p for ps in self.params.values() for p in ps]
+
+    @property
+    def norm_params(self) -> list[nn.Parameter]:
+        """Trainable parameters counted in the gradient norm (a tied head's copy counts as the embedding)."""
+        skip = {id(p) for p in self.tied.uncounted} if self.tied is not None else set()
+        return [p for p in self.trainable if id(p) not in skip]
+
+    def backward_done(self, c: int) -> None:
+        """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
+        if self.fsdp:
+            finish_fsdp_backward(self.chunks[c])
+            if self.cp_sync is not None:
+                self.cp_sync.start([p for p in self.chunks[c].parameters() if p.requires_grad])
+        if self.dp_sync is not None and self.all_reduced[c]:
+            self.dp_sync.start(self.all_reduced[c])
+
+    def finish_reduction(self) -> None:
+        """Wait for every gradient reduction started by `backward_done`."""
+        for sync in (self.dp_sync, self.cp_sync):
+            if sync is not None:
+                sync.finish()
