@@ -117,24 +117,86 @@ def _plan_summary(d: dict) -> str:
     return f"{d['placement']}, {d['schedule']} x{d['n_microbatches']}: " + "; ".join(parts)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    """Run a scenario under each recipe and compare them."""
+DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"
+SCENARIO_FLAGS = ("model", "cluster", "trace", "global_batch", "frozen")
+
+
+def _scenario(args: argparse.Namespace, plan=None):
+    """The scenario `simulate` runs: a scenario file, or the model/cluster/trace/batch flags (a given
+    plan supplies its model, batch and training modes when the flags do not)."""
     import dataclasses
-    import json
 
-    from harmonia.plan.compare import run_recipe
-    from harmonia.plan.scenario import Scenario, ScenarioRun
+    from harmonia.errors import ConfigError
+    from harmonia.plan.scenario import Scenario
 
-    scenario = Scenario.load(args.scenario)
-    if args.iterations:
-        scenario = dataclasses.replace(scenario, iterations=args.iterations)
-    recipes = tuple(filter(None, args.recipes.split(",")))
+    flags = {k: getattr(args, k) for k in SCENARIO_FLAGS if getattr(args, k) is not None}
+    if args.scenario and flags:
+        raise ConfigError(f"--scenario and --{', --'.join(k.replace('_', '-') for k in flags)} both given; "
+                          "describe the scenario with a file or with flags, not both")
+    if args.scenario or not (flags or plan):
+        scenario = Scenario.load(args.scenario or DEFAULT_SCENARIO)
+    else:
+        model = flags.get("model", plan.model if plan else "internvl-8b")
+        training = ({m: "frozen" for m in filter(None, flags["frozen"].split(","))} if "frozen" in flags
+                    else dict(plan.training) if plan else {})
+        scenario = Scenario("simulate", model, flags.get("cluster", "h100:1x8"),
+                            flags.get("trace", str(SHARED_TRACES / "ai2d.csv")),
+                            flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
+    if plan is not None and plan.global_batch != scenario.global_batch:
+        raise ConfigError(f"the plan's global batch is {plan.global_batch} but the scenario's is "
+                          f"{scenario.global_batch}; give --global-batch {plan.global_batch} or another plan")
+    return dataclasses.replace(scenario, iterations=args.iterations) if args.iterations else scenario
+
+
+def _given_plan(args: argparse.Namespace, run):
+    """The plan `--layout` describes on the scenario's cluster and model (None without one)."""
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+
+    recompute = tuple(filter(None, args.recompute.split(",")))
+    training = {m: t.mode.value for m, t in run.mllm.training.items()}
+    return plan_from_layouts(run.mllm, run.scenario.model, parse_layouts(args.layout), run.cluster.world_size,
+                             run.scenario.global_batch, args.microbatch_size, args.schedule, recompute, training)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Score a given plan (--plan, --layout), or run a scenario under each recipe and compare them."""
+    from harmonia.errors import ConfigError
+    from harmonia.plan.compare import run_recipe, score_plan
+    from harmonia.plan.scenario import ScenarioRun
+    from harmonia.schedule.plan import Plan
+
+    if args.plan and args.layout:
+        raise ConfigError("--plan and --layout both given; score one plan at a time")
+    loaded = Plan.load(args.plan) if args.plan else None
+    scenario = _scenario(args, loaded)
     runner = ScenarioRun(scenario)
+    given = loaded or (_given_plan(args, runner) if args.layout else None)
+    recipes = tuple(filter(None, (args.recipes or ("harmonia" if given else ",".join(RECIPE_NAMES))).split(",")))
     results = {}
     for recipe in recipes:
-        with console.status(f"searching {recipe} layouts"):
-            results[recipe] = run_recipe(runner, recipe)
+        with console.status(f"simulating {recipe}" if given else f"searching {recipe} layouts"):
+            results[recipe] = score_plan(runner, given, recipe) if given else run_recipe(runner, recipe)
     bound = float(runner.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / runner.cluster.world_size
+    console.print(_given_table(scenario, runner, results, bound) if given
+                  else _comparison_table(scenario, results, bound))
+    if args.json:
+        import dataclasses
+        import json
+
+        Path(args.json).write_text(json.dumps({
+            "scenario": dataclasses.asdict(scenario),
+            "recipes": {k: v.as_dict() for k, v in results.items()},
+            "lower_bound_s": bound,
+        }, indent=1))
+    if args.timeline:
+        _write_timelines(args.timeline, scenario.name, results)
+    return 0
+
+
+RECIPE_NAMES = ("megatron", "cornstarch", "disttrain", "harmonia")
+
+
+def _comparison_table(scenario, results: dict, bound: float) -> Table:
     table = Table(title=f"{scenario.name}: {scenario.iterations} iterations of {scenario.global_batch} samples")
     for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "plan", "searched"):
         table.add_column(col, justify="left" if col in ("recipe", "plan") else "right")
@@ -148,27 +210,44 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         table.add_row(recipe, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", speed,
                       f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", _plan_summary(d),
                       f"{r.tried} in {r.search_s:.1f}s")
-    table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "", 
+    table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "",
                   "all work spread evenly over every rank at the cost model's efficiency", "")
-    console.print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "scenario": dataclasses.asdict(scenario),
-            "recipes": {k: v.as_dict() for k, v in results.items()},
-            "lower_bound_s": bound,
-        }, indent=1))
-    if args.timeline:
-        from harmonia.sim.timeline import plot_timeline, to_chrome_trace
+    return table
 
-        out = Path(args.timeline)
-        out.mkdir(parents=True, exist_ok=True)
-        for recipe, r in results.items():
-            if r.timeline is not None:
-                title = f"{scenario.name} — {recipe}"
-                to_chrome_trace(r.timeline, out / f"{recipe}.trace.json", title=title)
-                plot_timeline(r.timeline, out / f"{recipe}.png", title=title)
-        console.print(f"timelines in {out}")
-    return 0
+
+def _given_table(scenario, runner, results: dict, bound: float) -> Table:
+    """A given plan under each recipe's batch assignment: time, throughput, MFU, memory, share of the bound."""
+    from harmonia.plan.layout_text import describe_layouts
+
+    plan = next(iter(results.values())).candidate.plan
+    recompute = f", recompute {','.join(plan.recompute)}" if plan.recompute else ""
+    table = Table(title=f"{scenario.name}: {describe_layouts(plan.layouts)} ({plan.placement.value}, {plan.schedule} "
+                        f"x{plan.n_microbatches}{recompute}) on {scenario.cluster}, {scenario.iterations} iterations "
+                        f"of {scenario.global_batch} samples")
+    for col in ("recipe", "iteration s", "samples/s", "tokens/s/GPU", "bubble", "MFU", "peak GiB/rank",
+                "bound / time"):
+        table.add_column(col, justify="left" if col == "recipe" else "right")
+    world, capacity = runner.cluster.world_size, runner.cluster.device.mem_bytes
+    for recipe, r in results.items():
+        over = " (over)" if r.peak_bytes > capacity else ""
+        table.add_row(recipe, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", f"{r.tokens_per_s / world:,.0f}",
+                      f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", f"{r.peak_bytes / 2**30:.1f}{over}",
+                      f"{bound / r.iteration_s:.1%}")
+    table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "", "", "100%")
+    return table
+
+
+def _write_timelines(directory: str, name: str, results: dict) -> None:
+    from harmonia.sim.timeline import plot_timeline, to_chrome_trace
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    for recipe, r in results.items():
+        if r.timeline is not None:
+            title = f"{name} — {recipe}"
+            to_chrome_trace(r.timeline, out / f"{recipe}.trace.json", title=title)
+            plot_timeline(r.timeline, out / f"{recipe}.png", title=title)
+    console.print(f"timelines in {out}")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -316,11 +395,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="plan.json", help="where the best plan is written")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("simulate", help="run a scenario under each recipe and compare")
-    p.add_argument("--scenario", default="configs/scenarios/d-qwen7b-internvit-8gpu.toml",
-                   help="scenario TOML (see configs/scenarios/)")
-    p.add_argument("--recipes", default="megatron,cornstarch,disttrain,harmonia",
-                   help="comma-separated recipes to run")
+    p = sub.add_parser("simulate", help="score a given plan (--plan, --layout), or run a scenario under each "
+                       "recipe and compare")
+    p.add_argument("--scenario", default=None,
+                   help=f"scenario TOML (see configs/scenarios/; default {DEFAULT_SCENARIO} when no scenario flag "
+                   "is given)")
+    p.add_argument("--model", default=None, help="instead of --scenario: MLLM or LLM preset, or an HF checkpoint "
+                   "directory (an LLM's config.json gives a model without encoders)")
+    p.add_argument("--frozen", default=None, help="comma-separated modules to freeze")
+    p.add_argument("--cluster", default=None, help="DEVICE:NODESxGPUS (default h100:1x8)")
+    p.add_argument("--trace", default=None,
+                   help="CSV path, synthetic[:mix], or text:N (every sample N text tokens); default ai2d")
+    p.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 256, or the plan's)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of a scenario given by flags")
+    p.add_argument("--plan", default=None, help="score this plan.json (as `harmonia plan` writes it) unsearched")
+    p.add_argument("--layout", default=None,
+                   help="score these layouts unsearched, one module after another as Layout.describe prints them, "
+                   "e.g. 'llm tp4 cp2 pp4 v5 dp2' or 'vision tp1 pp1 dp8; llm tp4 pp2 dp1': sizes adding up to "
+                   "the cluster are disjoint rank blocks in that order; an LLM on every rank makes them colocated")
+    p.add_argument("--microbatch-size", type=int, default=1,
+                   help="with --layout: samples per microbatch of an LLM replica (global batch / (llm dp x this) "
+                   "microbatches per replica)")
+    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
+                   help="with --layout: schedule family (default interleaved when the LLM has virtual stages, "
+                   "else 1f1b)")
+    p.add_argument("--recompute", default="", help="with --layout: comma-separated modules whose activations are "
+                   "recomputed in backward, e.g. llm")
+    p.add_argument("--recipes", default=None,
+                   help="comma-separated recipes to run (default all four; with a given plan, harmonia: whose "
+                   "batch assignment and ordering score it)")
     p.add_argument("--iterations", type=int, default=0, help="override the scenario's iteration count")
     p.add_argument("--json", default=None, help="write the comparison as JSON to this file")
     p.add_argument("--timeline", default=None, help="directory for per-recipe PNG timelines and traces")

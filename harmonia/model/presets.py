@@ -69,16 +69,17 @@ ENCODERS: dict[str, Published] = {
 }
 
 LLMS: dict[str, Published] = {
+    # Llama 3.1 8B / 70B share the Llama 3 architectures (only RoPE scaling and context differ).
     "llama3-8b": Published(
         LLMSpec("llama3-8b", TransformerSpec(32, 4096, 32, 14336, n_kv_heads=8, mlp="swiglu",
                                              norm="rmsnorm", qkv_bias=False, out_bias=False,
                                              mlp_bias=False), vocab_size=128256),
-        8.03e9, "Meta 2024 (Llama 3); HF meta-llama/Meta-Llama-3-8B"),
+        8.03e9, "Meta 2024 (Llama 3, 3.1); HF meta-llama/Llama-3.1-8B"),
     "llama3-70b": Published(
         LLMSpec("llama3-70b", TransformerSpec(80, 8192, 64, 28672, n_kv_heads=8, mlp="swiglu",
                                               norm="rmsnorm", qkv_bias=False, out_bias=False,
                                               mlp_bias=False), vocab_size=128256),
-        70.6e9, "Meta 2024 (Llama 3); HF meta-llama/Meta-Llama-3-70B"),
+        70.6e9, "Meta 2024 (Llama 3, 3.1); HF meta-llama/Llama-3.1-70B"),
     "qwen2.5-7b": Published(
         LLMSpec("qwen2.5-7b", TransformerSpec(28, 3584, 28, 18944, n_kv_heads=4, mlp="swiglu",
                                               norm="rmsnorm", qkv_bias=True, out_bias=False,
@@ -167,6 +168,8 @@ MLLM_PRESETS: dict[str, dict] = {
     # A large omni-modal model: InternViT-6B and Whisper large-v3 encoder with Qwen2.5-72B.
     "omni-72b": dict(llm="qwen2.5-72b", encoders={"vision": "internvit-6b",
                                                   "audio": "whisper-large-v3-encoder"}),
+    # LLM-only models (no encoders): a published LLM preset as a graph of one module.
+    **{name: dict(llm=name, encoders={}) for name in LLMS},
     # Tiny models for CPU tests.
     "tiny-vlm": dict(llm="tiny-llm", encoders={"vision": "tiny-vit"}),
     "tiny-omni": dict(llm="tiny-llm", encoders={"vision": "tiny-vit", "audio": "tiny-audio"}),

@@ -74,6 +74,9 @@ def disjoint_sizes(profile: BatchProfile, encoders: list[str], world: int, step:
     """Rank counts per encoder near their work share: rounded, one ``step`` either side, and
     variants that leave the LLM a multiple of 8, 4 or 2 ranks (so it can factorise into TP and PP)
     with the remainder shared among encoders by their work."""
+    if not encoders:  # an LLM alone takes every rank
+        yield {}
+        return
     costs = profile.mean_costs()
     total = sum(costs[m] for m in profile.modules)
     work = {e: costs[e] + costs.get(f"{e}_proj", 0.0) for e in encoders}

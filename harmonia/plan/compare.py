@@ -5,19 +5,22 @@ among every candidate its rules allow, found by the planner's branch and bound
 (`harmonia.plan.search`): its bounds hold for every recipe, so the search is exact for baselines
 and harmonia alike, and no recipe is judged on a truncated candidate list. The winner then runs
 the scenario's ``iterations`` sampled batches and its averages are reported (`harmonia simulate`).
+A given plan is scored the same way without a search (`score_plan`, `harmonia simulate --layout`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from harmonia.errors import ConfigError, LayoutError
+from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.recipes import Candidate, RECIPES
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
+from harmonia.schedule.plan import Plan
 from harmonia.sim.engine import Timeline
 
 
@@ -35,11 +38,13 @@ class RecipeResult:
     search_s: float = 0.0
     error: str = ""
     timeline: Timeline | None = None
+    tokens_per_s: float = float("nan")  # LLM tokens per second, whole cluster
+    peak_bytes: float = float("nan")  # the most one rank holds: its states plus its activation peak
 
     def as_dict(self) -> dict:
         out = {"iteration_s": self.iteration_s, "bubble_frac": self.bubble_frac, "mfu": self.mfu,
-               "samples_per_s": self.samples_per_s, "candidates_simulated": self.tried,
-               "search_s": self.search_s}
+               "samples_per_s": self.samples_per_s, "tokens_per_s": self.tokens_per_s,
+               "peak_bytes": self.peak_bytes, "candidates_simulated": self.tried, "search_s": self.search_s}
         if self.candidate:
             out["plan"] = {m: {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ranks": lay.size,
                                "virtual_stages": lay.virtual_stages, "fsdp": lay.fsdp}
@@ -68,13 +73,35 @@ def run_recipe(run: ScenarioRun, recipe: str) -> RecipeResult:
     best, tried, search_s, error = best_candidate(run, recipe)
     if best is None:
         return RecipeResult(recipe, None, tried=tried, search_s=search_s, error=error)
-    timelines = [run.timeline(best, k) for k in range(run.scenario.iterations)]
+    return replace(averages(run, best), tried=tried, search_s=search_s)
+
+
+def score_plan(run: ScenarioRun, plan: Plan, recipe: str = "harmonia") -> RecipeResult:
+    """A given plan, unsearched, on a loaded scenario's ``iterations`` batches, its batches assigned
+    and ordered by ``recipe``'s rules (harmonia's balancing and per-batch order search by default)."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
+    plan.validate(run.mllm)
+    if plan.world_size != run.cluster.world_size:
+        raise LayoutError(f"the plan uses {plan.world_size} ranks but cluster {run.scenario.cluster} has "
+                          f"{run.cluster.world_size}; give a cluster of the plan's size")
+    return replace(averages(run, Candidate(recipe, plan)), tried=1)
+
+
+def averages(run: ScenarioRun, cand: Candidate) -> RecipeResult:
+    """A candidate simulated on the scenario's ``iterations`` batches: mean iteration time, bubble,
+    MFU (FLOPs under the attention mask, as executed), samples and LLM tokens per second, and the
+    peak bytes of the busiest rank (states of its stages plus its activation peak)."""
+    timelines = [run.timeline(cand, k) for k in range(run.scenario.iterations)]
     iteration = float(np.mean([t.iteration_s for t in timelines]))
-    peak = run.cluster.device.peak_flops
+    tokens = float(np.mean([run.tokens[run.profile.batches[k]].sum() for k in range(run.scenario.iterations)]))
+    states = state_bytes_per_rank(run.cost, cand.plan)
+    peak = max(states.get(r, 0.0) + t.peak_mem.get(r, 0.0) for t in timelines for r in states)
+    flops = run.cluster.device.peak_flops
     return RecipeResult(
-        recipe, best, iteration, float(np.mean([t.bubble_frac for t in timelines])),
-        float(np.mean([t.mfu(peak) for t in timelines])), run.scenario.global_batch / iteration,
-        tried, search_s, timeline=timelines[0],
+        cand.recipe, cand, iteration, float(np.mean([t.bubble_frac for t in timelines])),
+        float(np.mean([t.mfu(flops) for t in timelines])), run.scenario.global_batch / iteration,
+        timeline=timelines[0], tokens_per_s=tokens / iteration, peak_bytes=peak,
     )
 
 

@@ -21,7 +21,7 @@ from harmonia.sim.engine import Timeline
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string
 from harmonia.workload.shapes import SampleShape
-from harmonia.workload.traces import load_trace
+from harmonia.workload.traces import is_generated, load_trace
 from harmonia.workload.work import load_arrays
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,8 @@ class Scenario:
         model: MLLM preset name, HF checkpoint directory, or composition (`harmonia.model.resolve`).
         training: module -> full / frozen / lora.
         cluster: ``DEVICE:NODESxGPUS``.
-        trace: CSV path (relative paths resolve against the project root) or ``synthetic:...``.
+        trace: CSV path (relative paths resolve against the project root), ``synthetic[:...]`` or
+            ``text:N`` (`harmonia.workload.traces.load_trace`).
         global_batch: samples per iteration.
         iterations: batches averaged in the report.
         search_batches: batches each candidate is scored on during the search.
@@ -68,7 +69,9 @@ class Scenario:
                               "cluster, trace and global_batch") from None
 
     def trace_spec(self) -> str:
-        if self.trace.startswith("synthetic"):
+        """The trace as `load_trace` takes it: a generated trace as written, a relative CSV path
+        resolved against the project root."""
+        if is_generated(self.trace):
             return self.trace
         p = Path(self.trace)
         return str(p if p.is_absolute() else ROOT / p)

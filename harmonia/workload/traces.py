@@ -7,7 +7,8 @@ Real traces (``../shared/traces/*.csv``) have one row per sample with columns ``
 required) is read too, and written by `write_trace`.
 
 Synthesized traces draw each sample from one of several kinds whose distributions follow published
-dataset statistics; each kind's docstring names its source.
+dataset statistics; each kind's docstring names its source. A fixed-length text trace ``text:N``
+(every sample ``N`` text tokens, no items) is the pretraining regime of LLM-only benchmarks.
 """
 
 from __future__ import annotations
@@ -243,9 +244,29 @@ def parse_mix(spec: str) -> dict[str, float]:
     return mix
 
 
+def fixed_text_trace(spec: str, n_samples: int) -> list[SampleShape]:
+    """``text:N``: ``n_samples`` text-only samples of exactly ``N`` tokens each (packed pretraining
+    sequences, as LLM throughput benchmarks run them)."""
+    _, _, length = spec.partition(":")
+    try:
+        tokens = int(length)
+    except ValueError:
+        tokens = 0
+    if tokens < 1 or n_samples < 1:
+        raise TraceError(f"trace {spec!r}: expected text:N with N >= 1 tokens per sample, e.g. text:8192")
+    return [SampleShape(tokens, sample_id=i) for i in range(n_samples)]
+
+
+def is_generated(spec: str) -> bool:
+    """Whether a trace spec is generated (``synthetic[:...]``, ``text:N``) rather than a CSV path."""
+    return spec.startswith("synthetic") or spec.startswith("text:")
+
+
 def load_trace(spec: str, n_samples: int = 4096, seed: int = 0) -> list[SampleShape]:
-    """A trace from a CSV path or ``synthetic[:kind=p,...]``."""
+    """A trace from a CSV path, ``synthetic[:kind=p,...]`` or ``text:N``."""
     if spec.startswith("synthetic"):
         _, _, rest = spec.partition(":")
         return synthesize_trace(n_samples, parse_mix(rest) if rest else None, seed)
+    if spec.startswith("text:"):
+        return fixed_text_trace(spec, n_samples)
     return read_trace(spec)

@@ -365,8 +365,8 @@ def test_a_llava_directory_is_not_a_vision_encoder(tmp_path):
     transformers.Qwen2ForCausalLM(TEXT["qwen2"]()).save_pretrained(tmp_path / "llm")
     with pytest.raises(ConfigError, match="'llava'"):
         mllm_spec_from_hf({"llm": tmp_path / "llm", "encoders": {"vision": tmp_path / "hf"}})
-    with pytest.raises(ConfigError, match="'qwen2'"):
-        mllm_spec_from_hf(tmp_path / "llm")  # an LLM alone is not a multimodal checkpoint
+    alone = mllm_spec_from_hf(tmp_path / "llm")  # an LLM alone is an MLLM without encoders
+    assert alone.encoders == {} and alone.module_names == ["llm"]
 
 
 @pytest.mark.parametrize("naming", ["module", "hub"])

@@ -26,6 +26,7 @@ from harmonia.model.batch import ItemInputs, TokenizedSample
 from harmonia.model.hf.clip import vision_spec_from_hf
 from harmonia.model.hf.export import export_hf
 from harmonia.model.hf.io import read_config, read_full_config
+from harmonia.model.hf.llama import MODEL_TYPES as LLM_TYPES
 from harmonia.model.hf.llama import llm_spec_from_hf
 from harmonia.model.hf.source import HFSource, parse_source
 from harmonia.model.hf.stages import load_module_state
@@ -51,7 +52,8 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
     """The `MLLMSpec` of a whole HF multimodal checkpoint or of a composition (see `parse_source`).
 
     Args:
-        source: a ``LlavaForConditionalGeneration`` directory, or ``{"llm": DIR, "encoders":
+        source: a ``LlavaForConditionalGeneration`` directory, an LLM directory (Llama, Mistral, Qwen2,
+            Qwen3: an MLLM without encoders), or ``{"llm": DIR, "encoders":
             {"vision": DIR, "audio": DIR}}`` (CLIP / SigLIP vision, Whisper), or a directory
             `export_hf` wrote for a composition.
         token_merge: a composition's encoder name -> tokens merged into one LLM token (default 1).
@@ -69,10 +71,12 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
     if kind in NOT_IMPLEMENTED:
         raise ConfigError(f"{src.root}: model_type={kind!r} ({NOT_IMPLEMENTED[kind]}) is not implemented; "
                           f"supported multimodal checkpoints: {MULTIMODAL_TYPES}")
+    if kind in LLM_TYPES:  # an LLM alone: a graph of one module, no encoders or projectors
+        return MLLMSpec(src.root.name, {}, {}, llm_spec_from_hf(read_full_config(src.root), name=src.root.name))
     if kind not in MULTIMODAL_TYPES:
         raise ConfigError(
-            f"{src.root}: model_type={kind!r} is not a supported multimodal checkpoint {MULTIMODAL_TYPES}; an LLM "
-            "or an encoder alone goes into a composition {'llm': DIR, 'encoders': {'vision': DIR}}"
+            f"{src.root}: model_type={kind!r} is neither a supported multimodal checkpoint {MULTIMODAL_TYPES} nor "
+            f"an LLM {LLM_TYPES}; an encoder alone goes into a composition {{'llm': DIR, 'encoders': {{'vision': DIR}}}}"
         )
     return llava_spec_from_hf(read_full_config(src.root), name=src.root.name)
 
