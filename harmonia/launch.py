@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import re
 import signal
@@ -29,9 +30,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from harmonia.errors import HarmoniaError
 from harmonia.runtime.watchdog import (STOP_SIGNALS, HangDetector, StopRequested, StopSignals, beat_interval,
@@ -59,7 +57,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _entry(rank: int, world: int, port: int, launcher: int, target: Callable, args: tuple, reports) -> None:
+def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports) -> None:
+    """One rank: stop signals handled first, then the target and its arguments unpickled (their imports
+    take seconds) and run; what happened goes to ``reports``."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_ENV: str(launcher),
                        "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the launcher hosts the store
@@ -67,6 +67,7 @@ def _entry(rank: int, world: int, port: int, launcher: int, target: Callable, ar
     try:
         StopSignals.install(raise_now=True)
         exit_with_parent(launcher)
+        target, args = pickle.loads(payload)
         value = target(*args)
         if value is not None:
             reports.put(("result", rank, value))
@@ -122,10 +123,11 @@ class _Job:
                 and r not in self.stops]
         return bool(self.errors or dead)
 
-    def send(self, signum: int) -> None:
+    def send(self, signum: int, only_running: bool = False) -> None:
+        """``signum`` to every live rank (``only_running``: those that have not reported a stop)."""
         self.sent.add(signum)
-        for p in self.procs:
-            if p.pid is not None and p.exitcode is None:
+        for r, p in enumerate(self.procs):
+            if p.pid is not None and p.exitcode is None and not (only_running and r in self.stops):
                 try:
                     os.kill(p.pid, signum)
                 except ProcessLookupError:
@@ -154,15 +156,22 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
     """
     if under_torchrun():
         return target(*args)
+    from multiprocessing.reduction import ForkingPickler  # with torch's reductions, as Process args have
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     reports = ctx.Queue()
-    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), target, args, reports),
+    payload = bytes(ForkingPickler.dumps((target, args)))
+    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), payload, reports),
                             daemon=False) for r in range(world_size)], reports)
     with _forwarded_signals(job):
-        for p in job.procs:
-            p.start()
+        with _sigint_ignored():  # a Ctrl-C in a rank's first moments is the launcher's to forward
+            for p in job.procs:
+                p.start()
         detector = (HangDetector(store, world_size, hang_timeout, pids={r: p.pid for r, p in enumerate(job.procs)})
                     if hang_timeout else None)
         try:
@@ -177,7 +186,7 @@ def _supervise(job: _Job, detector: HangDetector | None, timeout: float | None, 
                stop_grace_s: float) -> None:
     """Wait for the ranks; return at the first failure, hang, or when a requested stop is overdue."""
     start = time.monotonic()
-    next_poll, deadline, handled = start, None, 0
+    next_poll, next_resend, deadline, handled, stopping = start, start, None, 0, None
     while job.alive():
         job.drain(wait_s=0.2)
         if len(job.signals) > handled:
@@ -185,6 +194,7 @@ def _supervise(job: _Job, detector: HangDetector | None, timeout: float | None, 
             if handled > 1:  # a second signal: no more waiting for a graceful stop
                 job.terminated |= set(job.alive())
                 job.send(signal.SIGKILL)
+            stopping = job.signals[0] if handled == 1 else None
             deadline = deadline or time.monotonic() + stop_grace_s
         if job.failed():
             time.sleep(settle_s)  # the other ranks' reports, and the root cause's own, arrive
@@ -198,12 +208,27 @@ def _supervise(job: _Job, detector: HangDetector | None, timeout: float | None, 
                 job.hung = hung[1]
                 return
         if timeout is not None and job.timed_out is None and now - start > timeout:
-            job.timed_out = timeout
+            job.timed_out, stopping = timeout, signal.SIGTERM
             job.send(signal.SIGTERM)
             deadline = now + stop_grace_s
+        if stopping is not None and now >= next_resend:  # a rank still starting up may have missed it
+            next_resend = now + 1.0
+            job.send(stopping, only_running=True)
         if deadline is not None and now > deadline:
             return
     job.drain()
+
+
+class _sigint_ignored:
+    """SIGINT ignored while ranks start: they inherit it ignored until their own handler is in place."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 class _forwarded_signals:

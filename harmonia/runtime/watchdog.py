@@ -66,6 +66,7 @@ class StopSignals:
     def _handle(self, signum: int, frame) -> None:
         self.signum = self.signum or signum
         if self.raise_now:
+            self.raise_now = False  # one exception; a repeated signal must not interrupt its handling
             raise StopRequested(f"stopped by {signal_name(signum)} before training started", signum)
 
     @classmethod
