@@ -249,7 +249,7 @@ def test_under_torchrun_each_agent_does_the_same(tmp) -> None:
     """SIGTERM to the torchrun agent stops its ranks at a step boundary with a checkpoint; a stopped
     rank is named by its peers, which end it, so the agent ends the job."""
     run, ck = tmp / "torchrun", tmp / "torchrun" / "ck"
-    args = _args(tmp, "torchrun", "--train.steps=40", "--parallel.hang_timeout_s=5")
+    args = _args(tmp, "torchrun", "--train.steps=40")
     proc = _start(args, launcher=tuple(TORCHRUN))
     _wait_for_steps(run / "metrics.jsonl", 1, proc)
     os.kill(proc.pid, signal.SIGTERM)
@@ -261,7 +261,8 @@ def test_under_torchrun_each_agent_does_the_same(tmp) -> None:
     assert _steps(ck) == [f"step-{step}"]
 
     t0 = time.monotonic()
-    code, out = _finish(_start(args, fault=f"stop:1:{step + 1}", launcher=tuple(TORCHRUN)))
+    code, out = _finish(_start([*args, "--parallel.hang_timeout_s=5"], fault=f"stop:1:{step + 1}",
+                               launcher=tuple(TORCHRUN)))
     assert code != 0 and time.monotonic() - t0 < 120, out[-3000:]
     assert ("error: rank 1 stopped responding: no heartbeat for" in out and
             "(its process is stopped (SIGSTOP?)" in out and "(seen by rank 0)" in out), out[-3000:]
