@@ -142,6 +142,8 @@ def _scenario(args: argparse.Namespace, plan=None):
         scenario = Scenario("simulate", model, flags.get("cluster", "h100:1x8"),
                             flags.get("trace", str(SHARED_TRACES / "ai2d.csv")),
                             flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
+    if args.sequence_parallel:
+        scenario = dataclasses.replace(scenario, sequence_parallel=True)
     if plan is not None and plan.global_batch != scenario.global_batch:
         raise ConfigError(f"the plan's global batch is {plan.global_batch} but the scenario's is "
                           f"{scenario.global_batch}; give --global-batch {plan.global_batch} or another plan")
@@ -421,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "else 1f1b)")
     p.add_argument("--recompute", default="", help="with --layout: comma-separated modules whose activations are "
                    "recomputed in backward, e.g. llm")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="price TP as Megatron-LM's sequence parallelism: norms, residual adds and their "
+                   "activations split over the TP ranks' tokens (harmonia's runtime runs TP without it)")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipes to run (default all four; with a given plan, harmonia: whose "
                    "batch assignment and ordering score it)")

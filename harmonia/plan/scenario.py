@@ -42,6 +42,9 @@ class Scenario:
         iterations: batches averaged in the report.
         search_batches: batches each candidate is scored on during the search.
         seed: sampling seed.
+        sequence_parallel: price TP as Megatron-LM's sequence parallelism does (norms, residual adds
+            and their activations split over tokens; `harmonia.workload.cost`); harmonia's runtime runs
+            TP without it.
     """
 
     name: str
@@ -53,6 +56,7 @@ class Scenario:
     iterations: int = 20
     search_batches: int = 2
     seed: int = 0
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
@@ -85,7 +89,7 @@ class ScenarioRun:
         self.scenario = scenario
         self.mllm = resolve_mllm(scenario.model, training=scenario.training)
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
-        self.cost = CostModel(self.mllm, self.cluster.device)
+        self.cost = CostModel(self.mllm, self.cluster.device, sequence_parallel=scenario.sequence_parallel)
         self.samples = samples if samples is not None else load_trace(
             scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096), seed=scenario.seed)
         tokens, pairs = load_arrays(self.samples, self.mllm)

@@ -1,19 +1,19 @@
 """Fit the cost model to a measured step, so simulated and measured steps can be compared.
 
-The cost model prices a phase at ``flops / (peak * efficiency)`` (when compute-bound). Nominal
-efficiencies describe well-fed accelerators; a small model on an oversubscribed CPU runs far
-below them (per-op overheads, ranks sharing cores). After a warm-up step, every rank's measured
-compute actions (F, B, W, fused BW) are summed and divided by the simulated seconds of the same
-step's compute tasks; the ratio ``s`` is how much slower the device is than the model assumed, and
-every phase's efficiency is divided by it:
+A calibration is the achieved fraction of the device's peak over whole blocks' FLOPs
+(`harmonia.workload.cost.Calibration`): nominal efficiencies describe well-fed accelerators, and
+a small model on an oversubscribed CPU runs far below them (per-op overheads, ranks sharing
+cores). After a warm-up step, every rank's measured compute actions (F, B, W, fused BW) are summed,
+and the FLOPs the simulator gave the same step's compute tasks are divided by them:
 
-    efficiency' = efficiency / s,    s = sum(measured compute s) / sum(simulated compute s)
+    efficiency = sum(simulated compute FLOPs) / (peak * sum(measured compute s))
 
+so the calibrated cost model, which runs a phase's FLOPs at that rate, spends the measured seconds.
 One factor for all phases keeps the fit to one number per job (per-phase ratios would also absorb
 the fused-versus-split backward difference). Measured actions include waits inside them (a
-receive that blocks), so ``s`` is an upper bound and the calibrated simulation errs slow; what
-remains between the calibrated simulation and the measurement is scheduling, communication and
-waiting that the simulator models differently from the run.
+receive that blocks), so the fitted rate is a lower bound and the calibrated simulation errs slow;
+what remains between the calibrated simulation and the measurement is scheduling, communication
+and waiting that the simulator models differently from the run.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def fit_calibration(cost: CostModel, measured: dict[int, list[tuple[str, str, st
     """
     measured_s = sum(e - s for actions in measured.values() for _, _, kind, s, e in actions if kind in COMPUTE)
     simulated_s = sum(t.duration for t in simulated.tasks if t.kind in COMPUTE)
-    if measured_s <= 0 or simulated_s <= 0:
+    flops = sum(t.flops for t in simulated.tasks if t.kind in COMPUTE)
+    if measured_s <= 0 or simulated_s <= 0 or flops <= 0:
         return None
-    slowdown = measured_s / simulated_s
-    return Calibration(cost.device.name, {p: min(1.5, cost.efficiency(p) / slowdown) for p in PHASES},
+    efficiency = min(1.5, flops / (cost.device.peak_flops * measured_s))
+    return Calibration(cost.device.name, {p: efficiency for p in PHASES},
                        [{"measured_compute_s": measured_s, "simulated_compute_s": simulated_s,
-                         "slowdown": slowdown}])
+                         "slowdown": measured_s / simulated_s}])

@@ -1,17 +1,33 @@
 """The cost model: seconds and bytes of F, B, W per layer, stage, sample and microbatch.
 
-Time of a piece of work on one device is a roofline (Williams et al. 2009):
-``t = max(flops / (peak * eff_flops), bytes / (mem_bw * eff_bw))``, where ``eff_flops`` is the
-device's achievable fraction, optionally replaced per phase (F, B, W) by a measured calibration
-(`harmonia profile`). Tensor parallelism divides FLOPs and activation bytes by ``tp`` and weights by
-``tp``; context parallelism divides tokens and pairs by ``cp`` (balanced shards). Communication is
-the simulator's business (`harmonia.sim`), not this module's.
+Time of a piece of work on one device is a roofline per kernel class (Williams et al. 2009): the
+kernels of a layer run one after another, so their times add, and each is bound by its own
+resource:
+
+    t = max(matmul_flops / (peak * eff_matmul), weight_bytes / bw)     matmuls (weights read once)
+      + attention_flops / (peak * eff_attention)                       fused attention kernels
+      + elementwise_bytes / bw                                         norms, residuals, activations
+
+with ``bw = mem_bw * eff_bw``. Matmul FLOPs are the token terms of `harmonia.workload.layers`,
+attention FLOPs its pair terms, elementwise bytes the memory-bound kernels' traffic of
+`harmonia.workload.kernels`. The device preset's efficiencies are published kernel rates
+(`harmonia.workload.devices`). A measured calibration (`harmonia profile`, or one fitted to a
+measured step) is the achieved fraction of peak of a whole block, all its kernels together: with one,
+a phase takes ``max(flops / (peak * eff_measured), weight_bytes / bw)``.
+
+Tensor parallelism divides FLOPs and weights by ``tp``; context parallelism divides tokens and pairs
+by ``cp`` (balanced shards). The elementwise kernels and activations inside TP's sharded region
+divide by ``tp``; the norms and residual adds, and the activations they keep, are replicated over
+TP unless the cost model runs with ``sequence_parallel`` (Korthikanti et al. 2022), which splits
+them over tokens (`harmonia.workload.kernels`; TP's all-reduces become reduce-scatters plus
+all-gathers, the same bytes on a ring). Communication is the simulator's business (`harmonia.sim`),
+not this module's.
 
 Activation recomputation (Chen et al. 2016; Korthikanti et al. 2022, "full" recompute, as in
 Megatron-LM's ``--recompute-granularity full``): a recomputed module checkpoints every transformer
 block that runs a backward (``harmonia.runtime.parallelize.apply_recompute``, non-reentrant). The
-forward keeps only each block's input, ``tokens x hidden`` elements per block (replicated over TP,
-which runs without sequence parallelism, so divided by ``cp`` only), instead of the block's
+forward keeps only each block's input, ``tokens x hidden`` elements per block (replicated over TP
+without sequence parallelism, so divided by ``cp`` only; by ``tp x cp`` with it), instead of the block's
 ``act_elems_tok``; the backward of each such block first runs the block's forward again, so a
 stage's B grows by exactly the F of those blocks (``B' = B + F_blocks``; W is unchanged, the
 front end, post layer, head and projector are not checkpointed). While one block runs its
@@ -33,6 +49,7 @@ import numpy as np
 from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec
 from harmonia.workload.devices import DeviceSpec
+from harmonia.workload.kernels import elementwise_elems, replicated_activation_elems
 from harmonia.workload.layers import LayerCost, module_layers
 from harmonia.workload.shapes import SampleShape
 from harmonia.workload.work import ModuleLoad, load_arrays, sample_loads
@@ -45,7 +62,8 @@ OPTIMIZER_BYTES = 12
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured efficiency factors: achieved fraction of ``peak_flops`` per phase.
+    """Measured efficiency factors: achieved fraction of ``peak_flops`` per phase, over a whole block's
+    FLOPs (its matmul, attention and elementwise kernels together).
 
     Attributes:
         device: device name the numbers were measured on.
@@ -103,33 +121,40 @@ class CostModel:
     Args:
         mllm: the model spec with training modes.
         device: the device the work runs on.
-        calibration: measured per-phase efficiencies replacing ``device.flops_efficiency``.
+        calibration: measured per-phase whole-block efficiencies replacing the device's kernel rates.
         act_bytes: bytes per activation element (2 for bf16, 4 for fp32).
+        sequence_parallel: TP splits the norms, residual adds and the activations they keep over
+            tokens (Megatron-LM's ``--sequence-parallel``); without it they are replicated on every
+            TP rank, as harmonia's runtime runs TP.
     """
 
     def __init__(self, mllm: MLLMSpec, device: DeviceSpec, calibration: Calibration | None = None,
-                 act_bytes: int = 2) -> None:
+                 act_bytes: int = 2, sequence_parallel: bool = False) -> None:
         self.mllm = mllm
         self.device = device
         self.calibration = calibration
         self.act_bytes = act_bytes
+        self.sequence_parallel = sequence_parallel
         self.layers: dict[str, list[LayerCost]] = module_layers(mllm)
         self.modules: list[str] = mllm.module_names
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
-        self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, int, int]] = {}
+        self._elem = {m: self._elementwise(m, 0, len(self.layers[m])) for m in self.modules}
+        self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, float]] = {}
+        self._kernels: dict[tuple[str, int, int], tuple[np.ndarray, float]] = {}
+        self._rates: dict[tuple[str, int, int, int, int], tuple] = {}  # `_per_unit_seconds` per range and degrees
         self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
         self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
         self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
 
-    def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, int, int]:
+    def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, float]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
-        coefficients, parameters, activation elements kept and elements moved per token."""
+        coefficients, parameters and activation elements kept per token."""
         stop = len(self.layers[module]) if stop is None else stop
         key = (module, start, stop)
         if key not in self._ranges:
             layers = self.layers[module][start:stop]
             self._ranges[key] = (self._coefficients(module, start, stop), sum(x.params for x in layers),
-                                 sum(x.act_elems_tok for x in layers), sum(x.io_elems_tok for x in layers))
+                                 sum(x.act_elems_tok for x in layers))
         return self._ranges[key]
 
     def _backward_blocks(self, module: str, start: int, stop: int | None) -> tuple[int, int, float, float]:
@@ -146,6 +171,26 @@ class CostModel:
                                   max(self.layers[module][i].act_elems_tok for i in idx)) if idx
                                  else (start, start, 0.0, 0.0))
         return self._blocks[key]
+
+    def _kernel_range(self, module: str, start: int, stop: int) -> tuple[np.ndarray, float]:
+        """Per-layer sums over layers [start, stop): elementwise elements per token (3 phases x
+        (TP-sharded, replicated)) and activation elements per token replicated over TP."""
+        key = (module, start, stop)
+        if key not in self._kernels:
+            layers = self.layers[module][start:stop]
+            self._kernels[key] = (self._elementwise(module, start, stop),
+                                  sum(replicated_activation_elems(self.mllm, module, x) for x in layers))
+        return self._kernels[key]
+
+    def _elementwise(self, module: str, start: int, stop: int) -> np.ndarray:
+        out = np.zeros((3, 2))
+        for layer in self.layers[module][start:stop]:
+            out += elementwise_elems(self.mllm, module, layer)
+        return out
+
+    def _sp(self, tp: int) -> int:
+        """What divides TP-replicated work and activations: ``tp`` with sequence parallelism, else 1."""
+        return tp if self.sequence_parallel else 1
 
     def hidden(self, module: str) -> int:
         """Width of a module's transformer blocks (the LLM's or an encoder's body)."""
@@ -179,19 +224,29 @@ class CostModel:
                 w_tok * tokens)
 
     def efficiency(self, phase: str) -> float:
+        """The matmul rate of a phase as a fraction of peak: the calibration's measured whole-block
+        efficiency when it has the phase, else the device's matmul efficiency."""
         if self.calibration and phase in self.calibration.flops_efficiency:
             return self.calibration.flops_efficiency[phase]
         return self.device.flops_efficiency
+
+    def _measured(self, phase: str) -> float | None:
+        """The calibration's whole-block efficiency of a phase, None when it has none."""
+        if self.calibration and phase in self.calibration.flops_efficiency:
+            return self.calibration.flops_efficiency[phase]
+        return None
 
     # ---- time --------------------------------------------------------------------------------
     def stage_times(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
                     tp: int = 1, cp: int = 1, recompute: bool = False) -> PhaseTimes:
         """Seconds of F, B, W for layers [start, stop) of ``module`` on one rank of a TP x CP group.
 
-        Each phase is a roofline: FLOPs at the phase's efficiency, or the bytes it moves (weights
-        once, activations per token) at memory bandwidth, whichever is slower. With ``recompute``
-        B also runs the forward of every block with a backward again (module docstring):
-        ``B + F`` of those blocks, each term its own roofline.
+        Each phase adds its kernel classes' rooflines (module docstring): matmuls at the matmul
+        rate or reading the weights at memory bandwidth, whichever is slower; attention at the
+        attention rate; the elementwise kernels' bytes at memory bandwidth. With a calibration, the
+        phase's FLOPs run at its measured whole-block rate instead. With ``recompute`` B also runs
+        the forward of every block with a backward again (module docstring): ``B + F`` of those
+        blocks.
         """
         stop = len(self.layers[module]) if stop is None else stop
         if recompute:
@@ -199,29 +254,82 @@ class CostModel:
             lo, hi, n, _ = self._backward_blocks(module, start, stop)
             again = self.stage_times(module, load, lo, hi, tp, cp).F if n else 0.0
             return PhaseTimes(plain.F, plain.B + again, plain.W)
-        flops = [f / (tp * cp) for f in self.phase_flops(module, load, start, stop)]
-        _, params, _, io_elems = self._range(module, start, stop)
-        weight_bytes = params * PARAM_BYTES / tp
-        io_bytes = io_elems * load.tokens * self.act_bytes / (tp * cp)
-        bw = self.device.mem_bw * self.device.bw_efficiency
+        seconds = self.kernel_seconds(module, load, start, stop, tp, cp)
+        if self.calibration is None:
+            return PhaseTimes(*(float(sum(row)) for row in seconds))
         times = []
-        for phase, f in zip(PHASES, flops):
-            if f == 0.0:
-                times.append(0.0)
-                continue
-            compute = f / (self.device.peak_flops * self.efficiency(phase))
-            times.append(float(max(compute, (weight_bytes + io_bytes) / bw)))
+        for p, phase in enumerate(PHASES):
+            measured = self._measured(phase)
+            flops = sum(self._split_flops(module, load, start, stop, tp, cp)[p])
+            if measured is None or not flops:
+                times.append(float(sum(seconds[p])))
+            else:
+                times.append(float(max(flops / (self.device.peak_flops * measured),
+                                       self._weight_seconds(module, start, stop, tp))))
         return PhaseTimes(*times)
+
+    def kernel_seconds(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
+                       tp: int = 1, cp: int = 1) -> tuple[tuple[float, float, float], ...]:
+        """Seconds of each kernel class of layers [start, stop) on one rank of a TP x CP group at the
+        device's rates, without calibration or recompute (module docstring).
+
+        Returns:
+            per phase F, B, W: (matmuls, at least the weights' read time in a phase that runs any;
+            attention; elementwise kernels).
+        """
+        stop = len(self.layers[module]) if stop is None else stop
+        key = (module, start, stop, tp, cp)
+        rates = self._rates.get(key)
+        if rates is None:
+            rates = self._rates[key] = self._per_unit_seconds(module, start, stop, tp, cp)
+        weight_s, per_phase = rates
+        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
+        out = []
+        for tok, pair, window, elem in per_phase:
+            if tok == 0.0 and pair == 0.0 and window == 0.0:
+                out.append((0.0, 0.0, 0.0))
+            else:
+                out.append((max(tok * tokens, weight_s), pair * pairs + window * win, elem * tokens))
+        return tuple(out)
+
+    def _per_unit_seconds(self, module: str, start: int, stop: int, tp: int, cp: int) -> tuple:
+        """Seconds per token, pair and windowed pair of each phase's matmuls, attention and
+        elementwise kernels for layers [start, stop) on one rank of a TP x CP group, and the
+        weights' read time: the factors `kernel_seconds` multiplies by a load, as plain floats."""
+        peak, bw = self.device.peak_flops, self.device.mem_bw * self.device.bw_efficiency
+        coef = self._range(module, start, stop)[0]
+        elem = self._kernel_range(module, start, stop)[0]
+        matmul, attention = peak * self.device.flops_efficiency * tp * cp, peak * self.device.attention_efficiency * tp * cp
+        per_phase = tuple(
+            (float(coef[p, 0]) / matmul, float(coef[p, 1]) / attention, float(coef[p, 2]) / attention,
+             float(elem[p, 0] / tp + elem[p, 1] / self._sp(tp)) * self.act_bytes / (cp * bw))
+            for p in range(3))
+        return self._weight_seconds(module, start, stop, tp), per_phase
+
+    def _split_flops(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int,
+                     cp: int) -> list[tuple[float, float]]:
+        """Per phase, (matmul, attention) FLOPs of layers [start, stop) on one rank of a TP x CP group."""
+        coef = self._range(module, start, stop)[0]
+        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
+        return [(coef[p, 0] * tokens / (tp * cp), (coef[p, 1] * pairs + coef[p, 2] * win) / (tp * cp))
+                for p in range(3)]
+
+    def _weight_seconds(self, module: str, start: int, stop: int, tp: int) -> float:
+        """Reading a TP shard of the layers' bf16 weights once at memory bandwidth."""
+        params = self._range(module, start, stop)[1]
+        return params * PARAM_BYTES / tp / (self.device.mem_bw * self.device.bw_efficiency)
 
     def module_times(self, module: str, load: ModuleLoad, tp: int = 1, cp: int = 1) -> PhaseTimes:
         return self.stage_times(module, load, 0, None, tp, cp)
 
     def sample_costs(self, samples: list[SampleShape], phases: str = "FBW") -> np.ndarray:
-        """Per-module work of each sample in seconds (compute term of the roofline).
+        """Per-module work of each sample in seconds on one device (the cost model's compute terms).
 
         Returns:
             array (n_samples, n_modules) in ``self.modules`` order: the sum over ``phases`` of
-            FLOPs / achievable rate. Additive over samples, as the balancer needs.
+            matmul FLOPs at the matmul rate, attention FLOPs at the attention rate and elementwise
+            bytes at memory bandwidth (with a calibration, all FLOPs at its measured rate), without
+            the weight-read bound. Additive over samples, as the balancer needs.
         """
         tokens, pairs = load_arrays(samples, self.mllm)
         return self.costs_from_loads(tokens, pairs, phases)
@@ -231,12 +339,20 @@ class CostModel:
         (`harmonia.workload.work.load_arrays`: pairs averaged over the blocks, so every block,
         sliding-window or not, counts the same pairs here)."""
         out = np.zeros(tokens.shape, dtype=float)
+        peak, bw = self.device.peak_flops, self.device.mem_bw * self.device.bw_efficiency
         for j, module in enumerate(self.modules):
             for p, phase in enumerate(PHASES):
-                if phase in phases:
-                    rate = self.device.peak_flops * self.efficiency(phase)
-                    c = self._coef[module][p]
-                    out[:, j] += (c[0] * tokens[:, j] + (c[1] + c[2]) * pairs[:, j]) / rate
+                if phase not in phases:
+                    continue
+                c = self._coef[module][p]
+                measured = self._measured(phase)
+                if measured is not None:
+                    out[:, j] += (c[0] * tokens[:, j] + (c[1] + c[2]) * pairs[:, j]) / (peak * measured)
+                    continue
+                per_token = (c[0] / (peak * self.device.flops_efficiency)
+                             + self._elem[module][p].sum() * self.act_bytes / bw)
+                per_pair = (c[1] + c[2]) / (peak * self.device.attention_efficiency)
+                out[:, j] += per_token * tokens[:, j] + per_pair * pairs[:, j]
         return out
 
     def sample_loads(self, sample: SampleShape) -> dict[str, ModuleLoad]:
@@ -276,22 +392,37 @@ class CostModel:
                          tp: int = 1, cp: int = 1, recompute: bool = False) -> float:
         """Bytes kept for backward by one microbatch of ``tokens`` through layers [start, stop).
 
-        With ``recompute`` each block with a backward keeps only its input, ``tokens / cp x
-        hidden`` elements (replicated over TP), and the other layers keep theirs.
+        The activations TP shards divide by ``tp``, those it replicates (norm inputs, matmul
+        inputs: `harmonia.workload.kernels`) only with sequence parallelism. With ``recompute`` each
+        block with a backward keeps only its input, ``tokens / cp x hidden`` elements (replicated
+        over TP unless sequence parallel), and the other layers keep theirs.
         """
-        kept = self._range(module, start, stop)[2]
+        stop = len(self.layers[module]) if stop is None else stop
         if not recompute:
-            return kept * tokens * self.act_bytes / (tp * cp)
+            return self._kept_bytes(module, tokens, start, stop, tp, cp)
         lo, hi, n, _ = self._backward_blocks(module, start, stop)
-        blocks = sum(x.act_elems_tok for x in self.layers[module][lo:hi] if x.kind == "block")
-        inputs = n * self.hidden(module) * tokens * self.act_bytes / cp
-        return (kept - blocks) * tokens * self.act_bytes / (tp * cp) + inputs
+        inputs = n * self.hidden(module) * tokens * self.act_bytes / (cp * self._sp(tp))
+        return (self._kept_bytes(module, tokens, start, stop, tp, cp)
+                - self._kept_bytes(module, tokens, lo, hi, tp, cp) + inputs)
+
+    def _kept_bytes(self, module: str, tokens: int, start: int, stop: int, tp: int, cp: int) -> float:
+        """Activation bytes layers [start, stop) keep for backward: TP-sharded ones over ``tp x cp``,
+        replicated ones over ``cp`` (and ``tp`` with sequence parallelism)."""
+        if start >= stop:
+            return 0.0
+        kept = self._range(module, start, stop)[2]
+        replicated = self._kernel_range(module, start, stop)[1]
+        return ((kept - replicated) / tp + replicated / self._sp(tp)) * tokens * self.act_bytes / cp
 
     def recompute_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                                   tp: int = 1, cp: int = 1) -> float:
         """Bytes a recomputed stage holds beyond its kept activations while one block runs its
         backward: that block's recomputed activations (the largest block of layers [start, stop))."""
-        return self._backward_blocks(module, start, stop)[3] * tokens * self.act_bytes / (tp * cp)
+        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        if not n:
+            return 0.0
+        return max(self._kept_bytes(module, tokens, i, i + 1, tp, cp) for i in range(lo, hi)
+                   if self.layers[module][i].kind == "block")
 
     def needs_backward(self, module: str) -> bool:
         """Whether any layer of the module runs B or W."""

@@ -7,6 +7,21 @@ Peak numbers are the vendors' published dense (no sparsity) bf16 rates and memor
 - A100 SXM4 80GB: 312 TFLOP/s, HBM2e 2.039 TB/s, NVLink 3 600 GB/s total (300 GB/s per direction),
   200 Gb/s HDR per GPU (25 GB/s) — NVIDIA A100 datasheet / DGX A100.
 The local CPU has nominal figures only; `harmonia profile` measures it and writes a calibration.
+
+Achievable fractions of those peaks (one calibration per device kind, from public measurements; the
+cost model adds matmul, attention and memory-bound kernel times, `harmonia.workload.cost`):
+- matmuls: H100/H200 SXM sustain 0.70 of the bf16 peak. Bekman's matmul benchmark (ml-engineering,
+  "Maximum Achievable Matmul FLOPS") measures the sustainable rate, power-saturated near the 700 W
+  limit, at 702.9 TFLOP/s on an H200 alone and 698.6 with all eight of a node's GPUs computing
+  (0.71); H200 has the H100 SXM's compute die and power limit. The 792 TFLOP/s (0.80) it measures
+  on an H100 SXM is a boost-clock burst, not a rate a training step holds.
+- attention: fused attention (FlashAttention-3, cuDNN) on H100 SXM, bf16, head dim 128, 8k tokens:
+  backward 518 (cuDNN) to 559 (FA3) TFLOP/s, forward about 600 (Shah et al. 2024, FlashAttention-3,
+  figs. 5-6); the backward does two thirds of attention's FLOPs, so 0.55 of peak.
+- memory and links: 0.8 of HBM bandwidth for the memory-bound kernels (a plain device copy reaches
+  about 0.9) and of NVLink / network bandwidth (NCCL's intra-node all-reduce bus bandwidth on
+  H100 is about 360 GB/s of 450).
+A100 and the CPU keep one efficiency for matmuls and attention.
 """
 
 from __future__ import annotations
@@ -28,9 +43,11 @@ class DeviceSpec:
         intra_node_bw: per-direction bandwidth to a peer in the node (NVLink), bytes/s.
         inter_node_bw: per-GPU network bandwidth to another node, bytes/s.
         gpus_per_node: devices per node.
-        flops_efficiency: achievable fraction of ``peak_flops`` for large matmuls (MFU ceiling).
+        flops_efficiency: achievable fraction of ``peak_flops`` for large matmuls.
         bw_efficiency: achievable fraction of ``mem_bw`` and of link bandwidths.
         latency_s: per-message latency of a point-to-point transfer.
+        attention_efficiency: achievable fraction of ``peak_flops`` for fused attention kernels
+            (default: ``flops_efficiency``).
     """
 
     name: str
@@ -43,20 +60,25 @@ class DeviceSpec:
     flops_efficiency: float = 0.6
     bw_efficiency: float = 0.8
     latency_s: float = 10e-6
+    attention_efficiency: float | None = None
 
     def __post_init__(self) -> None:
+        if self.attention_efficiency is None:
+            object.__setattr__(self, "attention_efficiency", self.flops_efficiency)
         for field in ("peak_flops", "mem_bw", "mem_bytes", "intra_node_bw", "inter_node_bw", "gpus_per_node"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"device {self.name!r}: {field} must be positive")
-        for field in ("flops_efficiency", "bw_efficiency"):
+        for field in ("flops_efficiency", "bw_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, field) <= 1:
                 raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
 
 
 GB = 1e9
 DEVICES: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB),
-    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB),
+    "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.70,
+                       attention_efficiency=0.55),
+    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.70,
+                       attention_efficiency=0.55),
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
     "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
@@ -102,10 +124,22 @@ class ClusterSpec:
         return raw * d.bw_efficiency
 
     def group_bandwidth(self, ranks: tuple[int, ...] | list[int]) -> float:
-        """Bus bandwidth of a collective over ``ranks``: the slowest link it crosses."""
-        nodes = {self.node_of(r) for r in ranks}
+        """Bus bandwidth of a ring collective over ``ranks``.
+
+        Within a node, NVLink's. Across nodes, each node's ring hop goes over the network; NCCL runs
+        one ring channel per NIC, each GPU on its own rail, so the ``g`` ranks a node holds drive
+        ``g`` NICs at once and the ring moves ``g x inter_node_bw`` through every node (capped by
+        NVLink), ``g`` counted on the node holding fewest. An 8-rank-per-node group of 400 Gb/s
+        NICs thus reaches 8 x 50 GB/s, as NCCL's multi-node bus bandwidth does; a group with one
+        rank per node, 50 GB/s.
+        """
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
         d = self.device
-        return (d.intra_node_bw if len(nodes) <= 1 else d.inter_node_bw) * d.bw_efficiency
+        if len(per_node) <= 1:
+            return d.intra_node_bw * d.bw_efficiency
+        return min(d.intra_node_bw, min(per_node.values()) * d.inter_node_bw) * d.bw_efficiency
 
     def with_device(self, **changes) -> ClusterSpec:
         return replace(self, device=replace(self.device, **changes))
