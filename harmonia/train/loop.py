@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,16 +93,19 @@ def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTime
     return times
 
 
-def _reduce_times(times: StepTimes, modules: list[str]) -> tuple[dict[str, float], float]:
-    """Per module, the slowest rank's time in it; and the bubble fraction over all ranks."""
+def _reduce_times(times: StepTimes, modules: list[str]) -> tuple[dict[str, float], float, list[int]]:
+    """Per module, the slowest rank's time in it; the bubble fraction over all ranks; every rank's
+    resident memory now (bytes)."""
     t = torch.tensor([times.module_s[m] for m in modules] + [times.busy_s], dtype=torch.float64)
     slowest = t.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     total_busy = t[-1:].clone()
     dist.all_reduce(total_busy)
     world = dist.get_world_size()
+    rss = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(rss, torch.tensor([_current_rss_bytes()], dtype=torch.int64))
     bubble = 1.0 - float(total_busy) / (world * times.step_s) if times.step_s > 0 else 0.0
-    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble)
+    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [int(r) for r in rss]
 
 
 class Trainer:
@@ -198,7 +202,7 @@ class Trainer:
                 step_s = time.perf_counter() - t0
                 self.losses.append(result.loss)
                 times = _step_times(self.model, step_s, self.modules)
-                module_s, bubble = _reduce_times(times, self.modules)
+                module_s, bubble, rss = _reduce_times(times, self.modules)
                 if step in (calibration_step, timeline_step):
                     actions = self._gather_actions(t0)
                     if step == calibration_step and self.rank == 0 and it.predicted is not None:
@@ -207,7 +211,8 @@ class Trainer:
                         best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
                                     it.predicted, step_s, calibrated=it.calibrated)
                 if self.rank == 0:
-                    report(self._record(step, it, result, step_s, module_s, bubble, prefetch.stats))
+                    report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
+                            "rss_bytes": rss})
                 if progress is not None:
                     progress(step + 1)
                 if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
@@ -307,6 +312,16 @@ class Trainer:
         if calibration is not None:
             self.builder.calibrate(calibration)
             calibration.save(Path(self.config.log.dir) / "calibration.json")
+
+
+def _current_rss_bytes() -> int:
+    """Resident memory of this process now (``/proc/self/statm``; the peak where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _rss_bytes()
+
 
 def _rss_bytes() -> int:
     """Peak resident memory of this process (CPU runs)."""
