@@ -110,11 +110,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _plan_summary(d: dict) -> str:
+    """A recipe result's plan as `harmonia simulate --layout` reads it, with placement, schedule and recompute."""
     if "plan" not in d:
         return d.get("error", "")
-    parts = [f"{m} tp{x['tp']} pp{x['pp']}" + (f" v{x['virtual_stages']}" if x.get("virtual_stages", 1) > 1 else "")
-             + f" dp{x['dp']}" for m, x in d["plan"].items()]
-    return f"{d['placement']}, {d['schedule']} x{d['n_microbatches']}: " + "; ".join(parts)
+    from harmonia.schedule.layout import Layout
+
+    parts = [f"{m} " + Layout(tp=x["tp"], cp=x["cp"], dp=x["dp"], pp=x["pp"], virtual_stages=x["virtual_stages"],
+                              fsdp=x["fsdp"]).describe() for m, x in d["plan"].items()]
+    recompute = f"; recompute {','.join(d['recompute'])}" if d.get("recompute") else ""
+    return f"{d['placement']}, {d['schedule']} x{d['n_microbatches']}: " + "; ".join(parts) + recompute
 
 
 DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"

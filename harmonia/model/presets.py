@@ -85,6 +85,11 @@ LLMS: dict[str, Published] = {
                                               norm="rmsnorm", qkv_bias=True, out_bias=False,
                                               mlp_bias=False), vocab_size=152064),
         7.61e9, "Qwen Team 2024 (Qwen2.5); HF Qwen/Qwen2.5-7B"),
+    "qwen2.5-32b": Published(
+        LLMSpec("qwen2.5-32b", TransformerSpec(64, 5120, 40, 27648, n_kv_heads=8, mlp="swiglu",
+                                               norm="rmsnorm", qkv_bias=True, out_bias=False,
+                                               mlp_bias=False), vocab_size=152064),
+        32.5e9, "Qwen Team 2024 (Qwen2.5); HF Qwen/Qwen2.5-32B"),
     "qwen2.5-72b": Published(
         LLMSpec("qwen2.5-72b", TransformerSpec(80, 8192, 64, 29568, n_kv_heads=8, mlp="swiglu",
                                                norm="rmsnorm", qkv_bias=True, out_bias=False,
@@ -165,6 +170,9 @@ MLLM_PRESETS: dict[str, dict] = {
     "llava-siglip-8b": dict(llm="llama3-8b", encoders={"vision": "siglip-so400m-14-384"}),
     # LLaVA-1.5-style at 70B: CLIP ViT-L/14-336 with Llama-3-70B.
     "llava-clip-70b": dict(llm="llama3-70b", encoders={"vision": "clip-vit-l-14-336"}),
+    # InternVL2.5-38B's vision (InternViT-6B + Qwen2.5-32B) with a Whisper large-v3 audio encoder.
+    "omni-38b": dict(llm="qwen2.5-32b", encoders={"vision": "internvit-6b",
+                                                  "audio": "whisper-large-v3-encoder"}),
     # A large omni-modal model: InternViT-6B and Whisper large-v3 encoder with Qwen2.5-72B.
     "omni-72b": dict(llm="qwen2.5-72b", encoders={"vision": "internvit-6b",
                                                   "audio": "whisper-large-v3-encoder"}),

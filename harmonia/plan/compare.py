@@ -52,6 +52,7 @@ class RecipeResult:
             out["placement"] = self.candidate.plan.placement.value
             out["schedule"] = self.candidate.plan.schedule
             out["n_microbatches"] = self.candidate.plan.n_microbatches
+            out["recompute"] = list(self.candidate.plan.recompute)
         if self.error:
             out["error"] = self.error
         return out

@@ -102,6 +102,10 @@ def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...
             yield from ((virtual, family) for virtual in _interleaved(cost, llm, n_mb, load))
 
 
+LONG_SAMPLE = 4096
+"""Mean LLM tokens per sample from which LLM layouts with context parallelism are searched."""
+
+
 def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
     counts = sorted({c for c in (pp, 2 * pp, 4 * pp, 8) if pp <= c <= per_replica})
     return counts or [min(per_replica, pp)]
@@ -110,11 +114,14 @@ def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
 def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: int, global_batch: int,
                  profile: BatchProfile, frozen_aware: bool,
                  rejected: Counter | None = None) -> Iterator[tuple[Layout, int]]:
-    """LLM layouts (cp = 1) with microbatch counts that fit in memory, recomputing its activations if
-    need be; misfits are counted in ``rejected`` by reason."""
+    """LLM layouts with microbatch counts that fit in memory, recomputing its activations if need be;
+    misfits are counted in ``rejected`` by reason. Context parallelism (up to 4) is searched where
+    samples are long (`LONG_SAMPLE` LLM tokens on average): it splits a sequence, and shards of short
+    ones would leave its ring attention's kernels too small to run at the cost model's rates."""
     seen = set()
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
-    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=1):
+    max_cp = 4 if profile.sample_load("llm").tokens >= LONG_SAMPLE else 1
+    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=max_cp):
         if base.pp > 8:
             continue
         per_replica = global_batch // base.dp

@@ -176,6 +176,15 @@ def synth_video(rng: np.random.Generator) -> SampleShape:
     return SampleShape(_lognormal_int(rng, 200, 0.6, 16, 4096), (ModalityItem.video(frames=frames, tiles=1),))
 
 
+def synth_long_video(rng: np.random.Generator) -> SampleShape:
+    """A long video for long-context training: LLaVA-Video-178K's longer clips (up to 3 min, Zhang et
+    al. 2024) sampled at about 1 fps as long-video recipes keep them (LongVA, Zhang et al. 2024,
+    trains on up to hundreds of frames), here 32-160 frames, uniform; one 448px tile per frame, so
+    8k-40k LLM tokens at InternVL's 256 per tile. Text ~200 tokens, as `synth_video`."""
+    frames = int(rng.integers(32, 161))
+    return SampleShape(_lognormal_int(rng, 200, 0.6, 16, 4096), (ModalityItem.video(frames=frames, tiles=1),))
+
+
 def synth_audio(rng: np.random.Generator) -> SampleShape:
     """Speech: LibriSpeech utterances average 12.3 s, up to ~35 s (Panayotov et al. 2015);
     log-normal, sigma 0.5, clipped to 1..30 s. Text (transcript + prompt) ~60 tokens."""
@@ -196,6 +205,7 @@ KINDS: dict[str, Callable[[np.random.Generator], SampleShape]] = {
     "image": synth_single_image,
     "multi_image": synth_multi_image,
     "video": synth_video,
+    "long_video": synth_long_video,
     "audio": synth_audio,
     "image_audio": synth_image_audio,
 }

@@ -1,0 +1,39 @@
+"""The benchmark scenarios and the regimes they cover: every file loads, long videos, long-context search."""
+
+from pathlib import Path
+
+import pytest
+
+from harmonia.model.presets import mllm_preset
+from harmonia.plan.recipes import LONG_SAMPLE, candidates
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.workload.traces import load_trace
+from harmonia.workload.work import load_arrays
+
+SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "configs" / "scenarios").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_every_scenario_file_loads(path) -> None:
+    scenario = Scenario.load(path)
+    assert scenario.global_batch >= 1
+    if not scenario.trace.endswith(".csv"):
+        assert load_trace(scenario.trace_spec(), n_samples=8)
+
+
+def test_long_videos_are_8k_to_40k_llm_tokens() -> None:
+    samples = load_trace("synthetic:long_video=1", n_samples=2000)
+    frames = [s.items[0].frames for s in samples]
+    assert min(frames) == 32 and max(frames) == 160
+    mllm = mllm_preset("internvl-8b")
+    tokens = load_arrays(samples, mllm)[0][:, mllm.module_names.index("llm")]
+    assert 8192 < tokens.min() and tokens.max() < 160 * 256 + 4096
+
+
+@pytest.mark.parametrize("trace, long", [("text:8192", True), ("text:512", False)])
+def test_context_parallelism_is_searched_for_long_samples(trace, long) -> None:
+    run = ScenarioRun(Scenario("cp", "tiny-vlm", "cpu:1x4", trace, 8, iterations=1, search_batches=1))
+    assert (run.profile.sample_load("llm").tokens >= LONG_SAMPLE) is long
+    found = list(candidates("harmonia", run.cost, run.cluster, run.profile, 8, "tiny-vlm"))
+    assert found and any(c.plan.layouts["llm"].cp > 1 for c in found) is long
+    assert all(c.plan.layouts[e].cp == 1 for c in found for e in c.plan.encoders)  # never an encoder
