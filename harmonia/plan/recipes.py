@@ -28,7 +28,7 @@ recompute does; only what fits in none of these counts as a memory misfit.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -43,7 +43,7 @@ from harmonia.schedule.graph import StageGraph
 from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, feeding_replicas,
                                         module_columns)
 from harmonia.schedule.layout import Layout, Placement
-from harmonia.schedule.order_search import SearchResult, search_order
+from harmonia.schedule.order_search import SUB_OPTIONS, SearchResult, search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, iteration_schedule, plan_iteration_work, stage_trainable
 from harmonia.sim.engine import Timeline
@@ -323,21 +323,30 @@ def search_microbatch_order(plan: Plan, cost: CostModel, iw: IterationWork, budg
 
 
 def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray, costs: np.ndarray,
-             tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec, search_budget_s: float = 0.1) -> Timeline:
+             tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec, search_budget_s: float = 0.1,
+             sub_options: Sequence[int] = SUB_OPTIONS) -> Timeline:
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
     assignment = assign(candidate, costs, tokens, cost)
     iw = plan_iteration_work([samples[i] for i in batch], candidate.plan, cost, assignment)
-    return simulate_work(candidate, iw, cost, cluster, search_budget_s)
+    return simulate_work(candidate, iw, cost, cluster, search_budget_s, sub_options)
 
 
 def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, cluster: ClusterSpec,
-                  search_budget_s: float = 0.1) -> Timeline:
-    """The second half of `simulate`: order an iteration's stage work (harmonia: the per-batch
-    search within ``search_budget_s``), build its schedule and time every rank's action list."""
+                  search_budget_s: float = 0.1, sub_options: Sequence[int] = SUB_OPTIONS) -> Timeline:
+    """The second half of `simulate`: order an iteration's stage work and time every rank's action list.
+
+    harmonia runs the trainer's per-batch search when ``search_budget_s > 0``: the microbatch order
+    within the budget, then each encoder's sub-microbatch count among ``sub_options`` (a fixed
+    number of replays); the planner's scores (budget 0) and the other recipes keep the balancer's
+    order, unsplit.
+    """
     plan = candidate.plan
     order = None
     if candidate.recipe == "harmonia" and search_budget_s > 0:
         order = search_microbatch_order(plan, cost, iw, search_budget_s).order
+        if len(sub_options) > 1 and plan.encoders:
+            graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+            iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options).work
     schedule = iteration_schedule(plan, cost, iw, order=order)
     if candidate.fused:
         schedule = fuse_encoders(schedule)

@@ -9,8 +9,10 @@ rows from the encoder replica that encoded it to the LLM replica that packs it
 same way on every rank).
 
 Inside an encoder replica a microbatch's items may be cut into sub-microbatches (the schedule's
-``n_sub``): contiguous runs of its items (`harmonia.schedule.stagework.item_runs`, the cut the
-schedule's stage work is priced with), so their outputs concatenate back to the replica's rows.
+``n_sub``): contiguous runs of its items, so their outputs concatenate back to the replica's rows. The
+runs are the ones the schedule's stage work was priced with (`IterationWork.sub_runs`, cut by the
+items' cost with `harmonia.schedule.submicrobatch.item_runs`), or, given only counts, the same cut
+on equal costs.
 
 With LLM ``cp > 1`` every token of an LLM replica's packed microbatch belongs to one CP rank (the
 balancer's assignment, `plan_cp_shards` by default); each CP rank keeps the whole packed batch and
@@ -32,7 +34,7 @@ from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
 from harmonia.schedule.graph import LLM
-from harmonia.schedule.stagework import item_runs
+from harmonia.schedule.submicrobatch import item_runs
 from harmonia.schedule.layout import Layout
 
 Split = Sequence[Sequence[int]]
@@ -124,6 +126,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                      microbatches: Sequence[Sequence[TokenizedSample]], llm_split: Sequence[Split],
                      encoder_split: Mapping[str, Sequence[Split]],
                      n_sub: Mapping[str, Sequence[int]] | None = None,
+                     sub_runs: Mapping[tuple[str, int, int], Sequence[tuple[int, int]]] | None = None,
                      llm_cp: Sequence[Sequence[np.ndarray | Sequence[int]]] | None = None) -> RankBatch:
     """One rank's `RankBatch` from the iteration's global microbatches and their placement.
 
@@ -134,6 +137,8 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         llm_split: per microbatch, per LLM DP replica, its sample positions (each non-empty).
         encoder_split: encoder -> per microbatch, per encoder DP replica, its sample positions.
         n_sub: encoder -> sub-microbatches per microbatch (default 1; the schedule's ``n_sub``).
+        sub_runs: (encoder, encoder replica, microbatch) -> the item runs ``[a, b)`` of its
+            sub-microbatches (`IterationWork.sub_runs`); where absent, ``n_sub`` runs even by count.
         llm_cp: with LLM ``cp > 1``: per microbatch, per LLM DP replica, the CP rank of every token of
             its packed sequence (any assignment); None = `cp_token_ranks` (balanced, unit costs).
 
@@ -168,7 +173,8 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                 continue
             mine = [item for i in encoder_split[e][m][layouts[e].coords(rank)["dp"]] for item, _ in items[i]]
             parts = (n_sub or {}).get(e, ())
-            cuts = item_runs(len(mine), parts[m] if parts else 1)
+            replica = layouts[e].coords(rank)["dp"]
+            cuts = (sub_runs or {}).get((e, replica, m)) or item_runs([1.0] * len(mine), parts[m] if parts else 1)
             out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in cuts])
     out.n_targets = float(total)
     return out

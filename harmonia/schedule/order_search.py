@@ -1,4 +1,5 @@
-"""Per-batch schedule search: the pipeline order and family that finish this batch soonest.
+"""Per-batch schedule search: the pipeline order, family and encoder sub-microbatches that finish this
+batch soonest.
 
 For each LLM replica the balancer has already fixed which samples form which microbatch; what is
 left is the order the microbatches enter the pipeline and the schedule family. The search scores
@@ -12,11 +13,13 @@ costs a few milliseconds, so it fits a budget of ~100 ms per batch:
    when one more, timed like the mean one so far, still fits the budget.
 
 The result is never worse than the starting order under its family, because that order is a seed.
+`search_submicrobatches` then picks each encoder's sub-microbatch count the same way (by replay).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +27,10 @@ import numpy as np
 from harmonia.schedule.costs import CostTable
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.plan import Plan
 from harmonia.schedule.replay import makespan
+from harmonia.schedule.stagework import IterationWork, cost_table, with_submicrobatches
+from harmonia.workload.cost import CostModel
 
 
 @dataclass(frozen=True)
@@ -102,3 +108,65 @@ def search_order(graph: StageGraph, costs: CostTable, n_microbatches: int, famil
         if s < best_s - 1e-12:
             best_s, order = s, trial
     return SearchResult(order, family, best_s, start_s, evaluated, time.perf_counter() - t0)
+
+
+SUB_OPTIONS = (1, 2, 4)
+"""Sub-microbatches per microbatch an encoder may be split into."""
+
+
+@dataclass(frozen=True)
+class SubSearch:
+    """Each encoder's sub-microbatch count the search chose, the stage work with it, and the scores.
+
+    Attributes:
+        n_sub: encoder -> sub-microbatches of every microbatch (1: not split).
+        work: the iteration's stage work under that split (its `IterationWork.sub_runs` are the cuts).
+        makespan_s: the replayed step with the split.
+        start_makespan_s: the replayed step without splitting.
+        evaluated: splits replayed.
+    """
+
+    n_sub: dict[str, int]
+    work: IterationWork
+    makespan_s: float
+    start_makespan_s: float
+    evaluated: int
+
+
+def search_submicrobatches(graph: StageGraph, plan: Plan, cost: CostModel, work: IterationWork,
+                           order: Sequence[int] | None = None, options: Sequence[int] = SUB_OPTIONS,
+                           budget_s: float = float("inf"), max_evaluations: int | None = None) -> SubSearch:
+    """Split each encoder's microbatches into the sub-microbatch count that finishes the batch soonest.
+
+    DIP's idea, chosen by cost: pieces of a microbatch pipeline through an encoder's stages and fit
+    into the gaps of the ranks it shares with the LLM, but every piece pays its own messages. The
+    search replays the schedule (the plan's family, ``order``, costs from the stage work of each
+    split of ``work``'s batch, items cut by cost: `harmonia.schedule.submicrobatch.item_runs`) with each count of
+    ``options`` for one encoder after another, keeping a count only where it shortens the step; so
+    the result is never worse than no split. Stops when a replay, timed like the mean one so far,
+    would overrun ``budget_s`` or after ``max_evaluations`` replays.
+    """
+    t0 = time.perf_counter()
+    n = work.n_microbatches
+    limit = max_evaluations or 1 << 30
+
+    def evaluate(iw: IterationWork) -> float:
+        table = cost_table(plan, iw)
+        return makespan(build_schedule(graph, n, plan.schedule, order=order, costs=table, n_sub=iw.n_sub or None),
+                        table)
+
+    best = {e: max(work.n_sub.get(e, (1,))) for e in plan.encoders}
+    best_iw = work
+    start_s = best_s = evaluate(work)
+    evaluated = 1
+    for e in plan.encoders:
+        for k in options:
+            elapsed = time.perf_counter() - t0
+            if k == best[e] or evaluated >= limit or elapsed * (1 + 1 / evaluated) > budget_s:
+                continue
+            iw = with_submicrobatches(best_iw, plan, cost, e, (k,) * n)
+            s = evaluate(iw)
+            evaluated += 1
+            if s < best_s - 1e-12:
+                best, best_s, best_iw = {**best, e: k}, s, iw
+    return SubSearch(best, best_iw, best_s, start_s, evaluated)

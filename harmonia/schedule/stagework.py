@@ -10,8 +10,9 @@ their forward again in B (`harmonia.workload.cost`).
 
 The work is exactly what the executor runs: LLM replica ``d`` packs its samples of global
 microbatch ``m``; encoder replica ``e`` encodes its samples of ``m`` (of every LLM replica it feeds,
-at once), cut into the schedule's sub-microbatches as contiguous runs of its items
-(`item_runs`, the same cut `harmonia.runtime.mllm_inputs` gives the executor).
+at once), cut into the schedule's sub-microbatches as contiguous runs of its items balanced on the
+items' cost (`harmonia.schedule.submicrobatch.item_runs`); `IterationWork.sub_runs` records the
+runs, which the executor's inputs are cut by (`harmonia.runtime.mllm_inputs.build_rank_batch`).
 
 `cost_table` turns it into the durations the schedule is ordered with: one schedule serves every
 LLM replica, so each stage and microbatch takes the slowest replica's work.
@@ -20,13 +21,16 @@ LLM replica, so each stage and microbatch takes the slowest replica's work.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
+from harmonia.schedule.submicrobatch import item_runs
 from harmonia.workload.cost import CostModel, PhaseTimes
 from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
 from harmonia.workload.work import ModuleLoad
@@ -65,18 +69,23 @@ class IterationWork:
 
     Attributes:
         assignment: the iteration's samples: global microbatches and their replica splits.
+        shapes: the batch's sample shapes (the assignment's positions index them).
         n_sub: encoder -> sub-microbatches of each global microbatch (absent: 1).
         work: (stage key, microbatch, sub) -> work, for every unit with something to do (an encoder
             replica without items in a unit has no entry: it does nothing there).
         boundary_bytes: (encoder, encoder replica, LLM replica, microbatch) -> bytes of rows.
         stage_ranks: stage key -> the ranks (TP x CP group) that run it.
+        sub_runs: (encoder, encoder replica, microbatch) -> its items' runs ``[a, b)``, one per
+            sub-microbatch (only where the microbatch is split).
     """
 
     assignment: IterationAssignment
+    shapes: Sequence[SampleShape] = ()
     n_sub: dict[str, tuple[int, ...]] = field(default_factory=dict)
     work: dict[WorkKey, MicrobatchWork] = field(default_factory=dict)
     boundary_bytes: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
     stage_ranks: dict[StageKey, tuple[int, ...]] = field(default_factory=dict)
+    sub_runs: dict[tuple[str, int, int], list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def n_microbatches(self) -> int:
@@ -115,18 +124,6 @@ def stage_ranks(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int,
                  for c in range(layout.cp) for t in range(layout.tp))
 
 
-def item_runs(n_items: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ranges over ``n_items`` items, as even as possible (front-heavy): how one
-    encoder replica's items of a microbatch are cut into sub-microbatches."""
-    base, extra = divmod(n_items, parts)
-    out, start = [], 0
-    for p in range(parts):
-        size = base + (1 if p < extra else 0)
-        out.append((start, start + size))
-        start += size
-    return out
-
-
 def _items(shapes: Sequence[SampleShape], positions: Sequence[int], cost: CostModel, encoder: str) -> list:
     """One encoder's items of the samples at ``positions``, in sample order."""
     spec = cost.mllm.encoders[encoder]
@@ -144,7 +141,8 @@ def _item_load(cost: CostModel, encoder: str, items: list) -> tuple[ModuleLoad, 
 
 
 def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostModel, assignment: IterationAssignment,
-                        n_sub: Mapping[str, Sequence[int]] | None = None) -> IterationWork:
+                        n_sub: Mapping[str, Sequence[int]] | None = None,
+                        sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]] | None = None) -> IterationWork:
     """Stage work of every module for an iteration (see the module docstring).
 
     Args:
@@ -153,8 +151,10 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         cost: the cost model.
         assignment: global microbatches and their LLM and encoder replica splits.
         n_sub: encoder -> sub-microbatches per microbatch (the schedule's ``n_sub``; default 1).
+        sub_runs: the split items' runs to use (another cost model's `IterationWork.sub_runs`, so a
+            calibrated simulation prices the cut the executor runs); default: cut by ``cost``.
     """
-    out = IterationWork(assignment, {e: tuple(v) for e, v in (n_sub or {}).items()})
+    out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     h_llm = cost.mllm.llm.hidden
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
@@ -165,20 +165,59 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
                 owner[p] = d
             _add_module_work(out, plan, cost, LLM, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
-            spec_dim = cost.mllm.encoders[enc].out_dim
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
-                items = _items(shapes, [samples[p] for p in positions], cost, enc)
-                runs = item_runs(len(items), len(out.subs(enc, m)))
-                for sub, (a, b) in zip(out.subs(enc, m), runs):
-                    if a < b:
-                        enc_load, proj_load = _item_load(cost, enc, items[a:b])
-                        _add_module_work(out, plan, cost, enc, e, m, sub, enc_load, proj_load, spec_dim)
                 for p in positions:  # boundary rows: this replica's samples, to the replica packing each
                     rows = _item_load(cost, enc, _items(shapes, [samples[p]], cost, enc))[1].tokens
                     if rows:
                         key = (enc, e, owner[p], m)
                         out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
+    for enc in plan.encoders:
+        _add_encoder_work(out, plan, cost, enc, sub_runs or {})
     return out
+
+
+def with_submicrobatches(iw: IterationWork, plan: Plan, cost: CostModel, encoder: str,
+                         counts: Sequence[int]) -> IterationWork:
+    """A copy of ``iw`` with ``encoder``'s microbatches split into ``counts[m]`` sub-microbatches (its
+    work priced again; every other module's shared)."""
+    out = replace(iw, n_sub={**iw.n_sub, encoder: tuple(counts)},
+                  work={k: w for k, w in iw.work.items() if k[0].module != encoder},
+                  sub_runs={k: r for k, r in iw.sub_runs.items() if k[0] != encoder})
+    _add_encoder_work(out, plan, cost, encoder, {})
+    return out
+
+
+def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
+                      sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]]) -> None:
+    """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost."""
+    assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
+    for m, samples in enumerate(assignment.microbatches):
+        subs = out.subs(enc, m)
+        for e, positions in enumerate(assignment.encoder_split[enc][m]):
+            items = _items(out.shapes, [samples[p] for p in positions], cost, enc)
+            runs = [(0, len(items))]
+            if len(subs) > 1:
+                runs = sub_runs.get((enc, e, m)) or item_runs(_item_costs(cost, enc, items), len(subs))
+                out.sub_runs[(enc, e, m)] = list(runs)
+            for sub, (a, b) in zip(subs, runs):
+                if a < b:
+                    enc_load, proj_load = _item_load(cost, enc, items[a:b])
+                    _add_module_work(out, plan, cost, enc, e, m, sub, enc_load, proj_load, dim)
+
+
+def _item_costs(cost: CostModel, encoder: str, items: list) -> np.ndarray:
+    """(n_items,) F + B + W seconds of each item through the encoder and its projector (the cut's
+    weights), from the cost model's additive per-sample terms."""
+    spec, col = cost.mllm.encoders[encoder], {m: j for j, m in enumerate(cost.modules)}
+    tokens = np.zeros((len(items), len(cost.modules)))
+    pairs = np.zeros_like(tokens)
+    for i, item in enumerate(items):
+        seqs = encoder_sequences(item, spec)
+        tokens[i, col[encoder]], pairs[i, col[encoder]] = sum(seqs), sum(n * n for n in seqs)
+        if f"{encoder}_proj" in col:
+            tokens[i, col[f"{encoder}_proj"]] = llm_tokens_of_item(item, spec)
+    per_module = cost.costs_from_loads(tokens, pairs)
+    return per_module[:, col[encoder]] + (per_module[:, col[f"{encoder}_proj"]] if f"{encoder}_proj" in col else 0.0)
 
 
 def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, replica: int, m: int,

@@ -76,6 +76,22 @@ def _packed(costs: np.ndarray, n_sub: int) -> list[list[int]]:
     return [sorted(g) for g in groups if g]
 
 
+def item_runs(item_costs: Sequence[float] | np.ndarray, n_sub: int) -> list[tuple[int, int]]:
+    """One encoder replica's items of a microbatch cut into ``n_sub`` sub-microbatches: contiguous
+    runs ``[a, b)`` in item order whose largest cost is as small as it can be (DIP's split by cost),
+    padded with empty runs where there are fewer items than sub-microbatches (with equal costs the
+    largest run holds ``ceil(n_items / n_sub)`` items). The schedule's stage work is priced with these runs and the executor runs
+    them (`harmonia.runtime.mllm_inputs`), so the two never disagree."""
+    costs = np.asarray(item_costs, dtype=float).reshape(-1)
+    if n_sub < 1:
+        raise ScheduleError(f"n_sub must be at least 1, got {n_sub}")
+    runs, start = [], 0
+    for group in (_contiguous(costs, min(n_sub, costs.size)) if costs.size else []):
+        runs.append((start, start + len(group)))
+        start += len(group)
+    return runs + [(start, start)] * (n_sub - len(runs))
+
+
 def plan_submicrobatches(item_costs: np.ndarray, *, target: float | None = None, n_sub: int | None = None,
                          contiguous: bool = False) -> SubMicrobatches:
     """Split one encoder's items of a microbatch into sub-microbatches.

@@ -5,8 +5,10 @@ and skipped by the data policy, identically on every rank); the cost model price
 work per sample; the balancer forms the global microbatches, LLM replicas and encoder replicas
 (`harmonia.schedule.iteration.assign_iteration`) and, with LLM ``cp > 1``, each replica's CP token
 shards (`harmonia.runtime.mllm_inputs.cp_token_ranks`); the per-batch search picks the microbatch order
-that minimises the replayed step time (a fixed number of evaluations, so every rank gets the same
-schedule), and the rank's own tensors are cut from the batch. Every rank runs its own action list
+and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise the replayed step
+time (a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
+tensors are cut from the batch, encoder items in the sub-microbatch runs the schedule was priced
+with. Every rank runs its own action list
 of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
 model: the same lists, every rank's, timed (the "simulated" time beside the measured one).
 """
@@ -14,7 +16,7 @@ model: the same lists, every rank's, timed (the "simulated" time beside the meas
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,9 +27,9 @@ from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_r
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.iteration import IterationAssignment, assign_iteration, balancer_costs, feeding_replicas
-from harmonia.schedule.order_search import search_order
+from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import cost_table, plan_iteration_work
+from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
 from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import Calibration, CostModel
@@ -77,6 +79,8 @@ class PreparedIteration:
         predicted: the simulated step on the cluster model (rank 0 only).
         prepare_s: seconds spent building this.
         calibrated: whether ``predicted`` used a cost model fitted to measured steps.
+        n_sub: encoder -> the sub-microbatches each of its microbatches was split into (the
+            per-batch search's choice; 1 = not split).
     """
 
     step: int
@@ -89,6 +93,7 @@ class PreparedIteration:
     predicted: Timeline | None
     prepare_s: float
     calibrated: bool = False
+    n_sub: dict[str, int] = field(default_factory=dict)
 
 
 class IterationBuilder:
@@ -103,7 +108,8 @@ class IterationBuilder:
         cluster: the cluster model (simulated step time).
         graph: one LLM replica's stage graph (`harmonia.train.rank.schedule_graph`).
         rank: this process's rank.
-        search_evaluations: schedules the per-batch order search replays (0 = keep the balancer's).
+        search_evaluations: schedules the per-batch order search replays, and the most encoder splits
+            the sub-microbatch search replays (0 = the balancer's order, no split).
         simulate: also simulate the step (rank 0).
     """
 
@@ -134,33 +140,37 @@ class IterationBuilder:
         assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
                                       plan.n_microbatches, tokens=tokens, seed=step, feeds=self.feeds)
         sim_cost = self.sim_cost
-        schedule, predicted = self._schedule(shapes, assignment, sim_cost)
+        schedule, iw, predicted = self._schedule(shapes, assignment, sim_cost)
         micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
         llm_cp = None
         if llm.cp > 1:  # each replica's tokens over its CP ranks, balanced on the LLM's FLOPs
             llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=self.spec.llm.body)
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
-                                 {e: schedule.n_sub[e] for e in schedule.n_sub}, llm_cp=llm_cp)
+                                 iw.n_sub, iw.sub_runs, llm_cp=llm_cp)
         return PreparedIteration(step, [s.index for s in samples], len(wanted) - len(samples), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
-                                 calibrated=sim_cost is not self.cost)
+                                 calibrated=sim_cost is not self.cost,
+                                 n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders})
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
-                  sim_cost: CostModel) -> tuple[IterationSchedule, Timeline | None]:
-        """The searched microbatch order's schedule, and (rank 0) the simulated timeline of exactly
-        the action lists every rank runs from it."""
+                  sim_cost: CostModel) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
+        """The searched microbatch order and encoder sub-microbatches' schedule, its stage work, and
+        (rank 0) the simulated timeline of exactly the action lists every rank runs from it."""
         plan, n = self.plan, assignment.n_microbatches
         iw = plan_iteration_work(shapes, plan, self.cost, assignment)
-        table = cost_table(plan, iw)
         order = list(range(n))
         if self.search_evaluations and n > 1:
-            order = search_order(self.graph, table, n, (plan.schedule,), budget_s=float("inf"),
+            order = search_order(self.graph, cost_table(plan, iw), n, (plan.schedule,), budget_s=float("inf"),
                                  max_evaluations=self.search_evaluations).order
-        schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=table)
+        if self.search_evaluations and plan.encoders:
+            iw = search_submicrobatches(self.graph, plan, self.cost, iw, order,
+                                        max_evaluations=self.search_evaluations).work
+        schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=cost_table(plan, iw),
+                                  n_sub=iw.n_sub or None)
         predicted = None
         if self.simulate:
-            if sim_cost is not self.cost:
-                iw = plan_iteration_work(shapes, plan, sim_cost, assignment)
-            predicted = simulate_schedule(plan, sim_cost, self.cluster, iw, schedule)
-        return schedule, predicted
+            sim_iw = iw if sim_cost is self.cost else plan_iteration_work(shapes, plan, sim_cost, assignment,
+                                                                           iw.n_sub, iw.sub_runs)
+            predicted = simulate_schedule(plan, sim_cost, self.cluster, sim_iw, schedule)
+        return schedule, iw, predicted

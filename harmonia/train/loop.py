@@ -292,6 +292,7 @@ class Trainer:
             "simulated_step_s": it.predicted.iteration_s if it.predicted is not None else float("nan"),
             "simulated_calibrated": it.calibrated,
             "schedule_prepare_s": it.prepare_s, "schedule_hidden_frac": stats.hidden_frac,
+            "sub_microbatches": it.n_sub,
             "data_wait_s": next((w for k, _, w in reversed(stats.per_step) if k == step), 0.0),
             "peak_memory_bytes": peak, "skipped": it.skipped, **self.dataset.stats.metrics(),
             "epoch": self.order.epoch_of(step + 1),

@@ -70,3 +70,17 @@ def test_encoder_item_costs_add_up_to_the_sample_costs() -> None:
         assert sorted(i for g in split.groups for i in g) == list(range(len(items)))
     with pytest.raises(ScheduleError, match="not an encoder"):
         encoder_item_costs(samples, cost, "llm")
+
+
+def test_item_runs_cut_by_cost_in_order() -> None:
+    from harmonia.schedule.submicrobatch import item_runs
+
+    assert item_runs([5.0, 1.0, 1.0, 1.0], 2) == [(0, 1), (1, 4)]  # the heavy item alone
+    assert item_runs([1.0] * 4, 2) == [(0, 2), (2, 4)]
+    assert item_runs([1.0], 3) == [(0, 1), (1, 1), (1, 1)]  # fewer items than pieces: empty runs
+    assert item_runs([], 2) == [(0, 0), (0, 0)]
+    runs = item_runs(np.arange(1.0, 11.0), 3)
+    assert runs[0][0] == 0 and runs[-1][1] == 10 and all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    assert max(np.arange(1.0, 11.0)[a:b].sum() for a, b in runs) <= 21  # the best 3-way cut of 1..10
+    with pytest.raises(ScheduleError):
+        item_runs([1.0], 0)

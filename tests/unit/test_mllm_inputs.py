@@ -69,3 +69,18 @@ def test_each_cp_rank_gets_the_item_rows_of_its_tokens() -> None:
     default = build_rank_batch(layouts, 1, micro, llm_split, enc_split)  # balanced shards by default
     assert default.llm_cp[0].tolist() == cp_token_ranks(SAMPLES[:2], 2).tolist()
     assert build_rank_batch({**layouts, "llm": Layout(dp=2)}, 0, micro, llm_split, enc_split).llm_cp == []
+
+
+def test_encoder_inputs_follow_the_schedules_sub_microbatch_runs() -> None:
+    """An encoder replica's items are cut into the runs the schedule was priced with; given only the
+    counts, into even runs (the same cut on equal costs)."""
+    layouts = {"vision": Layout(), "audio": Layout(), "llm": Layout()}
+    args = (layouts, 0, [SAMPLES], [[[0, 1, 2, 3]]], {"vision": [[[0, 1, 2, 3]]], "audio": [[[0, 1, 2, 3]]]})
+    vision = [i for s in SAMPLES for i in s.items if i.module == "vision"]  # 3 items
+    batch = build_rank_batch(*args, {"vision": (2,)}, {("vision", 0, 0): [(0, 1), (1, 3)]})
+    parts = batch.media["vision"][0]
+    assert [p.n_groups for p in parts] == [1, 2]
+    assert torch.equal(parts[1].inputs, torch.cat([i.inputs for i in vision[1:]]))
+    even = build_rank_batch(*args, {"vision": (2,), "audio": (3,)}).media
+    assert [p.n_groups for p in even["vision"][0]] == [2, 1]
+    assert [None if p is None else p.n_groups for p in even["audio"][0]] == [1, 1, None]  # two audio items

@@ -53,3 +53,40 @@ def test_search_of_one_iteration_fits_its_budget(shared_traces) -> None:
         assert time.perf_counter() - t0 <= budget + 0.02
         assert sorted(found.order) == list(range(8))
     assert found.evaluated >= 1 and found.makespan_s <= found.start_makespan_s
+
+
+def test_sub_microbatch_search_splits_an_encoder_pipeline_and_is_never_worse() -> None:
+    """Vision on two pipeline stages of its own: pieces of a microbatch overlap its stages, so the
+    search splits it; colocated vision (no stages to overlap) stays whole. Never worse than unsplit."""
+    from harmonia.model.presets import mllm_preset
+    from harmonia.schedule.layout import Layout
+    from harmonia.schedule.order_search import search_submicrobatches
+    from harmonia.schedule.plan import Plan
+    from harmonia.schedule.stagework import plan_iteration_work, stage_trainable
+    from harmonia.workload.cost import CostModel
+    from harmonia.workload.devices import device_preset
+    from harmonia.workload.traces import synthesize_trace
+    from tests.unit.iteration_helpers import assignment
+
+    cost = CostModel(mllm_preset("internvl-8b"), device_preset("h100"))
+    shapes = synthesize_trace(32, {"image": 1.0}, seed=1)
+    chosen = {}
+    for name, vision, llm in (("pipelined", Layout(pp=2), Layout(pp=2, rank_offset=2)),
+                              ("colocated", Layout(dp=4), Layout(pp=2, dp=2))):
+        plan = Plan("internvl-8b", {"vision": vision, "llm": llm}, "colocated" if name == "colocated" else "disjoint",
+                    "1f1b", n_microbatches=4, global_batch=32)
+        per = 32 // llm.dp
+        replicas = [[list(range(d * per + i * per // 4, d * per + (i + 1) * per // 4)) for i in range(4)]
+                    for d in range(llm.dp)]
+        iw = plan_iteration_work(shapes, plan, cost, assignment(plan, cost, shapes, replicas))
+        graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+        found = search_submicrobatches(graph, plan, cost, iw)
+        assert found.makespan_s <= found.start_makespan_s
+        again = search_submicrobatches(graph, plan, cost, iw)  # deterministic
+        assert (again.n_sub, again.makespan_s) == (found.n_sub, found.makespan_s)
+        assert found.work.n_sub.get("vision", (1,))[0] == found.n_sub["vision"]
+        chosen[name] = found
+    assert chosen["pipelined"].n_sub["vision"] > 1 and chosen["pipelined"].makespan_s < chosen["pipelined"].start_makespan_s
+    assert chosen["colocated"].n_sub["vision"] == 1
+    runs = chosen["pipelined"].work.sub_runs
+    assert runs and all(len(r) == chosen["pipelined"].n_sub["vision"] for r in runs.values())
