@@ -89,7 +89,7 @@ class DataConfig:
     max_frames: int = _f(8, "frames sampled uniformly from each video")
     max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
-    num_workers: int = _f(0, "decoding worker processes per rank")
+    num_workers: int = _f(0, "worker processes reading media headers for the shape index (0 = in the job's process)")
 
     def __post_init__(self) -> None:
         _require(self.format in ("auto", "harmonia", "llava", "messages", "webdataset"), "data.format", self.format,
@@ -110,7 +110,8 @@ class ParallelConfig:
     world_size: int = _f(4, "processes; spawned locally when not started by torchrun")
     plan: str = _f("auto", "plan JSON written by `harmonia plan`, or auto to search at start-up")
     cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8")
-    schedule: str = _f("1f1b", "pipeline schedule family when the plan does not fix one")
+    schedule: str = _f("auto", "pipeline schedule family the plan search must use: auto (the search decides), "
+                       "gpipe, 1f1b, interleaved or zb")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
     llm_pp: int = _f(0, "LLM pipeline stages the plan search must use (0 = the search decides)")
     timeout_s: float = _f(0.0, "time limit of the job: past it every rank stops as on SIGTERM (0 = no limit)")
@@ -122,8 +123,8 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
-        _require(self.schedule in ("gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
-                 "gpipe, 1f1b, interleaved or zb")
+        _require(self.schedule in ("auto", "gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
+                 "auto, gpipe, 1f1b, interleaved or zb")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
         _require(self.llm_pp >= 0, "parallel.llm_pp", self.llm_pp, ">= 0")
         for name in ("timeout_s", "hang_timeout_s"):

@@ -47,6 +47,9 @@ def _constraints(config: Config):
         pp = config.parallel.llm_pp
         if pp and plan.layouts["llm"].pp != pp:
             return f"llm pp={plan.layouts['llm'].pp} (parallel.llm_pp={pp})"
+        family = config.parallel.schedule
+        if family != "auto" and plan.schedule != family:
+            return f"schedule {plan.schedule} (parallel.schedule={family})"
         return executor_limits(plan)
 
     return accept
