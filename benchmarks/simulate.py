@@ -24,7 +24,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from harmonia.plan.compare import averages, run_recipe
+from harmonia.errors import LayoutError
+from harmonia.plan.compare import RecipeResult, averages, run_recipe
 from harmonia.plan.recipes import RECIPES, search_microbatch_order, simulate
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
@@ -53,7 +54,10 @@ def one_layout(run: ScenarioRun):
     if not run.mllm.encoders:
         return None
     t0 = time.perf_counter()
-    report = search_plan(run.scenario, samples=run.samples, homogeneous=True)
+    try:
+        report = search_plan(run.scenario, samples=run.samples, homogeneous=True)
+    except LayoutError as err:
+        return RecipeResult("harmonia, one layout", None, search_s=time.perf_counter() - t0, error=str(err))
     result = averages(run, report.ranked[0][2])
     result.recipe, result.tried, result.search_s = "harmonia, one layout", report.simulated, time.perf_counter() - t0
     return result
