@@ -26,9 +26,13 @@ from rich.table import Table
 
 from harmonia.errors import LayoutError
 from harmonia.plan.compare import RecipeResult, averages, run_recipe
-from harmonia.plan.recipes import RECIPES, search_microbatch_order, simulate
+from harmonia.plan.recipes import RECIPES, search_microbatch_order
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
+from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.order_search import search_order, search_submicrobatches
+from harmonia.schedule.stagework import cost_table, iteration_schedule, stage_trainable
+from harmonia.sim.tasks import simulate_schedule, simulated_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,17 +80,22 @@ def order_search_ms(run: ScenarioRun, result, budget_s: float = 0.1) -> list[flo
 
 
 def sub_microbatch_gain(run: ScenarioRun, result) -> dict:
-    """harmonia's plan on the scenario's iterations with the per-batch search's sub-microbatches
-    (each encoder's split chosen by cost) and without (never split): mean iteration seconds, and in
-    how many iterations some encoder was split."""
+    """harmonia's plan on the scenario's iterations, each batch in the order the per-batch search
+    finds (a fixed number of replays, so both runs use the same order), with each encoder split into
+    the sub-microbatches the search chooses (items cut by cost, counts by the simulated step) and
+    never split: mean iteration seconds, and in how many iterations some encoder was split."""
     cand, with_s, without_s, split = result.candidate, [], [], 0
+    plan, cost = cand.plan, run.cost
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     for k in range(run.scenario.iterations):
-        batch = run.profile.batches[k]
-        args = (cand, run.samples, batch, run.costs[batch], run.tokens[batch], run.cost, run.cluster, 0.1)
-        timeline = simulate(*args)
-        with_s.append(timeline.iteration_s)
-        without_s.append(simulate(*args, sub_options=(1,)).iteration_s)
-        split += any(t.action is not None and t.action.sub is not None for t in timeline.tasks)
+        iw = run.iteration_work(cand, k)
+        order = search_order(graph, cost_table(plan, iw), iw.n_microbatches, (plan.schedule,), budget_s=float("inf"),
+                             max_evaluations=64).order
+        chosen = search_submicrobatches(graph, plan, cost, iw, order, score=simulated_step(plan, cost, run.cluster))
+        split += any(n > 1 for n in chosen.n_sub.values())
+        for work, out in ((chosen.work, with_s), (iw, without_s)):
+            schedule = iteration_schedule(plan, cost, work, order=order)
+            out.append(simulate_schedule(plan, cost, run.cluster, work, schedule).iteration_s)
     return {"with_s": float(np.mean(with_s)), "without_s": float(np.mean(without_s)), "split_iterations": split}
 
 

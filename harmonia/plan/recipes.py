@@ -47,7 +47,7 @@ from harmonia.schedule.order_search import SUB_OPTIONS, SearchResult, search_ord
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, iteration_schedule, plan_iteration_work, stage_trainable
 from harmonia.sim.engine import Timeline
-from harmonia.sim.tasks import simulate_schedule
+from harmonia.sim.tasks import simulate_schedule, simulated_step
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -106,26 +106,32 @@ LONG_SAMPLE = 4096
 """Mean LLM tokens per sample from which LLM layouts with context parallelism are searched."""
 
 
-def _microbatch_counts(pp: int, per_replica: int) -> list[int]:
-    counts = sorted({c for c in (pp, 2 * pp, 4 * pp, 8) if pp <= c <= per_replica})
-    return counts or [min(per_replica, pp)]
+def _microbatch_counts(pp: int, per_replica: int, long: bool = False) -> list[int]:
+    """Microbatches per LLM replica to try: ``pp``, ``2 pp``, ``4 pp`` and 8 that the replica's samples
+    fill, and with ``long`` samples also one sample per microbatch (what fits long sequences in memory
+    without recompute)."""
+    counts = {c for c in (pp, 2 * pp, 4 * pp, 8) if pp <= c <= per_replica}
+    if long and per_replica >= pp:
+        counts.add(per_replica)
+    return sorted(counts) or [min(per_replica, pp)]
 
 
 def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: int, global_batch: int,
                  profile: BatchProfile, frozen_aware: bool,
                  rejected: Counter | None = None) -> Iterator[tuple[Layout, int]]:
     """LLM layouts with microbatch counts that fit in memory, recomputing its activations if need be;
-    misfits are counted in ``rejected`` by reason. Context parallelism (up to 4) is searched where
-    samples are long (`LONG_SAMPLE` LLM tokens on average): it splits a sequence, and shards of short
-    ones would leave its ring attention's kernels too small to run at the cost model's rates."""
+    misfits are counted in ``rejected`` by reason. Where samples are long (`LONG_SAMPLE` LLM tokens
+    on average) context parallelism (up to 4) and one sample per microbatch are searched too: CP
+    splits a sequence, and shards of short ones would leave its ring attention's kernels too small to
+    run at the cost model's rates."""
     seen = set()
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
-    max_cp = 4 if profile.sample_load("llm").tokens >= LONG_SAMPLE else 1
-    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=max_cp):
+    long = profile.sample_load("llm").tokens >= LONG_SAMPLE
+    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=4 if long else 1):
         if base.pp > 8:
             continue
         per_replica = global_batch // base.dp
-        for n_mb in _microbatch_counts(base.pp, per_replica):
+        for n_mb in _microbatch_counts(base.pp, per_replica, long):
             key = (base.tp, base.pp, base.dp, n_mb)
             if key in seen:
                 continue
@@ -336,9 +342,9 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
     """The second half of `simulate`: order an iteration's stage work and time every rank's action list.
 
     harmonia runs the trainer's per-batch search when ``search_budget_s > 0``: the microbatch order
-    within the budget, then each encoder's sub-microbatch count among ``sub_options`` (a fixed
-    number of replays); the planner's scores (budget 0) and the other recipes keep the balancer's
-    order, unsplit.
+    within the budget, then each encoder's sub-microbatch count among ``sub_options``, scored by
+    this simulator (a fixed number of simulations); the planner's scores (budget 0) and the other
+    recipes keep the balancer's order, unsplit.
     """
     plan = candidate.plan
     order = None
@@ -346,7 +352,8 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
         order = search_microbatch_order(plan, cost, iw, search_budget_s).order
         if len(sub_options) > 1 and plan.encoders:
             graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
-            iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options).work
+            iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options,
+                                        score=simulated_step(plan, cost, cluster)).work
     schedule = iteration_schedule(plan, cost, iw, order=order)
     if candidate.fused:
         schedule = fuse_encoders(schedule)

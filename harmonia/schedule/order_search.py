@@ -19,14 +19,14 @@ The result is never worse than the starting order under its family, because that
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from harmonia.schedule.costs import CostTable
 from harmonia.schedule.families import build_schedule
-from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.graph import IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.replay import makespan
 from harmonia.schedule.stagework import IterationWork, cost_table, with_submicrobatches
@@ -133,18 +133,30 @@ class SubSearch:
     evaluated: int
 
 
+StepScore = Callable[[IterationWork, IterationSchedule], float]
+"""Seconds of one iteration's stage work under a schedule (the simulator's step, or the replay)."""
+
+
+def replayed_step(work: IterationWork, schedule: IterationSchedule) -> float:
+    """The schedule's replay under its own costs (communication free)."""
+    return makespan(schedule, schedule.costs)
+
+
 def search_submicrobatches(graph: StageGraph, plan: Plan, cost: CostModel, work: IterationWork,
                            order: Sequence[int] | None = None, options: Sequence[int] = SUB_OPTIONS,
-                           budget_s: float = float("inf"), max_evaluations: int | None = None) -> SubSearch:
+                           budget_s: float = float("inf"), max_evaluations: int | None = None,
+                           score: StepScore = replayed_step) -> SubSearch:
     """Split each encoder's microbatches into the sub-microbatch count that finishes the batch soonest.
 
     DIP's idea, chosen by cost: pieces of a microbatch pipeline through an encoder's stages and fit
-    into the gaps of the ranks it shares with the LLM, but every piece pays its own messages. The
-    search replays the schedule (the plan's family, ``order``, costs from the stage work of each
-    split of ``work``'s batch, items cut by cost: `harmonia.schedule.submicrobatch.item_runs`) with each count of
-    ``options`` for one encoder after another, keeping a count only where it shortens the step; so
-    the result is never worse than no split. Stops when a replay, timed like the mean one so far,
-    would overrun ``budget_s`` or after ``max_evaluations`` replays.
+    into the gaps of the ranks it shares with the LLM, but every piece pays its own messages, which
+    the replay does not see: callers that can simulate pass the simulator's step as ``score``
+    (`harmonia.sim.tasks.simulate_schedule`). The search scores the schedule (the plan's family,
+    ``order``, costs from the stage work of each split of ``work``'s batch, items cut by cost:
+    `harmonia.schedule.submicrobatch.item_runs`) with each count of ``options`` for one encoder
+    after another, keeping a count only where it shortens the step; so the result is never worse
+    than no split under ``score``. Stops when an evaluation, timed like the mean one so far, would
+    overrun ``budget_s`` or after ``max_evaluations`` evaluations.
     """
     t0 = time.perf_counter()
     n = work.n_microbatches
@@ -152,8 +164,7 @@ def search_submicrobatches(graph: StageGraph, plan: Plan, cost: CostModel, work:
 
     def evaluate(iw: IterationWork) -> float:
         table = cost_table(plan, iw)
-        return makespan(build_schedule(graph, n, plan.schedule, order=order, costs=table, n_sub=iw.n_sub or None),
-                        table)
+        return score(iw, build_schedule(graph, n, plan.schedule, order=order, costs=table, n_sub=iw.n_sub or None))
 
     best = {e: max(work.n_sub.get(e, (1,))) for e in plan.encoders}
     best_iw = work

@@ -25,6 +25,8 @@ backward (half at B, half at W when split).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
@@ -200,3 +202,11 @@ def simulate_schedule(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: Ite
     (`plan_rank_actions`), timed with the stage work ``iw`` on the cluster model."""
     actions = plan_rank_actions(plan.layouts, schedule)
     return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster))
+
+
+def simulated_step(plan: Plan, cost: CostModel, cluster: ClusterSpec) -> Callable[[IterationWork, IterationSchedule], float]:
+    """The simulated iteration seconds of stage work under a schedule: the score the per-batch
+    sub-microbatch search chooses by (`harmonia.schedule.order_search.search_submicrobatches`)."""
+    def step(work: IterationWork, schedule: IterationSchedule) -> float:
+        return simulate_schedule(plan, cost, cluster, work, schedule).iteration_s
+    return step

@@ -5,8 +5,9 @@ and skipped by the data policy, identically on every rank); the cost model price
 work per sample; the balancer forms the global microbatches, LLM replicas and encoder replicas
 (`harmonia.schedule.iteration.assign_iteration`) and, with LLM ``cp > 1``, each replica's CP token
 shards (`harmonia.runtime.mllm_inputs.cp_token_ranks`); the per-batch search picks the microbatch order
-and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise the replayed step
-time (a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
+and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise the step time
+(the replayed one for the order, the simulated one on the cluster model for the split, with the
+shared cost model; a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
 tensors are cut from the batch, encoder items in the sub-microbatch runs the schedule was priced
 with. Every rank runs its own action list
 of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
@@ -31,7 +32,7 @@ from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
-from harmonia.sim.tasks import simulate_schedule
+from harmonia.sim.tasks import simulate_schedule, simulated_step
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
 
@@ -164,8 +165,8 @@ class IterationBuilder:
             order = search_order(self.graph, cost_table(plan, iw), n, (plan.schedule,), budget_s=float("inf"),
                                  max_evaluations=self.search_evaluations).order
         if self.search_evaluations and plan.encoders:
-            iw = search_submicrobatches(self.graph, plan, self.cost, iw, order,
-                                        max_evaluations=self.search_evaluations).work
+            iw = search_submicrobatches(self.graph, plan, self.cost, iw, order, max_evaluations=self.search_evaluations,
+                                        score=simulated_step(plan, self.cost, self.cluster)).work
         schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=cost_table(plan, iw),
                                   n_sub=iw.n_sub or None)
         predicted = None
