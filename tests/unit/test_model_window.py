@@ -12,7 +12,7 @@ from harmonia.model.layers import ShardedKeys, restrict_to_window
 from harmonia.model.llm import build_llm
 from harmonia.model.presets import mllm_preset
 from harmonia.model.spec import LLMSpec, TransformerSpec
-from harmonia.workload.cost import CostModel
+from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import device_preset
 from harmonia.workload.shapes import ModalityItem, SampleShape
 from harmonia.workload.work import attended_pairs, load_arrays, sample_loads
@@ -123,12 +123,13 @@ def test_cost_model_prices_each_block_with_its_window():
     assert saved == pytest.approx(-f_pair * (a.pairs - b.window_pairs))
     # the first blocks (no window) cost the same; the last block pays only for its window
     assert windowed.phase_flops("llm", b, 0, n - 1) == pytest.approx(full.phase_flops("llm", a, 0, n - 1))
-    # whole-module costs from the arrays agree with the per-layer sum
-    tokens, pairs = load_arrays([sample], windowed.mllm)
-    j = windowed.modules.index("llm")
-    rate = h100.peak_flops * windowed.efficiency("F")
-    from_arrays = windowed.costs_from_loads(tokens, pairs, "F")[0, j] * rate
-    assert from_arrays == pytest.approx(windowed.phase_flops("llm", b)[0], rel=1e-6)
+    # whole-module costs from the arrays agree with the per-layer sum (under a calibration every
+    # FLOP runs at one measured rate, so seconds x rate are FLOPs)
+    measured = CostModel(windowed.mllm, h100, Calibration("h100", {"F": 0.5}))
+    tokens, pairs = load_arrays([sample], measured.mllm)
+    j = measured.modules.index("llm")
+    from_arrays = measured.costs_from_loads(tokens, pairs, "F")[0, j] * h100.peak_flops * 0.5
+    assert from_arrays == pytest.approx(measured.phase_flops("llm", b)[0], rel=1e-6)
 
 
 def test_windowed_attention_work_grows_with_min_of_sequence_and_window():
