@@ -37,7 +37,7 @@ import torch.distributed as dist
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.runtime.boundary_plan import BoundaryPlan, Message
 
-_Inbox = list[tuple[Message, torch.Tensor, "dist.Work | None"]]
+_Inbox = list[tuple[Message, "torch.Tensor | None", "dist.Work | None"]]  # (message, buffer or None: in place, work)
 
 
 def _tag(microbatch: int, backward: bool, hop: int) -> int:
@@ -84,15 +84,22 @@ class BoundaryLink:
         self.backward, self.dtype, self.device = backward, dtype, device
         self._inbox: dict[tuple[int, bool, int], _Inbox] = {}
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._rows: dict[int, torch.Tensor] = {}  # microbatch -> this rank's forward rows, filled in place
 
     def post_receives(self) -> None:
-        """Post every receive of the iteration (forward rows; gradients when ``backward``)."""
+        """Post every receive of the iteration (forward rows; gradients when ``backward``). A forward
+        message of one row run lands straight in its rows of the microbatch's output."""
         for m, plan in enumerate(self.plans):
+            out = self._rows[m] = torch.empty(plan.dst_rows.get(self.rank, 0), self.hidden, dtype=self.dtype,
+                                              device=self.device)  # (dst_rows, D)
             for bwd in (False, True) if self.backward else (False,):
                 for msg in plan.recvs(self.rank, bwd):
-                    buf = torch.empty(msg.n_rows, self.hidden, dtype=self.dtype, device=self.device)
+                    direct = not bwd and len(msg.runs) == 1
+                    _, d, n = msg.runs[0]
+                    buf = out[d:d + n] if direct else torch.empty(msg.n_rows, self.hidden, dtype=self.dtype,
+                                                                  device=self.device)
                     work = dist.irecv(buf, msg.src, group=self.group, tag=_tag(m, bwd, msg.hop))
-                    self._inbox.setdefault((m, bwd, msg.hop), []).append((msg, buf, work))
+                    self._inbox.setdefault((m, bwd, msg.hop), []).append((msg, None if direct else buf, work))
 
     def _post(self, plan: BoundaryPlan, m: int, rows: torch.Tensor, backward: bool, hop: int) -> None:
         for msg in plan.sends(self.rank, backward, hop):
@@ -103,7 +110,8 @@ class BoundaryLink:
         for msg, buf, work in self._inbox.pop((m, backward, hop), []):
             if work is not None:
                 work.wait()
-            _place(out, buf, msg, accumulate)
+            if buf is not None:  # None: it arrived in place
+                _place(out, buf, msg, accumulate)
 
     def send(self, microbatch: int, rows: torch.Tensor, backward: bool = False) -> None:
         """Send this rank's rows of a microbatch (encoder output rows, or their gradients) at once.
@@ -140,9 +148,10 @@ class BoundaryLink:
             ``(src_rows, D)`` backward (the summed gradients of this rank's encoder output rows).
         """
         plan = self.plans[microbatch]
-        n = (plan.src_rows if backward else plan.dst_rows).get(self.rank, 0)
-        make = torch.zeros if backward else torch.empty  # backward sums; forward writes each row once
-        out = make(n, self.hidden, dtype=self.dtype, device=self.device)  # (n, D)
+        if backward:  # gradients sum over the messages
+            out = torch.zeros(plan.src_rows.get(self.rank, 0), self.hidden, dtype=self.dtype, device=self.device)
+        else:  # every row written once: in place at arrival, or copied from a buffer or a local run
+            out = self._rows.pop(microbatch)  # (dst_rows, D)
         self._wait(out, microbatch, backward, 0, accumulate=backward)
         if not backward:  # relay: pass on what arrived, then take what the peers pass on
             self._post(plan, microbatch, out, False, 1)
@@ -156,6 +165,7 @@ class BoundaryLink:
         self._sends.clear()
         left = [key for key, box in self._inbox.items() if box]
         self._inbox.clear()
+        self._rows.clear()
         if left:
             raise ScheduleError(f"boundary rows of (microbatch, backward, hop) {sorted(left)} arrived on rank "
                                 f"{self.rank} but no action used them; the schedule and the plans disagree")
