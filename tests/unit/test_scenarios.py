@@ -31,9 +31,11 @@ def test_long_videos_are_8k_to_40k_llm_tokens() -> None:
 
 
 @pytest.mark.parametrize("trace, long", [("text:8192", True), ("text:512", False)])
-def test_context_parallelism_is_searched_for_long_samples(trace, long) -> None:
-    run = ScenarioRun(Scenario("cp", "tiny-vlm", "cpu:1x4", trace, 8, iterations=1, search_batches=1))
+def test_long_samples_are_searched_with_context_parallelism_and_one_per_microbatch(trace, long) -> None:
+    run = ScenarioRun(Scenario("cp", "tiny-vlm", "cpu:1x4", trace, 32, iterations=1, search_batches=1))
     assert (run.profile.sample_load("llm").tokens >= LONG_SAMPLE) is long
-    found = list(candidates("harmonia", run.cost, run.cluster, run.profile, 8, "tiny-vlm"))
+    found = list(candidates("harmonia", run.cost, run.cluster, run.profile, 32, "tiny-vlm"))
     assert found and any(c.plan.layouts["llm"].cp > 1 for c in found) is long
     assert all(c.plan.layouts[e].cp == 1 for c in found for e in c.plan.encoders)  # never an encoder
+    one_each = [c for c in found if c.plan.n_microbatches * c.plan.layouts["llm"].dp == 32]
+    assert any(c.plan.n_microbatches > 16 for c in one_each) is long  # beyond the usual 2pp, 4pp, 8
