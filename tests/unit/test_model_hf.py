@@ -15,30 +15,9 @@ from harmonia.model.hf import (
     save_hf_whisper,
 )
 from harmonia.model.lora import apply_lora
+from tests.unit._hf_load import load_cleanly
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def load_cleanly(cls, path):
-    """``cls.from_pretrained(path)``, asserting no missing / unexpected keys and no warnings at all."""
-    import logging
-    import warnings
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("transformers")
-    logger.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, info = cls.from_pretrained(path, output_loading_info=True)
-    finally:
-        logger.removeHandler(handler)
-    assert not any(info.values()), info
-    assert not caught, [str(w.message) for w in caught]
-    assert not records, [r.getMessage() for r in records]
-    return model
 
 
 def _randomize(model: torch.nn.Module) -> None:

@@ -1,8 +1,6 @@
 """LLaVA checkpoints and compositions against `transformers` (fp32, tiny random-weight models saved to tmp_path)."""
 
 import json
-import logging
-import warnings
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from harmonia.model.mllm import MLLM, build_module, encode_media
 from harmonia.model.spec import ModuleTraining
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import device_preset
+from tests.unit._hf_load import load_cleanly
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 IMAGE = 95
@@ -55,25 +54,6 @@ def make_llava(path, vision="clip", text="llama", layer=-2, strategy="default", 
     _randomize(hf)
     hf.save_pretrained(path, **save)
     return hf
-
-
-def load_cleanly(cls, path):
-    """``cls.from_pretrained(path)``, asserting no missing / unexpected keys and no warnings at all."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("transformers")
-    logger.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            model, info = cls.from_pretrained(path, output_loading_info=True)
-    finally:
-        logger.removeHandler(handler)
-    assert not any(info.values()), info
-    assert not caught, [str(w.message) for w in caught]
-    assert not records, [r.getMessage() for r in records]
-    return model.eval()
 
 
 def load_whole(source, spec) -> MLLM:
