@@ -342,7 +342,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-HF_TOOLS = {"tiny-llava": "harmonia.model.hf.tiny", "generate": "harmonia.train.hf_generate"}
+HF_TOOLS = {"tiny-llava": "harmonia.train.tiny_llava", "generate": "harmonia.train.hf_generate"}
 
 
 def cmd_hf(args: argparse.Namespace) -> int:

@@ -136,7 +136,7 @@ def make_sample(rng: np.random.Generator, key: str, task: str, tile: int = 16, r
     return {"id": key, "task": task, "prompt": prompt, "answer": answer, "media": media}, files
 
 
-LLAVA_TASKS = ("colour", "count", "arith")  # what a vision-language model can learn: no audio, no video
+LLAVA_TASKS = tuple(t for t, m in TASK_MODALITY.items() if m in (None, "image"))  # no audio, no video
 
 
 def _write_llava(out: Path, records: list[tuple[dict, dict[str, bytes]]]) -> None:

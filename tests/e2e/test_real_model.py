@@ -19,7 +19,7 @@ from rich.console import Console
 
 from harmonia.config import load_config
 from harmonia.data.synth import write_synthetic_dataset
-from harmonia.model.hf.tiny import write_tiny_llava
+from harmonia.train.tiny_llava import write_tiny_llava
 from harmonia.train import run_training
 
 transformers = pytest.importorskip("transformers")

@@ -50,7 +50,7 @@ def test_inspect_json_counts_records_modalities_and_bad_kinds(llava_json, tmp_pa
 
 
 def test_inspect_with_an_hf_checkpoint(llava_json, tmp_path):
-    from harmonia.model.hf.tiny import write_tiny_llava
+    from harmonia.train.tiny_llava import write_tiny_llava
 
     ckpt = write_tiny_llava(tmp_path / "ckpt", image_size=16, patch_size=4)
     out = tmp_path / "report.json"
