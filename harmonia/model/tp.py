@@ -1,8 +1,12 @@
 """Tensor-parallel plans of the reference models, as data.
 
 `plan_tp` walks a built module (whole or one stage, LoRA or not) and returns ``{FQN pattern: style}``
-with styles ``colwise``, ``rowwise``, ``embedding`` and ``head``, layer indices replaced by ``*``
-(Megatron's split: q/k/v and MLP up-projections column-wise, output and down-projections row-wise).
+with styles ``colwise``, ``rowwise``, ``embedding``, ``head`` and ``head_norm``, layer indices replaced
+by ``*`` (Megatron's split: q/k/v and MLP up-projections column-wise, output and down-projections
+row-wise). Per-head q/k norms (Qwen3) see whole heads on every rank: their weight is replicated and
+their input is sharded over the head dimension (``head_norm``: torch's ``SequenceParallel`` on dim 2
+of ``(B, T, heads, head_dim)``, torchtitan's Qwen3 plan), so DTensor sums the weight's partial
+gradients over the TP group.
 `tp_styles` turns the plan into ``torch.distributed.tensor.parallel`` styles for
 ``parallelize_module(module, mesh, tp_styles(plan))``. Attention reads its local head count from the
 sharded weights, so ``n_heads`` and ``n_kv_heads`` must be divisible by ``tp``.
@@ -40,9 +44,11 @@ def plan_tp(module: nn.Module) -> dict[str, str]:
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(sub, Attention) and sub.q_norm is not None:
-            raise LayoutError(
-                f"{name}: qk-norm over all heads cannot be tensor-parallel; use tp=1 for this module"
-            )
+            if not sub.qk_norm_per_head:
+                raise LayoutError(
+                    f"{name}: qk-norm over all heads cannot be tensor-parallel; use tp=1 for this module"
+                )
+            plan.update({f"{prefix}q_norm": "head_norm", f"{prefix}k_norm": "head_norm"})
         if isinstance(sub, (Attention, MLP)):
             for child_name, child in sub.named_children():
                 if child_name in _COLWISE:
@@ -83,13 +89,14 @@ def _out_features(linear: nn.Module) -> int:
 def tp_styles(plan: dict[str, str]) -> dict:
     """``torch.distributed.tensor.parallel`` styles for a plan from `plan_tp`."""
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     make = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
         "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "head": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),  # (B, T, nh, hd)
     }
     unknown = set(plan.values()) - set(make)
     if unknown:
