@@ -28,8 +28,15 @@ from harmonia.schedule.layout import Layout
 
 
 def local_grad(p: torch.Tensor) -> torch.Tensor | None:
-    """A parameter's gradient as a plain tensor (this rank's shard of a DTensor)."""
+    """A parameter's gradient as a plain tensor (this rank's shard of a DTensor).
+
+    A DTensor gradient is first placed like its parameter: split backward (torch's
+    ``stage_backward_weight``) can leave a vocab-sharded embedding's gradient replicated, and
+    reductions pair this rank's shard with the same shard on other ranks.
+    """
     g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        p.grad = g = g.redistribute(p.device_mesh, p.placements)
     return g.to_local() if isinstance(g, DTensor) else g
 
 

@@ -6,7 +6,10 @@ length, image tiles and audio length, each global microbatch in sample count (at
 the balancer), and each encoder deals its samples to its own DP replicas independently of the LLM
 (or leaves one replica idle, to check that its collectives still match its peers'). Two training setups cover the frozen paths: ``audio-frozen``
 (frozen audio encoder, trainable projector: W only on its last stage) and ``vision-frozen`` (frozen
-vision encoder and projector: no backward at all). Loss, gradient norm and final parameters must
+vision encoder and projector: no backward at all). The ``llava`` cases run an HF architecture instead:
+a LLaVA (CLIP tower cut at ``vision_feature_layer=-2``, CLS dropped, GELU projector, causal image
+tokens) over a Qwen3 text model (per-head q/k norms, tied embeddings), its spec read from the config
+as for a checkpoint, with the tower frozen as LLaVA's instruction tuning does. Loss, gradient norm and final parameters must
 match a one-process run on the same samples (relative difference <= 1e-5; parameters elementwise,
 with an absolute floor of 1e-7 for zero-initialised biases whose gradient is ~0). All layouts of one world
 size share one spawned process group.
@@ -31,7 +34,8 @@ from tests.distributed._spawn import check_timeout, run_workers
 
 pytestmark = pytest.mark.distributed
 
-TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "frozen", "vision_proj": "frozen"}}
+TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "frozen", "vision_proj": "frozen"},
+            "llava": {"vision": "frozen"}}
 STEPS = 3
 MAX_NORM = 0.5
 RTOL = 1e-5
@@ -62,6 +66,8 @@ class Case:
     bf16: bool = False  # mixed precision (autocast; FSDP's bf16 parameters): compared at BF16_RTOL
 
     def layouts(self) -> dict[str, Layout]:
+        if self.training == "llava":
+            return {"vision": self.vision, "llm": self.llm}
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
 
 
@@ -78,6 +84,7 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp2 -> llm pp2 zb, bf16", L(dp=2), L(dp=2), L(pp=2), "zb", bf16=True),
         Case("co all tp2, llm recompute", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen", recompute=("llm",)),
         Case("co enc dp2 -> llm cp2", L(dp=2), L(dp=2), L(cp=2)),
+        Case("llava clip+qwen3: vision tp2 -> llm cp2 tp1", L(tp=2), L(), L(cp=2), training="llava"),
     ],
     4: [
         Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
@@ -108,6 +115,8 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp4 -> llm pp2 dp2 fsdp, bf16", L(dp=4), L(dp=4), L(pp=2, dp=2, fsdp=True), bf16=True),
         Case("co enc dp4 -> llm pp2 interleaved v2", L(dp=4), L(dp=4), L(pp=2, dp=2, virtual_stages=2),
              "interleaved", n_microbatches=4),
+        Case("llava clip+qwen3: vision dp4 -> llm pp2 tp2 zb (tied)", L(dp=4), L(), L(pp=2, tp=2), "zb",
+             training="llava", balanced=True),
     ],
     8: [
         Case("co enc dp8 -> llm pp2 dp2 tp2 zb, balanced", L(dp=8), L(dp=8), L(pp=2, dp=2, tp=2), "zb",
@@ -123,15 +132,38 @@ CASES: dict[int, list[Case]] = {
 
 
 # -- data and the one-process reference ----------------------------------------------------------
+def llava_config() -> dict:
+    """A tiny LLaVA's completed config.json: CLIP 16 px / 4 px patches (16 image tokens) + Qwen3."""
+    import transformers
+
+    vision = transformers.CLIPVisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=3,
+                                           num_attention_heads=4, image_size=16, patch_size=4)
+    text = transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=4, head_dim=8,
+                                    tie_word_embeddings=True)
+    return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=95,
+                                    vision_feature_layer=-2, tie_word_embeddings=True).to_dict()
+
+
 def spec(training: str):
+    if training == "llava":
+        from harmonia.model.hf.llava import llava_spec_from_hf
+
+        return llava_spec_from_hf(llava_config()).with_training(**TRAINING[training])
     return mllm_preset("tiny-omni", training=TRAINING[training])
 
 
-def samples(step: int) -> list[TokenizedSample]:
-    """The step's global batch: text of 3..12 tokens, 0-2 image tiles, an audio clip of 1-2 chunks."""
-    s = spec("audio-frozen")
-    vit, aud = s.encoders["vision"], s.encoders["audio"]
-    img_tokens = vit.patches_per_tile() // vit.token_merge
+def base_training(training: str) -> str:
+    """The training setup whose initial state a setup shares (one per architecture)."""
+    return "llava" if training == "llava" else "audio-frozen"
+
+
+def samples(step: int, training: str = "audio-frozen") -> list[TokenizedSample]:
+    """The step's global batch: text of 3..12 tokens, 0-2 image tiles, an audio clip of 1-2 chunks
+    (no audio for the LLaVA architecture)."""
+    s = spec(base_training(training))
+    vit, aud = s.encoders["vision"], s.encoders.get("audio")
+    img_tokens = vit.llm_tokens_per_tile()
     rng = random.Random(1000 + step)
     g = torch.Generator().manual_seed(step)
     out = []
@@ -140,7 +172,7 @@ def samples(step: int) -> list[TokenizedSample]:
         for _ in range(rng.randint(0, 2)):
             items.append(ItemInputs("vision", torch.randn(1, 3, 16, 16, generator=g)))
             segments.append(("item", img_tokens))
-        if rng.random() < 0.5:  # 1-2 fixed-length chunks (2 s, 100 mel frames each)
+        if aud is not None and rng.random() < 0.5:  # 1-2 fixed-length chunks (2 s, 100 mel frames each)
             chunks = rng.randint(1, 2)
             items.append(ItemInputs("audio", torch.randn(chunks, aud.n_mels, 100, generator=g)))
             segments.append(("item", chunks * math.ceil(100 / aud.conv_stride)))
@@ -149,13 +181,14 @@ def samples(step: int) -> list[TokenizedSample]:
         ids = torch.randint(4, s.llm.vocab_size, (n,), generator=g)
         labels = torch.roll(ids, -1)
         labels[-1] = -100
-        out.append(TokenizedSample(ids, labels, segments, items, sample_id=i))
+        out.append(TokenizedSample(ids, labels, segments, items, sample_id=i,
+                                   causal_items=s.item_attention == "causal"))
     return out
 
 
 def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list, dict]:
     """Global microbatches of variable size; LLM replicas take contiguous runs, encoders deal theirs."""
-    batch = samples(step)
+    batch = samples(step, case.training)
     rng = random.Random(step)
     n, dp = case.n_microbatches, case.llm.dp
     if case.balanced:
@@ -167,10 +200,11 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
         bounds = [0, *itertools.accumulate(sizes)]
         micro = [batch[a:b] for a, b in itertools.pairwise(bounds)]
         llm_split = [[list(range(len(mb) * d // dp, len(mb) * (d + 1) // dp)) for d in range(dp)] for mb in micro]
-    enc_split = {"vision": [], "audio": []}
+    encoders = {e: layout for e, layout in case.layouts().items() if e != "llm"}
+    enc_split = {e: [] for e in encoders}
     for mb in micro:
         k = len(mb)
-        for e, layout in (("vision", case.vision), ("audio", case.audio)):
+        for e, layout in encoders.items():
             order = list(range(k))
             rng.shuffle(order)
             split = [sorted(order[d::layout.dp]) for d in range(layout.dp)]
@@ -208,9 +242,9 @@ def cp_assignment(micro: list[list[TokenizedSample]], llm_split: list, case: Cas
              for replica in split] for mb, split in zip(micro, llm_split)]
 
 
-def initial_state() -> dict[str, torch.Tensor]:
+def initial_state(training: str = "audio-frozen") -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    return build_mllm_model(spec("audio-frozen"), apply_training_modes=False).state_dict()
+    return build_mllm_model(spec(base_training(training)), apply_training_modes=False).state_dict()
 
 
 def optimizer(params):
@@ -220,12 +254,12 @@ def optimizer(params):
 def reference(training: str) -> dict:
     """Losses, gradient norms and final parameters of one process on whole batches."""
     model = build_mllm_model(spec(training))
-    model.load_state_dict(initial_state())
+    model.load_state_dict(initial_state(training))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params)
     losses, norms = [], []
     for step in range(STEPS):
-        batch = pack_samples(samples(step))
+        batch = pack_samples(samples(step, training))
         opt.zero_grad()
         loss = model.loss(batch, batch.n_targets)
         loss.backward()
@@ -251,7 +285,7 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.schedule.rank_actions import plan_rank_actions
 
     s, layouts = spec(case.training), case.layouts()
-    state = initial_state()
+    state = initial_state(case.training)
     meshes = build_module_meshes(layouts)
     chunks, projectors, named = {}, {}, {}
     for name in meshes.modules():
@@ -272,7 +306,7 @@ def run_case(case: Case, rank: int) -> dict:
     executor = MLLMExecutor(meshes, chunks, s.llm.hidden, projectors, optimizer=optimizer, max_norm=MAX_NORM,
                             autocast=torch.bfloat16 if case.bf16 else None)
     flags = {"llm": s.training_of("llm").trains}
-    for e in ("vision", "audio"):
+    for e in s.encoders:
         n = layouts[e].n_stages
         flags[e] = tuple(s.training_of(e).trains or (c == n - 1 and s.training_of(f"{e}_proj").trains)
                          for c in range(n))
@@ -373,9 +407,11 @@ def test_layout_matches_one_process(results, world: int, case: Case) -> None:
         for n, t in g["params"].items():
             torch.testing.assert_close(t, ref["params"][n], rtol=RTOL, atol=1e-7,
                                        msg=lambda m, n=n: f"parameter {n} after {STEPS} steps: {m}")
-    init = initial_state()
-    for module in ("llm.", "encoders.vision." if case.training == "audio-frozen" else "encoders.audio.",
-                   "projectors.audio_proj."):
+    init = initial_state(case.training)
+    trained = {"audio-frozen": ("llm.", "encoders.vision.", "projectors.audio_proj."),
+               "vision-frozen": ("llm.", "encoders.audio.", "projectors.audio_proj."),
+               "llava": ("llm.", "projectors.vision_proj.")}[case.training]
+    for module in trained:
         moved = max(_rel(ref["params"][n], init[n]) for n in params if n.startswith(module))
         assert moved > 1e-4, f"training must change {module}*"
     frozen = "encoders.audio." if case.training == "audio-frozen" else "encoders.vision."
