@@ -45,21 +45,20 @@ def _shared_plan(config: Config, rank: int, prepare: Callable):
     return box[0][0], box[0][1], checked
 
 
-def _attempt() -> str:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-
-
-def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store, its keys prefixed by the torchrun restart attempt.
+def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> tuple[dist.Store, str]:
+    """The rendezvous store, its keys prefixed by the restart attempt every rank agreed on, and that attempt.
 
     A restarted attempt reuses the store of the failed one; without a prefix, gloo's connection
     set-up can read the dead attempt's peer addresses and fail with "connection refused".
     """
+    from harmonia.runtime.attempt import agree_attempt
+
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    return dist.PrefixStore(f"harmonia/attempt-{_attempt()}", store)
+    attempt = str(agree_attempt(store, rank, world, timeout.total_seconds()))
+    return dist.PrefixStore(f"harmonia/attempt-{attempt}", store), attempt
 
 
-def _heartbeat(config: Config, rank: int, world: int):
+def _heartbeat(config: Config, rank: int, world: int, attempt: str):
     """This rank's heartbeat in the job's store; under torchrun it also watches the other ranks."""
     from harmonia.launch import LAUNCHER_ENV
     from harmonia.runtime.watchdog import Heartbeat, connect_store, exit_with_parent
@@ -68,7 +67,7 @@ def _heartbeat(config: Config, rank: int, world: int):
     if torchrun:  # under the local launcher, its entry point did this
         exit_with_parent(os.getppid())
     store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    return Heartbeat(store, rank, world, hang_timeout(config), attempt=_attempt(), detect=torchrun)
+    return Heartbeat(store, rank, world, hang_timeout(config), attempt=attempt, detect=torchrun)
 
 
 def train_worker(config: Config, plan_json: str | None, prepare: Callable | None = None) -> dict | None:
@@ -94,11 +93,11 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
     backend = backend_of(config)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
-    dist.init_process_group(backend, store=_attempt_store(rank, world, timeout), rank=rank, world_size=world,
-                            timeout=timeout)
+    store, attempt = _attempt_store(rank, world, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     checked = None
     try:
-        with _heartbeat(config, rank, world) as beat:
+        with _heartbeat(config, rank, world, attempt) as beat:
             if plan_json is None:
                 plan_json, config, checked = _shared_plan(config, rank, prepare)
             trainer = Trainer(config, Plan.from_json(plan_json), rank)
