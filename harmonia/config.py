@@ -89,7 +89,8 @@ class DataConfig:
     max_frames: int = _f(8, "frames sampled uniformly from each video")
     max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
-    num_workers: int = _f(0, "worker processes reading media headers for the shape index (0 = in the job's process)")
+    num_workers: int = _f(0, "worker processes reading media headers for the shape index and decoding each "
+                           "rank's samples one step ahead (0 = in the job's process)")
 
     def __post_init__(self) -> None:
         _require(self.format in ("auto", "harmonia", "llava", "messages", "webdataset"), "data.format", self.format,

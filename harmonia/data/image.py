@@ -12,6 +12,9 @@ what the model's processor gives.
   ``crop_to_patches`` and the same per-tile numbers: the grid of at most ``max_tiles`` tiles closest to
   the aspect ratio (`harmonia.workload.shapes.find_tile_grid` counts the same), plus a thumbnail when
   there is more than one tile.
+- LLaVA-NeXT anyres (an encoder with ``grid_pinpoints``): the checkpoint's own
+  ``LlavaNextImageProcessor`` (or one built with the family's constants), whose tiles are a base
+  tile of the whole image then the grid of the best pinpoint (`harmonia.model.anyres` counts them).
 - Video frames: one tile each, the processor's own path.
 
 EXIF orientation is applied before anything, and header-only sizes are the oriented ones. An image
@@ -30,6 +33,7 @@ from PIL import Image, ImageOps
 
 from harmonia.data.media_errors import MediaError
 from harmonia.errors import ConfigError
+from harmonia.model.anyres import pinpoint_grid
 from harmonia.model.spec import EncoderSpec
 from harmonia.workload.shapes import find_tile_grid
 
@@ -118,9 +122,12 @@ class ImagePreprocessor:
         tile_size: the encoder's ``image_size`` ``S``; the processor must produce ``S x S``.
         max_tiles: most tiles an image is cut into (InternVL dynamic tiling beyond 1).
         max_pixels: images with more pixels are refused from their header.
+        grid_pinpoints: the encoder's anyres pinpoints (LLaVA-NeXT); the processor must be a
+            ``LlavaNextImageProcessor`` with the same ``image_grid_pinpoints``. Empty: no anyres.
     """
 
-    def __init__(self, processor, tile_size: int, max_tiles: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(self, processor, tile_size: int, max_tiles: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 grid_pinpoints: tuple[tuple[int, int], ...] = ()) -> None:
         if not getattr(processor, "do_resize", True):
             raise ConfigError(f"image processor {type(processor).__name__} has do_resize=False; a fixed-size "
                               "encoder needs its images resized to its tiles")
@@ -132,7 +139,10 @@ class ImagePreprocessor:
         if max_tiles < 1 or max_pixels < 1:
             raise ConfigError(f"max_tiles={max_tiles} and max_pixels={max_pixels} must be positive")
         self.processor, self.tile_size, self.max_tiles, self.max_pixels = processor, tile_size, max_tiles, max_pixels
-        self.tiler = self._build_tiler() if max_tiles > 1 else None
+        self.grid_pinpoints = tuple(tuple(p) for p in grid_pinpoints)
+        if self.grid_pinpoints:
+            _check_anyres_processor(processor, self.grid_pinpoints)
+        self.tiler = self._build_tiler() if max_tiles > 1 and not self.grid_pinpoints else None
 
     @classmethod
     def for_encoder(cls, encoder: EncoderSpec, family: str | None = None,
@@ -145,9 +155,13 @@ class ImagePreprocessor:
         fam, s = FAMILIES[family], encoder.image_size
         size = {"shortest_edge": s} if fam.processor == "CLIPImageProcessor" else {"height": s, "width": s}
         extra = {"crop_size": {"height": s, "width": s}} if fam.processor == "CLIPImageProcessor" else {}
-        processor = _processor_class(fam.processor)(size=size, image_mean=list(fam.mean), image_std=list(fam.std),
-                                                    **extra)
-        return cls(processor, s, encoder.max_tiles, max_pixels)
+        name = fam.processor
+        if encoder.grid_pinpoints:  # LLaVA-NeXT's processor with the family's per-tile numbers
+            name = "LlavaNextImageProcessor"
+            extra = {"crop_size": {"height": s, "width": s}, "do_center_crop": fam.processor == "CLIPImageProcessor",
+                     "image_grid_pinpoints": [list(p) for p in encoder.grid_pinpoints]}
+        processor = _processor_class(name)(size=size, image_mean=list(fam.mean), image_std=list(fam.std), **extra)
+        return cls(processor, s, encoder.max_tiles, max_pixels, encoder.grid_pinpoints)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, encoder: EncoderSpec,
@@ -163,7 +177,7 @@ class ImagePreprocessor:
             raise ConfigError(f"{path} has no preprocessor_config.json: the image preprocessing of a checkpoint "
                               "comes from it (save the model's processor there)")
         processor = AutoImageProcessor.from_pretrained(str(path), local_files_only=True)
-        return cls(processor, encoder.image_size, encoder.max_tiles, max_pixels)
+        return cls(processor, encoder.image_size, encoder.max_tiles, max_pixels, encoder.grid_pinpoints)
 
     def _build_tiler(self):
         """GotOcr2 processor with crop_to_patches and this processor's per-tile numbers."""
@@ -177,12 +191,22 @@ class ImagePreprocessor:
         )
 
     def n_tiles(self, height: int, width: int) -> int:
-        """Tiles of an image of this size (thumbnail included), as `tiles` returns them."""
+        """Tiles of an image of this size (thumbnail or anyres base tile included), as `tiles` returns them."""
+        if self.grid_pinpoints:
+            rows, cols = pinpoint_grid(height, width, self.grid_pinpoints, self.tile_size)
+            return 1 + rows * cols
         cols, rows = find_tile_grid(height, width, self.tile_size, self.max_tiles)
         return cols * rows + 1 if cols * rows > 1 else 1
 
     def tiles(self, img: Image.Image) -> torch.Tensor:
-        """An (oriented) image -> ``(n_tiles, 3, S, S)`` float32, the grid row by row, then the thumbnail."""
+        """An (oriented) image -> ``(n_tiles, 3, S, S)`` float32: the grid row by row, then the thumbnail
+        (InternVL); the base tile, then the grid row by row (anyres)."""
+        if self.grid_pinpoints:
+            out = self.processor(images=[img], return_tensors="pt")["pixel_values"]  # (1, n_tiles, 3, S, S)
+            if out.ndim != 5 or out.shape[1] != self.n_tiles(img.height, img.width):
+                raise MediaError("unsupported_media", f"the anyres processor gave {tuple(out.shape)} for a "
+                                 f"{img.width}x{img.height} image, expected {self.n_tiles(img.height, img.width)} tiles")
+            return _checked(out[0], self.tile_size)
         if self.tiler is None:
             return self.frames([img])
         out = self.tiler(images=[img], crop_to_patches=True, min_patches=1, max_patches=self.max_tiles,
@@ -191,6 +215,9 @@ class ImagePreprocessor:
 
     def frames(self, imgs: list[Image.Image]) -> torch.Tensor:
         """One tile per image (video frames): ``(n, 3, S, S)`` float32, the processor's own path."""
+        if self.grid_pinpoints:
+            raise ConfigError(f"{type(self.processor).__name__} cuts every image into anyres tiles; video frames "
+                              "need an encoder without grid_pinpoints")
         extra = {"crop_to_patches": False} if hasattr(self.processor, "crop_to_patches") else {}
         out = self.processor(images=list(imgs), return_tensors="pt", **extra)["pixel_values"]
         return _checked(out, self.tile_size)
@@ -198,6 +225,17 @@ class ImagePreprocessor:
     def load(self, data: bytes | str | Path) -> Image.Image:
         """Decode an image, refusing it from its header when over ``max_pixels``; EXIF orientation applied."""
         return load_image(data, self.max_pixels)
+
+
+def _check_anyres_processor(processor, pinpoints: tuple[tuple[int, int], ...]) -> None:
+    """The processor must be LLaVA-NeXT's with the encoder's pinpoints (token counts are the spec's)."""
+    given = getattr(processor, "image_grid_pinpoints", None)
+    if not type(processor).__name__.startswith("LlavaNextImageProcessor") or given is None:
+        raise ConfigError(f"image processor {type(processor).__name__} does not cut images into anyres tiles; an "
+                          "encoder with grid_pinpoints (LLaVA-NeXT) needs a LlavaNextImageProcessor")
+    if tuple(tuple(p) for p in given) != pinpoints:
+        raise ConfigError(f"image processor image_grid_pinpoints={given} but the model's config.json has "
+                          f"{[list(p) for p in pinpoints]}; save the processor and model with the same pinpoints")
 
 
 def _checked(pixels: torch.Tensor, side: int) -> torch.Tensor:

@@ -10,7 +10,9 @@ corrupt media file, an unknown modality, a sample longer than ``max_tokens``) ra
 naming its file and line; with ``on_error="skip"`` it is logged, counted by kind in `DataStats` (whose
 `DataStats.metrics` go into the run's metrics) and skipped, with ``on_error="fail"`` it stops the run.
 Decoding runs in worker processes (a ``torch.utils.data.DataLoader`` over the scheduler's index
-lists); failures travel back as values and are counted in the main process.
+lists, or the trainer's `harmonia.data.decode.SampleDecoder`); failures travel back as values and
+are counted in the main process. With a ``shape_cache`` file the shape pass also caches rendered
+token counts beside it (`harmonia.data.token_cache`), so a later pass does not render again.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 from harmonia.data.conversation import Conversation
 from harmonia.data.media import FrameSampling
 from harmonia.data.records import DataError
-from harmonia.data.samples import LoadedSample, SampleBuilder, media_file
+from harmonia.data.samples import LoadedSample, SampleBuilder, SampleOutline, media_file
 from harmonia.data.shape_index import build_shape_index
 from harmonia.data.sources import read_conversations
+from harmonia.data.token_cache import TokenCountCache, renderer_identity, token_cache_path
 from harmonia.data.tokenizer import ByteTokenizer, Tokenizer
 from harmonia.errors import ConfigError
 from harmonia.model.batch import PackedBatch, pack_samples
@@ -86,22 +89,28 @@ class MultimodalDataset(torch.utils.data.Dataset):
         seed: seed of mixture sampling (``random:N``).
         preprocessors: encoder module -> media preprocessing (`build_media_preprocessors`); encoders
             not named use their preset family's.
-        shape_cache: a file caching media header shapes between runs (None: no cache).
+        shape_cache: a file caching media header shapes between runs, and beside it rendered token
+            counts (None: no cache).
         num_workers: processes reading media headers for `shapes`.
+        log_skips: log each skipped record once (False: count it only, where another process
+            reports it).
     """
 
     def __init__(self, path: str | Path, mllm: MLLMSpec, max_tokens: int = 4096, max_frames: int = 8,
                  on_error: str = "skip", *, format: str = "auto", tokenizer: Tokenizer | None = None,
                  media_root: str | Path | None = None, allow_outside_root: bool = False, seed: int = 0,
                  preprocessors: dict | None = None, shape_cache: str | Path | None = None,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, log_skips: bool = True) -> None:
         if on_error not in POLICIES:
             raise ConfigError(f"on_error={on_error!r} is invalid; expected one of {POLICIES}")
         self.path, self.mllm, self.on_error = Path(path), mllm, on_error
         self.tokenizer = tokenizer or ByteTokenizer()
+        identity = renderer_identity(self.tokenizer)
+        tokens = None if identity is None else TokenCountCache(
+            token_cache_path(shape_cache) if shape_cache is not None else None, identity)
         self.builder = SampleBuilder(mllm, self.tokenizer, max_tokens, preprocessors or {},
-                                     FrameSampling(num_frames=max_frames))
-        self.shape_cache, self.num_workers = shape_cache, num_workers
+                                     FrameSampling(num_frames=max_frames), tokens)
+        self.shape_cache, self.num_workers, self.log_skips = shape_cache, num_workers, log_skips
         self.stats = DataStats()
         self._counted: set = set()  # a bad record is counted once, however often it is read
         self.records: list[Conversation]
@@ -140,8 +149,14 @@ class MultimodalDataset(torch.utils.data.Dataset):
         if key in self._counted:
             return
         self._counted.add(key)
-        log.warning("skipping sample (%s): %s", kind, message)
+        if self.log_skips:
+            log.warning("skipping sample (%s): %s", kind, message)
         self.stats.record(kind, message)
+
+    def report(self, failed: Failed) -> None:
+        """Handle a sample that failed elsewhere (another rank's decoding) by the policy: count and log it
+        once, or raise with ``on_error="fail"``."""
+        self._fail(failed.kind, failed.message, failed.where)
 
     def __getitem__(self, index: int) -> LoadedSample | Failed:
         try:
@@ -161,7 +176,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
 
         Media headers come from the shape index (`build_shape_index`: each distinct file read once, in
         ``num_workers`` processes, cached in ``shape_cache``); a record repeated by a mixture is
-        rendered once.
+        rendered once, and a record whose rendering the token cache holds is not rendered.
         """
         unique = list({id(c): c for c in self.records}.values())
         refs = [[media_file(r, c) for r in c.media()] for c in unique]
@@ -179,7 +194,21 @@ class MultimodalDataset(torch.utils.data.Dataset):
                 self._fail(s.kind, s.message, s.where)
             else:
                 out.append(replace(s, sample_id=i))
+        if self.builder.token_cache is not None:
+            self.builder.token_cache.save()
         return out
+
+    def outline(self, shape: SampleShape) -> SampleOutline:
+        """A sample of `shapes` as the batch builder sees it without decoding it (`SampleOutline`)."""
+        index = shape.sample_id
+        conv = self.records[index]
+        outline = self.builder.outline(shape, self.builder.n_targets(conv, shape))
+        outline.sample_id = conv.id if conv.id is not None else index
+        return outline
+
+    def decode(self, indices: list[int]) -> list[LoadedSample | Failed]:
+        """Decode samples in this process; bad ones returned as `Failed`, neither counted nor logged."""
+        return [self[i] for i in indices]
 
     def _accept(self, results: list[LoadedSample | Failed]) -> list[LoadedSample]:
         good = []

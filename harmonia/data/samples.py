@@ -5,7 +5,9 @@ from the shape index), or nothing when the record declares sizes (``height``/``w
 ``seconds`` of audio), and returns the `SampleShape` the scheduler balances with.
 `SampleBuilder.build` decodes the media (harmonia.data.media, with the model's preprocessing) and
 returns the same shape with the `TokenizedSample` the executor packs; decoding checks declared sizes
-against the file. Item token counts come from `harmonia.workload.shapes` for the model spec; the
+against the file. A shape's rendering (`Rendered`: token count, item runs, learned tokens) can come
+from a `harmonia.data.token_cache.TokenCountCache` instead of the tokenizer; with it,
+`SampleBuilder.outline` gives what a rank needs of a sample it does not decode (`SampleOutline`). Item token counts come from `harmonia.workload.shapes` for the model spec; the
 tokenizer (harmonia.data.tokenizer) renders the conversation around them and marks learned tokens.
 
 Labels are next-token targets aligned with ``input_ids``: ``labels[t] = input_ids[t + 1]`` where
@@ -22,12 +24,63 @@ from harmonia.data import media as M
 from harmonia.data.conversation import Conversation, MediaRef
 from harmonia.data.records import DataError, TarSource
 from harmonia.data.shape_index import MediaFile
+from harmonia.data.token_cache import TokenCountCache
 from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
 from harmonia.errors import HarmoniaError
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
 from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What the scheduler needs of a conversation's rendering, without the token ids.
+
+    Attributes:
+        n_ids: tokens of the rendered sequence, item runs included.
+        items: ``(start, length)`` of each media item's run, in sequence order.
+        n_targets: tokens with a next-token label (``labels != -100``): the sample's loss normalizer share.
+        learned: whether any token is learned.
+    """
+
+    n_ids: int
+    items: tuple[tuple[int, int], ...]
+    n_targets: int
+    learned: bool
+
+    @classmethod
+    def of(cls, enc: Encoded) -> Rendered:
+        """The rendering summary of an encoded conversation."""
+        return cls(len(enc.ids), tuple(map(tuple, enc.items)), sum(enc.targets[1:]), any(enc.targets))
+
+
+@dataclass(frozen=True)
+class ItemOutline:
+    """An undecoded item: only the encoder that takes it."""
+
+    module: str
+
+
+@dataclass
+class SampleOutline:
+    """A sample a rank does not decode: its token runs and items' encoders, as a `TokenizedSample`
+    shows them to the batch builder (`harmonia.runtime.mllm_inputs.build_rank_batch`), no tensors.
+
+    Attributes:
+        segments: ``(kind, length)`` runs, kind ``text`` or ``item``.
+        items: the encoder of each ``item`` segment.
+        n_targets: tokens with a next-token label.
+        sample_id: dataset identifier.
+    """
+
+    segments: list[tuple[str, int]]
+    items: list[ItemOutline]
+    n_targets: int
+    sample_id: int | str | None = None
+
+    def __len__(self) -> int:
+        return sum(n for _, n in self.segments)
 
 
 @dataclass
@@ -90,6 +143,7 @@ class SampleBuilder:
     max_tokens: int = 4096
     preprocessors: dict = field(default_factory=dict)
     sampling: M.FrameSampling = field(default_factory=M.FrameSampling)
+    token_cache: TokenCountCache | None = None
 
     def _module(self, ref: MediaRef, where: str) -> str:
         try:
@@ -132,16 +186,35 @@ class SampleBuilder:
         groups = frame_groups(item.frames, 1, enc.temporal_merge) if item.modality == "video" else None
         return item, ItemInputs(module, x, groups)
 
-    def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
-        lengths = [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]
-        enc = self.tokenizer.encode_conversation(conv, lengths)
-        if len(enc.ids) > self.max_tokens:
-            raise DataError("too_long", conv.where, f"sample has {len(enc.ids)} LLM tokens, more than "
+    def _lengths(self, items: list[ModalityItem]) -> list[int]:
+        return [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]
+
+    def _shape_of(self, conv: Conversation, index: int, items: list[ModalityItem], lengths: list[int],
+                  r: Rendered) -> SampleShape:
+        if r.n_ids > self.max_tokens:
+            raise DataError("too_long", conv.where, f"sample has {r.n_ids} LLM tokens, more than "
                             f"max_tokens={self.max_tokens}; raise the limit or drop it")
-        if not any(enc.targets):
+        if not r.learned:
             raise DataError("no_targets", conv.where, "no token of the sample is learned (empty assistant turns)")
-        offsets = tuple(start - sum(lengths[:k]) for k, (start, _) in enumerate(enc.items))
-        return SampleShape(len(enc.ids) - sum(lengths), tuple(items), offsets, sample_id=index), enc
+        offsets = tuple(start - sum(lengths[:k]) for k, (start, _) in enumerate(r.items))
+        return SampleShape(r.n_ids - sum(lengths), tuple(items), offsets, sample_id=index)
+
+    def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
+        lengths = self._lengths(items)
+        enc = self.tokenizer.encode_conversation(conv, lengths)
+        return self._shape_of(conv, index, items, lengths, Rendered.of(enc)), enc
+
+    def render(self, conv: Conversation, lengths: list[int]) -> Rendered:
+        """The rendering summary of a conversation with items of ``lengths`` LLM tokens, from the token
+        cache when it holds it (else rendered, and remembered by the cache)."""
+        if self.token_cache is not None:
+            cached = self.token_cache.get(conv, lengths)
+            if cached is not None:
+                return cached
+        r = Rendered.of(self.tokenizer.encode_conversation(conv, lengths))
+        if self.token_cache is not None:
+            self.token_cache.put(conv, lengths, r)
+        return r
 
     def shape(self, conv: Conversation, index: int, headers: list[dict] | None = None) -> SampleShape:
         """The sample's shape from media headers only; raises `DataError` for an unusable sample.
@@ -153,7 +226,28 @@ class SampleBuilder:
         """
         refs = conv.media()
         items = [self.item_shape(r, conv, headers[k] if headers else None) for k, r in enumerate(refs)]
-        return self._encode(conv, index, items)[0]
+        lengths = self._lengths(items)
+        rendered = self.render(conv, lengths)
+        return self._shape_of(conv, index, items, lengths, rendered)
+
+    def n_targets(self, conv: Conversation, shape: SampleShape) -> int:
+        """Tokens with a next-token label of a sample of ``shape`` (from the token cache when it holds it)."""
+        return self.render(conv, self._lengths(list(shape.items))).n_targets
+
+    def outline(self, shape: SampleShape, n_targets: int) -> SampleOutline:
+        """What the batch builder needs of a sample this rank does not decode: the token runs of its
+        shape (the same runs decoding gives) and its items' encoders."""
+        lengths = self._lengths(list(shape.items))
+        segments, text = [], 0
+        for offset, n in zip(shape.offsets(), lengths):
+            if offset > text:
+                segments.append(("text", offset - text))
+            segments.append(("item", n))
+            text = offset
+        if shape.text_tokens > text:
+            segments.append(("text", shape.text_tokens - text))
+        items = [ItemOutline(self.mllm.encoder_for(i.modality)) for i in shape.items]
+        return SampleOutline(segments, items, n_targets, shape.sample_id)
 
     def build(self, conv: Conversation, index: int) -> LoadedSample:
         """Decode a conversation into its shape and tensors; raises `DataError` for an unusable sample."""

@@ -25,11 +25,16 @@ class ItemInputs:
         inputs: ``(n_seq, C, H, W)`` tiles / frame tiles, or ``(n_seq, n_mels, F)`` audio chunks.
         groups: ``(n_seq,)`` output slot of each sequence; sequences sharing a slot are averaged
             (temporal merge of video frames). Slots are ``0 .. n_groups - 1`` in LLM order.
+        order: ``(n_llm_tokens, 2)`` where each LLM token comes from instead of slot order: the
+            ``(sequence, feature)`` of the item's projected features, or ``(-1, 0)`` for the
+            projector's ``image_newline`` (LLaVA-NeXT anyres, `harmonia.model.anyres.anyres_order`);
+            None = slots.
     """
 
     module: str
     inputs: torch.Tensor
     groups: torch.Tensor | None = None
+    order: torch.Tensor | None = None
 
     @property
     def n_groups(self) -> int:
@@ -72,6 +77,11 @@ class TokenizedSample:
                 f"sample {self.sample_id}: segments cover {n} tokens and {n_items} items but input_ids has "
                 f"{self.input_ids.numel()}, labels {self.labels.numel()} and there are {len(self.items)} items"
             )
+        lengths = [length for kind, length in self.segments if kind == "item"]
+        for k, (item, length) in enumerate(zip(self.items, lengths)):
+            if item.order is not None and item.order.shape[0] != length:
+                raise SampleError(f"sample {self.sample_id}: item {k} orders {item.order.shape[0]} LLM tokens but "
+                                  f"its segment has {length}")
 
     def __len__(self) -> int:
         return self.input_ids.numel()
@@ -86,12 +96,39 @@ class MediaInputs:
         groups: ``(N,)`` global output slot of each sequence (see `ItemInputs.groups`).
         n_groups: number of output slots; slot ``g`` fills LLM tokens ``g*P .. (g+1)*P - 1`` of ``index``.
         index: ``(n_tokens,)`` positions in the packed sequence that receive the encoder's tokens.
+        order: ``(n_tokens, 2)`` the items' `ItemInputs.order`, sequence numbers counted over all
+            of ``inputs`` (-1 stays the newline); None when no item has one.
     """
 
     inputs: torch.Tensor
     groups: torch.Tensor
     n_groups: int
     index: torch.Tensor
+    order: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> MediaInputs:
+        order = None if self.order is None else self.order.to(device)
+        return MediaInputs(self.inputs.to(device), self.groups.to(device), self.n_groups, self.index.to(device), order)
+
+
+def item_order(items: list[ItemInputs]) -> torch.Tensor | None:
+    """The `MediaInputs.order` of items encoded together (sequence numbers offset past the items
+    before), or None when no item has an order.
+
+    Raises:
+        SampleError: when some items have an order and others not (one projector, one rule).
+    """
+    given = [item.order is not None for item in items]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SampleError("items of one encoder mix anyres token orders with slot order; one model has one rule")
+    out, offset = [], 0
+    for item in items:
+        seq, feature = item.order.unbind(1)
+        out.append(torch.stack([torch.where(seq >= 0, seq + offset, seq), feature], dim=1))
+        offset += item.inputs.shape[0]
+    return torch.cat(out)
 
 
 @dataclass
@@ -131,10 +168,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> PackedBatch:
         lay = self.layout
-        media = {
-            k: MediaInputs(m.inputs.to(device), m.groups.to(device), m.n_groups, m.index.to(device))
-            for k, m in self.media.items()
-        }
+        media = {k: m.to(device) for k, m in self.media.items()}
         return PackedBatch(
             self.input_ids.to(device), self.labels.to(device),
             TokenLayout(lay.sample.to(device), lay.segment.to(device), lay.is_item.to(device), lay.position.to(device)),
@@ -160,7 +194,8 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
         for kind, length in s.segments:
             if kind == "item":
                 item = next(items)
-                acc = per_module.setdefault(item.module, {"inputs": [], "groups": [], "index": [], "n": 0})
+                acc = per_module.setdefault(item.module, {"inputs": [], "groups": [], "index": [], "n": 0, "items": []})
+                acc["items"].append(item)
                 groups = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
                 acc["inputs"].append(item.inputs)
                 acc["groups"].append(groups + acc["n"])
@@ -168,7 +203,8 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
                 acc["index"].append(torch.arange(offset, offset + length))
             offset += length
     media = {
-        name: MediaInputs(torch.cat(a["inputs"]), torch.cat(a["groups"]), a["n"], torch.cat(a["index"]))
+        name: MediaInputs(torch.cat(a["inputs"]), torch.cat(a["groups"]), a["n"], torch.cat(a["index"]),
+                          item_order(a["items"]))
         for name, a in per_module.items()
     }
     return PackedBatch(

@@ -60,10 +60,17 @@ def group_mean(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Te
     return out / counts[:, None, None]
 
 
+def project_items(projector: nn.Module, x: torch.Tensor, media: MediaInputs) -> torch.Tensor:
+    """The projector over an encoder's outputs ``(N, P', h)`` -> the items' LLM tokens ``(n_tokens, D)``:
+    slots averaged (`group_mean`), or gathered in ``media.order`` (anyres images)."""
+    if media.order is not None:
+        return projector(x, media.order)  # (n_tokens, D)
+    return group_mean(projector(x), media.groups, media.n_groups).flatten(0, 1)  # (n_groups * P, D)
+
+
 def encode_media(encoder: nn.Module, projector: nn.Module, media: MediaInputs) -> torch.Tensor:
     """Encoder then projector over one encoder's inputs: ``(n_tokens, D)`` in ``media.index`` order."""
-    y = projector(encoder(media.inputs))  # (N, P, D)
-    y = group_mean(y, media.groups, media.n_groups).flatten(0, 1)  # (n_groups * P, D)
+    y = project_items(projector, encoder(media.inputs), media)
     if y.shape[0] != media.index.numel():
         raise SampleError(
             f"encoder output has {y.shape[0]} tokens but the packed sequence reserves "

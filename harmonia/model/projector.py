@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harmonia.errors import SampleError
 from harmonia.model.layers import init_weights
 from harmonia.model.spec import ProjectorSpec
 
@@ -24,23 +25,43 @@ def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class Projector(nn.Module):
-    """``LayerNorm(in)`` (optional) then linears with the activation between: ``(N, P, in) -> (N, P, out)``."""
+    """``LayerNorm(in)`` (optional) then linears with the activation between: ``(N, P, in) -> (N, P, out)``.
+
+    With ``spec.newline`` it holds LLaVA-NeXT's ``image_newline`` (``(out,)``, initialised as
+    transformers does: normal with std ``out ** -0.5``) and, given an ``order``
+    (`harmonia.model.batch.MediaInputs.order`), returns the items' LLM tokens in that order instead.
+    """
 
     def __init__(self, spec: ProjectorSpec) -> None:
         super().__init__()
         self.spec = spec
         self.norm = nn.LayerNorm(spec.in_dim) if spec.input_norm else None
         self.linears = nn.ModuleList(nn.Linear(i, o, bias=spec.bias) for i, o in spec.dims())
+        self.image_newline = nn.Parameter(torch.randn(spec.out_dim) * spec.out_dim**-0.5) if spec.newline else None
         init_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """``(N, P, in) -> (N, P, out)``; with ``order`` (``(n, 2)`` sequence, feature) ``-> (n, out)``."""
         if self.norm is not None:
             x = self.norm(x)
         for i, linear in enumerate(self.linears):
             x = linear(x)
             if i < len(self.linears) - 1:
                 x = activation(self.spec.act, x)
-        return x
+        return x if order is None else self.arrange(x, order)
+
+    def arrange(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """Projected features ``(N, P, out)`` -> ``(n, out)`` LLM tokens: ``y[seq, feature]``, the newline where ``seq < 0``."""
+        if self.image_newline is None:
+            raise SampleError(f"projector {self.spec.name!r} has no image_newline; anyres token orders are for a "
+                              "LLaVA-NeXT projector (ProjectorSpec.newline)")
+        seq, feature = order.unbind(1)
+        n_seq, per_seq = y.shape[:2]
+        if order.numel() and (int(seq.max()) >= n_seq or int(feature.max()) >= per_seq):
+            raise SampleError(f"an anyres token order reaches sequence {int(seq.max())}, feature {int(feature.max())} "
+                              f"of {n_seq} sequences of {per_seq} features; build it for the items' sizes")
+        rows = y.flatten(0, 1)[seq.clamp(min=0) * per_seq + feature]  # (n, out)
+        return torch.where((seq < 0)[:, None], self.image_newline.to(rows.dtype), rows)
 
 
 def build_projector(spec: ProjectorSpec) -> Projector:

@@ -177,6 +177,11 @@ class EncoderSpec:
     ``dropped_tokens`` leading tokens never reach the projector: None drops the class token when
     there is one; LLaVA's ``default`` strategy drops the first token whatever it is (CLIP's class
     token, SigLIP's first patch), ``full`` drops none.
+
+    ``grid_pinpoints`` (LLaVA-NeXT anyres, `harmonia.model.anyres`): the ``(height, width)``
+    resolutions, multiples of ``image_size``, one of which an image is fitted into and cut into
+    tiles after a base tile of the whole image; its LLM tokens are the base tile's, the grid's
+    cropped to the image's aspect ratio, and one ``image_newline`` per feature row.
     """
 
     name: str
@@ -203,9 +208,11 @@ class EncoderSpec:
     max_positions: int = 1500
     feature_layers: tuple[int, ...] = ()
     dropped_tokens: int | None = None
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
+        object.__setattr__(self, "grid_pinpoints", tuple(tuple(int(v) for v in p) for p in self.grid_pinpoints))
         bad = [m for m in self.modalities if m not in MODALITIES]
         if not self.modalities or bad:
             raise ConfigError(
@@ -226,6 +233,10 @@ class EncoderSpec:
                 f"patch_size={self.patch_size}"
             )
         self._check_output()
+        if self.grid_pinpoints:
+            from harmonia.model.anyres import check_anyres
+
+            check_anyres(self)
 
     def _check_output(self) -> None:
         owner, n = f"encoder {self.name!r}", self.body.n_layers
@@ -307,6 +318,8 @@ class ProjectorSpec:
         act: activation between linears: ``gelu`` (exact), ``gelu_tanh``, ``quick_gelu``, ``silu``
             or ``relu``.
         bias: the linears have biases.
+        newline: an ``image_newline`` vector of ``out_dim`` (LLaVA-NeXT) that ends every feature row
+            of an anyres image (`harmonia.model.anyres`).
     """
 
     name: str
@@ -317,6 +330,7 @@ class ProjectorSpec:
     input_norm: bool = True
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu", "relu"] = "gelu"
     bias: bool = True
+    newline: bool = False
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -337,7 +351,8 @@ class ProjectorSpec:
 
     def n_params(self) -> int:
         biases = sum(o for _, o in self.dims()) if self.bias else 0
-        return self.matmul_params() + biases + (2 * self.in_dim if self.input_norm else 0)
+        norm = 2 * self.in_dim if self.input_norm else 0
+        return self.matmul_params() + biases + norm + (self.out_dim if self.newline else 0)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from torch import nn
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.layers import ShardedKeys
 from harmonia.model.llm import lm_loss
-from harmonia.model.mllm import group_mean
+from harmonia.model.mllm import project_items
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.grads import clip_grad_norm, squared_norm_share, start_fsdp_backward
@@ -368,8 +368,7 @@ class _MLLMIteration:
             with torch.set_grad_enabled(grad), self._autocast():
                 y = r.chunks[c](x)
                 if last:
-                    y = r.projector(y)  # (N, P, D)
-                    y = group_mean(y, media.groups, media.n_groups).flatten(0, 1)  # (rows, D)
+                    y = project_items(r.projector, y, media)  # (rows, D)
             if grad:
                 self.saved[key] = ([x] if c > 0 else [], y)
             if not last:

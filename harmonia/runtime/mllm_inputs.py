@@ -155,7 +155,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
             if not replica:
                 raise SampleError(f"microbatch {m}: LLM replica {d} gets no sample; give every LLM "
                                   "replica at least one sample per microbatch")
-        total += sum(int((s.labels != -100).sum()) for s in samples)
+        total += sum(_n_targets(s) for s in samples)
         replicas = [[samples[i] for i in replica] for replica in llm_split[m]]
         assign = _cp_assignment(llm.cp, replicas, None if llm_cp is None else llm_cp[m], m)
         if rank in llm.rank_list():
@@ -178,6 +178,12 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
             out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in cuts])
     out.n_targets = float(total)
     return out
+
+
+def _n_targets(sample: TokenizedSample) -> int:
+    """Tokens with a label; a sample this rank did not decode (`harmonia.data.samples.SampleOutline`)
+    carries the count."""
+    return sample.n_targets if hasattr(sample, "n_targets") else int((sample.labels != -100).sum())
 
 
 def _cp_assignment(cp: int, replicas: list[list[TokenizedSample]],

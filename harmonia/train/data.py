@@ -6,10 +6,15 @@ messages JSONL, webdataset shards, a mixture file) or the synthetic layout (``tr
 a user's directory is never written into. Samples are rendered with the model's own tokenizer and
 chat template and its processor's media numbers when the model comes from HF checkpoints, and with
 the byte tokenizer for presets.
+
+The job's caches of the training split (its media header shapes and rendered token counts) live
+under ``checkpoint.dir`` (`data_cache_dir`), never in the user's dataset directory: the launcher's
+shape pass writes them, the ranks and a resumed job read them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from harmonia.config import Config
@@ -42,9 +47,31 @@ def job_preprocessors(config: Config, spec) -> dict:
     return build_media_preprocessors(spec, given, max_pixels=config.data.max_pixels)
 
 
-def open_split(config: Config, split: str = "train", spec=None, tokenizer=None):
+def data_cache_dir(config: Config) -> Path:
+    """Where the job caches its training data's shapes and token counts: under ``checkpoint.dir``."""
+    return Path(config.checkpoint.dir) / "data-cache"
+
+
+def _shape_cache(cache_dir: str | Path, dataset: str | Path) -> Path:
+    """The shape index cache file of one dataset path inside ``cache_dir``."""
+    path = Path(dataset).resolve()
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    return Path(cache_dir) / f"{path.name}-{digest}.shapes.json"
+
+
+def open_split(config: Config, split: str = "train", spec=None, tokenizer=None, *,
+               cache_dir: str | Path | None = None, log_skips: bool = True):
     """The ``train`` or ``heldout`` split of ``data.path`` as a `MultimodalDataset`, or None when the
-    dataset has no such split (only the synthetic layout holds one out)."""
+    dataset has no such split (only the synthetic layout holds one out).
+
+    Args:
+        config: the job.
+        split: ``train`` or ``heldout``.
+        spec: the model spec (default: the config's).
+        tokenizer: the job's tokenizer (default: `job_tokenizer`).
+        cache_dir: where its shape index and token counts are cached (None: not cached).
+        log_skips: log each bad record (False: count them only).
+    """
     from harmonia.data.loader import open_dataset
     from harmonia.data.sources import dataset_splits
 
@@ -58,7 +85,20 @@ def open_split(config: Config, split: str = "train", spec=None, tokenizer=None):
                         max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if split == "train" else "skip",
                         media_root=d.media_root or None, allow_outside_root=d.allow_outside_root,
                         seed=config.train.seed, num_workers=d.num_workers,
-                        preprocessors=job_preprocessors(config, spec))
+                        preprocessors=job_preprocessors(config, spec), log_skips=log_skips,
+                        shape_cache=_shape_cache(cache_dir, path) if cache_dir is not None else None)
+
+
+def open_training_data(config: Config, spec, rank: int):
+    """One rank's training set and the shape of every usable sample (dataset index -> `SampleShape`).
+
+    The shape pass reads the caches the launcher's pass wrote and logs nothing (the launcher
+    reported its bad records); samples that fail while training are logged by rank 0 only.
+    """
+    dataset = open_split(config, "train", spec, cache_dir=data_cache_dir(config), log_skips=False)
+    shapes = {s.sample_id: s for s in dataset.shapes()}
+    dataset.log_skips = rank == 0
+    return dataset, shapes
 
 
 def prepare_data(config: Config) -> bool:

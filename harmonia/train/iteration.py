@@ -1,28 +1,39 @@
 """Everything one iteration needs, built on the CPU a step ahead (in the prefetch thread).
 
-For step ``k``: the data order gives the global batch; its samples are decoded (bad ones reported
-and skipped by the data policy, identically on every rank); the cost model prices every module's
-work per sample; the balancer forms the global microbatches, LLM replicas and encoder replicas
+For step ``k``: the data order gives the global batch; the cost model prices every module's work per
+sample from its shape (the shape index and cached token counts: nothing is decoded to balance); the
+balancer forms the global microbatches, LLM replicas and encoder replicas
 (`harmonia.schedule.iteration.assign_iteration`) and, with LLM ``cp > 1``, each replica's CP token
 shards (`harmonia.runtime.mllm_inputs.cp_token_ranks`); the per-batch search picks the microbatch order
 and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise the step time
 (the replayed one for the order, the simulated one on the cluster model for the split, with the
 shared cost model; a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
 tensors are cut from the batch, encoder items in the sub-microbatch runs the schedule was priced
-with. Every rank runs its own action list
+with. A rank decodes only the samples whose tensors it trains (`harmonia.train.rank_data`), in the
+decoder's worker processes. Every rank runs its own action list
 of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
 model: the same lists, every rank's, timed (the "simulated" time beside the measured one).
+
+Failures are agreed in the training thread (`IterationBuilder.settle`, at the start of step ``k``):
+every rank's decoding failures are gathered on the data process group, counted once by the data
+policy, and, when there are any, every rank drops the same samples and prepares the step again.
+So that every rank prepares the same step ``k + 1``, its preparation starts only after step ``k``'s
+agreement and leaves out every sample that failed before: still one step ahead of training.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from harmonia.data.loader import MultimodalDataset
-from harmonia.errors import SampleError
+from harmonia.data.decode import SampleDecoder
+from harmonia.data.loader import Failed, MultimodalDataset
+from harmonia.data.samples import LoadedSample
+from harmonia.errors import HarmoniaError, SampleError
 from harmonia.model.spec import MLLMSpec
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule.families import build_schedule
@@ -33,8 +44,10 @@ from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
 from harmonia.sim.tasks import simulate_schedule, simulated_step
+from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
+from harmonia.workload.shapes import SampleShape
 
 
 class DataOrder:
@@ -72,7 +85,7 @@ class PreparedIteration:
     Attributes:
         step: the step (0-based).
         sample_ids: dataset indices trained this step (decoded successfully).
-        skipped: samples of the step's batch dropped by the data policy.
+        skipped: samples of the step's batch dropped by the data policy (failed now or before).
         assignment: global microbatches and replicas (batch positions).
         schedule: the schedule every rank expands to its action list.
         batch: this rank's tensors.
@@ -82,6 +95,9 @@ class PreparedIteration:
         calibrated: whether ``predicted`` used a cost model fitted to measured steps.
         n_sub: encoder -> the sub-microbatches each of its microbatches was split into (the
             per-batch search's choice; 1 = not split).
+        failed: this rank's decoding failures (not yet agreed; `IterationBuilder.settle` clears them).
+        decoded: dataset index -> what this rank decoded for the step.
+        settle_s: seconds the training thread spent agreeing on failures (and preparing again).
     """
 
     step: int
@@ -95,10 +111,20 @@ class PreparedIteration:
     prepare_s: float
     calibrated: bool = False
     n_sub: dict[str, int] = field(default_factory=dict)
+    failed: list[Failed] = field(default_factory=list)
+    decoded: dict[int, LoadedSample | Failed] = field(default_factory=dict, repr=False)
+    settle_s: float = 0.0
+
+
+class BuilderClosed(HarmoniaError):
+    """The builder was closed while a preparation waited for the previous step's agreement."""
 
 
 class IterationBuilder:
-    """Builds `PreparedIteration` for any step, deterministically (the same on every rank).
+    """Builds `PreparedIteration` for any step, deterministically (the same schedule on every rank).
+
+    Steps are prepared in order: ``builder(k)`` (in the prefetch thread) waits for step ``k - 1``'s
+    `settle` (in the training thread); `build` does both, for callers without a prefetcher.
 
     Args:
         spec: the MLLM.
@@ -112,16 +138,29 @@ class IterationBuilder:
         search_evaluations: schedules the per-batch order search replays, and the most encoder splits
             the sub-microbatch search replays (0 = the balancer's order, no split).
         simulate: also simulate the step (rank 0).
+        shapes: dataset index -> shape of every usable sample (`MultimodalDataset.shapes`).
+        decoder: decodes this rank's samples (default: in this process).
+        agree: every rank's failures from this rank's (`harmonia.train.rank_data.agree_failures` on
+            the data group); default: one process.
     """
 
     def __init__(self, spec: MLLMSpec, plan: Plan, dataset: MultimodalDataset, order: DataOrder, cost: CostModel,
                  cluster: ClusterSpec, graph: StageGraph, rank: int, search_evaluations: int = 64,
-                 simulate: bool = False) -> None:
+                 simulate: bool = False, *, shapes: Mapping[int, SampleShape],
+                 decoder: SampleDecoder | None = None,
+                 agree: Callable[[list[Failed]], list[Failed]] | None = None) -> None:
         self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
+        self.shapes = shapes
+        self.decoder = decoder or SampleDecoder(dataset, 0)
+        self.agree = agree or (lambda failed: agree_failures(failed, None))
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
         self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
+        self.bad: set[int] = set()  # samples every rank agreed failed, dropped before balancing
+        self._settled: int | None = None  # the newest step agreed on
+        self._closed = False
+        self._cond = threading.Condition()
 
     def calibrate(self, calibration: Calibration) -> None:
         """Price later simulated steps with ``calibration`` (balancing and the order search keep the
@@ -129,30 +168,86 @@ class IterationBuilder:
         self.sim_cost = CostModel(self.spec, self.cost.device, calibration, self.cost.act_bytes)
 
     def __call__(self, step: int) -> PreparedIteration:
+        """Prepare ``step`` once step ``step - 1`` is settled (the first call prepares at once)."""
+        with self._cond:
+            if self._settled is None:
+                self._settled = step - 1
+            while not self._closed and self._settled < step - 1:
+                self._cond.wait()
+            if self._closed:
+                raise BuilderClosed(f"step {step} was not prepared: the iteration builder was closed")
+            bad = set(self.bad)
+        return self._prepare(step, bad, {})
+
+    def settle(self, it: PreparedIteration) -> PreparedIteration:
+        """Agree with every rank on the step's failures (collective on the data group): each is counted
+        once by the data policy (``on_error=fail`` raises here, on every rank), and the step is prepared
+        again without them until no rank fails. Returns the step every rank trains."""
+        t0 = time.perf_counter()
+        while True:
+            failed = self.agree(it.failed)
+            if not failed:
+                break
+            for f in failed:
+                self.dataset.report(f)
+            with self._cond:
+                self.bad.update(f.index for f in failed)
+            it = self._prepare(it.step, set(self.bad), it.decoded)
+        self.dataset.stats.loaded += len(it.sample_ids)
+        it.decoded = {}
+        it.settle_s = time.perf_counter() - t0
+        with self._cond:
+            self._settled = it.step
+            self._cond.notify_all()
+        return it
+
+    def build(self, step: int) -> PreparedIteration:
+        """Prepare and settle ``step`` in this thread."""
+        return self.settle(self(step))
+
+    def close(self) -> None:
+        """Stop waiting preparations and the decoder's workers."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.decoder.close()
+
+    def _prepare(self, step: int, bad: set[int], decoded: dict[int, LoadedSample | Failed]) -> PreparedIteration:
+        """Balance the step's samples not in ``bad`` from their shapes, decode the ones this rank trains
+        (those not in ``decoded`` yet), and build its schedule and tensors; with a failure of its own,
+        the step is returned unbuilt, to be prepared again after `settle`."""
         t0 = time.perf_counter()
         wanted = self.order.batch(step)
-        samples = self.dataset.load(wanted)
+        ids = [i for i in wanted if i not in bad]
         plan, llm = self.plan, self.plan.layouts[LLM]
-        if len(samples) < llm.dp * plan.n_microbatches:
-            raise SampleError(f"step {step}: only {len(samples)} of {len(wanted)} samples decoded, fewer than "
+        if len(ids) < llm.dp * plan.n_microbatches:
+            raise SampleError(f"step {step}: only {len(ids)} of {len(wanted)} samples decoded, fewer than "
                               f"llm dp x n_microbatches = {llm.dp * plan.n_microbatches}; fix the data")
-        shapes = [s.shape for s in samples]
+        shapes = [self.shapes[i] for i in ids]
         costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
         assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
                                       plan.n_microbatches, tokens=tokens, seed=step, feeds=self.feeds)
+        mine = rank_positions(plan.layouts, self.rank, assignment, shapes, self.spec)
+        todo = [p for p in mine if ids[p] not in decoded]
+        for p, r in zip(todo, self.decoder.decode([ids[p] for p in todo])):
+            decoded[ids[p]] = check_decoded(r, shapes[p], self.dataset)
+        failed = [decoded[ids[p]] for p in mine if isinstance(decoded[ids[p]], Failed)]
+        if failed:
+            return PreparedIteration(step, ids, len(wanted) - len(ids), assignment, None, None, 0, None,
+                                     time.perf_counter() - t0, failed=failed, decoded=decoded)
         sim_cost = self.sim_cost
         schedule, iw, predicted = self._schedule(shapes, assignment, sim_cost)
-        micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
+        micro = rank_samples(assignment, ids, shapes, decoded, set(mine), self.dataset)
         llm_cp = None
         if llm.cp > 1:  # each replica's tokens over its CP ranks, balanced on the LLM's FLOPs
             llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=self.spec.llm.body)
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp)
-        return PreparedIteration(step, [s.index for s in samples], len(wanted) - len(samples), assignment,
+        return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,
-                                 n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders})
+                                 n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders}, decoded=decoded)
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
                   sim_cost: CostModel) -> tuple[IterationSchedule, IterationWork, Timeline | None]:

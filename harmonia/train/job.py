@@ -25,7 +25,7 @@ from harmonia.config import Config
 from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.backend import backend_of, hang_timeout
-from harmonia.train.data import open_split, prepare_data
+from harmonia.train.data import data_cache_dir, open_split, prepare_data
 from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
 
 log = logging.getLogger(__name__)
@@ -44,14 +44,17 @@ class TrainResult:
 
 
 def dataset_shapes(config: Config) -> list:
-    """Shapes of every usable training sample (bad ones counted, reported and skipped)."""
-    return open_split(config, "train").shapes()
+    """Shapes of every usable training sample (bad ones counted, reported and skipped; the shapes and
+    token counts cached for the ranks under ``checkpoint.dir``)."""
+    return open_split(config, "train", cache_dir=data_cache_dir(config)).shapes()
 
 
 def resolve_plan(config: Config) -> tuple[Plan, PlanReport | None]:
     """The plan file of the config, or the best plan the search finds on the job's data."""
     if config.parallel.plan != "auto":
-        return load_training_plan(config), None
+        plan = load_training_plan(config)
+        dataset_shapes(config)  # the job's one report of bad records; the ranks read the caches it writes
+        return plan, None
     report = search_training_plan(config, dataset_shapes(config))
     return report.best, report
 

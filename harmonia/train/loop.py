@@ -118,8 +118,10 @@ class Trainer:
     """
 
     def __init__(self, config: Config, plan: Plan, rank: int) -> None:
+        from harmonia.data.decode import SampleDecoder
         from harmonia.runtime.meshes import build_module_meshes
-        from harmonia.train.data import open_split
+        from harmonia.train.data import open_training_data
+        from harmonia.train.rank_data import agree_failures
         from harmonia.train.preflight import run_fingerprint
         from harmonia.workload.cost import CostModel
         from harmonia.workload.devices import cluster_from_string
@@ -132,14 +134,16 @@ class Trainer:
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
                                       tc.max_norm or None, self.device, tc.precision,
                                       source=config.model.source if config.model.from_checkpoint else None)
-        self.dataset = open_split(config, "train", self.spec)
-        usable = [s.sample_id for s in self.dataset.shapes()]
-        self.order = DataOrder(usable, tc.global_batch, tc.seed)
+        self.dataset, shapes = open_training_data(config, self.spec, rank)
+        self.order = DataOrder(list(shapes), tc.global_batch, tc.seed)
+        self.data_group = dist.new_group(backend="gloo")  # the ranks agree on samples that failed to decode
         cluster = cluster_from_string(config.parallel.cluster)
         cost = CostModel(self.spec, cluster.device)
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
                                         schedule_graph(self.spec, plan), rank,
-                                        search_evaluations=config.parallel.schedule_search, simulate=rank == 0)
+                                        search_evaluations=config.parallel.schedule_search, simulate=rank == 0,
+                                        shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers),
+                                        agree=lambda failed: agree_failures(failed, self.data_group))
         self.modules = [LLM, *plan.encoders]
         self.fingerprint = run_fingerprint(config)
         self.faults = Faults(rank)
@@ -190,35 +194,43 @@ class Trainer:
         # prefetcher works up to two steps ahead), is drawn measured beside simulated
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
         with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps) as prefetch:
-            for step in range(self.start_step, tc.steps):
-                self.faults.before_step(step, self.model)
-                self._stop_if_asked(step, stops)  # also the step's barrier
-                it = prefetch.get(step)
-                self._set_lr(step)
-                self.model.executor.action_times = []
-                t0 = time.perf_counter()
-                batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-                result = self._step(step, it, batch)
-                step_s = time.perf_counter() - t0
-                self.losses.append(result.loss)
-                times = _step_times(self.model, step_s, self.modules)
-                module_s, bubble, rss = _reduce_times(times, self.modules)
-                if step in (calibration_step, timeline_step):
-                    actions = self._gather_actions(t0)
-                    if step == calibration_step and self.rank == 0 and it.predicted is not None:
-                        best_effort("calibration.json", self._calibrate, actions, it)
-                    if step == timeline_step and self.rank == 0:
-                        best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
-                                    it.predicted, step_s, calibrated=it.calibrated)
-                if self.rank == 0:
-                    report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
-                            "rss_bytes": rss})
-                if progress is not None:
-                    progress(step + 1)
-                if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
-                    self._save(step + 1)
+            try:
+                self._steps(report, stops, progress, prefetch, calibration_step, timeline_step)
+            finally:
+                self.builder.close()
         if tc.steps > self.saved_step:
             self._save(tc.steps)
+
+    def _steps(self, report, stops: StopSignals | None, progress, prefetch, calibration_step: int,
+               timeline_step: int) -> None:
+        tc, ck = self.config.train, self.config.checkpoint
+        for step in range(self.start_step, tc.steps):
+            self.faults.before_step(step, self.model)
+            self._stop_if_asked(step, stops)  # also the step's barrier
+            it = self.builder.settle(prefetch.get(step))  # collective: failed samples dropped alike
+            self._set_lr(step)
+            self.model.executor.action_times = []
+            t0 = time.perf_counter()
+            batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
+            result = self._step(step, it, batch)
+            step_s = time.perf_counter() - t0
+            self.losses.append(result.loss)
+            times = _step_times(self.model, step_s, self.modules)
+            module_s, bubble, rss = _reduce_times(times, self.modules)
+            if step in (calibration_step, timeline_step):
+                actions = self._gather_actions(t0)
+                if step == calibration_step and self.rank == 0 and it.predicted is not None:
+                    best_effort("calibration.json", self._calibrate, actions, it)
+                if step == timeline_step and self.rank == 0:
+                    best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
+                                it.predicted, step_s, calibrated=it.calibrated)
+            if self.rank == 0:
+                report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
+                        "rss_bytes": rss})
+            if progress is not None:
+                progress(step + 1)
+            if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
+                self._save(step + 1)
 
     def _step(self, step: int, it: PreparedIteration, batch) -> StepOutcome:
         """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite."""
@@ -293,7 +305,7 @@ class Trainer:
             "simulated_calibrated": it.calibrated,
             "schedule_prepare_s": it.prepare_s, "schedule_hidden_frac": stats.hidden_frac,
             "sub_microbatches": it.n_sub,
-            "data_wait_s": next((w for k, _, w in reversed(stats.per_step) if k == step), 0.0),
+            "data_wait_s": next((w for k, _, w in reversed(stats.per_step) if k == step), 0.0) + it.settle_s,
             "peak_memory_bytes": peak, "skipped": it.skipped, **self.dataset.stats.metrics(),
             "epoch": self.order.epoch_of(step + 1),
         }

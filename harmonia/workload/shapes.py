@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from harmonia.errors import SampleError
+from harmonia.model.anyres import anyres_tiles, anyres_tokens, unsized_tokens
 from harmonia.model.spec import MODALITIES, EncoderSpec
 
 
@@ -138,9 +139,12 @@ def find_tile_grid(height: int, width: int, image_size: int, max_tiles: int, min
 
 
 def image_tiles(item: ModalityItem, encoder: EncoderSpec, thumbnail: bool = True) -> int:
-    """Tiles an image (or one video frame) is cut into by a fixed-size encoder."""
+    """Tiles an image (or one video frame) is cut into by a fixed-size encoder (anyres: the base
+    tile and the grid's, `harmonia.model.anyres`)."""
     if item.tiles is not None:
         return item.tiles
+    if encoder.grid_pinpoints:
+        return anyres_tiles(item.height, item.width, encoder)
     cols, rows = find_tile_grid(item.height, item.width, encoder.image_size, encoder.max_tiles)
     n = cols * rows
     return n + 1 if thumbnail and n > 1 else n
@@ -192,12 +196,18 @@ def llm_tokens_of_item(item: ModalityItem, encoder: EncoderSpec, audio_merge: in
     """LLM tokens an item becomes after its projector.
 
     Image: `EncoderSpec.llm_tokens_per_tile` per tile (patches less the dropped class token, over
-    ``token_merge``). Video: per-frame tokens times ``ceil(frames / temporal_merge)``. Audio: encoder
-    tokens divided by ``token_merge``.
+    ``token_merge``); an anyres encoder's per image size (`harmonia.model.anyres.anyres_tokens`),
+    or, for an image known by its tile count only, the most such an image gives
+    (`harmonia.model.anyres.unsized_tokens`). Video: per-frame tokens times
+    ``ceil(frames / temporal_merge)``. Audio: encoder tokens divided by ``token_merge``.
     """
     if item.modality == "audio":
         enc = sum(encoder_sequences(item, encoder))
         return math.ceil(enc / encoder.token_merge)
+    if encoder.grid_pinpoints and item.modality == "image":
+        if item.tiles is not None:
+            return unsized_tokens(item.tiles, encoder)
+        return anyres_tokens(item.height, item.width, encoder)
     if encoder.native_resolution and item.tiles is None:
         per_frame = _native_patches(item, encoder) // encoder.token_merge
     else:

@@ -327,7 +327,7 @@ def _edit_config(path, change):
     ("vision_feature_layer", lambda c: c.update(vision_feature_layer=0)),
     ("vision_feature_layer", lambda c: c.update(vision_feature_layer=[-1, -9])),
     ("vision_feature_select_strategy", lambda c: c.update(vision_feature_select_strategy="cls_only")),
-    ("llava_next", lambda c: c.update(model_type="llava_next")),
+    ("llava_onevision", lambda c: c.update(model_type="llava_onevision")),
     ("idefics3", lambda c: c.update(model_type="idefics3")),
     ("siglip2_vision_model", lambda c: c["vision_config"].update(model_type="siglip2_vision_model")),
 ])

@@ -1,5 +1,6 @@
-"""Real multimodal checkpoints -> `MLLMSpec`: ``LlavaForConditionalGeneration``, or a composition of
-an LLM checkpoint with encoder checkpoints (fresh projectors).
+"""Real multimodal checkpoints -> `MLLMSpec`: ``LlavaForConditionalGeneration``,
+``LlavaNextForConditionalGeneration``, or a composition of an LLM checkpoint with encoder checkpoints
+(fresh projectors).
 
 LLaVA's math, as transformers computes it: the vision tower's hidden state ``vision_feature_layer``
 (an int, or a list whose states are concatenated on the feature dim), the first token dropped under
@@ -8,6 +9,11 @@ then ``multi_modal_projector`` (``linear_1 -> projector_hidden_act -> linear_2``
 with the projected features at the ``image_token_id`` positions, one causal mask over all tokens.
 The spec holds exactly that: the encoder has only the blocks the selected states need and no
 post-norm, its width is that of the concatenation, and items attend causally.
+
+LLaVA-NeXT is the same model over anyres tiles (``image_grid_pinpoints``: a base tile and a grid per
+image, `harmonia.model.anyres`), whose projected features are laid out as transformers'
+``pack_image_features`` does, ending each feature row with the ``image_newline`` parameter, which
+the projector stage holds (`ProjectorSpec.newline`).
 
 Loading stage by stage and export live in `harmonia.model.hf.stages` and `harmonia.model.hf.export`
 and are re-exported here: `mllm_spec_from_hf`, `load_module_state` and `export_hf` are the whole
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 
 from harmonia.errors import ConfigError, SampleError
+from harmonia.model.anyres import anyres_order, anyres_tiles, anyres_tokens
 from harmonia.model.batch import ItemInputs, TokenizedSample
 from harmonia.model.hf.clip import vision_spec_from_hf
 from harmonia.model.hf.export import export_hf
@@ -37,9 +44,8 @@ from harmonia.model.spec import EncoderSpec, MLLMSpec, ProjectorSpec
 
 __all__ = ["export_hf", "llava_spec_from_hf", "load_module_state", "mllm_spec_from_hf", "tokenized_sample"]
 
-MULTIMODAL_TYPES = ("llava",)
+MULTIMODAL_TYPES = ("llava", "llava_next")
 NOT_IMPLEMENTED = {
-    "llava_next": "LLaVA-NeXT (anyres tiling with image_grid_pinpoints and an image_newline parameter)",
     "llava_onevision": "LLaVA-OneVision (anyres tiling, image_newline, video pooling)",
     "llava_next_video": "LLaVA-NeXT-Video (anyres tiling, video pooling)",
     "vipllava": "VipLLaVA (a layer-normed multi-layer projector)",
@@ -52,7 +58,8 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
     """The `MLLMSpec` of a whole HF multimodal checkpoint or of a composition (see `parse_source`).
 
     Args:
-        source: a ``LlavaForConditionalGeneration`` directory, an LLM directory (Llama, Mistral, Qwen2,
+        source: a ``LlavaForConditionalGeneration`` or ``LlavaNextForConditionalGeneration`` directory, an
+            LLM directory (Llama, Mistral, Qwen2,
             Qwen3: an MLLM without encoders), or ``{"llm": DIR, "encoders":
             {"vision": DIR, "audio": DIR}}`` (CLIP / SigLIP vision, Whisper), or a directory
             `export_hf` wrote for a composition.
@@ -81,10 +88,21 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
     return llava_spec_from_hf(read_full_config(src.root), name=src.root.name)
 
 
+def _grid_pinpoints(config: dict, name: str) -> tuple[tuple[int, int], ...]:
+    pinpoints = config.get("image_grid_pinpoints")
+    if not isinstance(pinpoints, list) or not pinpoints or any(
+            not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(v, int) for v in p) for p in pinpoints):
+        raise ConfigError(f"LLaVA-NeXT config {name!r}: image_grid_pinpoints={pinpoints!r} must be a non-empty list "
+                          "of [height, width] pairs")
+    return tuple(tuple(p) for p in pinpoints)
+
+
 def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
-    """The `MLLMSpec` of a ``LlavaForConditionalGeneration`` from its completed ``config.json``."""
-    if config.get("model_type") != "llava":
-        raise ConfigError(f"config model_type={config.get('model_type')!r} is not 'llava'")
+    """The `MLLMSpec` of a ``LlavaForConditionalGeneration`` or ``LlavaNextForConditionalGeneration``
+    from its completed ``config.json``."""
+    kind = config.get("model_type")
+    if kind not in MULTIMODAL_TYPES:
+        raise ConfigError(f"config model_type={kind!r} is not one of {MULTIMODAL_TYPES}")
     text = dict(config["text_config"])
     text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
     llm = llm_spec_from_hf(text, name=text.get("_name_or_path") or f"{name}-text")
@@ -92,13 +110,18 @@ def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
         config["vision_config"], f"{name}-vision", feature_layer=config.get("vision_feature_layer", -2),
         strategy=config.get("vision_feature_select_strategy", "default"),
     )
-    vision = replace(vision, modalities=("image",), max_tiles=1)  # LlavaProcessor: one crop per image
+    if kind == "llava_next":  # anyres: a base tile and a grid of tiles per image
+        pinpoints = _grid_pinpoints(config, name)
+        most = 1 + max(h // vision.image_size * (w // vision.image_size) for h, w in pinpoints)
+        vision = replace(vision, modalities=("image",), max_tiles=most, grid_pinpoints=pinpoints)
+    else:
+        vision = replace(vision, modalities=("image",), max_tiles=1)  # LlavaProcessor: one crop per image
     act = config.get("projector_hidden_act", "gelu")
     if act not in PROJECTOR_ACTS:
         raise ConfigError(f"projector_hidden_act={act!r} is not implemented; expected one of {sorted(PROJECTOR_ACTS)}")
     projector = ProjectorSpec("vision_proj", in_dim=vision.out_dim, out_dim=llm.hidden, hidden=llm.hidden,
                               n_layers=2, input_norm=False, act=PROJECTOR_ACTS[act],
-                              bias=bool(config.get("multimodal_projector_bias", True)))
+                              bias=bool(config.get("multimodal_projector_bias", True)), newline=kind == "llava_next")
     image_token = config.get("image_token_id", config.get("image_token_index"))
     if image_token is None:
         raise ConfigError(f"LLaVA config {name!r} has no image_token_index / image_token_id")
@@ -133,40 +156,76 @@ def composition_spec(src: HFSource, token_merge: dict[str, int]) -> MLLMSpec:
     return MLLMSpec(name, encoders, projectors, llm)
 
 
-def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                     labels: torch.Tensor | None = None, sample_id=None) -> TokenizedSample:
-    """A `TokenizedSample` from what a LLaVA processor returns for one sample.
+def _image_items(spec: MLLMSpec, pixel_values, image_sizes, sample_id) -> tuple[list[ItemInputs], list[int]]:
+    """One `ItemInputs` per image and its LLM token count (LLaVA: one tile; LLaVA-NeXT: its anyres tiles)."""
+    module = spec.encoder_for("image")
+    enc = spec.encoders[module]
+    if not enc.grid_pinpoints:
+        if image_sizes is not None:
+            raise ConfigError(f"MLLM {spec.name!r} takes one tile per image; image_sizes are for LLaVA-NeXT")
+        return [ItemInputs(module, pixel_values[i: i + 1]) for i in range(pixel_values.shape[0])], \
+            [enc.llm_tokens_per_tile()] * pixel_values.shape[0]
+    if image_sizes is None or len(image_sizes) != len(pixel_values):
+        raise SampleError(f"sample {sample_id}: LLaVA-NeXT needs image_sizes, one (height, width) per image of "
+                          f"pixel_values, as its processor returns them")
+    items, counts = [], []
+    for tiles, (height, width) in zip(pixel_values, [tuple(int(v) for v in s) for s in image_sizes]):
+        n = anyres_tiles(height, width, enc)
+        if tiles.shape[0] < n:
+            raise SampleError(f"sample {sample_id}: an image of {height}x{width} has {n} anyres tiles but "
+                              f"pixel_values holds {tiles.shape[0]}")
+        items.append(ItemInputs(module, tiles[:n], order=anyres_order(height, width, enc)))
+        counts.append(anyres_tokens(height, width, enc))
+    return items, counts
 
-    Runs of the image token become item segments of `EncoderSpec.llm_tokens_per_tile` tokens, one
-    per image of ``pixel_values``. ``labels`` are transformers' (unshifted: the model shifts them);
-    harmonia's are aligned with the logits, so they are shifted here.
+
+def _segments(is_image: list[bool], counts: list[int], sample_id) -> list[tuple[str, int]]:
+    """Text runs and one item run per image of ``counts[k]`` image tokens, in order."""
+    segments: list[tuple[str, int]] = []
+    t, k = 0, 0
+    while t < len(is_image):
+        if not is_image[t]:
+            start = t
+            while t < len(is_image) and not is_image[t]:
+                t += 1
+            segments.append(("text", t - start))
+            continue
+        if k == len(counts) or is_image[t: t + counts[k]] != [True] * counts[k]:
+            break
+        segments.append(("item", counts[k]))
+        t, k = t + counts[k], k + 1
+    if t < len(is_image) or k != len(counts):
+        raise SampleError(f"sample {sample_id}: {sum(is_image)} image tokens for {len(counts)} images of {counts} "
+                          "tokens each; expand each image to its count of placeholder tokens, in order")
+    return segments
+
+
+def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                     labels: torch.Tensor | None = None, sample_id=None,
+                     image_sizes: torch.Tensor | None = None) -> TokenizedSample:
+    """A `TokenizedSample` from what a LLaVA or LLaVA-NeXT processor returns for one sample.
+
+    Runs of the image token become item segments, one per image of ``pixel_values``: of
+    `EncoderSpec.llm_tokens_per_tile` tokens (LLaVA), or of the image's anyres count with its token
+    order (LLaVA-NeXT). ``labels`` are transformers' (unshifted: the model shifts them); harmonia's
+    are aligned with the logits, so they are shifted here.
 
     Args:
         spec: a LLaVA spec (``item_token_ids["image"]``).
         input_ids: ``(T,)`` with the image token repeated at each image's positions.
-        pixel_values: ``(n_images, C, H, W)``.
+        pixel_values: ``(n_images, C, H, W)`` (LLaVA), or ``(n_images, max_tiles, C, H, W)`` padded
+            tiles (LLaVA-NeXT; each image's first tiles are read).
         labels: ``(T,)`` transformers-style targets, or None for no loss.
+        sample_id: carried for messages.
+        image_sizes: ``(n_images, 2)`` original ``(height, width)`` (LLaVA-NeXT only).
     """
-    token, enc = spec.item_token_ids.get("image"), spec.encoders.get(spec.encoder_for("image"))
+    token = spec.item_token_ids.get("image")
     if token is None:
         raise ConfigError(f"MLLM {spec.name!r} names no image placeholder token (item_token_ids)")
-    per_image = enc.llm_tokens_per_tile()
-    is_image = (input_ids == token).tolist()
-    segments: list[tuple[str, int]] = []
-    for flag in is_image:
-        kind = "item" if flag else "text"
-        if segments and segments[-1][0] == kind and not (kind == "item" and segments[-1][1] == per_image):
-            segments[-1] = (kind, segments[-1][1] + 1)
-        else:
-            segments.append((kind, 1))
-    n_images = sum(kind == "item" for kind, _ in segments)
-    if any(kind == "item" and n != per_image for kind, n in segments) or n_images != pixel_values.shape[0]:
-        raise SampleError(f"sample {sample_id}: {sum(is_image)} image tokens for {pixel_values.shape[0]} images of "
-                          f"{per_image} tokens each; expand each image to {per_image} placeholder tokens")
+    items, counts = _image_items(spec, pixel_values, image_sizes, sample_id)
+    segments = _segments((input_ids == token).tolist(), counts, sample_id)
     shifted = torch.full_like(input_ids, IGNORE_INDEX)
     if labels is not None:
         shifted[:-1] = labels[1:]
-    module = spec.encoder_for("image")
-    items = [ItemInputs(module, pixel_values[i: i + 1]) for i in range(n_images)]
     return TokenizedSample(input_ids, shifted, segments, items, sample_id=sample_id,
                            causal_items=spec.item_attention == "causal")

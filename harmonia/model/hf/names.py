@@ -21,7 +21,7 @@ from harmonia.model.hf.source import HFSource
 from harmonia.model.hf.whisper import ZERO_KEYS, whisper_names
 from harmonia.model.spec import MLLMSpec
 
-MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.")  # keys of a LLaVA that are not the LLM's
+MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")  # a LLaVA's non-LLM keys
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,15 @@ def llm_names(files: CheckpointFiles, spec: MLLMSpec) -> dict[str, str]:
 
 
 def projector_names(keys: list[str], module: str) -> dict[str, str]:
-    """LLaVA's ``multi_modal_projector.linear_{1,2}`` -> our ``linears.{0,1}``."""
+    """LLaVA's ``multi_modal_projector.linear_{1,2}`` -> our ``linears.{0,1}``; LLaVA-NeXT's
+    ``image_newline`` (beside the projector) -> our ``image_newline``."""
     prefix = find_prefix(dict.fromkeys(keys), "multi_modal_projector.linear_1.weight", "LLaVA projector")
     base = prefix + "multi_modal_projector."
-    return {f"linears.{i}.{p}": f"{base}linear_{i + 1}.{p}" for i in (0, 1) for p in ("weight", "bias")
-            if f"{base}linear_{i + 1}.{p}" in keys}
+    out = {f"linears.{i}.{p}": f"{base}linear_{i + 1}.{p}" for i in (0, 1) for p in ("weight", "bias")
+           if f"{base}linear_{i + 1}.{p}" in keys}
+    if prefix + "image_newline" in keys:
+        out["image_newline"] = prefix + "image_newline"
+    return out
 
 
 def composition_projector_names(path: Path, module: str) -> dict[str, str]:

@@ -1,0 +1,92 @@
+"""Decode a rank's samples in worker processes.
+
+`SampleDecoder(dataset, num_workers)` decodes lists of dataset indices: in this process with
+``num_workers=0``, else split into ``num_workers`` contiguous runs decoded in parallel by a pool of
+forked processes (started once, with the dataset inherited rather than pickled, as
+``torch.utils.data.DataLoader``'s workers are). Results come back in order, decoded samples or
+`harmonia.data.loader.Failed` values; nothing is counted here (the caller agrees on failures with
+the other ranks first). Tensors travel as plain pickles, so no shared-memory handle outlives a
+worker, and a worker exits with its parent.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from harmonia.data.loader import Failed, MultimodalDataset
+from harmonia.data.samples import LoadedSample
+
+_WORKER_DATASET: list[MultimodalDataset] = []  # the dataset of this worker process (set once, at fork)
+
+
+def _init_worker(dataset: MultimodalDataset, parent: int) -> None:
+    """A worker: default signal handling (the rank stops it), one torch thread, exit with the rank."""
+    from harmonia.runtime.watchdog import exit_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    exit_with_parent(parent, grace_s=5.0)
+    _WORKER_DATASET.append(dataset)
+
+
+def _decode_run(indices: list[int]) -> bytes:
+    return pickle.dumps(_WORKER_DATASET[0].decode(indices), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _runs(indices: list[int], n: int) -> list[list[int]]:
+    """``indices`` cut into at most ``n`` contiguous runs of near-equal length."""
+    n = max(1, min(n, len(indices)))
+    size, extra = divmod(len(indices), n)
+    out, start = [], 0
+    for k in range(n):
+        end = start + size + (k < extra)
+        out.append(indices[start:end])
+        start = end
+    return out
+
+
+class SampleDecoder:
+    """Decodes dataset indices, in ``num_workers`` processes (0: in this process).
+
+    Args:
+        dataset: the dataset (its records and decoding settings are what the workers use).
+        num_workers: worker processes.
+    """
+
+    def __init__(self, dataset: MultimodalDataset, num_workers: int = 0) -> None:
+        self.dataset, self.num_workers = dataset, num_workers
+        self._pool: ProcessPoolExecutor | None = None
+        if num_workers > 0:
+            self._pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"),
+                                             initializer=_init_worker, initargs=(dataset, os.getpid()))
+            self._pool.submit(int).result()  # fork the workers now, from the constructing thread
+
+    def decode(self, indices: list[int]) -> list[LoadedSample | Failed]:
+        """Decoded samples (or `Failed`) of ``indices``, in order."""
+        if not indices:
+            return []
+        if self._pool is None:
+            return self.dataset.decode(indices)
+        out: list[LoadedSample | Failed] = []
+        for blob in self._pool.map(_decode_run, _runs(list(indices), self.num_workers)):
+            out += pickle.loads(blob)
+        return out
+
+    def close(self) -> None:
+        """Stop the workers."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> SampleDecoder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,129 @@
+"""Rendered token counts of a dataset's conversations, cached beside its shape index.
+
+Rendering a conversation with a chat template costs about a millisecond, so the shape pass of a
+large dataset spends most of its time there. The scheduler needs only what `harmonia.data.samples.
+Rendered` keeps (sequence length, item runs, learned-token count), and that depends only on the
+conversation, its items' LLM token counts and the renderer. `TokenCountCache` keys each entry by a
+digest of exactly these (the conversation's turns and the item lengths), in a file keyed by the
+renderer's identity (`renderer_identity`: the tokenizer files and the chat template in use), so a
+second epoch, a resume or a rank's own shape pass reads the counts instead of rendering, and an
+edited record, a changed tokenizer or a model with other item token counts renders again.
+Failing to write the file only logs a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harmonia.data.conversation import Conversation
+from harmonia.data.tokenizer import ByteTokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from harmonia.data.samples import Rendered
+
+log = logging.getLogger(__name__)
+CACHE_VERSION = 1
+
+
+def renderer_identity(tokenizer: Tokenizer) -> str | None:
+    """A digest of what decides a rendering: the byte tokenizer's version, or an HF tokenizer's files
+    (`harmonia.model.resolve.tokenizer_identity`), its chat template and item tokens; None for a
+    tokenizer this module does not know (nothing is cached for it)."""
+    if type(tokenizer) is ByteTokenizer:
+        return "bytes-1"
+    from harmonia.data.chat import HFTokenizer
+    from harmonia.model.resolve import tokenizer_identity
+
+    if type(tokenizer) is not HFTokenizer:
+        return None
+    digest = hashlib.sha256()
+    for part in (tokenizer_identity(tokenizer.name) or "", tokenizer.template,
+                 json.dumps(tokenizer.item_tokens, sort_keys=True)):
+        digest.update(part.encode() + b"\0")
+    return "hf-" + digest.hexdigest()[:24]
+
+
+def token_cache_path(shape_cache: str | Path) -> Path:
+    """The token-count cache that goes with a shape index cache file."""
+    shape_cache = Path(shape_cache)
+    return shape_cache.with_name(shape_cache.name.removesuffix(".json") + ".tokens.json")
+
+
+def record_digest(conv: Conversation, lengths: Sequence[int]) -> str:
+    """A digest of what a conversation's rendering depends on: its turns (roles, text, media, learned
+    flags) and its items' LLM token counts."""
+    text = repr([(t.role, t.learn, t.parts) for t in conv.turns]) + repr(list(lengths))
+    return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+class TokenCountCache:
+    """Renderings by record digest, read from and written to one JSON file.
+
+    Args:
+        path: the cache file (None: kept in memory only).
+        identity: `renderer_identity` of the tokenizer; entries of another renderer are ignored.
+    """
+
+    def __init__(self, path: str | Path | None, identity: str) -> None:
+        self.path, self.identity = (Path(path) if path is not None else None), identity
+        self._entries: dict[str, list[int]] = {}
+        self._used: set[str] = set()
+        self.added = 0
+        self.hits = 0
+        if self.path is not None:
+            self._entries = self._read()
+
+    def _read(self) -> dict[str, list[int]]:
+        try:
+            payload = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if payload.get("key") != {"version": CACHE_VERSION, "renderer": self.identity}:
+            return {}
+        return dict(payload.get("records", {}))
+
+    def get(self, conv: Conversation, lengths: Sequence[int]) -> Rendered | None:
+        """The cached rendering of ``conv`` with items of ``lengths`` tokens, or None."""
+        from harmonia.data.samples import Rendered
+
+        key = record_digest(conv, lengths)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._used.add(key)
+        self.hits += 1
+        n_ids, n_targets, learned, *runs = entry
+        return Rendered(n_ids, tuple(zip(runs[::2], runs[1::2])), n_targets, bool(learned))
+
+    def put(self, conv: Conversation, lengths: Sequence[int], rendered: Rendered) -> None:
+        """Remember a rendering."""
+        key = record_digest(conv, lengths)
+        self._entries[key] = [rendered.n_ids, rendered.n_targets, int(rendered.learned),
+                              *(x for run in rendered.items for x in run)]
+        self._used.add(key)
+        self.added += 1
+
+    def save(self) -> Path | None:
+        """Write the entries used since opening (when any was added); returns the file, or None."""
+        if self.path is None or not self.added:
+            return None
+        records = {k: self._entries[k] for k in sorted(self._used)}
+        text = json.dumps({"key": {"version": CACHE_VERSION, "renderer": self.identity}, "records": records},
+                          separators=(",", ":"))
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            log.warning("could not cache rendered token counts at %s (%s); they will be rendered again next time",
+                        self.path, e)
+            return None
+        self.added = 0
+        return self.path

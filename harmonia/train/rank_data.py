@@ -1,0 +1,93 @@
+"""Which of a step's samples a rank decodes, and how the ranks agree on the ones that failed.
+
+The balance of a step is computed on every rank from shapes alone (the shape index and cached
+token counts), so every rank knows every sample's place before any is decoded. A rank then decodes
+only the samples whose tensors it trains (`rank_positions`: its LLM replica's samples, and for each
+encoder it runs, its encoder replica's samples with items of that encoder); the others enter its
+batch as `harmonia.data.samples.SampleOutline`s, which give the batch builder the same token runs,
+item encoders and loss-normalizer counts (`rank_samples`).
+
+A sample can fail to decode after its header passed (corrupt pixel data): only its owner sees it.
+`agree_failures` gathers every rank's failures on the data process group (a gloo group the trainer
+builds), so every rank drops the same samples and balances again identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch.distributed as dist
+
+from harmonia.data.loader import Failed, MultimodalDataset
+from harmonia.data.samples import LoadedSample, SampleOutline
+from harmonia.model.batch import TokenizedSample
+from harmonia.model.spec import MLLMSpec
+from harmonia.schedule.graph import LLM
+from harmonia.schedule.iteration import IterationAssignment
+from harmonia.schedule.layout import Layout
+from harmonia.workload.shapes import SampleShape
+
+
+def rank_positions(layouts: Mapping[str, Layout], rank: int, assignment: IterationAssignment,
+                   shapes: Sequence[SampleShape], spec: MLLMSpec) -> list[int]:
+    """Batch positions of the samples whose tensors ``rank`` trains, ascending.
+
+    Args:
+        layouts: module -> layout.
+        rank: the global rank.
+        assignment: the step's global microbatches and replicas (positions into ``shapes``).
+        shapes: the step's sample shapes.
+        spec: the model (which encoder takes which modality).
+    """
+    mine: set[int] = set()
+    llm = layouts[LLM]
+    for m, mb in enumerate(assignment.microbatches):
+        if rank in llm.rank_list():
+            mine.update(mb[i] for i in assignment.llm_split[m][llm.coords(rank)["dp"]])
+        for e, split in assignment.encoder_split.items():
+            if rank not in layouts[e].rank_list():
+                continue
+            for i in split[m][layouts[e].coords(rank)["dp"]]:
+                if any(spec.encoder_for(item.modality) == e for item in shapes[mb[i]].items):
+                    mine.add(mb[i])
+    return sorted(mine)
+
+
+def check_decoded(result: LoadedSample | Failed, shape: SampleShape, dataset: MultimodalDataset) -> LoadedSample | Failed:
+    """A decoded sample whose shape differs from its header shape (the balance was computed with the
+    header's) becomes a ``shape_mismatch`` failure."""
+    if isinstance(result, Failed) or result.shape == shape:
+        return result
+    return Failed(result.index, "shape_mismatch",
+                  f"{dataset.records[result.index].where}: decoding gave {result.shape} but the media headers "
+                  f"gave {shape}; fix the file (its header disagrees with its data)",
+                  dataset.records[result.index].where)
+
+
+def rank_samples(assignment: IterationAssignment, ids: Sequence[int], shapes: Sequence[SampleShape],
+                 decoded: Mapping[int, LoadedSample | Failed], mine: set[int],
+                 dataset: MultimodalDataset) -> list[list[TokenizedSample | SampleOutline]]:
+    """Per global microbatch, its samples as this rank's batch builder takes them: decoded where the
+    rank trains them (positions ``mine``), outlines elsewhere."""
+
+    def sample(p: int) -> TokenizedSample | SampleOutline:
+        if p in mine:
+            return decoded[ids[p]].tokens
+        return dataset.outline(shapes[p])
+
+    return [[sample(p) for p in mb] for mb in assignment.microbatches]
+
+
+def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None) -> list[Failed]:
+    """Every rank's decoding failures of a step, the same list on every rank (by dataset index).
+
+    Args:
+        failed: this rank's failures.
+        group: the data process group (gloo); None when there is one process.
+    """
+    everyone = [list(failed)]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, list(failed), group=group)
+    merged = {f.index: f for rank_failed in everyone for f in rank_failed}
+    return [merged[i] for i in sorted(merged)]

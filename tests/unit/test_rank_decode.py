@@ -1,0 +1,167 @@
+"""Each rank decodes only the samples it trains: the same tensors as decoding the whole batch.
+
+A small dataset with images, video and audio rendered by a chat template; for plans with
+colocated and disjoint modules (LLM CP too), every rank's `RankBatch` built from its own decoded
+samples (and outlines of the others) must equal, bit for bit, the one built from the whole decoded
+batch as the trainer did before. The token-count cache must spare a second shape pass the renderer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from harmonia.data.decode import SampleDecoder
+from harmonia.data.loader import build_tokenizer, open_dataset
+from harmonia.data.synth import write_synthetic_dataset
+from harmonia.data.token_cache import token_cache_path
+from harmonia.model.presets import mllm_preset
+from harmonia.runtime.mllm_inputs import build_rank_batch, cp_token_ranks
+from harmonia.schedule.graph import LLM
+from harmonia.schedule.iteration import assign_iteration, balancer_costs
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.train.iteration import DataOrder, IterationBuilder
+from harmonia.train.rank import schedule_graph
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import cluster_from_string
+from tests.unit._hf_tokenizer import write_chat_tokenizer
+
+SPEC = mllm_preset("tiny-omni")
+CLUSTER = cluster_from_string("cpu:1x8")
+PLANS = {
+    "colocated-cp": Plan("tiny-omni", {LLM: Layout(cp=2, dp=2), "vision": Layout(dp=4), "audio": Layout(dp=2, tp=2)},
+                         "colocated", "1f1b", n_microbatches=2, global_batch=12),
+    "disjoint-pp": Plan("tiny-omni", {"vision": Layout(dp=2), "audio": Layout(dp=1, rank_offset=2),
+                                      LLM: Layout(dp=2, pp=2, rank_offset=3)},
+                        "disjoint", "1f1b", n_microbatches=2, global_batch=12),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rank-decode")
+    write_synthetic_dataset(root / "data", 30, seed=3, tile=SPEC.encoders["vision"].image_size)
+    return root, write_chat_tokenizer(root / "tok", "qwen")
+
+
+def _open(root, tok_dir, **options):
+    return open_dataset(root / "data" / "train", SPEC, tokenizer=build_tokenizer(tok_dir), **options)
+
+
+def _builder(ds, plan: Plan, rank: int, decoder=None) -> IterationBuilder:
+    shapes = {s.sample_id: s for s in ds.shapes()}
+    order = DataOrder(list(shapes), plan.global_batch, seed=5)
+    return IterationBuilder(SPEC, plan, ds, order, CostModel(SPEC, CLUSTER.device), CLUSTER,
+                            schedule_graph(SPEC, plan), rank, search_evaluations=8, shapes=shapes, decoder=decoder)
+
+
+def _whole_batch(builder: IterationBuilder, step: int):
+    """The rank's batch as the trainer built it before: the whole global batch decoded, then selected."""
+    plan, llm = builder.plan, builder.plan.layouts[LLM]
+    samples = builder.dataset.load(builder.order.batch(step))
+    shapes = [s.shape for s in samples]
+    costs, columns, tokens = balancer_costs(builder.cost, shapes, plan.encoders)
+    assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
+                                  plan.n_microbatches, tokens=tokens, seed=step, feeds=builder.feeds)
+    _, iw, _ = builder._schedule(shapes, assignment, builder.cost)
+    micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
+    llm_cp = None
+    if llm.cp > 1:
+        llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=SPEC.llm.body) for replica in split]
+                  for mb, split in zip(micro, assignment.llm_split)]
+    batch = build_rank_batch(plan.layouts, builder.rank, micro, assignment.llm_split, assignment.encoder_split,
+                             iw.n_sub, iw.sub_runs, llm_cp=llm_cp)
+    return [s.index for s in samples], assignment, batch
+
+
+def assert_identical(a, b, where: str = "batch") -> None:
+    """Equal structure, and tensors equal bit for bit (same dtype, shape and values)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: tensors differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}: arrays differ"
+    elif dataclasses.is_dataclass(a):
+        for f in dataclasses.fields(a):
+            assert_identical(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {a.keys()} vs {b.keys()}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {len(a)} vs {len(b)} entries"
+        for k, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{k}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_each_rank_trains_the_tensors_of_the_whole_batch_decode(data, name):
+    root, tok = data
+    plan = PLANS[name]
+    ds = _open(root, tok)
+    assert {m.modality for s in ds.shapes() for m in s.items} == {"image", "video", "audio"}
+    for rank in range(plan.world_size):
+        builder = _builder(ds, plan, rank)
+        for step in (0, 2):  # step 2 wraps into the second epoch
+            it = builder.build(step)
+            ids, assignment, reference = _whole_batch(builder, step)
+            assert it.sample_ids == ids and it.skipped == 0
+            assert_identical(it.assignment, assignment, "assignment")
+            assert_identical(it.batch, reference, f"rank {rank} step {step}")
+
+
+def test_a_rank_decodes_only_its_samples_and_workers_give_the_same(data):
+    root, tok = data
+    plan = PLANS["disjoint-pp"]
+    ds = _open(root, tok)
+    calls: list[list[int]] = []
+    decode = ds.decode
+    ds.decode = lambda indices: calls.append(list(indices)) or decode(indices)
+    audio = _builder(ds, plan, 2).build(0)  # the audio rank: only samples with audio
+    with_audio = {s.sample_id for s in ds.shapes() if any(i.modality == "audio" for i in s.items)}
+    assert calls and set(calls[0]) == with_audio & set(audio.sample_ids) and len(calls[0]) < plan.global_batch
+    ds.decode = decode
+    with SampleDecoder(_open(root, tok), num_workers=2) as workers:
+        in_workers = _builder(workers.dataset, plan, 0, decoder=workers).build(1)
+    assert_identical(in_workers.batch, _builder(ds, plan, 0).build(1).batch, "batch from workers")
+
+
+def test_token_counts_are_cached_beside_the_shape_index(data, tmp_path):
+    root, tok = data
+    cache = tmp_path / "run" / "data-cache" / "train.shapes.json"
+    first = _open(root, tok, shape_cache=cache)
+    calls = {"n": 0}
+    render = first.tokenizer.encode_conversation
+
+    def counted(*args):
+        calls["n"] += 1
+        return render(*args)
+
+    first.tokenizer.encode_conversation = counted
+    shapes = first.shapes()
+    assert calls["n"] == len(first) and token_cache_path(cache).is_file()
+    assert not any((root / "data").rglob("*tokens*")), "nothing is written into the dataset"
+
+    second = _open(root, tok, shape_cache=cache)
+    second.tokenizer.encode_conversation = counted
+    calls["n"] = 0
+    assert second.shapes() == shapes and calls["n"] == 0
+    outlines = [second.outline(s) for s in shapes]  # the counts outlines need come from the cache too
+    assert calls["n"] == 0
+    for o, s in zip(outlines, second.load([s.sample_id for s in shapes])):
+        assert o.segments == s.tokens.segments and o.n_targets == int((s.tokens.labels != -100).sum())
+
+    payload = json.loads(token_cache_path(cache).read_text())  # another template renders again
+    payload["key"]["renderer"] = "another"
+    token_cache_path(cache).write_text(json.dumps(payload))
+    third = _open(root, tok, shape_cache=cache)
+    third.tokenizer.encode_conversation = counted
+    calls["n"] = 0
+    assert third.shapes() == shapes and calls["n"] == len(third)
