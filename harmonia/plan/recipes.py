@@ -21,8 +21,9 @@ recipe          layout rules                                                    
 ==============  ==========================================================================  =========
 
 A plan that does not fit device memory is retried, under every recipe alike, recomputing the
-LLM's activations and then every trainable module's (`recompute_options`), as Megatron-LM's full
-recompute does; only what fits in none of these counts as a memory misfit.
+LLM's activations (a quarter, half, three quarters of each stage's blocks, then all of them) and
+then every trainable module's (`recompute_options`), as Megatron-LM's full and block recompute do;
+only what fits in none of these counts as a memory misfit.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
 from harmonia.schedule.families import fuse_encoders
-from harmonia.schedule.graph import StageGraph
+from harmonia.schedule.graph import IterationSchedule, StageGraph
 from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, feeding_replicas,
                                         module_columns)
 from harmonia.schedule.layout import Layout, Placement
-from harmonia.schedule.order_search import SUB_OPTIONS, SearchResult, search_order, search_submicrobatches
+from harmonia.schedule.order_search import (SUB_OPTIONS, OrderStep, ReplayRate, SearchResult, search_batch_order,
+                                            search_submicrobatches)
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, cost_table, iteration_schedule, plan_iteration_work, stage_trainable
+from harmonia.schedule.stagework import IterationWork, iteration_schedule, plan_iteration_work, stage_trainable
 from harmonia.sim.engine import Timeline
-from harmonia.sim.tasks import simulate_schedule, simulated_step
+from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -152,21 +154,36 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
     return fitting(found, cost, cluster, profile, rejected)
 
 
-def recompute_options(cost: CostModel, plan: Plan) -> list[tuple[str, ...]]:
-    """What a plan may recompute, least first: nothing, the LLM, every module with a backward.
+RECOMPUTE_SHARES = (0.25, 0.5, 0.75)
+"""Partial LLM recompute options, as shares of each stage's blocks (`Plan.recompute_fraction`)."""
 
-    Every recipe gets the same rule (Megatron-LM's ``--recompute-granularity full``, torchtitan's
-    full activation checkpointing). Zero-bubble plans are not retried: their deferred W keeps the
-    linear inputs its B recomputed, which the memory model does not follow from B to W; the same
-    layout under 1F1B is a candidate of its own and is retried.
+Recompute = tuple[tuple[str, ...], dict[str, float]]
+
+
+def recompute_options(cost: CostModel, plan: Plan) -> list[Recompute]:
+    """What a plan may recompute, least first: nothing, a quarter, half, three quarters of each LLM
+    stage's blocks, the whole LLM, every module with a backward.
+
+    Every recipe gets the same rule (Megatron-LM's ``--recompute-granularity full`` with
+    ``--recompute-method block --recompute-num-layers``, torchtitan's full activation
+    checkpointing). Zero-bubble plans are not retried: their deferred W keeps the linear inputs its
+    B recomputed, which the memory model does not follow from B to W; the same layout under 1F1B
+    is a candidate of its own and is retried.
     """
-    options: list[tuple[str, ...]] = [plan.recompute]
+    options: list[Recompute] = [(plan.recompute, dict(plan.recompute_fraction))]
     if plan.schedule == "zb":
         return options
-    for modules in (("llm",), tuple(m for m in ("llm", *plan.encoders) if cost.needs_backward(m))):
-        modules = tuple(m for m in modules if cost.needs_backward(m))
-        if modules and set(modules) - set(options[-1]):
-            options.append(tuple(dict.fromkeys((*options[-1], *modules))))
+    if cost.needs_backward("llm") and plan.recompute_share("llm") < 1.0:
+        base = tuple(m for m in plan.recompute if m != "llm")
+        for share in RECOMPUTE_SHARES:
+            if share > plan.recompute_share("llm"):
+                options.append(((*base, "llm"), {**{m: f for m, f in plan.recompute_fraction.items() if m != "llm"},
+                                                 "llm": share}))
+        options.append(((*base, "llm"), {m: f for m, f in plan.recompute_fraction.items() if m != "llm"}))
+    every = tuple(m for m in ("llm", *plan.encoders) if cost.needs_backward(m))
+    last = options[-1][0]
+    if every and (set(every) - set(last) or options[-1][1]):
+        options.append((tuple(dict.fromkeys((*last, *every))), {}))
     return options
 
 
@@ -174,17 +191,19 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
             rejected: Counter | None = None) -> Iterator[Candidate]:
     """The candidates whose estimated peak on every rank (states of every module plus in-flight
     activations under the schedule) fits the device, each with the least recompute
-    (`recompute_options`) it needs and with every larger recompute option: the estimate is for
-    the profile's mean microbatch, and a batch with heavier microbatches than the mean may fit
-    only with more recompute when simulated. Those that fit with none are counted in ``rejected``."""
+    (`recompute_options`) it needs and with every larger whole-module recompute option: the
+    estimate is for the profile's mean microbatch, and a batch with heavier microbatches than the
+    mean may fit only with more recompute when simulated. Those that fit with none are counted in
+    ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     for cand in found:
         options = recompute_options(cost, cand.plan)
-        for i, modules in enumerate(options):
-            plan = replace(cand.plan, recompute=modules)
+        for i, (modules, shares) in enumerate(options):
+            plan = replace(cand.plan, recompute=modules, recompute_fraction=shares)
             if max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap:
                 yield replace(cand, plan=plan)
-                yield from (replace(cand, plan=replace(cand.plan, recompute=more)) for more in options[i + 1:])
+                yield from (replace(cand, plan=replace(cand.plan, recompute=more, recompute_fraction={}))
+                            for more, partial in options[i + 1:] if not partial)
                 break
         else:
             if rejected is not None:
@@ -321,11 +340,11 @@ def assignment_key(candidate: Candidate) -> tuple:
     return candidate.recipe, plan.layouts["llm"].dp, plan.n_microbatches, feeds
 
 
-def search_microbatch_order(plan: Plan, cost: CostModel, iw: IterationWork, budget_s: float) -> SearchResult:
+def search_microbatch_order(plan: Plan, cost: CostModel, iw: IterationWork, budget_s: float,
+                           rate: ReplayRate | None = None, step: OrderStep | None = None) -> SearchResult:
     """The per-batch search's microbatch order for one iteration's stage work, within ``budget_s``
-    (every LLM replica runs it: one schedule serves all of them)."""
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
-    return search_order(graph, cost_table(plan, iw), iw.n_microbatches, (plan.schedule,), budget_s=budget_s)
+    (every LLM replica runs it: one schedule serves all of them; `search_batch_order`)."""
+    return search_batch_order(plan, cost, iw, budget_s, rate, step)
 
 
 def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray, costs: np.ndarray,
@@ -347,17 +366,22 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
     recipes keep the balancer's order, unsplit.
     """
     plan = candidate.plan
-    order = None
-    if candidate.recipe == "harmonia" and search_budget_s > 0:
-        order = search_microbatch_order(plan, cost, iw, search_budget_s).order
-        if len(sub_options) > 1 and plan.encoders:
-            graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
-            iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options,
-                                        score=simulated_step(plan, cost, cluster)).work
-    schedule = iteration_schedule(plan, cost, iw, order=order)
-    if candidate.fused:
-        schedule = fuse_encoders(schedule)
-    return simulate_schedule(plan, cost, cluster, iw, schedule)
+
+    def schedule_of(order: list[int] | None, work: IterationWork = iw) -> IterationSchedule:
+        schedule = iteration_schedule(plan, cost, work, order=order)
+        return fuse_encoders(schedule) if candidate.fused else schedule
+
+    if candidate.recipe != "harmonia" or search_budget_s <= 0:
+        return simulate_schedule(plan, cost, cluster, iw, schedule_of(None))
+    steps = SimulatedOrders(plan, cost, cluster, iw, schedule_of)  # the search's pick only where faster here
+    order = search_microbatch_order(plan, cost, iw, search_budget_s, step=steps).order
+    if len(sub_options) > 1 and plan.encoders:
+        graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+        iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options,
+                                    score=simulated_step(plan, cost, cluster)).work
+    if iw is steps.work:
+        return steps.timeline(order)
+    return simulate_schedule(plan, cost, cluster, iw, schedule_of(order, iw))
 
 
 def with_schedule(candidate: Candidate, schedule: str) -> Candidate:

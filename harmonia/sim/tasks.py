@@ -55,7 +55,8 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
     extra = 0.0
     if tp_collective or cp_collective:
         blocks = chunk_blocks(cost, layout, key.module, key.stage)
-        passes = 2 if kind in ("B", "BW") and key.module in plan.recompute else 1  # recompute: forward again
+        # recompute: the recomputed blocks' forward (a share of the stage's blocks) again
+        passes = 1 + plan.recompute_share(key.module) if kind in ("B", "BW") else 1
         extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[: layout.tp])
         extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[:: layout.tp])
     if fsdp_gather:
@@ -210,3 +211,28 @@ def simulated_step(plan: Plan, cost: CostModel, cluster: ClusterSpec) -> Callabl
     def step(work: IterationWork, schedule: IterationSchedule) -> float:
         return simulate_schedule(plan, cost, cluster, work, schedule).iteration_s
     return step
+
+
+class SimulatedOrders:
+    """The simulated step of one iteration's stage work under each microbatch order asked for, each
+    order simulated once: the ``step`` the per-batch order search checks its pick against the
+    default order with (`harmonia.schedule.order_search.search_order`), whose timelines the caller
+    then reuses for the order it runs."""
+
+    def __init__(self, plan: Plan, cost: CostModel, cluster: ClusterSpec, work: IterationWork,
+                 schedule_of: Callable[[list[int] | None], IterationSchedule]) -> None:
+        """``schedule_of`` builds the schedule every rank runs for an order (None: the default)."""
+        self.plan, self.cost, self.cluster, self.work, self.schedule_of = plan, cost, cluster, work, schedule_of
+        self._timelines: dict[tuple[int, ...] | None, Timeline] = {}
+
+    def timeline(self, order: list[int] | None) -> Timeline:
+        """The simulated iteration with the microbatches in ``order``."""
+        key = None if order is None else tuple(order)
+        if key not in self._timelines:
+            self._timelines[key] = simulate_schedule(self.plan, self.cost, self.cluster, self.work,
+                                                     self.schedule_of(order))
+        return self._timelines[key]
+
+    def __call__(self, order: list[int], family: str) -> float:
+        """Simulated seconds of the iteration in ``order`` (``family`` is the plan's schedule)."""
+        return self.timeline(order).iteration_s
