@@ -171,7 +171,8 @@ class EncoderSpec:
 
     Output (what the projector receives): the last block's output, post-normed when ``post_norm``.
     ``feature_layers`` instead concatenates, on the feature dim and in the given order, the outputs
-    of blocks ``k`` (1-based: ``k`` blocks run). A spec holds only the blocks its output uses: LLaVA's
+    of blocks ``k`` (1-based: ``k`` blocks run; 0 is the embeddings after CLIP's pre-norm, transformers'
+    ``hidden_states[0]``). A spec holds only the blocks its output uses: LLaVA's
     ``vision_feature_layer=-2`` on a 24-block tower is a 23-block encoder without post-norm, and
     ``[-2, -1]`` is 24 blocks with ``feature_layers=(23, 24)`` and twice the width at the output.
     ``dropped_tokens`` leading tokens never reach the projector: None drops the class token when
@@ -241,9 +242,9 @@ class EncoderSpec:
     def _check_output(self) -> None:
         owner, n = f"encoder {self.name!r}", self.body.n_layers
         if self.feature_layers:
-            if self.is_audio or any(not 1 <= k <= n for k in self.feature_layers) or max(self.feature_layers) != n:
+            if self.is_audio or any(not 0 <= k <= n for k in self.feature_layers) or max(self.feature_layers) != n:
                 raise ConfigError(
-                    f"{owner}: feature_layers={self.feature_layers} must be block counts in 1..{n} of a vision "
+                    f"{owner}: feature_layers={self.feature_layers} must be block counts in 0..{n} of a vision "
                     f"encoder whose deepest one is its last block ({n}); the spec holds only the blocks used"
                 )
             if self.post_norm:

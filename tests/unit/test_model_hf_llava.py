@@ -35,7 +35,8 @@ TEXT = {
 }
 # (vision, text, vision_feature_layer, strategy)
 CASES = [("clip", "llama", -2, "default"), ("clip", "llama", [-2, -1], "full"),
-         ("siglip", "qwen2", -2, "full"), ("siglip", "qwen2", [-2, -1], "default")]
+         ("siglip", "qwen2", -2, "full"), ("siglip", "qwen2", [-2, -1], "default"),
+         ("clip", "llama", [0, -2], "default"), ("siglip", "qwen2", [-1, 0], "full")]  # 0: embeddings (pre-normed)
 
 
 def _randomize(model: nn.Module, seed: int = 0) -> None:
@@ -133,7 +134,7 @@ def test_item_attention_is_causal_for_llava(tmp_path):
         assert not torch.allclose(bidirectional(pack_samples([sample])), want, **TOL)
 
 
-@pytest.mark.parametrize("layer,vision_split", [([-2, -1], 1), ([-3, -1], 2)])
+@pytest.mark.parametrize("layer,vision_split", [([-2, -1], 1), ([-3, -1], 2), ([0, -1], 2)])
 def test_stages_built_from_load_module_state_match_transformers(layer, vision_split, tmp_path):
     hf = make_llava(tmp_path / "hf", "clip", "llama", layer, "default", max_shard_size="40KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -325,6 +326,7 @@ def _edit_config(path, change):
     ("attention_dropout", lambda c: c["vision_config"].update(attention_dropout=0.1)),
     ("hidden_act", lambda c: c["vision_config"].update(hidden_act="relu")),
     ("vision_feature_layer", lambda c: c.update(vision_feature_layer=0)),
+    ("vision_feature_layer", lambda c: c.update(vision_feature_layer=[0])),
     ("vision_feature_layer", lambda c: c.update(vision_feature_layer=[-1, -9])),
     ("vision_feature_select_strategy", lambda c: c.update(vision_feature_select_strategy="cls_only")),
     ("llava_onevision", lambda c: c.update(model_type="llava_onevision")),

@@ -75,15 +75,18 @@ def _check_math(vc: dict, family: str) -> None:
 
 
 def feature_blocks(layer: int | list[int], n_layers: int) -> tuple[int, ...]:
-    """Block counts of LLaVA's ``vision_feature_layer`` (hidden state ``-2`` of 24 blocks -> 23)."""
+    """Block counts of LLaVA's ``vision_feature_layer`` (hidden state ``-2`` of 24 blocks -> 23; 0 is the
+    embeddings output, allowed beside a block)."""
     indices = [layer] if isinstance(layer, int) else list(layer)
     if not indices or any(not isinstance(i, int) or isinstance(i, bool) for i in indices):
         raise ConfigError(f"vision_feature_layer={layer!r} must be an int or a non-empty list of ints")
     blocks = tuple(i if i >= 0 else n_layers + 1 + i for i in indices)
-    if any(not 1 <= k <= n_layers for k in blocks):
+    if any(not 0 <= k <= n_layers for k in blocks) or max(blocks) == 0:
         raise ConfigError(
             f"vision_feature_layer={layer!r} selects hidden states {blocks} of a {n_layers}-block tower; "
-            f"expected outputs of blocks 1..{n_layers} (index 0, the embeddings alone, is not implemented)"
+            f"expected hidden states 0..{n_layers} with at least one block output (the embeddings alone, "
+            "hidden state 0 by itself, is not implemented: an encoder runs at least one block; select it "
+            "beside a block, e.g. [0, -1])"
         )
     return blocks
 
