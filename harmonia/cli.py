@@ -226,7 +226,7 @@ def _given_table(scenario, runner, results: dict, bound: float) -> Table:
     from harmonia.plan.layout_text import describe_layouts
 
     plan = next(iter(results.values())).candidate.plan
-    recompute = f", recompute {','.join(plan.recompute)}" if plan.recompute else ""
+    recompute = f", recompute {','.join(plan.recompute_text())}" if plan.recompute else ""
     table = Table(title=f"{scenario.name}: {describe_layouts(plan.layouts)} ({plan.placement.value}, {plan.schedule} "
                         f"x{plan.n_microbatches}{recompute}) on {scenario.cluster}, {scenario.iterations} iterations "
                         f"of {scenario.global_batch} samples")
@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --layout: schedule family (default interleaved when the LLM has virtual stages, "
                    "else 1f1b)")
     p.add_argument("--recompute", default="", help="with --layout: comma-separated modules whose activations are "
-                   "recomputed in backward, e.g. llm")
+                   "recomputed in backward, e.g. llm; module:share recomputes the first share of each stage's blocks, "
+                   "e.g. llm:0.5")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price TP as Megatron-LM's sequence parallelism: norms, residual adds and their "
                    "activations split over the TP ranks' tokens (harmonia's runtime runs TP without it)")

@@ -137,7 +137,7 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     layout = plan.layouts[module]
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     start, stop = stage_layer_range(cost, plan, module, chunk)
-    recompute = module in plan.recompute
+    recompute = plan.recompute_share(module)
     times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
     last = chunk == layout.n_stages - 1
     if last and module != "llm":
@@ -147,8 +147,9 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     backward = times.B + times.W if (has_b or has_w) else 0.0
     n_mb = plan.n_microbatches if module == "llm" else 0
     blocks = chunk_blocks(cost, layout, module, chunk)
-    # F, and B or BW (a W-only backward has no collectives), whose recompute runs F's collectives again
-    phases = 1 + ((2 if recompute else 1) if has_b else 0)
+    # F, and B or BW (a W-only backward has no collectives), whose recompute runs the recomputed
+    # blocks' share of F's collectives again
+    phases = 1 + ((1 + recompute) if has_b else 0)
     comm = phases * tp_allreduce_s(cost, cluster, layout, module, blocks, load.tokens,
                                    stage_group(layout, chunk, "tp"), calls=n_mb)
     comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))

@@ -52,7 +52,7 @@ class RecipeResult:
             out["placement"] = self.candidate.plan.placement.value
             out["schedule"] = self.candidate.plan.schedule
             out["n_microbatches"] = self.candidate.plan.n_microbatches
-            out["recompute"] = list(self.candidate.plan.recompute)
+            out["recompute"] = self.candidate.plan.recompute_text()
         if self.error:
             out["error"] = self.error
         return out

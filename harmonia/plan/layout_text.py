@@ -20,7 +20,7 @@ import re
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.spec import MLLMSpec
 from harmonia.schedule.layout import Layout, Placement
-from harmonia.schedule.plan import Plan
+from harmonia.schedule.plan import Plan, parse_recompute
 
 _AXIS = re.compile(r"^(tp|cp|pp|v|dp)(\d+)$")
 _SPLIT = re.compile(r"split\[([\d,\s]*)\]")
@@ -116,7 +116,8 @@ def plan_from_layouts(mllm: MLLMSpec, model: str, layouts: dict[str, Layout], wo
         microbatch_size: samples per microbatch of an LLM replica: ``global_batch / (llm dp x
             microbatch_size)`` microbatches per replica (harmonia's balancer then fills them by cost).
         schedule: schedule family; default ``interleaved`` when the LLM has virtual stages, else ``1f1b``.
-        recompute: modules whose activations are recomputed in backward.
+        recompute: modules whose activations are recomputed in backward, each ``module`` (every
+            block) or ``module:share`` (the first ``share`` of each stage's blocks, e.g. ``llm:0.5``).
         training: module -> ``full`` / ``frozen`` / ``lora``.
 
     Raises:
@@ -128,12 +129,13 @@ def plan_from_layouts(mllm: MLLMSpec, model: str, layouts: dict[str, Layout], wo
     if microbatch_size < 1 or global_batch % (llm.dp * microbatch_size):
         raise ConfigError(f"global batch {global_batch} is not a multiple of llm dp {llm.dp} x microbatch size "
                           f"{microbatch_size}; change the batch, the LLM's dp or the microbatch size")
+    recompute, fractions = parse_recompute(recompute)
     unknown = set(recompute) - set(mllm.module_names)
     if unknown:
         raise ConfigError(f"recompute names {sorted(unknown)}, which are not modules of {mllm.name!r} "
                           f"({mllm.module_names})")
     family = schedule or ("interleaved" if llm.virtual_stages > 1 else "1f1b")
     plan = Plan(model, placed, placement, family, global_batch // (llm.dp * microbatch_size), global_batch,
-                dict(training or {}), tuple(recompute))
+                dict(training or {}), recompute, fractions)
     plan.validate(mllm)
     return plan

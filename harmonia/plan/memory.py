@@ -81,7 +81,7 @@ def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfi
     share = _microbatch_share(plan, module)
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * share
-    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, module in plan.recompute)
+    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, plan.recompute_share(module))
     if module != LLM and chunk == layout.n_stages - 1:
         proj = f"{module}_proj"
         act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * share, tp=layout.tp, cp=layout.cp)
@@ -96,7 +96,8 @@ def recompute_transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile
     layout: Layout = plan.layouts[module]
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
-    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp)
+    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp,
+                                          plan.recompute_share(module))
 
 
 def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: bool = False) -> dict[int, float]:

@@ -235,7 +235,7 @@ class _Scorer:
     def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
         wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches,
-                tuple(sorted(plan.layouts.items())), plan.recompute, j)
+                tuple(sorted(plan.layouts.items())), plan.recompute_key, j)
         if wkey in self.work_cache:
             return self.work_cache[wkey]
         run, k = self.run, self.batches[j]
@@ -285,4 +285,4 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
         if not any(graph.needs_b(ref) and graph.needs_w(ref) for ref in graph.stages()):
             schedule = "1f1b"
     return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches,
-            tuple(sorted(plan.layouts.items())), plan.recompute)
+            tuple(sorted(plan.layouts.items())), plan.recompute_key)

@@ -15,6 +15,8 @@ module-level state.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -94,23 +96,27 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool = F
             sub.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
 
 
-def apply_recompute(module: nn.Module) -> int:
-    """Activation checkpointing on every transformer block of a stage module; returns how many."""
+def apply_recompute(module: nn.Module, share: float = 1.0) -> int:
+    """Activation checkpointing on the first ``ceil(share x n)`` of a stage module's ``n`` transformer
+    blocks; returns how many. Training modes are per module, so a stage's blocks all run a backward
+    or none does, and these are the blocks the cost model prices (`CostModel.stage_times`)."""
     from harmonia.model.layers import Block
 
     blocks = [m for m in module.modules() if isinstance(m, Block)]
-    for block in blocks:
+    chosen = blocks[:min(len(blocks), math.ceil(share * len(blocks) - 1e-9))] if share > 0 else []
+    for block in chosen:
         block.recompute = True
-    return len(blocks)
+    return len(chosen)
 
 
-def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: bool = False,
+def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: float = 0.0,
                       mixed_precision: bool = False) -> nn.Module:
     """TP, activation checkpointing, then FSDP, as the plan says for the module. Returns the (same)
     module, changed in place.
 
     Args:
-        recompute: recompute each block's activations in backward (the plan's ``recompute``).
+        recompute: the share of the blocks that recompute their activations in backward
+            (`Plan.recompute_share`; True = every block).
         mixed_precision: with FSDP, gather parameters and compute in bf16, reduce gradients in
             fp32 (FSDP2's `MixedPrecisionPolicy`); without FSDP the executor's autocast does it.
     """
@@ -118,7 +124,7 @@ def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: bool = Fal
     if layout.tp > 1:
         apply_tp(module, mesh.submesh("tp"))
     if recompute:
-        apply_recompute(module)
+        apply_recompute(module, float(recompute))
     if layout.fsdp and layout.dp > 1:
         apply_fsdp(module, mesh.submesh("dp"), mixed_precision)  # TP DTensors on the root mesh become 2-D
     return module

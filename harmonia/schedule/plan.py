@@ -18,6 +18,25 @@ from harmonia.schedule.layout import Layout, Placement
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
+def parse_recompute(entries: list[str] | tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, float]]:
+    """``["llm:0.5", "vision"]`` -> the plan's ``recompute`` and ``recompute_fraction``.
+
+    Raises:
+        ConfigError: a share that is not a number in (0, 1].
+    """
+    modules, shares = [], {}
+    for entry in entries:
+        module, _, share = entry.partition(":")
+        modules.append(module)
+        if share:
+            try:
+                shares[module] = float(share)
+            except ValueError:
+                raise ConfigError(f"recompute {entry!r}: the share after ':' must be a number in (0, 1], "
+                                  "e.g. llm:0.5") from None
+    return tuple(modules), shares
+
+
 @dataclass(frozen=True)
 class Plan:
     """All modules' layouts, placement and schedule.
@@ -31,6 +50,10 @@ class Plan:
         global_batch: samples per iteration.
         training: module -> ``full`` / ``frozen`` / ``lora``.
         recompute: modules whose activations are recomputed in backward.
+        recompute_fraction: module -> share of each stage chunk's blocks with a backward that
+            recompute, the first ones of the chunk (Megatron-LM's ``--recompute-method block``
+            with ``--recompute-num-layers``); a module of ``recompute`` not named here recomputes
+            every block.
     """
 
     model: str
@@ -41,9 +64,14 @@ class Plan:
     global_batch: int = 256
     training: dict[str, str] = field(default_factory=dict)
     recompute: tuple[str, ...] = ()
+    recompute_fraction: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "placement", Placement(self.placement))
+        for module, share in self.recompute_fraction.items():
+            if module not in self.recompute or not 0.0 < share <= 1.0:
+                raise ConfigError(f"plan recompute_fraction {module}={share}: give a share in (0, 1] of a module "
+                                  f"listed in recompute {list(self.recompute)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"plan schedule {self.schedule!r} unknown; expected one of {SCHEDULES}")
         if "llm" not in self.layouts:
@@ -58,6 +86,21 @@ class Plan:
                 f"global_batch={self.global_batch} is smaller than llm dp x n_microbatches = "
                 f"{llm.dp * self.n_microbatches}; raise the batch or lower dp / n_microbatches"
             )
+
+    def recompute_share(self, module: str) -> float:
+        """The share of ``module``'s blocks with a backward that recompute: 0 (none) to 1 (all)."""
+        if module not in self.recompute:
+            return 0.0
+        return float(self.recompute_fraction.get(module, 1.0))
+
+    def recompute_text(self) -> list[str]:
+        """What recomputes as `parse_recompute` reads it: ``["llm:0.5", "vision"]``."""
+        return [m if self.recompute_share(m) == 1.0 else f"{m}:{self.recompute_share(m):g}" for m in self.recompute]
+
+    @property
+    def recompute_key(self) -> tuple:
+        """What recomputes, hashable (modules and their shares), for caches keyed by plan."""
+        return tuple((m, self.recompute_share(m)) for m in self.recompute)
 
     @property
     def world_size(self) -> int:

@@ -225,13 +225,14 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
     layout = plan.layouts[module]
     tp, cp = layout.tp, layout.cp
     hidden = cost.mllm.llm.hidden if hidden is None else hidden
-    recompute = module in plan.recompute
+    recompute = plan.recompute_share(module)
     for chunk in range(layout.n_stages):
         start, stop = stage_layer_range(cost, plan, module, chunk)
         times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
         flops = sum(cost.phase_flops(module, load, start, stop))
         act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-        transient = cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp) if recompute else 0.0
+        transient = (cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+                     if recompute else 0.0)
         last = chunk == layout.n_stages - 1
         if last and module != LLM:  # the projector runs on the encoder's last stage
             proj = f"{module}_proj"

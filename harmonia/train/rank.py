@@ -138,7 +138,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             apply_training(module, spec.training_of(name))
             fill(module, name, layers_of[c])
             module.to(device)
-            parallelize_stage(module, mesh, recompute=name in plan.recompute, mixed_precision=mixed)
+            parallelize_stage(module, mesh, recompute=plan.recompute_share(name), mixed_precision=mixed)
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
             proj = build_module(spec, f"{name}_proj")

@@ -31,7 +31,10 @@ without sequence parallelism, so divided by ``cp`` only; by ``tp x cp`` with it)
 ``act_elems_tok``; the backward of each such block first runs the block's forward again, so a
 stage's B grows by exactly the F of those blocks (``B' = B + F_blocks``; W is unchanged, the
 front end, post layer, head and projector are not checkpointed). While one block runs its
-backward its full activations exist again: `recompute_transient_bytes`.
+backward its full activations exist again: `recompute_transient_bytes`. Partial recompute
+(``recompute`` a share ``f`` in (0, 1), Megatron-LM's ``--recompute-method block
+--recompute-num-layers``): only the first ``ceil(f x n)`` of a stage's ``n`` blocks with a backward
+recompute; the others keep their activations.
 
 Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam): 2 bytes per bf16 weight,
 plus for each trainable weight 2 bytes of gradient and 12 bytes of fp32 master weight and Adam
@@ -41,6 +44,7 @@ moments (K = 12), the 14 trainable bytes divided by the FSDP shard degree.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +176,14 @@ class CostModel:
                                  else (start, start, 0.0, 0.0))
         return self._blocks[key]
 
+    def _recomputed_blocks(self, module: str, start: int, stop: int | None,
+                           share: float) -> tuple[int, int, int]:
+        """The blocks of layers [start, stop) that recompute under a share ``share`` in [0, 1]:
+        ``(lo, hi, n)``, the first ``ceil(share x n_backward)`` blocks with a backward."""
+        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        k = min(int(n), math.ceil(share * n - 1e-9)) if share > 0 else 0
+        return lo, lo + k, k
+
     def _kernel_range(self, module: str, start: int, stop: int) -> tuple[np.ndarray, float]:
         """Per-layer sums over layers [start, stop): elementwise elements per token (3 phases x
         (TP-sharded, replicated)) and activation elements per token replicated over TP."""
@@ -238,20 +250,20 @@ class CostModel:
 
     # ---- time --------------------------------------------------------------------------------
     def stage_times(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
-                    tp: int = 1, cp: int = 1, recompute: bool = False) -> PhaseTimes:
+                    tp: int = 1, cp: int = 1, recompute: float = 0.0) -> PhaseTimes:
         """Seconds of F, B, W for layers [start, stop) of ``module`` on one rank of a TP x CP group.
 
         Each phase adds its kernel classes' rooflines (module docstring): matmuls at the matmul
         rate or reading the weights at memory bandwidth, whichever is slower; attention at the
         attention rate; the elementwise kernels' bytes at memory bandwidth. With a calibration, the
-        phase's FLOPs run at its measured whole-block rate instead. With ``recompute`` B also runs
-        the forward of every block with a backward again (module docstring): ``B + F`` of those
-        blocks.
+        phase's FLOPs run at its measured whole-block rate instead. With ``recompute`` (a share of
+        the blocks, True = all) B also runs the forward of the recomputed blocks again (module
+        docstring): ``B + F`` of those blocks.
         """
         stop = len(self.layers[module]) if stop is None else stop
         if recompute:
             plain = self.stage_times(module, load, start, stop, tp, cp)
-            lo, hi, n, _ = self._backward_blocks(module, start, stop)
+            lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
             again = self.stage_times(module, load, lo, hi, tp, cp).F if n else 0.0
             return PhaseTimes(plain.F, plain.B + again, plain.W)
         seconds = self.kernel_seconds(module, load, start, stop, tp, cp)
@@ -389,18 +401,19 @@ class CostModel:
         return per_rank / fsdp_shards
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
-                         tp: int = 1, cp: int = 1, recompute: bool = False) -> float:
+                         tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
         """Bytes kept for backward by one microbatch of ``tokens`` through layers [start, stop).
 
         The activations TP shards divide by ``tp``, those it replicates (norm inputs, matmul
-        inputs: `harmonia.workload.kernels`) only with sequence parallelism. With ``recompute`` each
-        block with a backward keeps only its input, ``tokens / cp x hidden`` elements (replicated
-        over TP unless sequence parallel), and the other layers keep theirs.
+        inputs: `harmonia.workload.kernels`) only with sequence parallelism. With ``recompute`` (a
+        share of the blocks with a backward, True = all) each recomputed block keeps only its input,
+        ``tokens / cp x hidden`` elements (replicated over TP unless sequence parallel), and the
+        other layers keep theirs.
         """
         stop = len(self.layers[module]) if stop is None else stop
         if not recompute:
             return self._kept_bytes(module, tokens, start, stop, tp, cp)
-        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
         inputs = n * self.hidden(module) * tokens * self.act_bytes / (cp * self._sp(tp))
         return (self._kept_bytes(module, tokens, start, stop, tp, cp)
                 - self._kept_bytes(module, tokens, lo, hi, tp, cp) + inputs)
@@ -415,10 +428,11 @@ class CostModel:
         return ((kept - replicated) / tp + replicated / self._sp(tp)) * tokens * self.act_bytes / cp
 
     def recompute_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
-                                  tp: int = 1, cp: int = 1) -> float:
+                                  tp: int = 1, cp: int = 1, recompute: float = 1.0) -> float:
         """Bytes a recomputed stage holds beyond its kept activations while one block runs its
-        backward: that block's recomputed activations (the largest block of layers [start, stop))."""
-        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        backward: that block's recomputed activations (the largest recomputed block of layers
+        [start, stop); ``recompute`` the share of blocks that recompute)."""
+        lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
         if not n:
             return 0.0
         return max(self._kept_bytes(module, tokens, i, i + 1, tp, cp) for i in range(lo, hi)

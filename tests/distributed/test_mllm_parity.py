@@ -62,7 +62,7 @@ class Case:
     idle: tuple[str, ...] = ()  # encoders whose last DP replica gets no sample in any step
     cp_block: int = 4  # tokens per block of the balanced CP assignment (llm cp > 1)
     balanced: bool = False  # LLM replicas and microbatches from the balancer (`balance_dp`)
-    recompute: tuple[str, ...] = ()  # modules whose blocks recompute their activations in backward
+    recompute: tuple[str, ...] = ()  # modules whose blocks recompute in backward ("llm:0.5": the first half)
     bf16: bool = False  # mixed precision (autocast; FSDP's bf16 parameters): compared at BF16_RTOL
 
     def layouts(self) -> dict[str, Layout]:
@@ -104,8 +104,8 @@ CASES: dict[int, list[Case]] = {
              L(pp=2, tp=2), L(dp=2, tp=2), idle=("vision",)),
         Case("co vision dp4, audio pp2 dp2 -> llm cp2 pp2 zb, audio subs", L(dp=4), L(pp=2, dp=2),
              L(pp=2, cp=2), "zb", n_sub={"audio": 2}),
-        Case("co enc dp4 -> llm cp2 dp2, llm recompute", L(dp=4), L(dp=4), L(dp=2, cp=2), training="vision-frozen",
-             recompute=("llm",)),
+        Case("co enc dp4 -> llm cp2 dp2, llm recompute half", L(dp=4), L(dp=4), L(dp=2, cp=2),
+             training="vision-frozen", recompute=("llm:0.5",)),
         Case("co vision tp2 dp2, audio dp4 -> llm cp2 tp2", L(tp=2, dp=2), L(dp=4), L(cp=2, tp=2),
              n_sub={"vision": 2}),
         Case("co enc dp4 (dp3 idle) -> llm cp2 dp2 fsdp", L(dp=4), L(dp=4), L(dp=2, cp=2, fsdp=True),
@@ -284,8 +284,11 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.schedule import StageGraph, build_schedule, lower
     from harmonia.schedule.rank_actions import plan_rank_actions
 
+    from harmonia.schedule.plan import parse_recompute
+
     s, layouts = spec(case.training), case.layouts()
     state = initial_state(case.training)
+    recomputed, shares = parse_recompute(case.recompute)
     meshes = build_module_meshes(layouts)
     chunks, projectors, named = {}, {}, {}
     for name in meshes.modules():
@@ -294,7 +297,8 @@ def run_case(case: Case, rank: int) -> dict:
         chunks[name] = build_stage_modules(s, name, layout, rank, sub)
         for module in chunks[name].values():
             apply_training(module, s.training_of(name))
-            parallelize_stage(module, mesh, recompute=name in case.recompute, mixed_precision=case.bf16)
+            parallelize_stage(module, mesh, recompute=shares.get(name, 1.0) if name in recomputed else 0.0,
+                              mixed_precision=case.bf16)
             named.update({PREFIX[name] + n: p for n, p in module.named_parameters()})
         if name != "llm" and layout.n_stages - 1 in chunks[name]:
             proj = build_module(s, f"{name}_proj")

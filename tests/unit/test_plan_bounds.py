@@ -58,8 +58,8 @@ def _spread(run: ScenarioRun, per_family: int = 2) -> list[Candidate]:
 
 def _recomputed(cost, cand: Candidate) -> Candidate | None:
     """The candidate recomputing every module with a backward (as the recipes retry a misfit)."""
-    modules = recompute_options(cost, cand.plan)[-1]
-    return replace(cand, plan=replace(cand.plan, recompute=modules)) if modules else None
+    modules, shares = recompute_options(cost, cand.plan)[-1]
+    return replace(cand, plan=replace(cand.plan, recompute=modules, recompute_fraction=shares)) if modules else None
 
 
 def _bounds_and_time(run: ScenarioRun, cand: Candidate, k: int) -> tuple[dict[str, float], float, object]:

@@ -29,3 +29,13 @@ def test_recomputed_blocks_run_twice_and_give_the_same_gradients() -> None:
     assert again_calls == 2 * plain_calls
     for name, grad in plain.items():
         torch.testing.assert_close(again[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_a_share_recomputes_the_first_blocks_of_the_stage() -> None:
+    spec = mllm_preset("tiny-omni").llm
+    n = spec.body.n_layers
+    for share, expected in ((0.25, -(-n // 4)), (0.5, -(-n // 2)), (1.0, n), (0.0, 0)):
+        model = build_llm(spec)
+        assert apply_recompute(model, share) == expected
+        flags = [block.recompute for block in model.layers.values()]
+        assert flags == [True] * expected + [False] * (n - expected)  # the first blocks of the stage

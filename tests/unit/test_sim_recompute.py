@@ -140,3 +140,77 @@ def test_plan_that_fits_only_with_recompute_gets_it(tmp_path) -> None:
     cap = run.cluster.device.mem_bytes * 0.9
     assert max(plan_peak_bytes(run.cost, replace(plan, recompute=()), run.profile).values()) > cap
     assert max(plan_peak_bytes(run.cost, plan, run.profile).values()) <= cap
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_a_share_recomputes_the_first_blocks_of_each_stage(setup, share) -> None:
+    """Partial recompute (Megatron-LM's block method): B adds the F of the first ceil(share x n)
+    blocks of each stage, those blocks keep only their inputs, the rest keep everything."""
+    import math
+
+    cost, samples, _ = setup
+    hidden = cost.mllm.llm.body.hidden
+    plain, full = _plan(()), _plan(("llm",))
+    part = replace(full, recompute_fraction={"llm": share})
+    assert part.recompute_share("llm") == share and part.recompute_text() == [f"llm:{share:g}"]
+    works = {p.recompute_key: _work(cost, samples, p) for p in (plain, full, part)}
+    for (key, m, sub), work in works[()].work.items():
+        if key.module != "llm":
+            continue
+        start, stop = stage_layer_range(cost, plain, "llm", key.stage)
+        lo, hi = _blocks(cost, "llm", start, stop)
+        k = math.ceil(share * (hi - lo))
+        load = sum((sample_loads(samples[i], cost.mllm)["llm"] for i in llm_samples(works[()], key.replica, m)),
+                   ModuleLoad())
+        again = cost.stage_times("llm", load, lo, lo + k, plain.layouts["llm"].tp).F
+        got = works[part.recompute_key].work[(key, m, sub)]
+        assert got.times.B == pytest.approx(work.times.B + again, rel=1e-12)
+        assert work.times.B < got.times.B < works[full.recompute_key].work[(key, m, sub)].times.B
+        kept_inputs = k * work.tokens * hidden * cost.act_bytes
+        rest = cost.activation_bytes("llm", work.tokens, start, stop, 2) - cost.activation_bytes(
+            "llm", work.tokens, lo, lo + k, 2)
+        assert got.act_bytes == pytest.approx(rest + kept_inputs, rel=1e-9)
+    # the estimate still bounds the simulated peak, which falls between none and full recompute
+    cluster = cluster_from_string("h100x8")
+    peaks = {}
+    for plan in (plain, part, full):
+        plan = replace(plan, layouts={"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)})
+        _, samples_, profile = setup
+        iw = _work(cost, samples_, plan)
+        acts = replay(*_tasks(cost, plan, iw, cluster)).peak_mem
+        states = state_bytes_per_rank(cost, plan)
+        peaks[plan.recompute_key] = {r: states[r] + acts.get(r, 0.0) for r in states}
+        estimate = plan_peak_bytes(cost, plan, profile)
+        assert all(peaks[plan.recompute_key][r] <= estimate[r] * (1 + 1e-9) for r in estimate)
+    rank = 2  # the first LLM stage holds the most microbatches in flight
+    assert peaks[full.recompute_key][rank] < peaks[part.recompute_key][rank] < peaks[()][rank]
+
+
+def test_recompute_options_go_from_none_through_shares_to_every_module(setup) -> None:
+    from harmonia.plan.recipes import recompute_options
+
+    cost, _, _ = setup
+    options = recompute_options(cost, _plan(()))
+    assert options == [((), {}), (("llm",), {"llm": 0.25}), (("llm",), {"llm": 0.5}), (("llm",), {"llm": 0.75}),
+                       (("llm",), {}), (("llm", "vision"), {})]
+    assert recompute_options(cost, _plan((), schedule="zb")) == [((), {})]
+
+
+def test_plan_json_and_layout_text_carry_the_share(setup, tmp_path) -> None:
+    from harmonia.errors import ConfigError
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+
+    cost, _, _ = setup
+    plan = plan_from_layouts(cost.mllm, "internvl-8b", parse_layouts("vision dp2; llm tp2 pp2"), 6, BATCH,
+                             recompute=("llm:0.5", "vision"))
+    assert plan.recompute == ("llm", "vision") and plan.recompute_share("llm") == 0.5
+    assert plan.recompute_share("vision") == 1.0 and plan.recompute_text() == ["llm:0.5", "vision"]
+    plan.save(tmp_path / "p.json")
+    assert Plan.load(tmp_path / "p.json") == plan
+    with pytest.raises(ConfigError, match="llm:half"):
+        plan_from_layouts(cost.mllm, "internvl-8b", parse_layouts("vision dp2; llm tp2 pp2"), 6, BATCH,
+                          recompute=("llm:half",))
+    with pytest.raises(ConfigError, match="share in"):
+        replace(plan, recompute_fraction={"llm": 1.5})
+    with pytest.raises(ConfigError, match="share in"):
+        replace(plan, recompute=("vision",))
