@@ -203,9 +203,10 @@ class ImagePreprocessor:
         (InternVL); the base tile, then the grid row by row (anyres)."""
         if self.grid_pinpoints:
             out = self.processor(images=[img], return_tensors="pt")["pixel_values"]  # (1, n_tiles, 3, S, S)
-            if out.ndim != 5 or out.shape[1] != self.n_tiles(img.height, img.width):
+            n = self.n_tiles(img.height, img.width)
+            if out.ndim != 5 or out.shape[1] != n:
                 raise MediaError("unsupported_media", f"the anyres processor gave {tuple(out.shape)} for a "
-                                 f"{img.width}x{img.height} image, expected {self.n_tiles(img.height, img.width)} tiles")
+                                 f"{img.width}x{img.height} image, expected {n} tiles")
             return _checked(out[0], self.tile_size)
         if self.tiler is None:
             return self.frames([img])

@@ -51,7 +51,8 @@ class Projector(nn.Module):
         return x if order is None else self.arrange(x, order)
 
     def arrange(self, y: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-        """Projected features ``(N, P, out)`` -> ``(n, out)`` LLM tokens: ``y[seq, feature]``, the newline where ``seq < 0``."""
+        """Projected features ``(N, P, out)`` -> ``(n, out)`` LLM tokens: ``y[seq, feature]``, or the
+        newline where ``seq < 0``."""
         if self.image_newline is None:
             raise SampleError(f"projector {self.spec.name!r} has no image_newline; anyres token orders are for a "
                               "LLaVA-NeXT projector (ProjectorSpec.newline)")

@@ -181,7 +181,8 @@ def test_dataset_input_ids_and_logits_equal_transformers(ckpt, tmp_path):
     want = ckpt.processor(text=prompt, images=imgs, return_tensors="pt")
     assert torch.equal(loaded.tokens.input_ids, want["input_ids"][0])
     counts = [llm_tokens_of_item(i, spec.encoders["vision"]) for i in shape.items]
-    assert counts == [n for kind, n in loaded.tokens.segments if kind == "item"] == [anyres_tokens(h, w, spec.encoders["vision"]) for h, w in sizes]
+    segments = [n for kind, n in loaded.tokens.segments if kind == "item"]
+    assert counts == segments == [anyres_tokens(h, w, spec.encoders["vision"]) for h, w in sizes]
     assert shape == loaded.shape
     with torch.no_grad():
         logits = ckpt.hf(input_ids=want["input_ids"], pixel_values=want["pixel_values"],
@@ -265,3 +266,38 @@ def test_processor_with_other_pinpoints_is_refused(ckpt, tmp_path):
     file.write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="image_grid_pinpoints"):
         ImagePreprocessor.from_pretrained(tmp_path / "hf", ckpt.spec.encoders["vision"])
+
+
+def test_gradients_of_image_newline_and_projector_match_transformers(ckpt):
+    """image_newline trains: its gradient, the projector's and the tower's equal transformers'."""
+    batch = _inputs(ckpt, [(33, 97), (50, 20)])
+    model = load_whole(ckpt.path, ckpt.spec)
+    one = pack_samples([_sample(ckpt, batch)])
+    model.loss(one, one.n_targets).backward()
+    ckpt.hf.zero_grad()
+    ckpt.hf(**batch).loss.backward()
+    hf = ckpt.hf.model
+    pairs = [(model.projectors["vision_proj"].image_newline, hf.image_newline),
+             (model.projectors["vision_proj"].linears[0].weight, hf.multi_modal_projector.linear_1.weight),
+             (model.encoders["vision"].layers["0"].attn.q_proj.weight,
+              hf.vision_tower.encoder.layers[0].self_attn.q_proj.weight)]
+    for ours, theirs in pairs:
+        assert ours.grad is not None and ours.grad.abs().sum() > 0
+        torch.testing.assert_close(ours.grad, theirs.grad, **TOL)
+    ckpt.hf.zero_grad()
+
+
+def test_sub_microbatches_give_the_whole_items_rows(ckpt):
+    """An encoder replica's items cut into runs (sub-microbatches): each run's rows, concatenated, are the whole's."""
+    from harmonia.runtime.mllm_inputs import encoder_items, gather_media
+
+    samples = [_sample(ckpt, _inputs(ckpt, sizes, seed=k), False)
+               for k, sizes in enumerate([[(33, 97), (40, 40)], [(97, 33)], [(7, 120)]])]
+    items = [item for s in samples for item, _ in encoder_items(s, "vision")]
+    whole = pack_samples(samples).media["vision"]
+    encoder, projector = ckpt.model.encoders["vision"], ckpt.model.projectors["vision_proj"]
+    with torch.no_grad():
+        want = encode_media(encoder, projector, whole)
+        runs = [gather_media(items[a:b]) for a, b in ((0, 1), (1, 3), (3, 4))]
+        got = torch.cat([projector(encoder(m.inputs), m.order) for m in runs])
+    torch.testing.assert_close(got, want, **TOL)  # batch sizes differ: float rounding only

@@ -90,8 +90,9 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
 
 def _grid_pinpoints(config: dict, name: str) -> tuple[tuple[int, int], ...]:
     pinpoints = config.get("image_grid_pinpoints")
-    if not isinstance(pinpoints, list) or not pinpoints or any(
-            not isinstance(p, (list, tuple)) or len(p) != 2 or not all(isinstance(v, int) for v in p) for p in pinpoints):
+    pairs = isinstance(pinpoints, list) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in pinpoints)
+    if not pinpoints or not pairs:
         raise ConfigError(f"LLaVA-NeXT config {name!r}: image_grid_pinpoints={pinpoints!r} must be a non-empty list "
                           "of [height, width] pairs")
     return tuple(tuple(p) for p in pinpoints)
