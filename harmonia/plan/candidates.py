@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harmonia.model.spec import MLLMSpec, TransformerSpec
 from harmonia.plan.partition import plan_module_stages
@@ -157,6 +157,18 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
         return layout
     return Layout(layout.tp, layout.cp, layout.dp, layout.pp, layout.rank_offset, layout.ranks,
                   tuple(blocks), layout.virtual_stages, layout.fsdp)
+
+
+def split_choices(cost: CostModel, module: str, layout: Layout) -> list[Layout]:
+    """``layout``, and the layout split evenly (every baseline's split) where its own split differs:
+    the frozen-aware partitioner evens out compute alone, and where messages decide (the last stage
+    sends nothing on) the even split can simulate faster; a search over both is never slower than
+    the baselines' split."""
+    n_blocks = len(cost.layers[module]) - 2
+    even = replace(layout, stage_layers=None)
+    if layout.stage_layers is None or tuple(layout.stage_split(n_blocks)) == tuple(even.stage_split(n_blocks)):
+        return [layout]
+    return [layout, even]
 
 
 def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
