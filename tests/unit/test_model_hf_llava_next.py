@@ -33,18 +33,22 @@ PINPOINTS = [[32, 32], [32, 64], [64, 32], [64, 64]]  # 32 px tiles: grids 1x1, 
 SIZES = [(20, 50), (50, 20), (40, 40), (33, 97), (97, 33), (64, 30), (7, 120), (61, 64)]
 
 
-def write_llava_next(path, strategy="default", seed=0):
-    """A tiny LlavaNextForConditionalGeneration (CLIP 32 px / 8 px patches + Llama) and its processor."""
+def write_llava_next(path, strategy="default", seed=0, vision="clip", layer=-2, tie=False):
+    """A tiny LlavaNextForConditionalGeneration (CLIP 32 px / 8 px patches + Llama, or SigLIP + Qwen2)
+    and its processor."""
     tok = build_chat_tokenizer("chatml")
-    vision = transformers.CLIPVisionConfig(hidden_size=24, intermediate_size=40, num_hidden_layers=3,
-                                           num_attention_heads=4, image_size=32, patch_size=8)
-    text = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0,
-                                    pad_token_id=tok.pad_token_id)
+    shape = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, image_size=32,
+                 patch_size=8)
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=tok.pad_token_id)
+    if vision == "clip":
+        vision, text = transformers.CLIPVisionConfig(**shape), transformers.LlamaConfig(rope_theta=5000.0, **text)
+    else:
+        vision, text = transformers.SiglipVisionConfig(**shape), transformers.Qwen2Config(tie_word_embeddings=True, **text)
     config = transformers.LlavaNextConfig(vision_config=vision, text_config=text,
                                           image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                          image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
-                                          vision_feature_select_strategy=strategy)
+                                          image_grid_pinpoints=PINPOINTS, vision_feature_layer=layer,
+                                          vision_feature_select_strategy=strategy, tie_word_embeddings=tie)
     hf = transformers.LlavaNextForConditionalGeneration(config).eval()
     _randomize(hf, seed)
     hf.save_pretrained(path)
@@ -52,7 +56,8 @@ def write_llava_next(path, strategy="default", seed=0):
                                                      image_grid_pinpoints=PINPOINTS)
     processor = transformers.LlavaNextProcessor(image_processor=images, tokenizer=tok, patch_size=8,
                                                 vision_feature_select_strategy=strategy,
-                                                num_additional_image_tokens=1, chat_template=CHATML)
+                                                num_additional_image_tokens=int(strategy == "default"),
+                                                chat_template=CHATML)
     processor.save_pretrained(path)
     return hf, processor
 
@@ -301,3 +306,30 @@ def test_sub_microbatches_give_the_whole_items_rows(ckpt):
         runs = [gather_media(items[a:b]) for a, b in ((0, 1), (1, 3), (3, 4))]
         got = torch.cat([projector(encoder(m.inputs), m.order) for m in runs])
     torch.testing.assert_close(got, want, **TOL)  # batch sizes differ: float rounding only
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_siglip_tower_with_full_strategy_and_several_layers(tie, tmp_path):
+    """SigLIP + Qwen2 under 'full' (every patch kept), hidden states [-2, -1] concatenated. The text
+    config ties its head, but LlavaNextConfig ties by its own flag only (LlavaConfig takes the text's)."""
+    hf, processor = write_llava_next(tmp_path / "hf", "full", seed=1, vision="siglip", layer=[-2, -1], tie=tie)
+    spec = mllm_spec_from_hf(tmp_path / "hf")
+    assert spec.encoders["vision"].feature_layers == (2, 3) and spec.llm.tie_embeddings == tie
+    run = SimpleNamespace(processor=processor, spec=spec)
+    batch = _inputs(run, [(33, 97), (61, 64)])
+    with torch.no_grad():
+        want = hf(**batch)
+        one = pack_samples([_sample(run, batch)])
+        model = load_whole(tmp_path / "hf", spec)
+        torch.testing.assert_close(model(one), want.logits, **TOL)
+        torch.testing.assert_close(model.loss(one, one.n_targets), want.loss, **TOL)
+
+
+def test_preset_preprocessing_of_an_anyres_encoder_is_llava_next_processors(ckpt):
+    """No preprocessor file: the family's constants in LLaVA-NeXT's processor give the same tiles."""
+    enc = ckpt.spec.encoders["vision"]
+    prep = ImagePreprocessor.for_encoder(enc, family="clip")
+    for k, (h, w) in enumerate(SIZES[:4]):
+        img = _image(h, w, k)
+        want = ckpt.processor.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(prep.tiles(img), want, rtol=0, atol=0)

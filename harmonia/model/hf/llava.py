@@ -105,7 +105,9 @@ def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
     if kind not in MULTIMODAL_TYPES:
         raise ConfigError(f"config model_type={kind!r} is not one of {MULTIMODAL_TYPES}")
     text = dict(config["text_config"])
-    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    # LlavaConfig takes the text config's tying when its own is off; LlavaNextConfig ties by its own flag only.
+    tied = config.get("tie_word_embeddings") or (kind == "llava" and text.get("tie_word_embeddings"))
+    text["tie_word_embeddings"] = bool(tied)
     llm = llm_spec_from_hf(text, name=text.get("_name_or_path") or f"{name}-text")
     vision = vision_spec_from_hf(
         config["vision_config"], f"{name}-vision", feature_layer=config.get("vision_feature_layer", -2),
