@@ -12,8 +12,9 @@ costs milliseconds, so it fits a budget of ~100 ms per batch:
    random pairs until the budget is spent (deterministic for a seed).
 
 The budget holds at every scale: a schedule is only scored when one more, timed like the slowest
-so far, still fits; the first one (the starting order) only when a `ReplayRate` the caller keeps
-across batches expects it to fit (else the starting order is kept unscored); nothing is scored
+so far, still fits; the first one (the starting order) only when a `ReplayRate` (kept by the caller
+across batches, else timed on a few microbatches) expects it and one more to fit, else the
+starting order is kept unscored; nothing is scored
 where every order finishes alike (one rank holds every stage, or every microbatch costs the same
 everywhere); and the garbage collector is paused meanwhile.
 
@@ -78,6 +79,7 @@ class ReplayRate:
     it. The caller keeps one across batches; every search that replays updates it."""
 
     seconds_per_unit: float = 0.0
+    """0: not measured yet (the next search times a small schedule first)."""
 
     def expect(self, units: int) -> float:
         """Expected seconds of one evaluation of ``units`` stage-microbatch units (0 when unknown)."""
@@ -86,6 +88,14 @@ class ReplayRate:
     def observe(self, seconds: float, units: int) -> None:
         """Record one evaluation's seconds."""
         self.seconds_per_unit = seconds / max(units, 1)
+
+    def calibrate(self, graph: StageGraph, costs: CostTable, n_microbatches: int, family: str) -> None:
+        """Time a schedule of the graph's first few microbatches (a few per cent of a full one):
+        what the first search expects before any batch has measured the rate."""
+        n = min(n_microbatches, 4)
+        t = time.perf_counter()
+        makespan(build_schedule(graph, n, family, order=list(range(n)), costs=costs), costs)
+        self.observe(time.perf_counter() - t, n * sum(len(graph.holders_of(s)) for s in graph.stages()))
 
     def skipped(self) -> None:
         """A search kept its start unscored: expect a little less next time, so that one slow
@@ -159,7 +169,8 @@ def search_order(graph: StageGraph, costs: CostTable, n_microbatches: int, famil
         budget_s: wall-clock budget, counted from ``started`` (default: the call).
         seed: seed of the random swaps.
         max_evaluations: stop after this many schedules (makes the result independent of speed).
-        rate: what one evaluation costs, kept by the caller across batches (see `ReplayRate`).
+        rate: what one evaluation costs, kept by the caller across batches (see `ReplayRate`;
+            default: timed on a few microbatches in this call).
         step: the final score (the simulator's step): the pick replaces ``start`` only if strictly
             faster under it too (two calls beyond the budget, only when the pick differs).
         started: `time.perf_counter` value the budget runs from (work the caller did for the search).
@@ -185,10 +196,11 @@ def _search(graph: StageGraph, costs: CostTable, n_microbatches: int, families: 
     if order_free(graph, costs, n_microbatches, families):
         return SearchResult(start, families[0], math.nan, math.nan, 0, time.perf_counter() - t0)
     units = n_microbatches * sum(len(graph.holders_of(s)) for s in graph.stages())
-    expected = rate.expect(units) if rate is not None else 0.0
-    if time.perf_counter() - t0 + expected > budget_s:
-        if rate is not None:
-            rate.skipped()
+    rate = ReplayRate() if rate is None else rate
+    if math.isfinite(budget_s) and rate.seconds_per_unit <= 0:
+        rate.calibrate(graph, costs, n_microbatches, families[0])
+    if time.perf_counter() - t0 + 2 * rate.expect(units) > budget_s:  # the start and one more, or nothing
+        rate.skipped()
         return SearchResult(start, families[0], math.nan, math.nan, 0, time.perf_counter() - t0)
     evaluated, slowest, spent_s = 0, 0.0, 0.0
 
@@ -228,8 +240,7 @@ def _search(graph: StageGraph, costs: CostTable, n_microbatches: int, families: 
         s = score(trial, family)
         if s < best_s - 1e-12:
             best_s, order = s, trial
-    if rate is not None:
-        rate.observe(spent_s / evaluated, units)
+    rate.observe(spent_s / evaluated, units)
     return SearchResult(order, family, best_s, start_s, evaluated, time.perf_counter() - t0)
 
 
