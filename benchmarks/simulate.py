@@ -30,7 +30,7 @@ from harmonia.plan.recipes import RECIPES, search_microbatch_order
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
 from harmonia.schedule.graph import StageGraph
-from harmonia.schedule.order_search import search_order, search_submicrobatches
+from harmonia.schedule.order_search import ReplayRate, search_order, search_submicrobatches
 from harmonia.schedule.stagework import cost_table, iteration_schedule, stage_trainable
 from harmonia.sim.tasks import simulate_schedule, simulated_step
 
@@ -67,16 +67,18 @@ def one_layout(run: ScenarioRun):
     return result
 
 
-def order_search_ms(run: ScenarioRun, result, budget_s: float = 0.1) -> list[float]:
+def order_search_ms(run: ScenarioRun, result, budget_s: float = 0.1) -> tuple[list[float], list[int]]:
     """Wall milliseconds of the per-batch schedule search (one order for every LLM replica) on each
-    iteration."""
-    cand, out = result.candidate, []
+    iteration, and the schedules it scored; one `ReplayRate` carries over iterations, as in the
+    trainer."""
+    cand, out, scored, rate = result.candidate, [], [], ReplayRate()
     for k in range(run.scenario.iterations):
         iw = run.iteration_work(cand, k)
         t0 = time.perf_counter()
-        search_microbatch_order(cand.plan, run.cost, iw, budget_s)
+        found = search_microbatch_order(cand.plan, run.cost, iw, budget_s, rate=rate)
         out.append(1e3 * (time.perf_counter() - t0))
-    return out
+        scored.append(found.evaluated)
+    return out, scored
 
 
 def sub_microbatch_gain(run: ScenarioRun, result) -> dict:
@@ -136,11 +138,13 @@ def main(paths: list[str]) -> int:
                           f"{times(others, h)} (target 1.15x); {bound / h:.1%} of the lower bound"
                           + (f"; per-module layouts vs the best one layout {times(homogeneous.iteration_s, h)}"
                              if homogeneous is not None and homogeneous.candidate else ""))
-        search_ms = order_search_ms(run, results["harmonia"]) if results["harmonia"].candidate else [float("nan")]
+        search_ms, scored = [float("nan")], [0]
         if results["harmonia"].candidate:
+            search_ms, scored = order_search_ms(run, results["harmonia"])
             console.print(f"per-batch schedule search on {run.cluster.world_size} GPUs "
                           f"({results['harmonia'].candidate.plan.layouts['llm'].dp} LLM replicas): mean "
-                          f"{np.mean(search_ms):.0f} ms, max {max(search_ms):.0f} ms (budget 100 ms)")
+                          f"{np.mean(search_ms):.0f} ms, max {max(search_ms):.0f} ms (budget 100 ms), "
+                          f"{np.mean(scored):.0f} schedules scored per batch")
         subs = sub_microbatch_gain(run, results["harmonia"]) if results["harmonia"].candidate else {}
         if subs:
             console.print(f"encoder sub-microbatches chosen per batch by cost: {subs['with_s']:.3f} s vs "
