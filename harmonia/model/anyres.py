@@ -23,37 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from harmonia.errors import ConfigError
-
 if TYPE_CHECKING:
     from harmonia.model.spec import EncoderSpec
 
 NEWLINE = -1
 """`anyres_order`'s index of the projector's ``image_newline``."""
-
-
-def check_anyres(encoder: EncoderSpec) -> None:
-    """Raise `ConfigError` unless ``encoder.grid_pinpoints`` describe tiles this encoder can run."""
-    owner, s = f"encoder {encoder.name!r}", encoder.image_size
-    if encoder.is_audio or encoder.native_resolution or "video" in encoder.modalities:
-        raise ConfigError(f"{owner}: grid_pinpoints (anyres tiling) are for fixed-size image encoders, not "
-                          f"modalities={encoder.modalities} / native_resolution={encoder.native_resolution}")
-    bad = [p for p in encoder.grid_pinpoints if len(p) != 2 or min(p) <= 0 or p[0] % s or p[1] % s]
-    if bad:
-        raise ConfigError(f"{owner}: grid_pinpoints {bad} are not (height, width) pairs of positive multiples of "
-                          f"image_size={s}")
-    side = s // encoder.patch_size
-    if encoder.token_merge != 1 or encoder.llm_tokens_per_tile() != side * side:
-        raise ConfigError(
-            f"{owner}: anyres tiling lays each tile's {side}x{side} patch features out on a grid, but a tile gives "
-            f"{encoder.llm_tokens_per_tile()} LLM tokens (token_merge={encoder.token_merge}, class token "
-            f"{encoder.cls_token}, dropped {encoder.dropped}); a CLIP tower needs the 'default' feature select "
-            "strategy, a SigLIP tower 'full'"
-        )
-    most = 1 + max(h // s * (w // s) for h, w in encoder.grid_pinpoints)
-    if encoder.max_tiles < most:
-        raise ConfigError(f"{owner}: max_tiles={encoder.max_tiles} but grid_pinpoints cut an image into up to "
-                          f"{most} tiles (base tile included)")
 
 
 @lru_cache(maxsize=4096)

@@ -235,9 +235,7 @@ class EncoderSpec:
             )
         self._check_output()
         if self.grid_pinpoints:
-            from harmonia.model.anyres import check_anyres
-
-            check_anyres(self)
+            self._check_grid()
 
     def _check_output(self) -> None:
         owner, n = f"encoder {self.name!r}", self.body.n_layers
@@ -261,6 +259,29 @@ class EncoderSpec:
                 f"{owner}: token_merge={self.token_merge} merges squares of the patch grid, so exactly the "
                 f"class token must be dropped (dropped_tokens={int(self.cls_token)}), not {self.dropped_tokens}"
             )
+
+    def _check_grid(self) -> None:
+        """``grid_pinpoints`` must describe tiles this encoder runs and lays out as a feature grid."""
+        owner, s = f"encoder {self.name!r}", self.image_size
+        if self.is_audio or self.native_resolution or "video" in self.modalities:
+            raise ConfigError(f"{owner}: grid_pinpoints (anyres tiling) are for fixed-size image encoders, not "
+                              f"modalities={self.modalities} / native_resolution={self.native_resolution}")
+        bad = [p for p in self.grid_pinpoints if len(p) != 2 or min(p) <= 0 or p[0] % s or p[1] % s]
+        if bad:
+            raise ConfigError(f"{owner}: grid_pinpoints {bad} are not (height, width) pairs of positive multiples "
+                              f"of image_size={s}")
+        side = s // self.patch_size
+        if self.token_merge != 1 or self.llm_tokens_per_tile() != side * side:
+            raise ConfigError(
+                f"{owner}: anyres tiling lays each tile's {side}x{side} patch features out on a grid, but a tile "
+                f"gives {self.llm_tokens_per_tile()} LLM tokens (token_merge={self.token_merge}, class token "
+                f"{self.cls_token}, dropped {self.dropped}); a CLIP tower needs the 'default' feature select "
+                "strategy, a SigLIP tower 'full'"
+            )
+        most = 1 + max(h // s * (w // s) for h, w in self.grid_pinpoints)
+        if self.max_tiles < most:
+            raise ConfigError(f"{owner}: max_tiles={self.max_tiles} but grid_pinpoints cut an image into up to "
+                              f"{most} tiles (base tile included)")
 
     @property
     def dropped(self) -> int:
