@@ -4,7 +4,7 @@ A *model source* is one of
 
 - a preset name (``tiny-omni``, ``llava-siglip-8b``; see `harmonia models`),
 - a directory holding an HF ``config.json`` (a whole multimodal checkpoint such as
-  ``LlavaForConditionalGeneration``), or
+  ``LlavaForConditionalGeneration`` or ``LlavaNextForConditionalGeneration``), or
 - a composition ``{"llm": DIR, "encoders": {"vision": DIR, "audio": DIR}}`` of separate HF
   checkpoints whose projectors start fresh.
 

@@ -2,7 +2,8 @@
 
 A source is given as
 
-- a directory holding a whole multimodal checkpoint (``LlavaForConditionalGeneration``), or
+- a directory holding a whole multimodal checkpoint (``LlavaForConditionalGeneration`` or
+  ``LlavaNextForConditionalGeneration``), or
 - a composition ``{"llm": DIR, "encoders": {"vision": DIR, "audio": DIR}}`` (the flat form
   ``{"llm": DIR, "vision": DIR, ...}`` too) of an LLM checkpoint and encoder checkpoints, whose
   projectors start fresh unless ``"projectors": FILE`` names a projector file that
