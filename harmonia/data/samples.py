@@ -27,6 +27,7 @@ from harmonia.data.shape_index import MediaFile
 from harmonia.data.token_cache import TokenCountCache
 from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
 from harmonia.errors import HarmoniaError
+from harmonia.model.anyres import anyres_order
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
@@ -184,7 +185,8 @@ class SampleBuilder:
         _check_declared(ref, item, where)
         enc = self.mllm.encoders[module]
         groups = frame_groups(item.frames, 1, enc.temporal_merge) if item.modality == "video" else None
-        return item, ItemInputs(module, x, groups)
+        order = anyres_order(item.height, item.width, enc) if enc.grid_pinpoints else None  # LLaVA-NeXT
+        return item, ItemInputs(module, x, groups, order)
 
     def _lengths(self, items: list[ModalityItem]) -> list[int]:
         return [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]

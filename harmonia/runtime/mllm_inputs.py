@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, pack_samples
+from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, item_order, pack_samples
 from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
@@ -78,7 +78,7 @@ def gather_media(items: Sequence[ItemInputs]) -> MediaInputs | None:
         inputs.append(item.inputs)
         groups.append(g + n)
         n += item.n_groups
-    return MediaInputs(torch.cat(inputs), torch.cat(groups), n, torch.zeros(0, dtype=torch.long))
+    return MediaInputs(torch.cat(inputs), torch.cat(groups), n, torch.zeros(0, dtype=torch.long), item_order(items))
 
 
 def item_positions(samples: Sequence[TokenizedSample], encoder: str) -> np.ndarray:
