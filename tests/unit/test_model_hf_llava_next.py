@@ -333,3 +333,30 @@ def test_preset_preprocessing_of_an_anyres_encoder_is_llava_next_processors(ckpt
         img = _image(h, w, k)
         want = ckpt.processor.image_processor(images=[img], return_tensors="pt")["pixel_values"][0]
         torch.testing.assert_close(prep.tiles(img), want, rtol=0, atol=0)
+
+
+def test_hf_generate_scores_a_llava_next_checkpoint(ckpt, tmp_path):
+    """`harmonia hf generate` loads a LLaVA-NeXT directory with transformers and scores its answers."""
+    import shutil
+
+    from harmonia.train.hf_generate import _messages, generate_accuracy
+    from harmonia.train.tiny_llava import CHAT_TEMPLATE
+
+    path = tmp_path / "ckpt"  # the checkpoint with a template that renders typed image parts
+    shutil.copytree(ckpt.path, path)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    processor.chat_template = processor.tokenizer.chat_template = CHAT_TEMPLATE
+    processor.save_pretrained(path)
+    _image(40, 24, 3, tmp_path / "a.png")
+    turns = [{"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "?"}]
+    msgs, _ = _messages(turns)
+    text = processor.apply_chat_template(msgs, add_generation_prompt=True)
+    batch = processor(images=[Image.open(tmp_path / "a.png").convert("RGB")], text=[text], return_tensors="pt")
+    with torch.no_grad():
+        out = ckpt.hf.generate(**batch, max_new_tokens=6, do_sample=False)
+    answer = processor.tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert answer  # a random model still says something
+    rows = [{"image": "a.png", "task": "colour", "conversations": [turns[0], {"from": "gpt", "value": answer}]},
+            {"image": "a.png", "task": "count", "conversations": [turns[0], {"from": "gpt", "value": answer + "x"}]}]
+    (tmp_path / "held_out.json").write_text(json.dumps(rows))
+    assert generate_accuracy(path, tmp_path / "held_out.json") == {"colour": (1.0, 1), "count": (0.0, 1)}
