@@ -1,0 +1,224 @@
+"""Two torchrun agents on one machine (`--nnodes=2 --nproc-per-node=2`, c10d rendezvous): what a
+user sees when a worker or a whole agent is killed mid-run.
+
+Every run trains the demo job (configs/demo.toml: tiny-omni, 4 ranks, the LLM over 2 pipeline
+stages) for a few steps with a checkpoint after each. An uninterrupted run is the reference:
+
+- a worker killed by SIGKILL: both agents restart the worker group (`--max-restarts=1`), the new
+  attempt takes over the checkpoint lock and resumes from the last finished checkpoint, and the job
+  ends with exit code 0 and the reference's per-step losses, bit for bit;
+- an agent killed by SIGKILL: its workers stop at a step boundary, rank 0 prints one line naming
+  them, the other agent ends within the rendezvous timeout, nothing is left running, and the same
+  command run again finishes the job with the reference's losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harmonia.config import load_config
+from harmonia.metrics import read_metrics
+from harmonia.train.job import prepare_data
+
+pytestmark = [pytest.mark.distributed]
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+JOIN_TIMEOUT_S = 20
+
+
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def _args(tmp: Path, run: str) -> list[str]:
+    return [f"--data.path={tmp / 'data'}", "--data.synthesize=32",
+            "--data.heldout=8", f"--train.steps={STEPS}", "--train.global_batch=8", "--train.warmup=1",
+            "--checkpoint.every=1", "--log.tensorboard=false", f"--log.dir={tmp / run}",
+            f"--checkpoint.dir={tmp / run / 'ck'}"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TwoAgents:
+    """Two torchrun agents of one job on this machine; each agent's output goes to its own file."""
+
+    def __init__(self, tmp: Path, run: str) -> None:
+        self.tmp, self.run = tmp, run
+        self.run_id = f"{run}-{os.getpid()}-{time.monotonic_ns()}"
+        self.port = _free_port()
+        self.agents: list[subprocess.Popen] = []
+
+    def start_agent(self) -> subprocess.Popen:
+        n = len(self.agents)
+        torchrun = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}", "--max-restarts=1",
+                    f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S},is_host={int(n == 0)}"]
+        out = open(self.tmp / f"{self.run}.agent{n}.log", "w")
+        proc = subprocess.Popen([sys.executable, *torchrun, "-m", "harmonia", "train", "--config", str(DEMO),
+                                 *_args(self.tmp, self.run)],
+                                cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        self.agents.append(proc)
+        return proc
+
+    def start(self) -> TwoAgents:
+        self.start_agent()
+        time.sleep(1.0)  # the first agent hosts the rendezvous and takes group rank 0
+        self.start_agent()
+        return self
+
+    def output(self, n: int) -> str:
+        return (self.tmp / f"{self.run}.agent{n}.log").read_text(errors="replace")
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for proc in self.agents:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return [proc.returncode for proc in self.agents]
+
+    def workers(self) -> dict[int, int]:
+        """Live worker processes of this job: {pid: global rank}."""
+        found = {}
+        for proc in Path("/proc").iterdir():
+            try:
+                env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+                state = (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+            except (OSError, ValueError):
+                continue
+            if env.get(b"TORCHELASTIC_RUN_ID") == self.run_id.encode() and state != "Z":
+                found[int(proc.name)] = int(env[b"RANK"])
+        return found
+
+    def kill_all(self) -> None:
+        """End whatever of this job still runs (a failed test must not leave it behind)."""
+        for pid in self.workers():
+            _kill(pid)
+        for proc in self.agents:
+            if proc.poll() is None:
+                _kill(proc.pid)
+                proc.wait()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+
+
+def _wait_for_step(job: TwoAgents, step: int, timeout: float = 90) -> None:
+    """Wait until rank 0 logged ``step`` (the job trains)."""
+    metrics = job.tmp / job.run / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(metrics.read_text().splitlines()[-1])["step"] >= step:
+                return
+        except (OSError, IndexError, ValueError, KeyError):
+            pass
+        if any(p.poll() is not None for p in job.agents):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} never logged:\n{job.output(0)[-3000:]}\n{job.output(1)[-3000:]}")
+
+
+def _losses(tmp: Path, run: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(tmp / run)]
+
+
+def _checkpoints(ck: Path) -> list[str]:
+    return sorted(p.name for p in ck.iterdir() if p.name.startswith("step-") or p.name.endswith(".lock"))
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("torchrun")
+    prepare_data(load_config(DEMO, _args(tmp, "prep")))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def reference(tmp) -> list[tuple[int, float]]:
+    """The uninterrupted run's per-step losses."""
+    job = TwoAgents(tmp, "reference").start()
+    try:
+        assert job.wait(timeout=110) == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
+    finally:
+        job.kill_all()
+    losses = _losses(tmp, "reference")
+    assert [s for s, _ in losses] == list(range(STEPS))
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_restarts_both_agents_and_the_job_resumes(tmp, reference) -> None:
+    job = TwoAgents(tmp, "worker").start()
+    try:
+        _wait_for_step(job, 1)
+        rank0 = next(pid for pid, rank in job.workers().items() if rank == 0)
+        os.kill(rank0, signal.SIGKILL)  # the checkpoint lock's holder, mid-step or mid-save
+        codes = job.wait(timeout=100)
+        leftovers = job.workers()
+    finally:
+        job.kill_all()
+    out = job.output(0) + job.output(1)
+    assert codes == [0, 0], out[-4000:]
+    assert f"took over the lock of pid {rank0}" in out  # the new attempt's rank 0 took over the dead one's lock
+    summary = json.loads((tmp / "worker" / "summary.json").read_text())
+    assert 1 <= summary["start_step"] < STEPS  # resumed from a checkpoint the killed attempt finished
+    assert _losses(tmp, "worker") == reference  # one record per step, every loss bit for bit
+    ck = tmp / "worker" / "ck"
+    assert _checkpoints(ck) == [f"step-{s}" for s in range(STEPS - 2, STEPS + 1)]  # checkpoint.keep=3, no .tmp
+    assert not leftovers
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_agent_stops_its_workers_and_the_other_agent_ends(tmp, reference) -> None:
+    job = TwoAgents(tmp, "agent").start()
+    try:
+        _wait_for_step(job, 1)
+        workers = job.workers()
+        doomed = _parent(next(pid for pid, rank in workers.items() if rank == 2))
+        assert doomed == job.agents[1].pid  # the second agent runs ranks 2 and 3
+        t0 = time.monotonic()
+        os.kill(doomed, signal.SIGKILL)
+        codes = job.wait(timeout=JOIN_TIMEOUT_S + 40)
+        ended_s = time.monotonic() - t0
+        leftovers = job.workers()
+    finally:
+        job.kill_all()
+    first = job.output(0)
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, first[-3000:]
+    assert ended_s < JOIN_TIMEOUT_S + 30, f"the other agent took {ended_s:.0f} s to end"
+    assert not leftovers, f"left running: {leftovers}"
+    stopped = [line for line in first.splitlines() if "every rank stopped at step" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("rank 2 received SIGTERM"), first[-3000:]
+    step = int(stopped[0].split(" at step ")[1].split("/")[0])
+    assert 1 <= step < STEPS
+    ck = tmp / "agent" / "ck"
+    assert _checkpoints(ck)[-1] == f"step-{step}" and not (ck / "harmonia.lock").exists()
+
+    again = TwoAgents(tmp, "agent").start()  # the same command again finishes the job
+    try:
+        assert again.wait(timeout=100) == [0, 0], again.output(0)[-3000:]
+    finally:
+        again.kill_all()
+    assert json.loads((tmp / "agent" / "summary.json").read_text())["start_step"] == step
+    assert _losses(tmp, "agent") == reference
