@@ -159,16 +159,14 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
                   tuple(blocks), layout.virtual_stages, layout.fsdp)
 
 
-def split_choices(cost: CostModel, module: str, layout: Layout) -> list[Layout]:
-    """``layout``, and the layout split evenly (every baseline's split) where its own split differs:
-    the frozen-aware partitioner evens out compute alone, and where messages decide (the last stage
-    sends nothing on) the even split can simulate faster; a search over both is never slower than
-    the baselines' split."""
+def even_split(cost: CostModel, module: str, layout: Layout) -> Layout | None:
+    """The layout with its stages split evenly (every baseline's split), or None where its own
+    split already is even."""
     n_blocks = len(cost.layers[module]) - 2
     even = replace(layout, stage_layers=None)
     if layout.stage_layers is None or tuple(layout.stage_split(n_blocks)) == tuple(even.stage_split(n_blocks)):
-        return [layout]
-    return [layout, even]
+        return None
+    return even
 
 
 def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:

@@ -35,8 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from harmonia.errors import ConfigError
-from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts,
-                                     split_choices)
+from harmonia.plan.candidates import balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
@@ -84,25 +83,23 @@ def _interleaved(cost: CostModel, llm: Layout, n_mb: int, load: ModuleLoad | Non
     """The LLM layout with ``v`` stage chunks per pipeline rank for each ``v`` of `VIRTUAL_STAGES`
     that its blocks and microbatches allow (Megatron-LM's virtual pipeline: ``n_mb`` a multiple of
     ``pp``, at least one block per chunk): split evenly, or by the frozen-aware partitioner for
-    ``load`` when given (and evenly too where that differs: `split_choices`)."""
+    ``load`` when given."""
     blocks = len(cost.layers["llm"]) - 2  # embedding and head live on the first and last chunk
     if llm.pp < 2 or n_mb % llm.pp:
         return
     for v in VIRTUAL_STAGES:
         if blocks >= v * llm.pp:
             virtual = replace(llm, virtual_stages=v, stage_layers=None)
-            yield from ([virtual] if load is None
-                        else split_choices(cost, "llm", balanced_split(cost, "llm", virtual, load)))
+            yield virtual if load is None else balanced_split(cost, "llm", virtual, load)
 
 
 def _schedules(cost: CostModel, llm: Layout, n_mb: int, families: tuple[str, ...],
                load: ModuleLoad | None = None) -> Iterator[tuple[Layout, str]]:
     """(LLM layout, schedule family) pairs: each family of ``families`` on ``llm``, ``interleaved``
-    on its virtual-stage forms (frozen-aware split for ``load`` when given, and the even split
-    beside it where they differ: `split_choices`)."""
+    on its virtual-stage forms (frozen-aware split for ``load`` when given)."""
     for family in families:
         if family != "interleaved":
-            yield from ((split, family) for split in ([llm] if load is None else split_choices(cost, "llm", llm)))
+            yield llm, family
         else:
             yield from ((virtual, family) for virtual in _interleaved(cost, llm, n_mb, load))
 

@@ -7,20 +7,28 @@ candidate's score is its simulated iteration time averaged over the ``K`` profil
 The search is best-first branch and bound over (candidate, batch) simulations, and finds the same
 best plan as simulating every candidate on every batch:
 
-- every candidate has, per batch ``k``, a lower bound ``b_k`` on its simulated time
-  (`harmonia.plan.bounds.plan_bound`: compute, TP/CP collectives, FSDP gathers and the DP
-  gradient reduction of the busiest rank; and the compute-only `lower_bound_s`), computed
-  without simulating;
+- every candidate has, per batch ``k``, a lower bound ``b_k`` on its simulated time, computed
+  without simulating and raised in steps, each dearer and tighter than the one before: the
+  compute-only `lower_bound_s` (all candidates, microseconds each), then
+  `harmonia.plan.bounds.plan_bound` (compute, TP/CP collectives, FSDP gathers and the DP gradient
+  reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`);
 - a candidate's bound on its score is ``mean_k (t_k if batch k is simulated else b_k)``; it only
-  rises as batches are simulated, and equals the score once all are;
-- the candidate with the smallest bound is refined next: its next batch is simulated. When the
-  candidate popped has every batch simulated, its score is at most every other candidate's bound,
-  hence at most every other score: it is the best. Popping on gives the next best, up to ``top``.
+  rises as its batches are refined, and equals the score once all are simulated;
+- the candidate with the smallest bound is refined next: its least refined batch goes one step
+  up. When the candidate popped has every batch simulated, its score is at most every other
+  candidate's bound, hence at most every other score: it is the best. Popping on gives the next
+  best, up to ``top``.
 
 So a layout whose first simulated batch already exceeds the best score is never simulated again,
-and one whose bound exceeds it is never simulated at all. Plans the simulator cannot tell apart
+one whose bound exceeds it is never simulated at all, and one whose compute-only bound exceeds it
+is never bounded further. Plans the simulator cannot tell apart
 (zero-bubble where no stage has both an input and a weight gradient: it runs as 1F1B) share one
 simulation.
+
+The frozen-aware stage split evens out compute alone; where messages decide (the last stage sends
+nothing on) the even split every baseline uses can simulate faster. So when harmonia's best plan
+splits the LLM unevenly, the same plan split evenly is simulated too and ranked first if faster:
+harmonia's plan is never slower than its own layout under the baselines' split.
 
 Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
 of every module, activations of the microbatches its schedule keeps in flight:
@@ -38,11 +46,11 @@ import heapq
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound
-from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
+from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidates, homogeneous_candidates,
                                    simulate_work)
@@ -142,6 +150,9 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
     scorer = _Scorer(run, batches)
     ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
+    if recipe == "harmonia" and ranked:
+        ranked, twins = _even_split_first(scorer, ranked, top)
+        simulated += twins
     if not ranked:
         memory = sum(n for why, n in rejected.items() if why.startswith("memory"))
         raise LayoutError(f"no plan fits: none of the {len(cands)} candidate layouts of {scenario.model} on "
@@ -164,7 +175,7 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     states = {}
     for cand, key in zip(cands, keys):
         if key not in states:
-            states[key] = [[ANALYTIC, b] for b in scorer.analytic(cand)]
+            states[key] = [[COMPUTE, b] for b in scorer.compute_bound(cand)]
     failed: dict[tuple, str] = {}
     touched: set[int] = set()
 
@@ -190,7 +201,9 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
             ranked.append((current, run.scenario.global_batch / current, cands[i]))
             continue
         try:
-            if state[j][0] == ANALYTIC:
+            if state[j][0] == COMPUTE:
+                state[j] = [ANALYTIC, max(state[j][1], scorer.analytic(cands[i], j))]
+            elif state[j][0] == ANALYTIC:
                 state[j] = [WORK, max(state[j][1], scorer.work(cands[i], key, j))]
             else:
                 touched.add(i)
@@ -208,9 +221,9 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     return ranked, len(touched)
 
 
-ANALYTIC, WORK, SIMULATED = 0, 1, 2
-"""What a candidate's value on one batch is: the analytic bound, the bound of the batch's stage work,
-or the simulated time (each at least the one before)."""
+COMPUTE, ANALYTIC, WORK, SIMULATED = 0, 1, 2, 3
+"""What a candidate's value on one batch is: the compute-only bound, the analytic bound, the bound of
+the batch's stage work, or the simulated time (each at least the one before)."""
 
 
 class _Scorer:
@@ -219,18 +232,21 @@ class _Scorer:
     which depends on the layouts and the assignment but not on the schedule (a 1F1B candidate and
     its zero-bubble twin share it)."""
 
-    def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 8) -> None:
+    def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 32) -> None:
         self.run, self.batches, self.keep = run, batches, keep
         self.assignments: dict[tuple, IterationAssignment] = {}
         self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
         self.timelines = 0
 
-    def analytic(self, cand: Candidate) -> list[float]:
-        """Per batch, the larger of the communication-aware and compute-only bounds."""
+    def compute_bound(self, cand: Candidate) -> list[float]:
+        """Per batch, the compute-only bound (`lower_bound_s`)."""
+        return [lower_bound_s(self.run.profile, cand.plan.layouts, [k]) for k in self.batches]
+
+    def analytic(self, cand: Candidate, j: int) -> float:
+        """The communication-aware bound of batch ``j`` (`plan_bound`)."""
         run = self.run
-        return [max(plan_bound(cand.plan, run.cost, run.cluster, run.profile, [k]).lower_s,
-                    lower_bound_s(run.profile, cand.plan.layouts, [k])) for k in self.batches]
+        return plan_bound(cand.plan, run.cost, run.cluster, run.profile, [self.batches[j]]).lower_s
 
     def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
@@ -270,6 +286,25 @@ class _Scorer:
         peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
         self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)
         return float(timeline.iteration_s)
+
+
+def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]],
+                      top: int) -> tuple[list[tuple[float, float, Candidate]], int]:
+    """The ranked plans with the best one's LLM split evenly ranked first where that differs and is
+    faster on every search batch together (see the module docstring); and 1 if it was simulated."""
+    best = ranked[0][2]
+    even = even_split(scorer.run.cost, "llm", best.plan.layouts["llm"])
+    if even is None:
+        return ranked, 0
+    twin = replace(best, plan=replace(best.plan, layouts={**best.plan.layouts, "llm": even}))
+    key = simulation_key(twin, scorer.run.cost)
+    try:
+        score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
+    except HarmoniaError:
+        return ranked, 1
+    if scorer.over_memory(key) or score >= ranked[0][0]:
+        return ranked, 1
+    return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
 
 
 def simulation_key(cand: Candidate, cost: CostModel) -> tuple:

@@ -101,3 +101,20 @@ def test_cli_writes_a_valid_plan_and_prints_the_top_ten(tmp_path, shared_traces,
     rows = [line for line in printed.splitlines() if re.match(r"^\W*\d+ \W+\d+\.\d+ \W+\d+\.\d+ \W+\d+\.\d", line)]
     assert len(rows) == 10
     assert re.search(r"\d+ candidates: \d+ simulated .* \d+ pruned by lower bounds; rejected: ", printed)
+
+
+def test_harmonia_plan_is_never_slower_than_its_layout_split_evenly() -> None:
+    """Llama-3.1 70B on 64 H100 as tp4 cp2 pp8: the frozen-aware split (11 blocks on the stage
+    before the head's) simulates slower than the even split the baselines use (the last stage sends
+    nothing on); harmonia's search simulates the even split of its best plan too and ranks it first."""
+    scenario = Scenario("g", "llama3-70b", "h100:8x8", "text:8192", 32, iterations=1, search_batches=1)
+
+    def accept(plan):
+        llm = plan.layouts["llm"]
+        return None if (llm.tp, llm.cp, llm.pp, llm.virtual_stages) == (4, 2, 8, 1) and not plan.recompute else "other"
+
+    baseline = search_plan(scenario, accept=accept, recipe="megatron")
+    found = search_plan(scenario, top=2, accept=accept)
+    (best, _, cand), (second, _, runner_up) = found.ranked
+    assert cand.plan.layouts["llm"].stage_layers is None and runner_up.plan.layouts["llm"].stage_layers is not None
+    assert best < second and best <= baseline.ranked[0][0] + 1e-9
