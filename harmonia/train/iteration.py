@@ -124,7 +124,8 @@ class IterationBuilder:
     """Builds `PreparedIteration` for any step, deterministically (the same schedule on every rank).
 
     Steps are prepared in order: ``builder(k)`` (in the prefetch thread) waits for step ``k - 1``'s
-    `settle` (in the training thread); `build` does both, for callers without a prefetcher.
+    `settle` (in the training thread); `build` prepares and settles a step in the calling thread, for
+    callers without a prefetcher.
 
     Args:
         spec: the MLLM.
@@ -202,8 +203,10 @@ class IterationBuilder:
         return it
 
     def build(self, step: int) -> PreparedIteration:
-        """Prepare and settle ``step`` in this thread."""
-        return self.settle(self(step))
+        """Prepare and settle ``step`` in this thread (any step: nothing runs beside it)."""
+        with self._cond:
+            bad = set(self.bad)
+        return self.settle(self._prepare(step, bad, {}))
 
     def close(self) -> None:
         """Stop waiting preparations and the decoder's workers."""

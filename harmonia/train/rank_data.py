@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 
 from harmonia.data.loader import Failed, MultimodalDataset
@@ -87,6 +88,10 @@ def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None) ->
     """
     everyone = [list(failed)]
     if group is not None:
+        count = torch.tensor([len(failed)], dtype=torch.int64)
+        dist.all_reduce(count, group=group)  # one small collective in the common case: nothing failed
+        if not int(count):
+            return []
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, list(failed), group=group)
     merged = {f.index: f for rank_failed in everyone for f in rank_failed}

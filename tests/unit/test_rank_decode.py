@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -165,3 +166,20 @@ def test_token_counts_are_cached_beside_the_shape_index(data, tmp_path):
     third.tokenizer.encode_conversation = counted
     calls["n"] = 0
     assert third.shapes() == shapes and calls["n"] == len(third)
+
+
+def test_prefetched_steps_follow_the_agreement_and_close_unblocks_the_prefetcher(data):
+    from harmonia.schedule.prefetch import SchedulePrefetcher
+
+    root, tok = data
+    plan = PLANS["colocated-cp"]
+    ds = _open(root, tok)
+    builder = _builder(ds, plan, 1)
+    with SchedulePrefetcher(builder, first_step=0, last_step=10) as prefetch:
+        got = [builder.settle(prefetch.get(step)) for step in range(2)]
+        t0 = time.perf_counter()
+        builder.close()  # the prefetcher's thread waits for step 2's agreement: closing frees it
+    assert time.perf_counter() - t0 < 4.0
+    alone = _builder(ds, plan, 1)
+    for it in got:
+        assert_identical(it.batch, alone.build(it.step).batch, f"prefetched step {it.step}")
