@@ -227,13 +227,15 @@ the batch's stage work, or the simulated time (each at least the one before)."""
 
 
 class _Scorer:
-    """The three levels of a candidate's value on a search batch, with the work they share cached:
-    the recipe's assignment per (assignment key, batch) and the last few iterations' stage work,
+    """The levels of a candidate's value on a search batch, with the work they share cached:
+    the recipe's assignment per (assignment key, batch) and the last iterations' stage work,
     which depends on the layouts and the assignment but not on the schedule (a 1F1B candidate and
     its zero-bubble twin share it)."""
 
-    def __init__(self, run: ScenarioRun, batches: list[int], keep: int = 32) -> None:
-        self.run, self.batches, self.keep = run, batches, keep
+    def __init__(self, run: ScenarioRun, batches: list[int], keep: int | None = None) -> None:
+        """``keep``: iterations' stage work kept (default: more the fewer ranks, 16 from 1,024 GPUs)."""
+        self.run, self.batches = run, batches
+        self.keep = keep if keep is not None else max(16, 16384 // run.cluster.world_size)
         self.assignments: dict[tuple, IterationAssignment] = {}
         self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
@@ -250,8 +252,8 @@ class _Scorer:
 
     def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
-        wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches,
-                tuple(sorted(plan.layouts.items())), plan.recompute_key, j)
+        wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches, _layouts_key(plan, self.run.cost),
+                plan.recompute_key, j)
         if wkey in self.work_cache:
             return self.work_cache[wkey]
         run, k = self.run, self.batches[j]
@@ -319,5 +321,12 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
         graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
         if not any(graph.needs_b(ref) and graph.needs_w(ref) for ref in graph.stages()):
             schedule = "1f1b"
-    return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches,
-            tuple(sorted(plan.layouts.items())), plan.recompute_key)
+    return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches, _layouts_key(plan, cost),
+            plan.recompute_key)
+
+
+def _layouts_key(plan: Plan, cost: CostModel) -> tuple:
+    """Every module's layout as it places and splits work: ranks listed or by offset alike, a stage
+    split given or even alike (two plans that differ only there simulate alike)."""
+    return tuple((m, lay.tp, lay.cp, lay.dp, lay.pp, lay.rank_list(), lay.virtual_stages, lay.fsdp,
+                  tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))

@@ -13,6 +13,7 @@ schedule deadlocks; the error lists what each rank waits for.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,17 +114,18 @@ def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int,
     queued = sum(len(q) for q in queues.values())
     if queued != n:
         raise ScheduleError(f"{n} tasks but {queued} are queued on ranks; every task must be on exactly one queue")
-    remaining = np.zeros(n, dtype=np.int64)
-    ready_at = np.zeros(n)
+    # plain lists: the sweep touches one element at a time, where numpy scalars cost several times more
+    remaining = [len(t.deps) for t in tasks]
+    ready_at = [0.0] * n
+    duration = [t.duration for t in tasks]
     children: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     for i, t in enumerate(tasks):
-        remaining[i] = len(t.deps)
         for d, delay in t.deps:
             children[d].append((i, delay))
-    start, end = np.full(n, np.nan), np.full(n, np.nan)
+    start, end = [math.nan] * n, [math.nan] * n
     head = {key: 0 for key in queues}
     free = {key: 0.0 for key in queues}
-    owner = {}
+    owner: list = [None] * n
     for key, q in queues.items():
         for i in q:
             owner[i] = key
@@ -132,30 +134,34 @@ def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int,
     while stack:
         key = stack.pop()
         q = queues[key]
-        while head[key] < len(q):
-            i = q[head[key]]
+        at, now = head[key], free[key]
+        while at < len(q):
+            i = q[at]
             if remaining[i]:
                 break
-            s = max(free[key], ready_at[i])
-            start[i], end[i] = s, s + tasks[i].duration
-            free[key] = end[i]
-            head[key] += 1
+            s = now if now > ready_at[i] else ready_at[i]
+            now = s + duration[i]
+            start[i], end[i] = s, now
+            at += 1
             done += 1
             for c, delay in children[i]:
                 remaining[c] -= 1
-                ready_at[c] = max(ready_at[c], end[i] + delay)
+                if now + delay > ready_at[c]:
+                    ready_at[c] = now + delay
                 if remaining[c] == 0:
                     ck = owner[c]
-                    if queues[ck][head[ck]] == c and ck != key:
+                    if ck != key and queues[ck][head[ck]] == c:
                         stack.append(ck)
+        head[key], free[key] = at, now
     if done < n:
         blocked = []
         for key, q in queues.items():
             if head[key] < len(q):
                 i = q[head[key]]
-                waits = [tasks[d].name for d, _ in tasks[i].deps if np.isnan(end[d])]
+                waits = [tasks[d].name for d, _ in tasks[i].deps if math.isnan(end[d])]
                 blocked.append(f"rank {key[1]} at {tasks[i].name} waits for {', '.join(waits[:3])}")
         raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
+    start, end = np.asarray(start), np.asarray(end)
     ranks = sorted({t.rank for t in tasks} | set(order))
     busy = {r: 0.0 for r in ranks}
     for t in tasks:

@@ -84,6 +84,9 @@ def _activation_delta(kind: str, act_bytes: float, w_only: bool, has_w: bool) ->
     return -act_bytes
 
 
+_COMPUTE = frozenset(k for k in Kind if k.is_compute)
+
+
 class _Builder:
     """Tasks of every rank's actions, and the receives' dependencies once every send exists."""
 
@@ -98,6 +101,7 @@ class _Builder:
         self.replicas: dict[tuple[str, int], int] = {}
         self.reductions: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> one DP group's reduction
         self.first_rank: dict[tuple[str, int, int], int] = {}  # a replica's stage chunk -> its first rank
+        self.phases: dict[tuple[str, int, Kind], tuple[str, bool, bool]] = {}
 
     def replica(self, module: str, rank: int) -> int:
         key = (module, rank)
@@ -114,7 +118,7 @@ class _Builder:
 
     def add(self, rank: int, a: Action) -> int:
         i = len(self.tasks)
-        if a.kind.is_compute:
+        if a.kind in _COMPUTE:
             self.tasks.append(self._compute(rank, a))
             self.last_compute[rank] = i
         elif a.kind is Kind.REDUCE:  # after the chunk's last backward, the compute action before it
@@ -132,18 +136,26 @@ class _Builder:
                 self.recvs.append((i, rank, a))
         return i
 
+    def _phase(self, a: Action) -> tuple[str, bool, bool]:
+        """(kind, W-only stage's W, stage has W) of a compute action, once per stage and kind."""
+        key = (a.module, a.stage, a.kind)
+        if key not in self.phases:
+            ref = a.stage_ref
+            kind = a.kind.value
+            self.phases[key] = (kind, kind == "W" and not self.graph.needs_b(ref), self.graph.needs_w(ref))
+        return self.phases[key]
+
     def _compute(self, rank: int, a: Action) -> Task:
-        ref, kind = a.stage_ref, a.kind.value
+        kind, w_only, has_w = self._phase(a)
         key = StageKey(a.module, self.replica(a.module, rank), a.stage)
         work = self.iw.unit(key, a.microbatch, a.sub)
         name = f"{a.module}.r{key.replica}.s{a.stage}.{kind}{a.microbatch}" + ("" if a.sub is None else f".{a.sub}")
         if work is None:  # this replica has no data in the unit
             return Task(name, rank, 0.0, [], a.module, kind, action=a)
-        w_only = kind == "W" and not self.graph.needs_b(ref)
         seconds = compute_seconds(work, kind, w_only)
         duration = seconds + collective_extra(self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
         share = seconds / max(work.times.total, 1e-30)
-        mem = _activation_delta(kind, work.act_bytes, w_only, self.graph.needs_w(ref))
+        mem = _activation_delta(kind, work.act_bytes, w_only, has_w)
         recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
         return Task(name, rank, duration, [], a.module, kind, mem, work.flops * share,
                     work.transient if recomputes else 0.0, action=a)
