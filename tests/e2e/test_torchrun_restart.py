@@ -5,8 +5,9 @@ Every run trains the demo job (configs/demo.toml: tiny-omni, 4 ranks, the LLM ov
 stages) for a few steps with a checkpoint after each. An uninterrupted run is the reference:
 
 - a worker killed by SIGKILL: both agents restart the worker group (`--max-restarts=1`), the new
-  attempt takes over the checkpoint lock and resumes from the last finished checkpoint, and the job
-  ends with exit code 0 and the reference's per-step losses, bit for bit;
+  attempt resumes from the last finished checkpoint (its rank 0 takes over the dead one's
+  checkpoint lock), and the job ends with exit code 0 and the reference's per-step losses, bit for
+  bit, also when only one agent counts the restart;
 - an agent killed by SIGKILL: its workers stop at a step boundary, rank 0 prints one line saying
   so, the other agent ends (at once when the dead one hosted the rendezvous, else within the
   rendezvous timeout), nothing is left running, and the same command run again finishes the job
@@ -168,25 +169,67 @@ def reference(tmp) -> list[tuple[int, float]]:
     return losses
 
 
+def _wait_for_text(job: TwoAgents, n: int, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in job.output(n):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{text!r} never printed by agent {n}:\n{job.output(n)[-3000:]}")
+        time.sleep(0.05)
+
+
+def _signal(pids, signum: int) -> None:
+    for pid in pids:
+        os.kill(pid, signum)
+
+
+def _resumed_like_the_reference(tmp: Path, run: str, reference) -> None:
+    summary = json.loads((tmp / run / "summary.json").read_text())
+    assert 1 <= summary["start_step"] < STEPS  # resumed from a checkpoint the killed attempt finished
+    assert _losses(tmp, run) == reference  # one record per step, every loss bit for bit
+    ck = tmp / run / "ck"
+    assert _checkpoints(ck) == [f"step-{s}" for s in range(STEPS - 2, STEPS + 1)]  # checkpoint.keep=3, no .tmp
+
+
 @pytest.mark.timeout(120)
 def test_a_killed_worker_restarts_both_agents_and_the_job_resumes(tmp, reference) -> None:
     job = TwoAgents(tmp, "worker").start()
     try:
         _wait_for_step(job, 1)
-        rank0 = next(pid for pid, rank in job.workers().items() if rank == 0)
-        os.kill(rank0, signal.SIGKILL)  # the checkpoint lock's holder, mid-step or mid-save
+        os.kill(next(pid for pid, rank in job.workers().items() if rank == 3), signal.SIGKILL)
         codes = job.wait(timeout=100)
         leftovers = job.workers()
     finally:
         job.kill_all()
-    out = job.output(0) + job.output(1)
-    assert codes == [0, 0], out[-4000:]
-    assert f"took over the lock of pid {rank0}" in out  # the new attempt's rank 0 took over the dead one's lock
-    summary = json.loads((tmp / "worker" / "summary.json").read_text())
-    assert 1 <= summary["start_step"] < STEPS  # resumed from a checkpoint the killed attempt finished
-    assert _losses(tmp, "worker") == reference  # one record per step, every loss bit for bit
-    ck = tmp / "worker" / "ck"
-    assert _checkpoints(ck) == [f"step-{s}" for s in range(STEPS - 2, STEPS + 1)]  # checkpoint.keep=3, no .tmp
+    assert codes == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
+    _resumed_like_the_reference(tmp, "worker", reference)
+    assert not leftovers
+
+
+@pytest.mark.timeout(120)
+def test_agents_that_count_restarts_differently_agree_on_the_attempt(tmp, reference) -> None:
+    """The first agent's workers are killed (rank 0, the checkpoint lock's holder, among them) while
+    the second agent's have not noticed (frozen, as peers on another machine may be): the first
+    agent counts a restart, the second restarts its workers for the membership change and does not,
+    so their ``TORCHELASTIC_RESTART_COUNT`` differ; the new attempt's ranks still meet."""
+    job = TwoAgents(tmp, "membership").start()
+    try:
+        _wait_for_step(job, 1)
+        workers = job.workers()
+        frozen = [pid for pid, rank in workers.items() if rank >= 2]
+        _signal(frozen, signal.SIGSTOP)
+        killed = {rank: pid for pid, rank in workers.items() if rank < 2}
+        _signal(killed.values(), signal.SIGKILL)
+        _wait_for_text(job, 1, "closing signal SIGTERM")  # the second agent restarts its (healthy) workers
+        _signal(frozen, signal.SIGCONT)
+        codes = job.wait(timeout=100)
+        leftovers = job.workers()
+    finally:
+        job.kill_all()
+    out = job.output(0)
+    assert codes == [0, 0], out[-3000:] + job.output(1)[-3000:]
+    assert f"took over the lock of pid {killed[0]}" in out  # the new rank 0 took over the dead one's lock
+    assert "failed (exitcode" not in job.output(1)  # the second agent saw no failure: no restart counted
+    _resumed_like_the_reference(tmp, "membership", reference)
     assert not leftovers
 
 
