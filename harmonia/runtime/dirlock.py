@@ -2,8 +2,12 @@
 
 `DirectoryLock` takes an exclusive ``flock`` on ``<dir>/harmonia.lock`` and writes the holder's pid,
 host and start time into it. The kernel drops the lock when the holder dies, so a lock left by a
-dead job is taken over (and said so); a live holder is named in the refusal. Where the file system
-has no ``flock``, the pid and host in the file decide instead (a dead pid on this host is stale).
+dead job is taken over (and said so); a live holder is named in the refusal. A process the dead
+holder forked keeps its lock alive (the lock belongs to the open file, which a fork shares): where
+``/proc/locks`` says that every process that placed the lock is gone, the lock file is replaced and
+taken over too (a torchrun restart finds its killed rank 0's lock so while that rank's workers
+exit). Where the file system has no ``flock``, the pid and host in the file decide instead (a dead
+pid on this host is stale).
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _lock_owners(path: Path) -> set[int] | None:
+    """The pids that placed the ``flock`` locks on ``path``'s file, from ``/proc/locks`` (None where it
+    cannot be read). A lock stays listed under the pid that placed it, also once that process is dead
+    and a process it forked holds the lock."""
+    try:
+        st = os.stat(path)
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    owners = set()
+    for line in table.splitlines():  # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF"; "->" marks a waiter
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+            owners.add(int(fields[4]))
+    return owners
 
 
 class DirectoryLock:
@@ -74,13 +96,19 @@ class DirectoryLock:
     def acquire(self) -> None:
         """Take the lock or raise `DirectoryLocked` naming the holder."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        stale: dict | None = None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                self._refuse(self._holder())
+                owners = _lock_owners(self.path)
+                if not owners or any(_pid_alive(pid) for pid in owners):
+                    self._refuse(self._holder())
+                stale = stale or self._holder()  # its holder is dead; what it forked holds the old file
+                self.path.unlink(missing_ok=True)
+                continue
             except OSError as err:  # no flock on this file system: the pid in the file decides
                 if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     os.close(fd)
@@ -98,7 +126,7 @@ class DirectoryLock:
                 break
             os.close(fd)
         self._fd = fd
-        previous = self._holder()
+        previous = self._holder() or stale or {}
         if previous.get("pid") and previous.get("pid") != os.getpid():
             self.took_over = previous
             log.warning("%s %s: took over the lock of pid %s on host %s, which is no longer running", self.what,
