@@ -113,6 +113,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         self.shape_cache, self.num_workers, self.log_skips = shape_cache, num_workers, log_skips
         self.stats = DataStats()
         self._counted: set = set()  # a bad record is counted once, however often it is read
+        self._n_targets: dict[int, int] = {}  # dataset index -> tokens with a label (`outline`)
         self.records: list[Conversation]
         self.records, errors, self.sources = read_conversations(path, format, media_root, allow_outside_root, seed)
         self.n_read = len({id(c) for c in self.records}) + len(errors)
@@ -202,7 +203,9 @@ class MultimodalDataset(torch.utils.data.Dataset):
         """A sample of `shapes` as the batch builder sees it without decoding it (`SampleOutline`)."""
         index = shape.sample_id
         conv = self.records[index]
-        outline = self.builder.outline(shape, self.builder.n_targets(conv, shape))
+        if index not in self._n_targets:  # from the token cache; kept, as every step asks again
+            self._n_targets[index] = self.builder.n_targets(conv, shape)
+        outline = self.builder.outline(shape, self._n_targets[index])
         outline.sample_id = conv.id if conv.id is not None else index
         return outline
 

@@ -87,8 +87,9 @@ class PreparedIteration:
         sample_ids: dataset indices trained this step (decoded successfully).
         skipped: samples of the step's batch dropped by the data policy (failed now or before).
         assignment: global microbatches and replicas (batch positions).
-        schedule: the schedule every rank expands to its action list.
-        batch: this rank's tensors.
+        schedule: the schedule every rank expands to its action list (None while a failure of this
+            rank's decoding awaits `IterationBuilder.settle`).
+        batch: this rank's tensors (None likewise).
         n_tokens: LLM tokens of the step's batch.
         predicted: the simulated step on the cluster model (rank 0 only).
         prepare_s: seconds spent building this.

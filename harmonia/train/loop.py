@@ -1,7 +1,8 @@
 """The per-rank training loop: one process of `harmonia train`.
 
 Each rank builds its share of the model from the plan, then for every step takes the iteration the
-prefetch thread prepared a step ahead (balanced microbatches, searched schedule, its own tensors),
+prefetch thread prepared a step ahead (balanced microbatches, searched schedule, its own tensors,
+decoded by its data workers), agrees with the other ranks on samples that failed to decode,
 runs it through the executor, and steps the optimizers with the step's learning rate. Rank 0 logs
 metrics, drives the progress bar, and writes the measured and simulated timelines of one step.
 Checkpoints are collective (every ``checkpoint.every`` steps and at the end).
@@ -191,7 +192,7 @@ class Trainer:
 
         tc, ck = self.config.train, self.config.checkpoint
         # step start+1 (warm) fits the simulation's cost model; start+4, prepared after that (the
-        # prefetcher works up to two steps ahead), is drawn measured beside simulated
+        # prefetcher works a step ahead), is drawn measured beside simulated
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
         with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps) as prefetch:
             try:
