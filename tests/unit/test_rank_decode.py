@@ -183,3 +183,18 @@ def test_prefetched_steps_follow_the_agreement_and_close_unblocks_the_prefetcher
     alone = _builder(ds, plan, 1)
     for it in got:
         assert_identical(it.batch, alone.build(it.step).batch, f"prefetched step {it.step}")
+
+
+def test_a_decoded_shape_unlike_its_header_shape_is_a_shape_mismatch(data):
+    from harmonia.data.loader import Failed
+    from harmonia.train.rank_data import check_decoded
+
+    root, tok = data
+    ds = _open(root, tok)
+    shape = ds.shapes()[0]
+    (loaded,) = ds.load([shape.sample_id])
+    assert check_decoded(loaded, shape, ds) is loaded
+    other = dataclasses.replace(shape, text_tokens=shape.text_tokens + 1)
+    failed = check_decoded(loaded, other, ds)
+    assert isinstance(failed, Failed) and failed.kind == "shape_mismatch" and failed.index == shape.sample_id
+    assert ds.records[shape.sample_id].where in failed.message
