@@ -16,12 +16,15 @@ read; rank 0 answers until every rank has acknowledged the number.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
 from harmonia.errors import HarmoniaError
 
 PREFIX = "harmonia/attempts"
+ATTEMPT_ENV = "HARMONIA_ATTEMPT"
+"""Set in each rank once the attempt is agreed (`agree_attempt`): its number."""
 
 
 class AttemptError(HarmoniaError):
@@ -38,6 +41,11 @@ def _answer(rank: int, nonce: str) -> str:
 
 def _ack(attempt: int, rank: int) -> str:
     return f"{PREFIX}/ack/{attempt}/{rank}"
+
+
+def current_attempt() -> int:
+    """This process's restart attempt: the agreed one (``HARMONIA_ATTEMPT``) once set, else torchrun's count."""
+    return int(os.environ.get(ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def agree_attempt(store, rank: int, world: int, timeout_s: float, poll_s: float = 0.02) -> int:

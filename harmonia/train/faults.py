@@ -13,7 +13,7 @@ fail at that step:
 | `nangrad` | a gradient becomes NaN after the step's backward (one non-finite update)     |
 | `save`    | the rank dies by SIGKILL inside the save of checkpoint ``step``, files written |
 
-Faults fire on a job's first attempt only (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a
+Faults fire on a job's first attempt only (`harmonia.runtime.attempt.current_attempt` 0), so a
 restarted job gets past them.
 """
 
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from harmonia.errors import ConfigError
+from harmonia.runtime.attempt import current_attempt
 from harmonia.train.rank import RankModel
 
 FAULT_ENV = "HARMONIA_FAULT"
@@ -55,7 +56,7 @@ class Faults:
     """This rank's faults from the environment (none on a restarted attempt)."""
 
     def __init__(self, rank: int) -> None:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        restarted = current_attempt() > 0
         self.rank = rank
         self.faults = [] if restarted else [f for f in parse_faults(os.environ.get(FAULT_ENV, "")) if f.rank == rank]
 

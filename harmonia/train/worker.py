@@ -51,10 +51,11 @@ def _attempt_store(rank: int, world: int, timeout: datetime.timedelta) -> tuple[
     A restarted attempt reuses the store of the failed one; without a prefix, gloo's connection
     set-up can read the dead attempt's peer addresses and fail with "connection refused".
     """
-    from harmonia.runtime.attempt import agree_attempt
+    from harmonia.runtime.attempt import ATTEMPT_ENV, agree_attempt
 
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     attempt = str(agree_attempt(store, rank, world, timeout.total_seconds()))
+    os.environ[ATTEMPT_ENV] = attempt  # what this process's faults read (`current_attempt`)
     return dist.PrefixStore(f"harmonia/attempt-{attempt}", store), attempt
 
 

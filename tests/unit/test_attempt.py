@@ -62,3 +62,13 @@ def test_a_rank_that_never_joins_is_named(store) -> None:
     assert time.monotonic() - t0 < 5
     rank1.join(timeout=10)
     assert seen == {1: 0}
+
+
+def test_the_agreed_attempt_wins_over_torchruns_count(monkeypatch) -> None:
+    from harmonia.runtime.attempt import ATTEMPT_ENV, current_attempt
+
+    monkeypatch.delenv(ATTEMPT_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert current_attempt() == 0
+    monkeypatch.setenv(ATTEMPT_ENV, "1")  # an agent that restarted only for the membership change still says 0
+    assert current_attempt() == 1
