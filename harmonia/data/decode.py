@@ -16,11 +16,13 @@ import os
 import pickle
 import signal
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
 from harmonia.data.loader import Failed, MultimodalDataset
 from harmonia.data.samples import LoadedSample
+from harmonia.errors import SampleError
 
 _WORKER_DATASET: list[MultimodalDataset] = []  # the dataset of this worker process (set once, at fork)
 
@@ -75,8 +77,12 @@ class SampleDecoder:
         if self._pool is None:
             return self.dataset.decode(indices)
         out: list[LoadedSample | Failed] = []
-        for blob in self._pool.map(_decode_run, _runs(list(indices), self.num_workers)):
-            out += pickle.loads(blob)
+        try:
+            for blob in self._pool.map(_decode_run, _runs(list(indices), self.num_workers)):
+                out += pickle.loads(blob)
+        except BrokenProcessPool as e:
+            raise SampleError(f"a data worker process died while decoding samples {list(indices)} ({e}); it was "
+                              "killed (out of memory?): lower data.num_workers or check those samples") from e
         return out
 
     def close(self) -> None:

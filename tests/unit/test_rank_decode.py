@@ -198,3 +198,18 @@ def test_a_decoded_shape_unlike_its_header_shape_is_a_shape_mismatch(data):
     failed = check_decoded(loaded, other, ds)
     assert isinstance(failed, Failed) and failed.kind == "shape_mismatch" and failed.index == shape.sample_id
     assert ds.records[shape.sample_id].where in failed.message
+
+
+def test_a_killed_data_worker_is_a_clear_error(data):
+    import os
+    import signal
+
+    from harmonia.errors import SampleError
+
+    root, tok = data
+    with SampleDecoder(_open(root, tok), num_workers=1) as decoder:
+        assert len(decoder.decode([0, 1])) == 2
+        for pid in list(decoder._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SampleError, match="data worker process died"):
+            decoder.decode([0, 1])
