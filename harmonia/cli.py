@@ -495,6 +495,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _print_error("interrupted")
         return 128 + signal.SIGINT
+    except RuntimeError as err:  # under torchrun: a peer gone is one line per rank, not a traceback
+        from harmonia.launch import PEER_ERRORS, under_torchrun
+
+        lost = PEER_ERRORS.search(str(err)) if under_torchrun() else None
+        if lost is None:
+            raise
+        _print_error(f"rank {os.environ['RANK']} lost its connection to another rank ({lost.group(0)}): that rank "
+                     "failed or was killed; torchrun names it, and restarts the workers if --max-restarts allows")
+        return 1
 
 
 def _print_error(message: str) -> None:
