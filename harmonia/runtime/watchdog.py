@@ -223,7 +223,7 @@ class Heartbeat:
         store: a client of the job's store (`connect_store`).
         rank, world: this rank and the job's size.
         hang_timeout: seconds without a beat after which a rank is hung.
-        attempt: the restart attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``).
+        attempt: the restart attempt every rank agreed on (`harmonia.runtime.attempt.agree_attempt`).
         detect: also watch the others while this rank waits (under torchrun, where no launcher does);
             a hung peer is printed and this process exits with code 1, so torchrun ends the job.
     """
