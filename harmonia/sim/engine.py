@@ -22,7 +22,7 @@ from harmonia.errors import ScheduleError
 from harmonia.schedule.actions import Action
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     """One step on one rank.
 
