@@ -6,7 +6,8 @@ forked processes (started once, with the dataset inherited rather than pickled, 
 ``torch.utils.data.DataLoader``'s workers are). Results come back in order, decoded samples or
 `harmonia.data.loader.Failed` values; nothing is counted here (the caller agrees on failures with
 the other ranks first). Tensors travel as plain pickles, so no shared-memory handle outlives a
-worker, and a worker exits with its parent.
+worker; a worker exits with its parent where the caller passes how (``worker_init``: the trainer
+gives `harmonia.runtime.watchdog.exit_with_parent`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -27,14 +29,13 @@ from harmonia.errors import SampleError
 _WORKER_DATASET: list[MultimodalDataset] = []  # the dataset of this worker process (set once, at fork)
 
 
-def _init_worker(dataset: MultimodalDataset, parent: int) -> None:
-    """A worker: default signal handling (the rank stops it), one torch thread, exit with the rank."""
-    from harmonia.runtime.watchdog import exit_with_parent
-
+def _init_worker(dataset: MultimodalDataset, parent: int, worker_init: Callable[[int], None] | None) -> None:
+    """A worker: default signal handling (the rank stops it), one torch thread, ``worker_init(parent)``."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    exit_with_parent(parent, grace_s=5.0)
+    if worker_init is not None:
+        worker_init(parent)
     _WORKER_DATASET.append(dataset)
 
 
@@ -60,14 +61,18 @@ class SampleDecoder:
     Args:
         dataset: the dataset (its records and decoding settings are what the workers use).
         num_workers: worker processes.
+        worker_init: called in each worker with this process's pid as it starts (forked, so not
+            pickled), e.g. to end the worker with its parent.
     """
 
-    def __init__(self, dataset: MultimodalDataset, num_workers: int = 0) -> None:
+    def __init__(self, dataset: MultimodalDataset, num_workers: int = 0,
+                 worker_init: Callable[[int], None] | None = None) -> None:
         self.dataset, self.num_workers = dataset, num_workers
         self._pool: ProcessPoolExecutor | None = None
         if num_workers > 0:
             self._pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"),
-                                             initializer=_init_worker, initargs=(dataset, os.getpid()))
+                                             initializer=_init_worker,
+                                             initargs=(dataset, os.getpid(), worker_init))
             self._pool.submit(int).result()  # fork the workers now, from the constructing thread
 
     def decode(self, indices: list[int]) -> list[LoadedSample | Failed]:

@@ -24,7 +24,7 @@ from harmonia.data import media as M
 from harmonia.data.conversation import Conversation, MediaRef
 from harmonia.data.records import DataError, TarSource
 from harmonia.data.shape_index import MediaFile
-from harmonia.data.token_cache import TokenCountCache
+from harmonia.data.token_cache import Rendered, TokenCountCache
 from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
 from harmonia.errors import HarmoniaError
 from harmonia.model.anyres import anyres_order
@@ -32,28 +32,6 @@ from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
 from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """What the scheduler needs of a conversation's rendering, without the token ids.
-
-    Attributes:
-        n_ids: tokens of the rendered sequence, item runs included.
-        items: ``(start, length)`` of each media item's run, in sequence order.
-        n_targets: tokens with a next-token label (``labels != -100``): the sample's loss normalizer share.
-        learned: whether any token is learned.
-    """
-
-    n_ids: int
-    items: tuple[tuple[int, int], ...]
-    n_targets: int
-    learned: bool
-
-    @classmethod
-    def of(cls, enc: Encoded) -> Rendered:
-        """The rendering summary of an encoded conversation."""
-        return cls(len(enc.ids), tuple(map(tuple, enc.items)), sum(enc.targets[1:]), any(enc.targets))
 
 
 @dataclass(frozen=True)

@@ -18,17 +18,36 @@ import json
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from harmonia.data.conversation import Conversation
-from harmonia.data.tokenizer import ByteTokenizer, Tokenizer
-
-if TYPE_CHECKING:
-    from harmonia.data.samples import Rendered
+from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What the scheduler needs of a conversation's rendering, without the token ids.
+
+    Attributes:
+        n_ids: tokens of the rendered sequence, item runs included.
+        items: ``(start, length)`` of each media item's run, in sequence order.
+        n_targets: tokens with a next-token label (``labels != -100``): the sample's loss normalizer share.
+        learned: whether any token is learned.
+    """
+
+    n_ids: int
+    items: tuple[tuple[int, int], ...]
+    n_targets: int
+    learned: bool
+
+    @classmethod
+    def of(cls, enc: Encoded) -> Rendered:
+        """The rendering summary of an encoded conversation."""
+        return cls(len(enc.ids), tuple(map(tuple, enc.items)), sum(enc.targets[1:]), any(enc.targets))
 
 
 def renderer_identity(tokenizer: Tokenizer) -> str | None:
@@ -90,8 +109,6 @@ class TokenCountCache:
 
     def get(self, conv: Conversation, lengths: Sequence[int]) -> Rendered | None:
         """The cached rendering of ``conv`` with items of ``lengths`` tokens, or None."""
-        from harmonia.data.samples import Rendered
-
         key = record_digest(conv, lengths)
         entry = self._entries.get(key)
         if entry is None:

@@ -33,7 +33,7 @@ from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
 from harmonia.runtime.grads import clip_grad_norm
-from harmonia.runtime.watchdog import StopRequested, StopSignals, signal_name
+from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_parent, signal_name
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
@@ -109,6 +109,11 @@ def _reduce_times(times: StepTimes, modules: list[str]) -> tuple[dict[str, float
     return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [int(r) for r in rss]
 
 
+def _worker_exits_with_rank(rank_pid: int) -> None:
+    """A data worker process stops with the rank that forked it (5 s to finish a sample)."""
+    exit_with_parent(rank_pid, grace_s=5.0)
+
+
 class Trainer:
     """One rank of a training job.
 
@@ -143,8 +148,10 @@ class Trainer:
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
                                         schedule_graph(self.spec, plan), rank,
                                         search_evaluations=config.parallel.schedule_search, simulate=rank == 0,
-                                        shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers),
-                                        agree=lambda failed: agree_failures(failed, self.data_group))
+                                        shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
+                                                                             _worker_exits_with_rank),
+                                        agree=lambda failed: agree_failures(failed, self.data_group),
+                                        assignment=tc.assignment)
         self.modules = [LLM, *plan.encoders]
         self.fingerprint = run_fingerprint(config)
         self.faults = Faults(rank)
