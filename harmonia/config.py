@@ -151,6 +151,10 @@ class TrainConfig:
     precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
     on_nonfinite: str = _f("stop", "a step whose loss or gradient norm is not finite: stop (before the weights "
                            "change) or skip its update (the job still stops after 3 such steps in a row)")
+    assignment: str = _f("balanced", "how each step's batch becomes microbatches: balanced (every module's work "
+                         "balanced over replicas and microbatches, the per-batch order and sub-microbatch search) "
+                         "or sequential (fixed-size microbatches in data order, as Megatron-LM: no balancing, "
+                         "no order search, no sub-microbatches)")
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
@@ -164,6 +168,8 @@ class TrainConfig:
         _require(_finite(self.max_norm) and self.max_norm >= 0, "train.max_norm", self.max_norm,
                  "a finite number >= 0")
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "'stop' or 'skip'")
+        _require(self.assignment in ("balanced", "sequential"), "train.assignment", self.assignment,
+                 "'balanced' or 'sequential'")
         _require(0 <= self.warmup <= self.steps, "train.warmup", self.warmup, f"0..train.steps ({self.steps})")
 
 

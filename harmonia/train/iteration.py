@@ -9,8 +9,10 @@ and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise 
 (the replayed one for the order, the simulated one on the cluster model for the split, with the
 shared cost model; a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
 tensors are cut from the batch, encoder items in the sub-microbatch runs the schedule was priced
-with. A rank decodes only the samples whose tensors it trains (`harmonia.train.rank_data`), in the
-decoder's worker processes. Every rank runs its own action list
+with. Under ``train.assignment=sequential`` the batch is instead cut in data order into contiguous
+DP shards and fixed-size microbatches (the Megatron-LM recipe's `assign_sequential`), run in that
+order with no encoder split. A rank decodes only the samples whose tensors it trains
+(`harmonia.train.rank_data`), in the decoder's worker processes. Every rank runs its own action list
 of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
 model: the same lists, every rank's, timed (the "simulated" time beside the measured one).
 
@@ -33,12 +35,14 @@ import numpy as np
 from harmonia.data.decode import SampleDecoder
 from harmonia.data.loader import Failed, MultimodalDataset
 from harmonia.data.samples import LoadedSample
-from harmonia.errors import HarmoniaError, SampleError
+from harmonia.errors import ConfigError, HarmoniaError, SampleError
 from harmonia.model.spec import MLLMSpec
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
-from harmonia.schedule.iteration import IterationAssignment, assign_iteration, balancer_costs, feeding_replicas
+from harmonia.schedule.assign import assign_sequential
+from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, balancer_costs,
+                                        feeding_replicas)
 from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
@@ -48,6 +52,10 @@ from harmonia.train.rank_data import agree_failures, check_decoded, rank_positio
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
+
+
+ASSIGNMENTS = ("balanced", "sequential")
+"""How a step's batch becomes microbatches (``train.assignment``)."""
 
 
 class DataOrder:
@@ -144,16 +152,23 @@ class IterationBuilder:
         decoder: decodes this rank's samples (default: in this process).
         agree: every rank's failures from this rank's (`harmonia.train.rank_data.agree_failures` on
             the data group); default: one process.
+        assignment: ``balanced`` (the balancer, the order search and the sub-microbatch search) or
+            ``sequential`` (fixed-size microbatches in data order, `assign_sequential`, as the
+            Megatron-LM recipe: the balancer's order is not searched and no encoder is split).
     """
 
     def __init__(self, spec: MLLMSpec, plan: Plan, dataset: MultimodalDataset, order: DataOrder, cost: CostModel,
                  cluster: ClusterSpec, graph: StageGraph, rank: int, search_evaluations: int = 64,
                  simulate: bool = False, *, shapes: Mapping[int, SampleShape],
                  decoder: SampleDecoder | None = None,
-                 agree: Callable[[list[Failed]], list[Failed]] | None = None) -> None:
+                 agree: Callable[[list[Failed]], list[Failed]] | None = None,
+                 assignment: str = "balanced") -> None:
+        if assignment not in ASSIGNMENTS:
+            raise ConfigError(f"train.assignment={assignment!r} is invalid: expected one of {ASSIGNMENTS}")
         self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
+        self.assignment = assignment
         self.shapes = shapes
         self.decoder = decoder or SampleDecoder(dataset, 0)
         self.agree = agree or (lambda failed: agree_failures(failed, None))
@@ -229,8 +244,14 @@ class IterationBuilder:
                               f"llm dp x n_microbatches = {llm.dp * plan.n_microbatches}; fix the data")
         shapes = [self.shapes[i] for i in ids]
         costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
-        assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
-                                      plan.n_microbatches, tokens=tokens, seed=step, feeds=self.feeds)
+        encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
+        if self.assignment == "sequential":  # contiguous DP shards, then contiguous microbatches
+            per_replica = assign_sequential(np.arange(len(ids)), llm.dp, plan.n_microbatches)
+            assignment = assemble_iteration([per_replica[d] for d in range(llm.dp)], costs, columns, encoder_dp,
+                                            feeds=self.feeds)
+        else:
+            assignment = assign_iteration(costs, columns, llm.dp, encoder_dp, plan.n_microbatches, tokens=tokens,
+                                          seed=step, feeds=self.feeds)
         mine = rank_positions(plan.layouts, self.rank, assignment, shapes, self.spec)
         todo = [p for p in mine if ids[p] not in decoded]
         for p, r in zip(todo, self.decoder.decode([ids[p] for p in todo])):
@@ -260,10 +281,11 @@ class IterationBuilder:
         plan, n = self.plan, assignment.n_microbatches
         iw = plan_iteration_work(shapes, plan, self.cost, assignment)
         order = list(range(n))
-        if self.search_evaluations and n > 1:
+        searched = self.search_evaluations if self.assignment == "balanced" else 0
+        if searched and n > 1:
             order = search_order(self.graph, cost_table(plan, iw), n, (plan.schedule,), budget_s=float("inf"),
                                  max_evaluations=self.search_evaluations).order
-        if self.search_evaluations and plan.encoders:
+        if searched and plan.encoders:
             iw = search_submicrobatches(self.graph, plan, self.cost, iw, order, max_evaluations=self.search_evaluations,
                                         score=simulated_step(plan, self.cost, self.cluster)).work
         schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=cost_table(plan, iw),
