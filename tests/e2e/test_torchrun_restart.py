@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.toml"
 STEPS = 4
 JOIN_TIMEOUT_S = 15
+"""How long an agent waits for the other at a rendezvous, where a test waits for it to give up."""
+RESTART_JOIN_TIMEOUT_S = 60
+"""Where both agents must meet again: longer than torchrun's 30 s between SIGTERM and SIGKILL of a
+worker stuck in a collective, which one agent may spend stopping its workers while the other waits."""
 
 
 def _args(tmp: Path, run: str) -> list[str]:
@@ -54,8 +58,8 @@ def _free_port() -> int:
 class TwoAgents:
     """Two torchrun agents of one job on this machine; each agent's output goes to its own file."""
 
-    def __init__(self, tmp: Path, run: str) -> None:
-        self.tmp, self.run = tmp, run
+    def __init__(self, tmp: Path, run: str, join_timeout: float = JOIN_TIMEOUT_S) -> None:
+        self.tmp, self.run, self.join_timeout = tmp, run, join_timeout
         self.run_id = f"{run}-{os.getpid()}-{time.monotonic_ns()}"
         self.port = _free_port()
         self.agents: list[subprocess.Popen] = []
@@ -64,7 +68,7 @@ class TwoAgents:
         n = len(self.agents)
         torchrun = ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
                     f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.run_id}", "--max-restarts=1",
-                    f"--rdzv-conf=join_timeout={JOIN_TIMEOUT_S},is_host={int(n == 0)}"]
+                    f"--rdzv-conf=join_timeout={self.join_timeout:g},is_host={int(n == 0)}"]
         out = open(self.tmp / f"{self.run}.agent{n}.log", "w")
         proc = subprocess.Popen([sys.executable, *torchrun, "-m", "harmonia", "train", "--config", str(DEMO),
                                  *_args(self.tmp, self.run)],
@@ -197,7 +201,7 @@ def _resumed_like_the_reference(tmp: Path, run: str, reference) -> None:
 
 @pytest.mark.timeout(120)
 def test_a_killed_worker_restarts_both_agents_and_the_job_resumes(tmp, reference) -> None:
-    job = TwoAgents(tmp, "worker").start()
+    job = TwoAgents(tmp, "worker", RESTART_JOIN_TIMEOUT_S).start()
     try:
         _wait_for_step(job, 1)
         os.kill(next(pid for pid, rank in job.workers().items() if rank == 3), signal.SIGKILL)
@@ -218,7 +222,7 @@ def test_agents_that_count_restarts_differently_agree_on_the_attempt(tmp, refere
     the second agent's have not noticed (frozen, as peers on another machine may be): the first
     agent counts a restart, the second restarts its workers for the membership change and does not,
     so their ``TORCHELASTIC_RESTART_COUNT`` differ; the new attempt's ranks still meet."""
-    job = TwoAgents(tmp, "membership").start()
+    job = TwoAgents(tmp, "membership", RESTART_JOIN_TIMEOUT_S).start()
     try:
         _wait_for_step(job, 1)
         workers = job.workers()
