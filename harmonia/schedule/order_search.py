@@ -197,7 +197,7 @@ def _search(graph: StageGraph, costs: CostTable, n_microbatches: int, families: 
         return SearchResult(start, families[0], math.nan, math.nan, 0, time.perf_counter() - t0)
     units = n_microbatches * sum(len(graph.holders_of(s)) for s in graph.stages())
     rate = ReplayRate() if rate is None else rate
-    if math.isfinite(budget_s) and rate.seconds_per_unit <= 0:
+    if math.isfinite(budget_s) and rate.seconds_per_unit <= 0 and time.perf_counter() - t0 < budget_s:
         rate.calibrate(graph, costs, n_microbatches, families[0])
     if time.perf_counter() - t0 + 2 * rate.expect(units) > budget_s:  # the start and one more, or nothing
         rate.skipped()
