@@ -87,8 +87,8 @@ def test_order_free_graphs_replay_alike_and_are_not_scored(family: str) -> None:
              (pipeline_graph(), random_costs(6, {"vision": 1, "llm": 3}, 2, same=True))]
     for graph, costs in cases:
         assert order_free(graph, costs, 6, (family,))
-        spans = {round(makespan(build_schedule(graph, 6, family, order=list(rng.permutation(6)), costs=costs), costs), 9)
-                 for _ in range(5)}
+        orders = [[int(m) for m in rng.permutation(6)] for _ in range(5)]
+        spans = {round(makespan(build_schedule(graph, 6, family, order=o, costs=costs), costs), 9) for o in orders}
         assert len(spans) == 1
         found = search_order(graph, costs, 6, (family,), start=[5, 4, 3, 2, 1, 0])
         assert found.order == [5, 4, 3, 2, 1, 0] and found.evaluated == 0 and math.isnan(found.makespan_s)
