@@ -33,7 +33,11 @@ order search, split and action lists; checked by reproducing the trainer's own s
 its own calibration) and prices them with the pooled calibration. The trainer's own-fit figures are
 shown too.
 
-    nice -n 5 python benchmarks/measured_vs_simulated.py [--repeats 2] [--steps 12]
+With ``--diagnose`` two more variants run in turn with them (`DIAGNOSTIC`): harmonia's plan without
+its per-batch search, and harmonia's plan under the sequential assignment, to tell which part of a
+gap between measured and simulated comes from where.
+
+    nice -n 5 python benchmarks/measured_vs_simulated.py [--repeats 2] [--steps 12] [--diagnose]
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ import json
 import os
 import shutil
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -69,7 +75,24 @@ WORK = ROOT / "runs" / "bench" / "measured-vs-simulated"
 WARMUP_STEPS = 3
 """Steps left out: step 0 (start-up), step 1 (the calibration step) and step 2 (prepared before it)."""
 AGREEMENT = 0.10
-ASSIGNMENT = {"megatron": "sequential", "harmonia": "balanced"}
+SEARCH = 16  # parallel.schedule_search, the default
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a run trains: whose searched plan, the trainer's assignment, and its per-batch search."""
+
+    plan: str
+    assignment: str
+    search: int = SEARCH
+
+
+VARIANTS = {"megatron": Variant("megatron", "sequential"), "harmonia": Variant("harmonia", "balanced")}
+DIAGNOSTIC = {"harmonia, no per-batch search": Variant("harmonia", "balanced", 0),
+              "harmonia's plan, sequential": Variant("harmonia", "sequential")}
+"""With ``--diagnose``: harmonia's plan without the per-batch order and sub-microbatch search (its
+preparation then costs what the Megatron-LM recipe's does), and with the recipe's assignment (its
+schedule and layer split alone)."""
 
 
 @dataclass
@@ -77,23 +100,28 @@ class Runs:
     """One plan's runs: measured and simulated seconds of each measured step."""
 
     name: str
+    variant: Variant
     plan: Plan
     measured: list[float] = field(default_factory=list)
     own_fit: list[float] = field(default_factory=list)  # the trainer's simulated_step_s (its own calibration)
     pooled: list[float] = field(default_factory=list)  # simulated again with the pooled calibration
+    pooled_busy: list[float] = field(default_factory=list)  # its compute seconds summed over ranks
+    prepare_cpu: float = 0.0  # CPU seconds every rank's preparation of a step takes, summed over ranks
     calibrations: list[Path] = field(default_factory=list)
     configs: list[Config] = field(default_factory=list)
     module_s: dict[str, list[float]] = field(default_factory=dict)
     bubble: list[float] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)  # measured compute seconds summed over ranks
 
 
-def job_config(name: str, steps: int, plan: str = "auto", assignment: str = "balanced") -> Config:
-    """The demo job on the benchmark's data, logging under ``WORK / name``."""
-    run = WORK / name
+def job_config(name: str, steps: int, plan: str = "auto", variant: Variant = VARIANTS["harmonia"]) -> Config:
+    """The demo job on the benchmark's data, trained as ``variant`` says, logging under ``WORK / name``."""
+    run = WORK / name.replace(" ", "-").replace(",", "").replace("'", "")
     return load_config(ROOT / "configs" / "demo.toml", [
         f"--data.path={WORK / 'data'}", "--data.heldout=0", f"--train.steps={steps}",
         f"--log.dir={run}", f"--checkpoint.dir={run / 'ck'}", "--checkpoint.every=0", "--checkpoint.resume=false",
-        "--log.tensorboard=false", f"--parallel.plan={plan}", f"--train.assignment={assignment}"])
+        "--log.tensorboard=false", f"--parallel.plan={plan}", f"--train.assignment={variant.assignment}",
+        f"--parallel.schedule_search={variant.search}"])
 
 
 def search_plans(config: Config) -> dict[str, Plan]:
@@ -123,21 +151,47 @@ def pooled_calibration(paths: list[Path]) -> Calibration:
                        [m for f in fits for m in f.measurements])
 
 
-def resimulate(config: Config, plan: Plan, steps: list[int], calibration: Calibration) -> list[float]:
-    """The simulated seconds of ``steps`` as the trainer's rank 0 prepares them, priced with ``calibration``."""
+def rank_builder(config: Config, plan: Plan, rank: int) -> IterationBuilder:
+    """The iteration builder of ``rank`` as the trainer makes it (rank 0 simulates)."""
     spec = model_spec(config)
-    dataset, shapes = open_training_data(config, spec, 0)
+    dataset, shapes = open_training_data(config, spec, rank)
     cluster = cluster_from_string(config.parallel.cluster)
-    builder = IterationBuilder(spec, plan, dataset, DataOrder(list(shapes), config.train.global_batch,
-                                                              config.train.seed),
-                               CostModel(spec, cluster.device), cluster, schedule_graph(spec, plan), 0,
-                               search_evaluations=config.parallel.schedule_search, simulate=True, shapes=shapes,
-                               assignment=config.train.assignment)
+    return IterationBuilder(spec, plan, dataset, DataOrder(list(shapes), config.train.global_batch, config.train.seed),
+                            CostModel(spec, cluster.device), cluster, schedule_graph(spec, plan), rank,
+                            search_evaluations=config.parallel.schedule_search, simulate=rank == 0, shapes=shapes,
+                            assignment=config.train.assignment)
+
+
+def resimulate(config: Config, plan: Plan, steps: list[int], calibration: Calibration) -> list[tuple[float, float]]:
+    """(simulated seconds, compute seconds summed over ranks) of ``steps`` as the trainer's rank 0
+    prepares them, priced with ``calibration``."""
+    builder = rank_builder(config, plan, 0)
     builder.calibrate(calibration)
     try:
-        return [builder.build(k).predicted.iteration_s for k in steps]
+        return [(t.iteration_s, sum(t.busy_s.values())) for t in (builder.build(k).predicted for k in steps)]
     finally:
         builder.close()
+
+
+def preparation_cpu(config: Config, plan: Plan, steps: list[int]) -> float:
+    """CPU seconds the ranks' preparations of one step take together (rank 0's, which simulates, plus
+    rank 1's for every other rank), timed here in one process without contention."""
+    total, threads = 0.0, torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank of the job runs (`harmonia.train.worker`)
+    try:
+        for rank, copies in ((0, 1), (1, plan.world_size - 1)):
+            builder = rank_builder(config, plan, rank)
+            try:
+                builder.build(steps[0] - 1)  # warm caches
+                t0 = time.process_time()
+                for k in steps:
+                    builder.build(k)
+                total += copies * (time.process_time() - t0) / len(steps)
+            finally:
+                builder.close()
+    finally:
+        torch.set_num_threads(threads)
+    return total
 
 
 def collect(runs: Runs, config: Config, records: list[dict]) -> None:
@@ -146,6 +200,7 @@ def collect(runs: Runs, config: Config, records: list[dict]) -> None:
     runs.measured += [r["step_s"] for r in kept]
     runs.own_fit += [r["simulated_step_s"] for r in kept]
     runs.bubble += [r["bubble_frac"] for r in kept]
+    runs.busy += [(1 - r["bubble_frac"]) * runs.plan.world_size * r["step_s"] for r in kept]
     for r in kept:
         for m, s in r["time"].items():
             runs.module_s.setdefault(m, []).append(s)
@@ -154,7 +209,7 @@ def collect(runs: Runs, config: Config, records: list[dict]) -> None:
     runs.calibrations.append(calibration)
     runs.configs.append(config)
     again = resimulate(config, runs.plan, [r["step"] for r in kept], Calibration.load(calibration))
-    worst = max(abs(a / r["simulated_step_s"] - 1) for a, r in zip(again, kept))
+    worst = max(abs(a / r["simulated_step_s"] - 1) for (a, _), r in zip(again, kept))
     assert worst < 1e-9, f"{config.log.dir}: the rebuilt steps simulate {worst:.2e} away from the trainer's"
 
 
@@ -177,10 +232,10 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
                 "simulated s/step (run's own fit)", "bubble (measured)"):
         table.add_column(col, justify="left" if col in ("plan", "schedule", "assignment") else "right")
     for name, r in runs.items():
-        llm = r.plan.layouts["llm"]
+        llm, v = r.plan.layouts["llm"], r.variant
         table.add_row(f"{name}: {r.plan.placement.value}, llm {llm.describe()}", r.plan.schedule,
-                      f"{ASSIGNMENT[name]}, {r.plan.n_microbatches} mb", spread(r.measured), spread(r.pooled),
-                      spread(r.own_fit), f"{mean(r.bubble):.2f}")
+                      f"{v.assignment}, {r.plan.n_microbatches} mb" + (", no search" if not v.search else ""),
+                      spread(r.measured), spread(r.pooled), spread(r.own_fit), f"{mean(r.bubble):.2f}")
     console.print(table)
     measured, pooled, own = (mean(m.measured) / mean(h.measured), mean(m.pooled) / mean(h.pooled),
                              mean(m.own_fit) / mean(h.own_fit))
@@ -192,27 +247,55 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
     ratios.add_row(f"{measured:.3f}", f"{pooled:.3f}", f"{own:.3f}", f"{gap:+.1%}",
                    "yes" if abs(gap) <= AGREEMENT else "no")
     console.print(ratios)
-    modules = Table(title="Slowest rank's seconds per module per measured step (trainer's 'time' field)")
-    modules.add_column("plan")
-    names = list(m.module_s)
-    for name in names:
-        modules.add_column(name, justify="right")
+    cores = os.cpu_count() or 1
+    work = Table(title=f"Where the CPU goes per step: the job's {m.plan.world_size} ranks share {cores} cores")
+    for col in ("plan", "compute s, all ranks (measured)", "compute s, all ranks (simulated, pooled fit)",
+                "preparation CPU s, all ranks (timed alone)", "slowest rank's llm / vision / audio s (measured)"):
+        work.add_column(col, justify="left" if col == "plan" else "right")
     for name, r in runs.items():
-        modules.add_row(name, *(f"{mean(r.module_s[k]):.3f}" for k in names))
-    console.print(modules)
-    console.print(f"{args.repeats} runs per plan, alternated (ABBA), {args.steps} steps each, the first "
+        work.add_row(name, spread(r.busy), spread(r.pooled_busy), f"{r.prepare_cpu:.3f}",
+                     " / ".join(f"{mean(r.module_s[k]):.3f}" for k in r.module_s))
+    console.print(work)
+    console.print("Compute s: the compute actions' seconds (F, B, W, fused BW) summed over the ranks, measured as "
+                  "wall time of each action (a rank descheduled mid-action counts); the simulator prices the same "
+                  "FLOPs at one fitted rate, so both plans' simulated compute is the same. Preparation: one step "
+                  "prepared by every rank's iteration builder (decoding its samples, balancing, the per-batch "
+                  "search; rank 0 also simulates), CPU seconds timed here in one process; in training it runs in "
+                  "each rank's prefetch thread on the same cores as the ranks' compute.", soft_wrap=True)
+    if all(name in runs for name in DIAGNOSTIC):
+        console.print(_diagnosis(runs))
+    console.print(f"{args.repeats} runs per plan, alternated (ABCD DCBA ...), {args.steps} steps each, the first "
                   f"{WARMUP_STEPS} left out: {len(m.measured)} measured steps per plan. Pooled calibration: "
                   f"{calibration.flops_efficiency['F']:.5f} of the CPU device's peak, fitted on "
-                  f"{len(calibration.measurements)} step-1 fits of both plans; own fits: "
+                  f"{len(calibration.measurements)} step-1 fits of the two plans' runs; own fits: "
                   + ", ".join(f"{n} {Calibration.load(p).flops_efficiency['F']:.5f}"
                               for n, r in runs.items() for p in r.calibrations) + ".", soft_wrap=True)
     return out.getvalue()
 
 
+def _diagnosis(runs: dict[str, Runs]) -> Table:
+    """From the Megatron-LM recipe's run to harmonia's, one change at a time: what each costs or saves
+    per step, measured and simulated (pooled fit)."""
+    table = Table(title="From megatron to harmonia one change at a time: seconds per step each change adds")
+    for col in ("change", "from", "to", "measured", "simulated (pooled fit)", "preparation CPU s, all ranks"):
+        table.add_column(col, justify="left" if col in ("change", "from", "to") else "right")
+    path = [("harmonia's schedule and layer split (zb, frozen-aware)", "megatron", "harmonia's plan, sequential"),
+            ("per-iteration balancing (balancer's order, unsplit)", "harmonia's plan, sequential",
+             "harmonia, no per-batch search"),
+            ("per-batch order and sub-microbatch search", "harmonia, no per-batch search", "harmonia")]
+    for change, a, b in path:
+        ra, rb = runs[a], runs[b]
+        table.add_row(change, a, b, f"{mean(rb.measured) - mean(ra.measured):+.3f}",
+                      f"{mean(rb.pooled) - mean(ra.pooled):+.3f}", f"{rb.prepare_cpu - ra.prepare_cpu:+.3f}")
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2, help="runs per plan, alternated ABBA")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per variant, in turn, the order reversed every other round")
     parser.add_argument("--steps", type=int, default=12, help="steps per run")
+    parser.add_argument("--diagnose", action="store_true", help="also run the `DIAGNOSTIC` variants")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                              f"measured-vs-simulated-{datetime.date.today()}.txt"))
     args = parser.parse_args()
@@ -220,29 +303,33 @@ def main() -> None:
     prepare_data(base)
     plans = search_plans(base)
     WORK.mkdir(parents=True, exist_ok=True)
-    runs = {}
     for name, plan in plans.items():
         plan.save(WORK / f"{name}-plan.json")
-        runs[name] = Runs(name, plan)
+    variants = {**VARIANTS, **(DIAGNOSTIC if args.diagnose else {})}
+    runs = {name: Runs(name, v, plans[v.plan]) for name, v in variants.items()}
     load_before = f"{os.getloadavg()[0]:.1f}"
-    order = [n for k in range(args.repeats) for n in (("megatron", "harmonia") if k % 2 == 0 else
-                                                        ("harmonia", "megatron"))]
+    names = list(runs)
+    order = [n for k in range(args.repeats) for n in (names if k % 2 == 0 else names[::-1])]
     losses = {}
     for k, name in enumerate(order):
-        config = job_config(f"{name}-{k}", args.steps, str(WORK / f"{name}-plan.json"), ASSIGNMENT[name])
+        variant = runs[name].variant
+        config = job_config(f"{name}-{k}", args.steps, str(WORK / f"{variant.plan}-plan.json"), variant)
         records = train(config)
         losses.setdefault(name, [r["loss"] for r in records])
         collect(runs[name], config, records)
         print(f"{name} run {k}: {mean([r['step_s'] for r in records[WARMUP_STEPS:]]):.3f} s/step", flush=True)
     load_after = f"{os.getloadavg()[0]:.1f}"
-    worst = max(abs(a / b - 1) for a, b in zip(losses["megatron"], losses["harmonia"]))
-    assert worst <= 1e-5, f"the two plans' losses differ by {worst:.1e}: not the same data stream"
-    calibration = pooled_calibration([p for r in runs.values() for p in r.calibrations])
+    worst = max(abs(a / b - 1) for name in names for a, b in zip(losses[name], losses["harmonia"]))
+    assert worst <= 1e-5, f"the runs' losses differ by {worst:.1e}: not the same data stream"
+    calibration = pooled_calibration([p for name in VARIANTS for p in runs[name].calibrations])
     for r in runs.values():
         for config in r.configs:
             records = [json.loads(line) for line in (Path(config.log.dir) / "metrics.jsonl").read_text().splitlines()]
             steps = [x["step"] for x in records if x["step"] >= WARMUP_STEPS]
-            r.pooled += resimulate(config, r.plan, steps, calibration)
+            for step_s, busy_s in resimulate(config, r.plan, steps, calibration):
+                r.pooled.append(step_s)
+                r.pooled_busy.append(busy_s)
+        r.prepare_cpu = preparation_cpu(r.configs[0], r.plan, list(range(WARMUP_STEPS, args.steps)))
     text = report(runs, calibration, (load_before, load_after), args)
     print(text)
     Path(args.out).write_text(text)

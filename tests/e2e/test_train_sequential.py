@@ -45,6 +45,7 @@ def test_two_processes_in_sequential_microbatches_train_the_one_process_losses(t
                        f"--parallel.plan={tmp_path / 'plan.json'}", "--train.assignment=sequential"))
     assert seq.plan.layouts["llm"].pp == 2 and [r["step"] for r in seq.records] == [0, 1]
     for record in seq.records:
-        assert record["balance"]["microbatch_samples_min"] == record["balance"]["microbatch_samples_max"] == BATCH // N_MB
+        balance = record["balance"]
+        assert balance["microbatch_samples_min"] == balance["microbatch_samples_max"] == BATCH // N_MB
         assert record["sub_microbatches"] == {"vision": 1, "audio": 1}
     assert seq.losses == pytest.approx(ref.losses, rel=1e-5)
