@@ -395,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
     p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
-    p.add_argument("--top", type=int, default=10,
-                   help="plans ranked exactly (the best is always exact; each further one may cost simulations)")
+    p.add_argument("--top", type=int, default=3,
+                   help="plans ranked exactly (the best is always exact; each further one may cost simulations, "
+                   "about a second each on 64 GPUs)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", default="plan.json", help="where the best plan is written")
     p.set_defaults(func=cmd_plan)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from harmonia.model.spec import EncoderSpec
 
 NEWLINE = -1
@@ -107,6 +107,8 @@ def anyres_order(height: int, width: int, encoder: EncoderSpec) -> torch.Tensor:
         of tile ``order[k, 0]`` (the base tile 0, then the grid row by row), or ``(-1, 0)``, the
         projector's ``image_newline``.
     """
+    import torch  # (the planner prices anyres items without torch)
+
     rows, cols = anyres_grid(height, width, encoder)
     side = _side(encoder)
     top, bottom, left, right = kept_features(height, width, rows * side, cols * side)
