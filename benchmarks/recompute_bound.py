@@ -1,0 +1,72 @@
+"""How far recomputation alone keeps each scenario from its lower bound.
+
+The simulate benchmark's lower bound spreads an iteration's work evenly over every rank with no
+recomputation. A plan that must recompute activations to fit device memory runs more work than
+that bound counts: its backward runs the recomputed blocks' forward again. This script reads the
+simulate benchmark's results, takes harmonia's chosen plan for each scenario, prices its
+recomputation with the cost model on the scenario's mean sample (whole modules, one rank, no
+parallelism: only the ratio is used), and prints
+
+    work factor = (F + B + W with the plan's recompute) / (F + B + W without)
+
+and the share of the bound the plan could reach at most with that recompute (1 / work factor),
+beside the share it reaches (bound / its time) and that share over the cap.
+
+    python benchmarks/recompute_bound.py [benchmarks/results/simulate-DATE.json]
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.schedule.plan import parse_recompute
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def work_factor(run: ScenarioRun, recompute: list[str]) -> float:
+    """Work with the plan's recompute over work without, on the scenario's mean sample."""
+    modules, shares = parse_recompute(recompute)
+    plain = again = 0.0
+    for module in run.cost.layers:
+        load = run.profile.sample_load(module)
+        share = shares.get(module, 1.0) if module in modules else 0.0
+        t = run.cost.stage_times(module, load)
+        r = run.cost.stage_times(module, load, recompute=share) if share else t
+        plain += t.F + t.B + t.W
+        again += r.F + r.B + r.W
+    return again / plain
+
+
+def main(argv: list[str]) -> int:
+    results = Path(argv[0]) if argv else max((ROOT / "benchmarks" / "results").glob("simulate-20*-[0-9][0-9].json"))
+    summary = json.loads(results.read_text())
+    scenarios = {Scenario.load(p).name: p for p in sorted((ROOT / "configs" / "scenarios").glob("*.toml"))}
+    console = Console(record=True, width=160)
+    table = Table(title=f"recomputation against the lower bound ({results.name})")
+    for col in ("scenario", "harmonia recompute", "work factor", "cap (1 / factor)", "bound / time", "of the cap"):
+        table.add_column(col, justify="left" if col in ("scenario", "harmonia recompute") else "right")
+    for name, entry in summary.items():
+        plan = entry.get("harmonia", {})
+        if name not in scenarios or "recompute" not in plan:
+            continue
+        factor = work_factor(ScenarioRun(Scenario.load(scenarios[name])), plan["recompute"])
+        share = entry["bound_share"]["harmonia"]
+        table.add_row(name, ",".join(plan["recompute"]) or "none", f"{factor:.3f}", f"{1 / factor:.1%}",
+                      f"{share:.1%}", f"{share * factor:.1%}")
+    console.print(table)
+    out = ROOT / "benchmarks" / "results" / f"recompute-bound-{datetime.date.today()}.txt"
+    out.write_text(console.export_text())
+    console.print(f"saved {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
