@@ -225,7 +225,7 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
     """The tables as text."""
     out = io.StringIO()
     console = Console(file=out, width=150, force_terminal=False)
-    m, h = runs["megatron"], runs["harmonia"]
+    m = runs["megatron"]
     table = Table(title="Measured vs simulated step time, tiny-omni on 4 CPU processes (gloo), global batch 32 — "
                   f"timed under load (1-min load average {load[0]} before, {load[1]} after, on 2 shared cores)")
     for col in ("plan", "schedule", "assignment", "measured s/step", "simulated s/step (pooled fit)",
@@ -237,16 +237,7 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
                       f"{v.assignment}, {r.plan.n_microbatches} mb" + (", no search" if not v.search else ""),
                       spread(r.measured), spread(r.pooled), spread(r.own_fit), f"{mean(r.bubble):.2f}")
     console.print(table)
-    measured, pooled, own = (mean(m.measured) / mean(h.measured), mean(m.pooled) / mean(h.pooled),
-                             mean(m.own_fit) / mean(h.own_fit))
-    ratios = Table(title="megatron / harmonia step time")
-    for col in ("measured", "simulated (pooled fit)", "simulated (own fits)", "simulated / measured",
-                f"agree within {AGREEMENT:.0%}"):
-        ratios.add_column(col, justify="right")
-    gap = pooled / measured - 1
-    ratios.add_row(f"{measured:.3f}", f"{pooled:.3f}", f"{own:.3f}", f"{gap:+.1%}",
-                   "yes" if abs(gap) <= AGREEMENT else "no")
-    console.print(ratios)
+    console.print(_ratios(runs))
     cores = os.cpu_count() or 1
     work = Table(title=f"Where the CPU goes per step: the job's {m.plan.world_size} ranks share {cores} cores")
     for col in ("plan", "compute s, all ranks (measured)", "compute s, all ranks (simulated, pooled fit)",
@@ -271,6 +262,28 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
                   + ", ".join(f"{n} {Calibration.load(p).flops_efficiency['F']:.5f}"
                               for n, r in runs.items() for p in r.calibrations) + ".", soft_wrap=True)
     return out.getvalue()
+
+
+def _ratios(runs: dict[str, Runs]) -> Table:
+    """megatron over harmonia (and over each diagnostic variant), measured and simulated."""
+    ratios = Table(title="Step time ratios (a / b)")
+    for col in ("a / b", "measured (± standard error)", "simulated (pooled fit)", "simulated (own fits)",
+                "simulated / measured", f"agree within {AGREEMENT:.0%}"):
+        ratios.add_column(col, justify="left" if col == "a / b" else "right")
+    pairs = [("megatron", "harmonia")] + [("megatron", n) for n in runs if n not in VARIANTS]
+    for a, b in pairs:
+        ra, rb = runs[a], runs[b]
+        measured = mean(ra.measured) / mean(rb.measured)
+        pooled, own = mean(ra.pooled) / mean(rb.pooled), mean(ra.own_fit) / mean(rb.own_fit)
+        gap = pooled / measured - 1
+        ratios.add_row(f"{a} / {b}", f"{measured:.3f} ± {measured * _relative_error(ra.measured, rb.measured):.3f}",
+                       f"{pooled:.3f}", f"{own:.3f}", f"{gap:+.1%}", "yes" if abs(gap) <= AGREEMENT else "no")
+    return ratios
+
+
+def _relative_error(a: list[float], b: list[float]) -> float:
+    """Relative standard error of ``mean(a) / mean(b)`` (steps taken as independent)."""
+    return ((statistics.stdev(a) / mean(a)) ** 2 / len(a) + (statistics.stdev(b) / mean(b)) ** 2 / len(b)) ** 0.5
 
 
 def _diagnosis(runs: dict[str, Runs]) -> Table:
