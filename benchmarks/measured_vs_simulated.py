@@ -75,7 +75,7 @@ WORK = ROOT / "runs" / "bench" / "measured-vs-simulated"
 WARMUP_STEPS = 3
 """Steps left out: step 0 (start-up), step 1 (the calibration step) and step 2 (prepared before it)."""
 AGREEMENT = 0.10
-SEARCH = 16  # parallel.schedule_search, the default
+SEARCH = 16  # parallel.schedule_search on GPUs (auto); CPU jobs default to 0
 
 
 @dataclass(frozen=True)

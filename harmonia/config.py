@@ -119,8 +119,9 @@ class ParallelConfig:
     hang_timeout_s: float = _f(0.0, "a rank without a heartbeat for this long is named and the job stopped "
                                "(0 = auto: 300 s on GPUs, 60 s on CPU)")
     collective_timeout_s: float = _f(600.0, "process-group timeout: a collective waiting longer fails")
-    schedule_search: int = _f(16, "schedules the per-batch microbatch-order search replays each step, in the "
-                              "background (0 = keep the balancer's order)")
+    schedule_search: int = _f(-1, "schedules the per-batch microbatch-order search replays each step, in the "
+                              "background (0 = keep the balancer's order; -1 = auto: 16 on GPUs, 0 on CPU, "
+                              "where every rank's search takes its time from the ranks' own compute)")
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
@@ -133,7 +134,7 @@ class ParallelConfig:
             _require(_finite(value) and value >= 0, f"parallel.{name}", value, "a finite number >= 0")
         _require(_finite(self.collective_timeout_s) and self.collective_timeout_s > 0, "parallel.collective_timeout_s",
                  self.collective_timeout_s, "a finite number > 0")
-        _require(self.schedule_search >= 0, "parallel.schedule_search", self.schedule_search, ">= 0")
+        _require(self.schedule_search >= -1, "parallel.schedule_search", self.schedule_search, ">= 0, or -1 (auto)")
         if self.plan != "auto":
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
 

@@ -37,7 +37,7 @@ from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_pare
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
-from harmonia.train.backend import backend_of
+from harmonia.train.backend import backend_of, schedule_search
 from harmonia.train.planning import model_spec
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines
@@ -147,7 +147,7 @@ class Trainer:
         cost = CostModel(self.spec, cluster.device)
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
                                         schedule_graph(self.spec, plan), rank,
-                                        search_evaluations=config.parallel.schedule_search, simulate=rank == 0,
+                                        search_evaluations=schedule_search(config), simulate=rank == 0,
                                         shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
                                                                              _worker_exits_with_rank),
                                         agree=lambda failed: agree_failures(failed, self.data_group),

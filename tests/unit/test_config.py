@@ -28,6 +28,7 @@ def test_defaults_file_and_overrides(tmp_path) -> None:
         (["--data.on_error=ignore"], "data.on_error"),
         (["--parallel.plan=missing.json"], "parallel.plan"),
         (["steps=3"], "expected --section.key=value"),
+        (["--parallel.schedule_search=-2"], "parallel.schedule_search=-2"),
     ],
 )
 def test_bad_values_name_the_field(overrides, match) -> None:
@@ -42,3 +43,12 @@ def test_bad_files(tmp_path) -> None:
     bad.write_text("[train\nsteps=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_schedule_search_auto_is_off_on_cpu_and_on_with_gpus() -> None:
+    """Every rank runs the per-batch search beside its compute: on CPU ranks it would take their time."""
+    from harmonia.train import backend
+
+    assert backend.schedule_search(load_config(None, ["--parallel.schedule_search=5"])) == 5
+    assert backend.schedule_search(load_config(None, ["--parallel.backend=gloo"])) == 0
+    assert backend.schedule_search(load_config(None, ["--parallel.backend=nccl"])) == backend.SCHEDULE_SEARCH_GPU
