@@ -89,7 +89,8 @@ def test_unknown_preset_or_cluster_spec_says_what_is_known(model, cluster, says,
         search_plan(scenario)
 
 
-def test_cli_writes_a_valid_plan_and_prints_the_top_ten(tmp_path, shared_traces, capsys) -> None:
+def test_cli_writes_a_valid_plan_and_prints_the_top_three(tmp_path, shared_traces, capsys) -> None:
+    """`harmonia plan` ranks its default 3 best plans exactly."""
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "tiny-vlm", "--cluster", "cpu:1x4", "--trace",
                  str(shared_traces / "ai2d.csv"), "--global-batch", "32", "--batches", "1",
@@ -97,9 +98,9 @@ def test_cli_writes_a_valid_plan_and_prints_the_top_ten(tmp_path, shared_traces,
     plan = Plan.load(out)
     assert plan.world_size == 4 and np.isclose(plan.global_batch, 32)
     printed = capsys.readouterr().out
-    assert "best 10 plans" in printed and "peak GiB/rank" in printed
+    assert "best 3 plans" in printed and "peak GiB/rank" in printed
     rows = [line for line in printed.splitlines() if re.match(r"^\W*\d+ \W+\d+\.\d+ \W+\d+\.\d+ \W+\d+\.\d", line)]
-    assert len(rows) == 10
+    assert len(rows) == 3
     assert re.search(r"\d+ candidates: \d+ simulated .* \d+ pruned by lower bounds; rejected: ", printed)
 
 
