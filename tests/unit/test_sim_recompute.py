@@ -148,7 +148,7 @@ def test_a_share_recomputes_the_first_blocks_of_each_stage(setup, share) -> None
     blocks of each stage, those blocks keep only their inputs, the rest keep everything."""
     import math
 
-    cost, samples, _ = setup
+    cost, samples, profile = setup
     hidden = cost.mllm.llm.body.hidden
     plain, full = _plan(()), _plan(("llm",))
     part = replace(full, recompute_fraction={"llm": share})
@@ -175,8 +175,7 @@ def test_a_share_recomputes_the_first_blocks_of_each_stage(setup, share) -> None
     peaks = {}
     for plan in (plain, part, full):
         plan = replace(plan, layouts={"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)})
-        _, samples_, profile = setup
-        iw = _work(cost, samples_, plan)
+        iw = _work(cost, samples, plan)
         acts = replay(*_tasks(cost, plan, iw, cluster)).peak_mem
         states = state_bytes_per_rank(cost, plan)
         peaks[plan.recompute_key] = {r: states[r] + acts.get(r, 0.0) for r in states}
