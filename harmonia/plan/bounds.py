@@ -41,11 +41,13 @@ balancer's assignment and the stage work of `harmonia.schedule.stagework`, both 
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
 lasting its compute plus its in-stage collectives, so the iteration lasts at least the largest sum
 of those durations on one rank. This sees what averages hide: an encoder replica fed more items
-than its peers, LLM replicas the balancer could not even out. It also counts every LLM stage's
-fill and drain (`_pipeline_bound`): the stage's first task is a forward that waits for some
-microbatch's chain of forwards through the encoders and the earlier stages, and, unless its
-backward is split into B and W, its last task is a backward whose gradient still runs down the
-earlier stages and the encoders; its own tasks run one after another in between.
+than its peers, LLM replicas the balancer could not even out. It also counts every LLM pipeline
+rank's fill and drain (`_pipeline_bound`), interleaved chunks included: the rank's first LLM task is
+a forward of its lowest chunk that waits for some microbatch's chain of forwards through the
+encoders and the earlier chunks, and, unless that chunk's backward is split into B and W, its last
+is that chunk's backward, whose gradient still runs down the earlier chunks and the encoders; its
+own tasks run one after another in between. Each link of a chain lasts its whole task, exposed
+FSDP gathers and TP/CP collectives included.
 
 ``estimate_s`` adds what a schedule cannot avoid but the bound cannot prove without the batch's
 microbatches: the pipeline fill and drain, about ``(pp - 1) / n`` of a stage's forward and
@@ -224,24 +226,27 @@ def _fill_s(plan: Plan, chunks: dict[str, list[ChunkBound]]) -> float:
 def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork) -> float:
     """Seconds no schedule of this iteration's stage work beats (see the module docstring): the
     busiest rank, each task timed exactly as `harmonia.sim.tasks.build_tasks` times it, and every
-    LLM pipeline stage's fill and drain (`_pipeline_bound`)."""
+    LLM pipeline rank's fill and drain (`_pipeline_bound`)."""
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     split = plan.schedule == "zb"
     kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
     busy: dict[int, float] = {}
-    seconds: dict = {}
+    tasks: dict = {}  # (stage key, microbatch, sub) -> {phase: seconds of its task}
     gathers: dict = {}
     for (key, m, sub), work in iw.work.items():
         backward = kinds[StageRef(key.module, key.stage)]
-        total = work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)
+        phases = {"F": work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)}
         for kind in backward:
             w_only = kind.value == "W" and len(backward) == 1  # W-only stage: its W backpropagates too
-            total += compute_seconds(work, kind.value, w_only)
-            total += collective_extra(plan, cost, key, work, kind.value, cluster, gathers)
-        seconds[(key, m, sub)] = total
+            phases[kind.value] = (compute_seconds(work, kind.value, w_only)
+                                  + collective_extra(plan, cost, key, work, kind.value, cluster, gathers))
+        tasks[(key, m, sub)] = phases
+        total = sum(phases.values())
         for rank in iw.stage_ranks[key]:
             busy[rank] = busy.get(rank, 0.0) + total
-    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, seconds))
+    reduce = [grad_reduce_s(cost, cluster, plan, "llm", c) if graph.needs_w(StageRef("llm", c)) else 0.0
+              for c in range(plan.layouts["llm"].n_stages)]
+    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce))
 
 
 def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, d: int, m: int) -> tuple[float, float]:
@@ -265,39 +270,57 @@ def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, d: int, m: int) 
     return head, tail
 
 
-def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, seconds: dict) -> float:
-    """Fill and drain of every LLM stage ``s`` of every replica, from the iteration's microbatches.
+def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, reduce: list[float]) -> float:
+    """Fill and drain of every LLM pipeline rank ``p`` of every replica, from the iteration's microbatches.
 
-    Stage ``s`` starts with a forward, which waits for some microbatch's forward through the
-    encoders (the slowest encoder replica holding its rows) and stages ``0 .. s-1``; it ends, unless
-    its backward is split into B and W (its last task may then be a W nothing waits for), with an
-    input gradient whose microbatch still needs the gradients of stages ``s-1 .. 0`` and the
-    encoders' backward. The stage's own tasks run one after another in between, so the iteration
-    lasts at least ``min_m head(m) + stage work + min_m tail(m)``. Chains use compute seconds only
-    (the transfers between them are not counted, so it stays a lower bound).
+    The rank holds chunks ``p, p + pp, ...`` (one unless interleaved). Its first LLM task is a
+    forward of chunk ``p`` (a later chunk of a microbatch needs the microbatch's chunk ``p`` first,
+    on this rank), which waits for that microbatch's forward through the encoders (the slowest
+    encoder replica holding its rows) and chunks ``0 .. p-1``, on other ranks. It ends, unless chunk
+    ``p``'s backward is split into B and W (its last task may then be a W nothing waits for), with
+    chunk ``p``'s input gradient for some microbatch, which still needs the gradients of chunks
+    ``p-1 .. 0`` and the encoders' backward. Its own LLM tasks run one after another in between,
+    so the iteration lasts at least ``min_m head(m) + rank's LLM work + max(min_m tail(m), R_p)``,
+    ``R_p`` the DP gradient reduction of chunk ``p`` (``reduce``), which starts after its last
+    backward; with a split backward the last task is some chunk's W (where every chunk with a
+    backward has weight gradients), whose reduction follows it: ``+ min_c R_c``. Each link
+    of a chain lasts its task (compute and the collectives inside it, as ``tasks`` times it); the
+    transfers between them are not counted, so it stays a lower bound.
     """
     llm = plan.layouts["llm"]
-    if llm.n_stages != llm.pp:  # interleaved chunks share ranks: the chain argument is per rank
-        return 0.0
     out = 0.0
     ms = range(iw.n_microbatches)
     for d in range(llm.dp):
         chains = [_encoder_chains(plan, iw, kinds, d, m) for m in ms]
         head = [f for f, _ in chains]
-        tail = [0.0] * len(ms)
-        tail_open = [True] * len(ms)  # the gradient chain below the stage reaches the encoders
-        for s in range(llm.n_stages):
+        grads: list[list[float | None]] = [[] for _ in ms]  # per microbatch, chunk c's input-gradient task
+        for s in range(llm.pp):
             key = StageKey("llm", d, s)
-            works = [iw.unit(key, m, None) for m in ms]
+            own = sum(sum(tasks[(StageKey("llm", d, c), m, None)].values())
+                      for c in range(s, llm.n_stages, llm.pp) for m in ms)
             stage_kinds = [k.value for k in kinds[StageRef("llm", s)]]
-            own = sum(seconds[(key, m, None)] for m in ms)
             drains = bool(stage_kinds) and stage_kinds[0] in ("B", "BW") and len(stage_kinds) == 1
-            after = min(tail[m] + (chains[m][1] if tail_open[m] else 0.0) for m in ms) if drains else 0.0
+            if drains:
+                after = min(_drain_s(grads[m], reduce, s, chains[m][1]) for m in ms)
+            else:  # the last task is a W where every chunk with a backward has weight gradients
+                backs = [c for c in range(s, llm.n_stages, llm.pp) if kinds[StageRef("llm", c)]]
+                after = min((reduce[c] for c in backs), default=0.0)
             out = max(out, min(head) + own + after)
-            for m, w in zip(ms, works):
-                head[m] += w.times.F
-                if stage_kinds and stage_kinds[0] in ("B", "BW") and tail_open[m]:
-                    tail[m] += w.times.B + (w.times.W if stage_kinds[0] == "BW" else 0.0)
-                else:
-                    tail_open[m] = False
+            for m in ms:
+                phases = tasks[(key, m, None)]
+                head[m] += phases["F"]
+                grads[m].append(phases[stage_kinds[0]] if stage_kinds and stage_kinds[0] in ("B", "BW") else None)
     return out
+
+
+def _drain_s(grads: list[float | None], reduce: list[float], s: int, encoders: float) -> float:
+    """What must still run after chunk ``s``'s input gradient of a microbatch: its own DP reduction,
+    and down the chain of input gradients ``s-1 .. 0`` (``grads``, None where a chunk has none and
+    the chain stops) each chunk's reduction after its gradient, and the encoders' backward."""
+    out, chain = reduce[s], 0.0
+    for c in range(s - 1, -1, -1):
+        if grads[c] is None:
+            return out
+        chain += grads[c]
+        out = max(out, chain + reduce[c])
+    return max(out, chain + encoders)

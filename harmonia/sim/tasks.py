@@ -102,6 +102,7 @@ class _Builder:
         self.reductions: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> one DP group's reduction
         self.first_rank: dict[tuple[str, int, int], int] = {}  # a replica's stage chunk -> its first rank
         self.phases: dict[tuple[str, int, Kind], tuple[str, bool, bool]] = {}
+        self.units: dict[tuple, tuple[str, float, float, float, float]] = {}  # one phase of a unit, timed
 
     def replica(self, module: str, rank: int) -> int:
         key = (module, rank)
@@ -148,17 +149,25 @@ class _Builder:
     def _compute(self, rank: int, a: Action) -> Task:
         kind, w_only, has_w = self._phase(a)
         key = StageKey(a.module, self.replica(a.module, rank), a.stage)
+        unit = (key, a.microbatch, a.sub, kind)
+        if unit not in self.units:  # every rank of the stage's TP x CP group times the unit alike
+            self.units[unit] = self._unit_task(key, a, kind, w_only, has_w)
+        name, duration, mem, flops, transient = self.units[unit]
+        return Task(name, rank, duration, [], a.module, kind, mem, flops, transient, action=a)
+
+    def _unit_task(self, key: StageKey, a: Action, kind: str, w_only: bool,
+                   has_w: bool) -> tuple[str, float, float, float, float]:
+        """(name, seconds, activation bytes, FLOPs, transient bytes) of one phase of a unit."""
         work = self.iw.unit(key, a.microbatch, a.sub)
         name = f"{a.module}.r{key.replica}.s{a.stage}.{kind}{a.microbatch}" + ("" if a.sub is None else f".{a.sub}")
         if work is None:  # this replica has no data in the unit
-            return Task(name, rank, 0.0, [], a.module, kind, action=a)
+            return name, 0.0, 0.0, 0.0, 0.0
         seconds = compute_seconds(work, kind, w_only)
         duration = seconds + collective_extra(self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
         share = seconds / max(work.times.total, 1e-30)
         mem = _activation_delta(kind, work.act_bytes, w_only, has_w)
         recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
-        return Task(name, rank, duration, [], a.module, kind, mem, work.flops * share,
-                    work.transient if recomputes else 0.0, action=a)
+        return name, duration, mem, work.flops * share, work.transient if recomputes else 0.0
 
     def link_receives(self) -> None:
         for i, rank, a in self.recvs:

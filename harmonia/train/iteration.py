@@ -47,7 +47,7 @@ from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
-from harmonia.sim.tasks import simulate_schedule, simulated_step
+from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.cost import Calibration, CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -282,9 +282,12 @@ class IterationBuilder:
         iw = plan_iteration_work(shapes, plan, self.cost, assignment)
         order = list(range(n))
         searched = self.search_evaluations if self.assignment == "balanced" else 0
-        if searched and n > 1:
-            order = search_order(self.graph, cost_table(plan, iw), n, (plan.schedule,), budget_s=float("inf"),
-                                 max_evaluations=self.search_evaluations).order
+        if searched and n > 1:  # the pick replaces the balancer's order only where it simulates faster too
+            table = cost_table(plan, iw)
+            steps = SimulatedOrders(plan, self.cost, self.cluster, iw, lambda o: build_schedule(
+                self.graph, n, plan.schedule, order=o, costs=table))
+            order = search_order(self.graph, table, n, (plan.schedule,), budget_s=float("inf"),
+                                 max_evaluations=self.search_evaluations, step=steps).order
         if searched and plan.encoders:
             iw = search_submicrobatches(self.graph, plan, self.cost, iw, order, max_evaluations=self.search_evaluations,
                                         score=simulated_step(plan, self.cost, self.cluster)).work
