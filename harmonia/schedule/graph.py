@@ -305,9 +305,16 @@ def colocated_holders(layouts: Mapping[str, Layout], encoder: str, chunk: int,
         replicas whose chunk ``chunk`` runs on that group; None when some encoder replica is not
         inside one LLM replica's ranks (the encoder is not colocated).
     """
+    every = colocated_holders_by_replica(layouts, encoder, chunk)
+    return None if every is None else every.get(replica % layouts[LLM].dp)
+
+
+def colocated_holders_by_replica(layouts: Mapping[str, Layout], encoder: str,
+                                 chunk: int) -> dict[int, dict[int, list[int]]] | None:
+    """`colocated_holders` of every LLM replica with a holder, in one pass over the encoder's replicas."""
     enc, llm = layouts[encoder], layouts[LLM]
     llm_ranks = set(llm.rank_list())
-    out: dict[int, list[int]] = {}
+    out: dict[int, dict[int, list[int]]] = {}
     for e in range(enc.dp):
         coords = []
         for p in range(enc.pp):
@@ -319,11 +326,10 @@ def colocated_holders(layouts: Mapping[str, Layout], encoder: str, chunk: int,
                     coords.append(llm.coords(rank))
         if len({c["dp"] for c in coords}) != 1:
             return None
-        if coords[0]["dp"] != replica % llm.dp:
-            continue
+        d = coords[0]["dp"]
         mine = coords[(chunk % enc.pp) * enc.cp * enc.tp]
-        out.setdefault(llm.rank_at(pp=mine["pp"], dp=replica % llm.dp), []).append(e)
-    return out or None
+        out.setdefault(d, {}).setdefault(llm.rank_at(pp=mine["pp"], dp=d), []).append(e)
+    return out
 
 
 def _shared_holders(layouts: Mapping[str, Layout], encoder: str, replica: int) -> list[list[int]]:

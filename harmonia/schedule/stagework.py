@@ -27,7 +27,7 @@ import numpy as np
 
 from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.families import build_schedule
-from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders_by_replica
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.submicrobatch import item_runs
@@ -292,11 +292,12 @@ def _share_costs(plan: Plan, iw: IterationWork) -> dict:
     out = {}
     for enc in plan.encoders:
         for chunk in range(plan.layouts[enc].n_stages):
-            if len(colocated_holders(plan.layouts, enc, chunk, 0) or ()) < 2:
+            every = colocated_holders_by_replica(plan.layouts, enc, chunk) or {}
+            if len(every.get(0, ())) < 2:
                 continue
             by_position: dict[int, list[int]] = {}
             for d in range(llm.dp):
-                for rank, replicas in (colocated_holders(plan.layouts, enc, chunk, d) or {}).items():
+                for rank, replicas in every.get(d, {}).items():
                     by_position.setdefault(llm.coords(rank)["pp"], []).extend(replicas)
             for pp, replicas in by_position.items():
                 holder = llm.rank_at(pp=pp, dp=0)
