@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from harmonia.data.media_errors import MediaError
 from harmonia.errors import ConfigError
@@ -249,6 +249,8 @@ def _checked(pixels: torch.Tensor, side: int) -> torch.Tensor:
 def _open(data: bytes | str | Path) -> Image.Image:
     try:
         return Image.open(io.BytesIO(data) if isinstance(data, bytes) else data)
+    except UnidentifiedImageError as e:  # its text names the in-memory buffer, not the file
+        raise MediaError("corrupt_media", "cannot read image header: not an image format PIL recognises") from e
     except Exception as e:
         raise MediaError("corrupt_media", f"cannot read image header: {type(e).__name__}: {e}") from e
 

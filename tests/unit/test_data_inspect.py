@@ -41,6 +41,8 @@ def test_inspect_json_counts_records_modalities_and_bad_kinds(llava_json, tmp_pa
     assert report["bad"] == {"corrupt_media": 1, "placeholder_mismatch": 1, "unknown_schema": 1}
     assert report["records"] == report["ok"] + sum(report["bad"].values())
     assert report["bad_examples"]["unknown_schema"][0].startswith(f"{llava_json}[5]")
+    corrupt = report["bad_examples"]["corrupt_media"][0]  # names the record and its file, not a buffer
+    assert corrupt.startswith(f"{llava_json}[3]") and "bad.png" in corrupt and "BytesIO" not in corrupt, corrupt
     assert report["modalities"]["items"] == {"image": 2}
     assert report["modalities"]["samples"] == {"image": 2, "text": 1}
     assert report["tiles"]["histogram"] == {"1": 1, "5": 1}  # tiny-vit: a 16x64 image is 4 tiles + thumbnail
