@@ -227,6 +227,12 @@ def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationW
     """Seconds no schedule of this iteration's stage work beats (see the module docstring): the
     busiest rank, each task timed exactly as `harmonia.sim.tasks.build_tasks` times it, and every
     LLM pipeline rank's fill and drain (`_pipeline_bound`)."""
+    return work_bound_busy(plan, cost, cluster, iw)[0]
+
+
+def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
+                    iw: IterationWork) -> tuple[float, dict[int, float]]:
+    """`work_bound`, and every rank's busy seconds (the sum of its tasks) it is taken from."""
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     split = plan.schedule == "zb"
     kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
@@ -246,20 +252,19 @@ def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationW
             busy[rank] = busy.get(rank, 0.0) + total
     reduce = [grad_reduce_s(cost, cluster, plan, "llm", c) if graph.needs_w(StageRef("llm", c)) else 0.0
               for c in range(plan.layouts["llm"].n_stages)]
-    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce))
+    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce)), busy
 
 
-def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, d: int, m: int) -> tuple[float, float]:
+def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d: int, m: int) -> tuple[float, float]:
     """The shortest forward chain through the encoders that LLM replica ``d``'s microbatch ``m`` waits
-    for (the slowest encoder replica with rows for it: every sub-microbatch runs its chunks in turn,
-    and the rows leave once the last one has), and the backward chain its gradient still runs there."""
+    for (the slowest encoder replica with rows for it, ``feeders[(encoder, d, m)]``: every
+    sub-microbatch runs its chunks in turn, and the rows leave once the last one has), and the
+    backward chain its gradient still runs there."""
     head = tail = 0.0
     for enc in plan.encoders:
         layout = plan.layouts[enc]
         trains_all = all(kinds[StageRef(enc, c)] for c in range(layout.n_stages))
-        for e in range(layout.dp):
-            if (enc, e, d, m) not in iw.boundary_bytes:
-                continue
+        for e in feeders.get((enc, d, m), ()):
             for sub in iw.subs(enc, m):
                 works = [w for c in range(layout.n_stages) if (w := iw.unit(StageKey(enc, e, c), m, sub)) is not None]
                 head = max(head, sum(w.times.F for w in works))
@@ -290,8 +295,11 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, red
     llm = plan.layouts["llm"]
     out = 0.0
     ms = range(iw.n_microbatches)
+    feeders: dict[tuple[str, int, int], list[int]] = {}  # (encoder, LLM replica, microbatch) -> its encoder replicas
+    for enc, e, d, m in sorted(iw.boundary_bytes):
+        feeders.setdefault((enc, d, m), []).append(e)
     for d in range(llm.dp):
-        chains = [_encoder_chains(plan, iw, kinds, d, m) for m in ms]
+        chains = [_encoder_chains(plan, iw, kinds, feeders, d, m) for m in ms]
         head = [f for f, _ in chains]
         grads: list[list[float | None]] = [[] for _ in ms]  # per microbatch, chunk c's input-gradient task
         for s in range(llm.pp):

@@ -368,8 +368,7 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
     plan = candidate.plan
 
     def schedule_of(order: list[int] | None, work: IterationWork = iw) -> IterationSchedule:
-        schedule = iteration_schedule(plan, cost, work, order=order)
-        return fuse_encoders(schedule) if candidate.fused else schedule
+        return candidate_schedule(candidate, cost, work, order)
 
     if candidate.recipe != "harmonia" or search_budget_s <= 0:
         return simulate_schedule(plan, cost, cluster, iw, schedule_of(None))
@@ -382,6 +381,15 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
     if iw is steps.work:
         return steps.timeline(order)
     return simulate_schedule(plan, cost, cluster, iw, schedule_of(order, iw))
+
+
+def candidate_schedule(candidate: Candidate, cost: CostModel, iw: IterationWork,
+                       order: list[int] | None = None) -> IterationSchedule:
+    """The schedule a candidate runs an iteration's stage work under: its plan's family in ``order``
+    (default: the balancer's), the encoders' actions fused into the LLM's first stage where the
+    recipe places them there."""
+    schedule = iteration_schedule(candidate.plan, cost, iw, order=order)
+    return fuse_encoders(schedule) if candidate.fused else schedule
 
 
 def with_schedule(candidate: Candidate, schedule: str) -> Candidate:

@@ -11,7 +11,10 @@ best plan as simulating every candidate on every batch:
   without simulating and raised in steps, each dearer and tighter than the one before: the
   compute-only `lower_bound_s` (all candidates, microseconds each), then
   `harmonia.plan.bounds.plan_bound` (compute, TP/CP collectives, FSDP gathers and the DP gradient
-  reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`);
+  reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`),
+  then the simulated time of the batch's independent parts one at a time, busiest first (sets of
+  ranks no message crosses, `harmonia.sim.parts`: the longest part simulated so far bounds the
+  iteration, and the longest of all is its simulated time);
 - a candidate's bound on its score is ``mean_k (t_k if batch k is simulated else b_k)``; it only
   rises as its batches are refined, and equals the score once all are simulated;
 - the candidate with the smallest bound is refined next: its least refined batch goes one step
@@ -19,7 +22,8 @@ best plan as simulating every candidate on every batch:
   candidate's bound, hence at most every other score: it is the best. Popping on gives the next
   best, up to ``top``.
 
-So a layout whose first simulated batch already exceeds the best score is never simulated again,
+So a layout whose first simulated batch (or a part of it) already exceeds the best score is never
+simulated further,
 one whose bound exceeds it is never simulated at all, and one whose compute-only bound exceeds it
 is never bounded further. Plans the simulator cannot tell apart
 (zero-bubble where no stage has both an input and a weight gradient: it runs as 1F1B) share one
@@ -49,16 +53,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from harmonia.errors import HarmoniaError, LayoutError
-from harmonia.plan.bounds import plan_bound, work_bound
+from harmonia.plan.bounds import plan_bound, work_bound_busy
 from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
-from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidates, homogeneous_candidates,
-                                   simulate_work)
+from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
+                                   homogeneous_candidates)
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule import StageGraph
+from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
+from harmonia.sim.parts import independent_parts, simulate_part
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -207,7 +213,8 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
                 state[j] = [WORK, max(state[j][1], scorer.work(cands[i], key, j))]
             else:
                 touched.add(i)
-                state[j] = [SIMULATED, scorer.simulate(cands[i], key, j)]
+                seconds, whole = scorer.simulate_part(cands[i], key, j)
+                state[j] = [SIMULATED, seconds] if whole else [PARTIAL, max(state[j][1], seconds)]
         except HarmoniaError as err:
             failed[key] = f"schedule: {err}"[:80]
             rejected[failed[key]] += 1
@@ -221,9 +228,10 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     return ranked, len(touched)
 
 
-COMPUTE, ANALYTIC, WORK, SIMULATED = 0, 1, 2, 3
+COMPUTE, ANALYTIC, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4
 """What a candidate's value on one batch is: the compute-only bound, the analytic bound, the bound of
-the batch's stage work, or the simulated time (each at least the one before)."""
+the batch's stage work, the longest of the independent parts simulated so far
+(`harmonia.sim.parts`), or the simulated time (each at least the one before)."""
 
 
 class _Scorer:
@@ -239,6 +247,7 @@ class _Scorer:
         self.assignments: dict[tuple, IterationAssignment] = {}
         self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
+        self.parts: dict[tuple, _Parts] = {}  # (simulation key, batch) -> its parts being simulated
         self.timelines = 0
 
     def compute_bound(self, cand: Candidate) -> list[float]:
@@ -275,19 +284,58 @@ class _Scorer:
         return f"memory: simulated peak {peak / 2**30:.0f} GiB > {capacity / 2**30:.0f} GiB"
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
-        """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`)."""
+        """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
+        iteration's independent parts are queued for simulation, the busiest first."""
         iw = self._iteration(cand, j)
-        return work_bound(cand.plan, self.run.cost, self.run.cluster, iw)
+        bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
+        self.parts[(key, j)] = _Parts(independent_parts(cand.plan, iw, busy))
+        return bound
+
+    def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
+        """Simulate batch ``j``'s next independent part (the balancer's order; no per-batch order
+        search). Returns the longest part so far and whether every part is simulated: the
+        iteration's simulated seconds (`harmonia.sim.parts`)."""
+        run, iw = self.run, self._iteration(cand, j)
+        if (key, j) not in self.parts:
+            self.parts[(key, j)] = _Parts(independent_parts(cand.plan, iw))
+        parts = self.parts[(key, j)]
+        if parts.schedule is None:
+            self.timelines += 1
+            parts.schedule = candidate_schedule(cand, run.cost, iw)
+        timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, parts.ranks[parts.done])
+        parts.done += 1
+        parts.seconds = max(parts.seconds, float(timeline.iteration_s))
+        states = state_bytes_per_rank(run.cost, cand.plan)
+        peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in timeline.peak_mem)
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)
+        whole = parts.done == len(parts.ranks)
+        if whole:
+            del self.parts[(key, j)]
+        return parts.seconds, whole
 
     def simulate(self, cand: Candidate, key: tuple, j: int) -> float:
-        """Simulated seconds of batch ``j`` (the balancer's order; no per-batch order search)."""
-        iw = self._iteration(cand, j)
-        self.timelines += 1
-        timeline = simulate_work(cand, iw, self.run.cost, self.run.cluster, 0.0)
-        states = state_bytes_per_rank(self.run.cost, cand.plan)
-        peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)
-        return float(timeline.iteration_s)
+        """Simulated seconds of batch ``j``: every part not yet simulated."""
+        while True:
+            seconds, whole = self.simulate_part(cand, key, j)
+            if whole:
+                return seconds
+
+
+@dataclass
+class _Parts:
+    """A candidate's simulation of one batch, one independent part at a time.
+
+    Attributes:
+        ranks: the parts, in the order they are simulated (busiest first).
+        done: parts simulated.
+        seconds: the longest of them.
+        schedule: the schedule they run (built with the first part).
+    """
+
+    ranks: list[tuple[int, ...]]
+    done: int = 0
+    seconds: float = 0.0
+    schedule: IterationSchedule | None = None
 
 
 def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]],

@@ -21,6 +21,8 @@ that crosses nodes at the network's (`ClusterSpec.group_bandwidth`).
 
 from __future__ import annotations
 
+import functools
+
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import stage_layer_range
@@ -48,8 +50,10 @@ def chunk_blocks(cost: CostModel, layout: Layout, module: str, chunk: int) -> in
     return layout.stage_split(len(cost.layers[module]) - 2)[chunk]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def stage_group(layout: Layout, chunk: int, axis: str, dp: int = 0, cp: int = 0, tp: int = 0) -> tuple[int, ...]:
-    """The ranks of a chunk's pipeline rank along ``axis`` through the given coordinates."""
+    """The ranks of a chunk's pipeline rank along ``axis`` through the given coordinates (a pure
+    function of its arguments, kept: every task and bound of a layout asks for the same groups)."""
     coords = {"dp": dp, "cp": cp, "tp": tp}
     out = []
     for i in range(getattr(layout, axis)):

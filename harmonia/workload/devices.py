@@ -26,7 +26,7 @@ A100 and the CPU keep one efficiency for matmuls and attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from harmonia.errors import ConfigError
 
@@ -101,6 +101,7 @@ class ClusterSpec:
     device: DeviceSpec
     n_nodes: int = 1
     gpus_per_node: int | None = None
+    _bandwidths: dict = field(init=False, repr=False, compare=False, default_factory=dict)  # group -> bytes/s
 
     def __post_init__(self) -> None:
         if self.n_nodes < 1:
@@ -133,6 +134,12 @@ class ClusterSpec:
         NICs thus reaches 8 x 50 GB/s, as NCCL's multi-node bus bandwidth does; a group with one
         rank per node, 50 GB/s.
         """
+        key = tuple(ranks)
+        if key not in self._bandwidths:
+            self._bandwidths[key] = self._group_bandwidth(key)
+        return self._bandwidths[key]
+
+    def _group_bandwidth(self, ranks: tuple[int, ...]) -> float:
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1

@@ -1,0 +1,65 @@
+"""Independent parts of one simulated iteration: sets of ranks that no message crosses.
+
+The simulator couples ranks only by messages (`harmonia.sim.tasks`): stage messages inside one
+replica of a module, and boundary transfers between an encoder replica and the LLM replicas whose
+samples it encodes. A DP gradient reduction, an FSDP gather and the TP/CP collectives are priced
+into a rank's own tasks and wait for no other rank. So the ranks fall into parts: each LLM replica
+joined with the encoder replicas that feed it, joined again wherever a rank holds stages of several
+replicas (a colocated encoder). Parts replay independently: the iteration lasts as long as its
+longest part, and any part's time is a lower bound on it. The planner simulates a candidate's
+busiest part first and drops the candidate once a part exceeds the best score
+(`harmonia.plan.search`), at a fraction of a whole simulation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from harmonia.schedule.graph import LLM, IterationSchedule
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.rank_actions import plan_rank_actions
+from harmonia.schedule.stagework import IterationWork, stage_ranks
+from harmonia.sim.engine import Timeline, replay
+from harmonia.sim.tasks import build_tasks
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import ClusterSpec
+
+
+def independent_parts(plan: Plan, iw: IterationWork, busy: Mapping[int, float] | None = None) -> list[tuple[int, ...]]:
+    """The iteration's parts (see the module docstring), each its ranks in order; the parts ordered
+    by their busiest rank's seconds in ``busy``, most first (default: by their first rank)."""
+    parent: dict[int, int] = {}
+
+    def root(r: int) -> int:
+        while parent.setdefault(r, r) != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    def join(ranks: Iterable[int]) -> None:
+        ranks = iter(ranks)
+        first = root(next(ranks))
+        for r in ranks:
+            parent[root(r)] = first
+
+    for module, layout in plan.layouts.items():
+        for d in range(layout.dp):
+            join(r for c in range(layout.n_stages) for r in stage_ranks(plan, module, d, c))
+    for enc, e, d, _ in iw.boundary_bytes:
+        last = plan.layouts[enc].n_stages - 1
+        join((stage_ranks(plan, enc, e, last)[0], stage_ranks(plan, LLM, d, 0)[0]))
+    parts: dict[int, list[int]] = {}
+    for r in sorted(parent):
+        parts.setdefault(root(r), []).append(r)
+    out = [tuple(p) for p in parts.values()]
+    if busy is not None:
+        out.sort(key=lambda p: -max(busy.get(r, 0.0) for r in p))
+    return out
+
+
+def simulate_part(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork, schedule: IterationSchedule,
+                  ranks: tuple[int, ...]) -> Timeline:
+    """One part of the iteration of ``schedule``: the action lists of ``ranks`` timed as
+    `harmonia.sim.tasks.simulate_schedule` times every rank's (the same start and end per task)."""
+    actions = plan_rank_actions(plan.layouts, schedule, ranks)
+    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster))

@@ -1,0 +1,46 @@
+"""Independent parts of a simulated iteration replay exactly as the whole iteration does.
+
+The planner simulates a candidate one part at a time (sets of ranks no message crosses) and takes
+the longest part as the iteration's time, so a part's tasks must start and end exactly when they
+do in the whole simulation: checked on every recipe's placements (colocated, disjoint with an
+encoder replica feeding several LLM replicas, encoders fused into the LLM's first stage), pp 1/2/4,
+1F1B, zero-bubble and interleaved schedules, with and without recomputation.
+"""
+
+from harmonia.plan.bounds import work_bound_busy
+from harmonia.plan.recipes import candidate_schedule, simulate_work
+from harmonia.plan.scenario import ScenarioRun
+from harmonia.schedule.graph import LLM
+from harmonia.sim.parts import independent_parts, simulate_part
+from tests.unit.test_plan_bounds import _describe, _scenario, _spread
+
+
+def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
+    run = ScenarioRun(_scenario("llava-siglip-8b trainable, 16 GPUs", shared_traces))
+    picked = _spread(run, per_family=1)
+    several, shared_encoder = 0, 0
+    for cand in picked:
+        plan = cand.plan
+        iw = run.iteration_work(cand, 1)
+        whole = simulate_work(cand, iw, run.cost, run.cluster, 0.0)
+        parts = independent_parts(plan, iw, work_bound_busy(plan, run.cost, run.cluster, iw)[1])
+        ranks = [r for p in parts for r in p]
+        assert sorted(ranks) == sorted({r for lay in plan.layouts.values() for r in lay.rank_list()}), _describe(cand)
+        schedule = candidate_schedule(cand, run.cost, iw)
+        timelines = [simulate_part(plan, run.cost, run.cluster, iw, schedule, p) for p in parts]
+        assert max(t.iteration_s for t in timelines) == whole.iteration_s, _describe(cand)
+        assert {r: v for t in timelines for r, v in t.peak_mem.items()} == whole.peak_mem, _describe(cand)
+        assert _ends(timelines) == _ends([whole]), _describe(cand)
+        several += len(parts) > 1
+        llm = plan.layouts[LLM]
+        shared_encoder += len(parts) < llm.dp  # some part joins LLM replicas through an encoder replica
+    assert several and shared_encoder, (several, shared_encoder)
+
+
+def _ends(timelines) -> dict[tuple[int, str], list[float]]:
+    """Every task's end, by rank and name (a name may repeat on a rank: its ends in order)."""
+    out: dict[tuple[int, str], list[float]] = {}
+    for tl in timelines:
+        for task, end in zip(tl.tasks, tl.end):
+            out.setdefault((task.rank, task.name), []).append(float(end))
+    return out
