@@ -12,9 +12,9 @@ best plan as simulating every candidate on every batch:
   compute-only `lower_bound_s` (all candidates, microseconds each), then
   `harmonia.plan.bounds.plan_bound` (compute, TP/CP collectives, FSDP gathers and the DP gradient
   reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`),
-  then the simulated time of the batch's independent parts one at a time, busiest first (sets of
-  ranks no message crosses, `harmonia.sim.parts`: the longest part simulated so far bounds the
-  iteration, and the longest of all is its simulated time);
+  then the simulated time of the batch's busiest independent part, then of all (parts are sets of
+  ranks no message crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the
+  iteration's, and the longest of all is the iteration's simulated time);
 - a candidate's bound on its score is ``mean_k (t_k if batch k is simulated else b_k)``; it only
   rises as its batches are refined, and equals the score once all are simulated;
 - the candidate with the smallest bound is refined next: its least refined batch goes one step
@@ -285,10 +285,12 @@ class _Scorer:
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
-        iteration's independent parts are queued for simulation, the busiest first."""
+        iteration's independent parts are queued for simulation: the busiest alone, then the others
+        together (one replay of a few ranks costs little beside building the schedule's lists)."""
         iw = self._iteration(cand, j)
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
-        self.parts[(key, j)] = _Parts(independent_parts(cand.plan, iw, busy))
+        busiest, *rest = independent_parts(cand.plan, iw, busy)
+        self.parts[(key, j)] = _Parts([busiest, *([tuple(sorted(r for p in rest for r in p))] if rest else [])])
         return bound
 
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
@@ -296,8 +298,8 @@ class _Scorer:
         search). Returns the longest part so far and whether every part is simulated: the
         iteration's simulated seconds (`harmonia.sim.parts`)."""
         run, iw = self.run, self._iteration(cand, j)
-        if (key, j) not in self.parts:
-            self.parts[(key, j)] = _Parts(independent_parts(cand.plan, iw))
+        if (key, j) not in self.parts:  # not bounded first: every part at once
+            self.parts[(key, j)] = _Parts([tuple(sorted(r for p in independent_parts(cand.plan, iw) for r in p))])
         parts = self.parts[(key, j)]
         if parts.schedule is None:
             self.timelines += 1
@@ -326,7 +328,7 @@ class _Parts:
     """A candidate's simulation of one batch, one independent part at a time.
 
     Attributes:
-        ranks: the parts, in the order they are simulated (busiest first).
+        ranks: what is simulated, in turn: the busiest part, then the union of the others.
         done: parts simulated.
         seconds: the longest of them.
         schedule: the schedule they run (built with the first part).

@@ -23,6 +23,7 @@ Frozen-awareness (per stage):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -312,7 +313,13 @@ def colocated_holders(layouts: Mapping[str, Layout], encoder: str, chunk: int,
 def colocated_holders_by_replica(layouts: Mapping[str, Layout], encoder: str,
                                  chunk: int) -> dict[int, dict[int, list[int]]] | None:
     """`colocated_holders` of every LLM replica with a holder, in one pass over the encoder's replicas."""
-    enc, llm = layouts[encoder], layouts[LLM]
+    return _holders_by_replica(layouts[encoder], layouts[LLM], chunk)
+
+
+@functools.lru_cache(maxsize=4096)
+def _holders_by_replica(enc: Layout, llm: Layout, chunk: int) -> dict[int, dict[int, list[int]]] | None:
+    """`colocated_holders_by_replica` of an encoder's and the LLM's layouts (kept: a pure function
+    every stage graph of a plan asks again; callers do not change the result)."""
     llm_ranks = set(llm.rank_list())
     out: dict[int, dict[int, list[int]]] = {}
     for e in range(enc.dp):

@@ -20,6 +20,7 @@ LLM replica, so each stage and microbatch takes the slowest replica's work.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +30,7 @@ from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders_by_replica
 from harmonia.schedule.iteration import IterationAssignment
+from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.submicrobatch import item_runs
 from harmonia.workload.cost import CostModel, PhaseTimes
@@ -119,9 +121,13 @@ def stage_layer_range(cost: CostModel, plan: Plan, module: str, stage: int) -> t
 
 def stage_ranks(plan: Plan, module: str, replica: int, chunk: int) -> tuple[int, ...]:
     """The TP x CP group running a replica's stage chunk (chunk ``c`` on pipeline rank ``c % pp``)."""
-    layout = plan.layouts[module]
-    return tuple(layout.rank_at(pp=chunk % layout.pp, dp=replica, cp=c, tp=t)
-                 for c in range(layout.cp) for t in range(layout.tp))
+    return _layout_stage_ranks(plan.layouts[module], replica, chunk % plan.layouts[module].pp)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout_stage_ranks(layout: Layout, replica: int, pp: int) -> tuple[int, ...]:
+    """`stage_ranks` of a layout (kept: a pure function every stage work and task asks again)."""
+    return tuple(layout.rank_at(pp=pp, dp=replica, cp=c, tp=t) for c in range(layout.cp) for t in range(layout.tp))
 
 
 def _items(shapes: Sequence[SampleShape], positions: Sequence[int], cost: CostModel, encoder: str) -> list:
@@ -228,17 +234,10 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
     recompute = plan.recompute_share(module)
     for chunk in range(layout.n_stages):
         start, stop = stage_layer_range(cost, plan, module, chunk)
-        times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
-        flops = sum(cost.phase_flops(module, load, start, stop))
-        act = cost.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-        transient = (cost.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-                     if recompute else 0.0)
         last = chunk == layout.n_stages - 1
-        if last and module != LLM:  # the projector runs on the encoder's last stage
-            proj = f"{module}_proj"
-            times = times + cost.stage_times(proj, proj_load, tp=tp, cp=cp)
-            flops += sum(cost.phase_flops(proj, proj_load))
-            act += cost.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
+        # the projector runs on the encoder's last stage
+        times, flops, act, transient = cost.unit_cost(module, load, start, stop, tp, cp, recompute,
+                                                      proj_load if last and module != LLM else None)
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)

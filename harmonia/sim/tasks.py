@@ -41,24 +41,24 @@ from harmonia.workload.devices import ClusterSpec
 def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: MicrobatchWork, kind: str,
                      cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces, CP K/V all-gathers and exposed FSDP gathers inside a stage for one phase
-    (`harmonia.sim.collectives`); ``cache`` keeps each stage key's ranks and one FSDP gather price per
-    stage chunk."""
+    (`harmonia.sim.collectives`); ``cache`` keeps each stage key's blocks and TP and CP groups, and one
+    FSDP gather price per stage chunk."""
     layout = plan.layouts[key.module]
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
     fsdp_gather = layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
     if not (tp_collective or cp_collective or fsdp_gather):
         return 0.0
-    if key not in cache:
-        cache[key] = stage_ranks(plan, key.module, key.replica, key.stage)
-    ranks = cache[key]
+    if key not in cache:  # the stage's blocks, TP group and CP group
+        ranks = stage_ranks(plan, key.module, key.replica, key.stage)
+        cache[key] = (chunk_blocks(cost, layout, key.module, key.stage), ranks[: layout.tp], ranks[:: layout.tp])
+    blocks, tp_group, cp_group = cache[key]
     extra = 0.0
     if tp_collective or cp_collective:
-        blocks = chunk_blocks(cost, layout, key.module, key.stage)
         # recompute: the recomputed blocks' forward (a share of the stage's blocks) again
         passes = 1 + plan.recompute_share(key.module) if kind in ("B", "BW") else 1
-        extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[: layout.tp])
-        extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, ranks[:: layout.tp])
+        extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, tp_group)
+        extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, cp_group)
     if fsdp_gather:
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
         if (key.module, key.stage) not in cache:

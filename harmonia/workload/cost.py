@@ -62,6 +62,8 @@ PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = 12
+UNIT_CACHE = 1 << 18
+"""Most `CostModel.unit_cost` results one cost model keeps (about 100 MB)."""
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,7 @@ class CostModel:
         self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, float]] = {}
         self._kernels: dict[tuple[str, int, int], tuple[np.ndarray, float]] = {}
         self._rates: dict[tuple[str, int, int, int, int], tuple] = {}  # `_per_unit_seconds` per range and degrees
+        self._units: dict[tuple, tuple[PhaseTimes, float, float, float]] = {}  # `unit_cost` per arguments
         self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
         self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
         self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
@@ -247,6 +250,32 @@ class CostModel:
         if self.calibration and phase in self.calibration.flops_efficiency:
             return self.calibration.flops_efficiency[phase]
         return None
+
+    def unit_cost(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int = 1, cp: int = 1,
+                  recompute: float = 0.0, proj_load: ModuleLoad | None = None) -> tuple[PhaseTimes, float, float, float]:
+        """One microbatch's ``load`` through layers [start, stop) of ``module`` on one rank of a TP x CP
+        group, and its projector's ``proj_load`` after them where given: (F, B, W seconds, FLOPs of the
+        whole group, kept activation bytes, bytes a recomputed block holds while it runs).
+
+        Kept per arguments: every candidate layout's stage work asks for the same loads again.
+        """
+        key = (module, load, start, stop, tp, cp, recompute, proj_load)
+        found = self._units.get(key)
+        if found is not None:
+            return found
+        times = self.stage_times(module, load, start, stop, tp, cp, recompute)
+        flops = sum(self.phase_flops(module, load, start, stop))
+        act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+        transient = self.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute) if recompute else 0.0
+        if proj_load is not None:
+            proj = f"{module}_proj"
+            times = times + self.stage_times(proj, proj_load, tp=tp, cp=cp)
+            flops += sum(self.phase_flops(proj, proj_load))
+            act += self.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
+        if len(self._units) >= UNIT_CACHE:
+            self._units.clear()
+        self._units[key] = (times, flops, act, transient)
+        return self._units[key]
 
     # ---- time --------------------------------------------------------------------------------
     def stage_times(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
