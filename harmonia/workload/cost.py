@@ -62,8 +62,8 @@ PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = 12
-UNIT_CACHE = 1 << 18
-"""Most `CostModel.unit_cost` results one cost model keeps (about 100 MB)."""
+UNIT_CACHE = 1 << 16
+"""Most `CostModel.unit_cost` results one cost model keeps (about 25 MB)."""
 
 
 @dataclass(frozen=True)
