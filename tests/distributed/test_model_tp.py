@@ -64,6 +64,7 @@ def _worker(rank: int, world: int, port: int, lora: bool, out: dict) -> None:
         out["loss"] = (float(loss), float(ref_loss))
         out["grad"] = worst
         out["sharded"] = len(sharded)
+    dist.barrier()  # no rank tears its group down while the other still talks to it
     dist.destroy_process_group()
 
 
@@ -122,6 +123,7 @@ def _qwen3_worker(rank: int, world: int, port: int, out: dict) -> None:
     if rank == 0:
         out.update(loss=(float(got), float(ref)), grad=worst, norm_styles=sorted(
             k for k, v in plan.items() if v == "head_norm"), norm_grads=norm_grads)
+    dist.barrier()  # no rank tears its group down while the other still talks to it
     dist.destroy_process_group()
 
 
