@@ -28,6 +28,7 @@ from rich.table import Table
 from harmonia.errors import LayoutError
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import PlanReport, search_plan
+from harmonia.workload.devices import cluster_from_string
 
 ROOT = Path(__file__).resolve().parents[1]
 LARGE = ("b-qwen72b-omni-256gpu.toml", "h100:128x8", 4)
@@ -53,11 +54,6 @@ def timed_search(scenario: Scenario, homogeneous: bool = False, top: int = 1) ->
     except LayoutError:
         report = None
     return report, time.perf_counter() - wall, time.process_time() - cpu
-
-
-def scenario_gpus(cluster: str) -> int:
-    nodes, per = cluster.split(":")[1].split("x")
-    return int(nodes) * int(per)
 
 
 def rate_text(report: PlanReport | None) -> str:
@@ -112,8 +108,9 @@ def main(argv: list[str]) -> int:
         scenario = Scenario("plan", model, cluster, f"../shared/traces/{trace}", batch, training,
                             iterations=1, search_batches=2)
         best, wall, cpu = timed_search(scenario, top=3)
-        table.add_row(f"{model} top 3", str(scenario_gpus(cluster)), layout_text(best), rate_text(best), "", "", "",
-                      "", "", f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
+        gpus = cluster_from_string(cluster).world_size
+        table.add_row(f"{model} top 3", str(gpus), layout_text(best), rate_text(best), "", "", "", "", "",
+                      f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
     console.print(table)
     console.print("targets: search <= 10 s on 64 GPUs, <= 60 s on 1024 GPUs (one core); 'held-out' runs the "
                   f"scenario's first {args.held_out} sampled iterations, which the search never scored")

@@ -290,7 +290,7 @@ class _Scorer:
         iw = self._iteration(cand, j)
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
         busiest, *rest = independent_parts(cand.plan, iw, busy)
-        self.parts[(key, j)] = _Parts([busiest, *([tuple(sorted(r for p in rest for r in p))] if rest else [])])
+        self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest])
         return bound
 
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
@@ -299,7 +299,7 @@ class _Scorer:
         iteration's simulated seconds (`harmonia.sim.parts`)."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
-            self.parts[(key, j)] = _Parts([tuple(sorted(r for p in independent_parts(cand.plan, iw) for r in p))])
+            self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, iw))])
         parts = self.parts[(key, j)]
         if parts.schedule is None:
             self.timelines += 1
@@ -321,6 +321,11 @@ class _Scorer:
             seconds, whole = self.simulate_part(cand, key, j)
             if whole:
                 return seconds
+
+
+def _union(parts: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Independent parts as one set of ranks (replayed together, each as it would alone)."""
+    return tuple(sorted(r for p in parts for r in p))
 
 
 @dataclass
