@@ -125,6 +125,15 @@ DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"
 SCENARIO_FLAGS = ("model", "cluster", "trace", "global_batch", "frozen")
 
 
+def _trace_path(trace: str) -> str:
+    """A ``--trace`` as a scenario holds it: a CSV path given on the command line is the user's, from
+    their working directory (a scenario file's relative paths are the project's); a generated
+    trace as written."""
+    from harmonia.workload.traces import is_generated
+
+    return trace if is_generated(trace) else str(Path(trace).resolve())
+
+
 def _scenario(args: argparse.Namespace, plan=None):
     """The scenario `simulate` runs: a scenario file, or the model/cluster/trace/batch flags (a given
     plan supplies its model, batch and training modes when the flags do not)."""
@@ -144,7 +153,7 @@ def _scenario(args: argparse.Namespace, plan=None):
         training = ({m: "frozen" for m in filter(None, flags["frozen"].split(","))} if "frozen" in flags
                     else dict(plan.training) if plan else {})
         scenario = Scenario("simulate", model, flags.get("cluster", "h100:1x8"),
-                            flags.get("trace", str(SHARED_TRACES / "ai2d.csv")),
+                            _trace_path(flags.get("trace", str(SHARED_TRACES / "ai2d.csv"))),
                             flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
     if args.sequence_parallel:
         scenario = dataclasses.replace(scenario, sequence_parallel=True)
@@ -263,7 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from harmonia.workload.devices import cluster_from_string
 
     training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
-    scenario = Scenario("plan", args.model, args.cluster, args.trace, args.global_batch, training,
+    scenario = Scenario("plan", args.model, args.cluster, _trace_path(args.trace), args.global_batch, training,
                         iterations=1, search_batches=args.batches, seed=args.seed)
     with console.status("profiling batches and searching layouts"):
         report = search_plan(scenario, top=args.top)

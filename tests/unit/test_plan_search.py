@@ -104,6 +104,20 @@ def test_cli_writes_a_valid_plan_and_prints_the_top_three(tmp_path, shared_trace
     assert re.search(r"\d+ candidates: \d+ simulated .* \d+ pruned by lower bounds; rejected: ", printed)
 
 
+def test_cli_reads_a_relative_trace_from_the_working_directory(tmp_path, shared_traces, monkeypatch, capsys):
+    """A ``--trace`` path is the user's: relative to where they run the command, not the project."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.csv").write_text((shared_traces / "ai2d.csv").read_text())
+    args = ["plan", "--model", "tiny-vlm", "--cluster", "cpu:1x4", "--global-batch", "32", "--batches", "1",
+            "--json", str(tmp_path / "plan.json"), "--trace"]
+    assert main([*args, "mine.csv"]) == 0 and (tmp_path / "plan.json").exists()
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    capsys.readouterr()
+    assert main([*args, "bad.csv"]) != 0
+    said = capsys.readouterr()
+    assert f"trace {tmp_path / 'bad.csv'}: header" in said.out + said.err
+
+
 def test_harmonia_plan_is_never_slower_than_its_layout_split_evenly() -> None:
     """Llama-3.1 70B on 64 H100 as tp4 cp2 pp8: the frozen-aware split (11 blocks on the stage
     before the head's) simulates slower than the even split the baselines use (the last stage sends
