@@ -286,8 +286,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         layouts = "; ".join(f"{m} {x.describe()}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
                             for m, x in plan.layouts.items())
         over = " (over)" if peak > capacity else ""
+        recompute = f"; recompute {','.join(plan.recompute_text())}" if plan.recompute else ""
         table.add_row(str(i), f"{secs:.3f}", f"{rate:.1f}", f"{peak / 2**30:.1f}{over}",
-                      f"{plan.placement.value}, {plan.schedule} x{plan.n_microbatches}: {layouts}")
+                      f"{plan.placement.value}, {plan.schedule} x{plan.n_microbatches}: {layouts}{recompute}")
     console.print(table)
     rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.most_common()) or "none"
     console.print(f"{report.simulated + report.pruned} candidates: {report.simulated} simulated "

@@ -21,9 +21,10 @@ recipe          layout rules                                                    
 ==============  ==========================================================================  =========
 
 A plan that does not fit device memory is retried, under every recipe alike, recomputing the
-LLM's activations (a quarter, half, three quarters of each stage's blocks, then all of them) and
-then every trainable module's (`recompute_options`), as Megatron-LM's full and block recompute do;
-only what fits in none of these counts as a memory misfit.
+activations of a quarter, half, three quarters or all of each stage's blocks of each module with a
+backward, the LLM and each encoder on its own, least extra work first (`recompute_options`), as
+Megatron-LM's full and block recompute do; only what fits in none of these counts as a memory
+misfit.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 
@@ -155,59 +157,78 @@ def candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: Batc
 
 
 RECOMPUTE_SHARES = (0.25, 0.5, 0.75)
-"""Partial LLM recompute options, as shares of each stage's blocks (`Plan.recompute_fraction`)."""
+"""Partial recompute options, as shares of each stage's blocks (`Plan.recompute_fraction`)."""
 
 Recompute = tuple[tuple[str, ...], dict[str, float]]
 
 
-def recompute_options(cost: CostModel, plan: Plan) -> list[Recompute]:
-    """What a plan may recompute, least first: nothing, a quarter, half, three quarters of each LLM
-    stage's blocks, the whole LLM, every module with a backward.
+def recompute_options(cost: CostModel, plan: Plan, weights: dict[str, float] | None = None) -> list[Recompute]:
+    """What a plan may recompute, least extra work first: the plan's own choice, then every
+    combination of none, a quarter, half, three quarters or all of each stage's blocks of each
+    module with a backward (the LLM and every encoder on its own), the last recomputing every such
+    module whole.
 
-    Every recipe gets the same rule (Megatron-LM's ``--recompute-granularity full`` with
-    ``--recompute-method block --recompute-num-layers``, torchtitan's full activation
+    Extra work is each module's share times its weight (``weights``: the module's seconds per
+    batch, e.g. `BatchProfile.mean_costs`; equal without): recomputing runs a share of the
+    module's forward again, a fixed part of its work. A long-video encoder may need its
+    activations recomputed while the LLM's fit, or the reverse, so modules are not recomputed in a
+    fixed order. Every recipe gets the same rule (Megatron-LM's ``--recompute-granularity full``
+    with ``--recompute-method block --recompute-num-layers``, torchtitan's full activation
     checkpointing). Zero-bubble plans are not retried: their deferred W keeps the linear inputs its
     B recomputed, which the memory model does not follow from B to W; the same layout under 1F1B
     is a candidate of its own and is retried.
     """
-    options: list[Recompute] = [(plan.recompute, dict(plan.recompute_fraction))]
-    if plan.schedule == "zb":
-        return options
-    if cost.needs_backward("llm") and plan.recompute_share("llm") < 1.0:
-        base = tuple(m for m in plan.recompute if m != "llm")
-        for share in RECOMPUTE_SHARES:
-            if share > plan.recompute_share("llm"):
-                options.append(((*base, "llm"), {**{m: f for m, f in plan.recompute_fraction.items() if m != "llm"},
-                                                 "llm": share}))
-        options.append(((*base, "llm"), {m: f for m, f in plan.recompute_fraction.items() if m != "llm"}))
-    every = tuple(m for m in ("llm", *plan.encoders) if cost.needs_backward(m))
-    last = options[-1][0]
-    if every and (set(every) - set(last) or options[-1][1]):
-        options.append((tuple(dict.fromkeys((*last, *every))), {}))
+    own: Recompute = (plan.recompute, dict(plan.recompute_fraction))
+    modules = [m for m in ("llm", *plan.encoders) if cost.needs_backward(m)]
+    if plan.schedule == "zb" or not modules:
+        return [own]
+    kept = tuple(m for m in plan.recompute if m not in modules)
+    levels = (0.0, *RECOMPUTE_SHARES, 1.0)
+    grids = [[s for s in levels if s >= plan.recompute_share(m)] for m in modules]
+    weight = weights or {}
+    combos = sorted(product(*grids), key=lambda c: (sum(s * weight.get(m, 1.0) for m, s in zip(modules, c)), c))
+    options = [own]
+    for combo in combos:
+        option = ((*kept, *(m for m, s in zip(modules, combo) if s > 0)),
+                  {m: s for m, s in zip(modules, combo) if 0 < s < 1})
+        if option != own:
+            options.append(option)
     return options
+
+
+def _covers(more: Recompute, less: Recompute) -> bool:
+    """Whether ``more`` recomputes every module whole or not at all, and at least what ``less`` does."""
+    def share(option: Recompute, module: str) -> float:
+        return option[1].get(module, 1.0) if module in option[0] else 0.0
+    whole = not more[1]
+    return whole and more != less and all(share(more, m) >= share(less, m) for m in less[0])
 
 
 def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
             rejected: Counter | None = None) -> Iterator[Candidate]:
     """The candidates whose estimated peak on every rank (states of every module plus in-flight
     activations under the schedule) fits the device, each with the least recompute
-    (`recompute_options`) it needs and with every larger whole-module recompute option: the
-    estimate is for the profile's mean microbatch, and a batch with heavier microbatches than the
-    mean may fit only with more recompute when simulated. Those that fit with none are counted in
-    ``rejected``."""
+    (`recompute_options`, weighted by the profile's work per module) it needs and with every
+    whole-module recompute option that recomputes at least as much: the estimate is for the
+    profile's mean microbatch, and a batch with heavier microbatches than the mean may fit only with
+    more recompute when simulated. Those that do not fit even recomputing every module are counted
+    in ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
+    weights = profile.mean_costs()
     for cand in found:
-        options = recompute_options(cost, cand.plan)
-        for i, (modules, shares) in enumerate(options):
-            plan = replace(cand.plan, recompute=modules, recompute_fraction=shares)
-            if max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap:
-                yield replace(cand, plan=plan)
-                yield from (replace(cand, plan=replace(cand.plan, recompute=more, recompute_fraction={}))
-                            for more, partial in options[i + 1:] if not partial)
-                break
-        else:
+        options = recompute_options(cost, cand.plan, weights)
+
+        def fits(option: Recompute) -> bool:
+            plan = replace(cand.plan, recompute=option[0], recompute_fraction=option[1])
+            return max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap
+
+        least = next((o for o in options if fits(o)), None) if fits(options[-1]) else None
+        if least is None:
             if rejected is not None:
                 rejected["plan exceeds device memory (estimate)"] += 1
+            continue
+        for modules, shares in [least, *(o for o in options if _covers(o, least))]:
+            yield replace(cand, plan=replace(cand.plan, recompute=modules, recompute_fraction=shares))
 
 
 def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,

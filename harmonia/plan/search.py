@@ -38,7 +38,7 @@ Memory is checked twice. Before scoring, every candidate's estimated peak on eve
 of every module, activations of the microbatches its schedule keeps in flight:
 `harmonia.plan.memory`) must fit the device with headroom. While scoring, a candidate whose
 simulated peak on some rank (its stages' states plus its activation peak, on any batch simulated)
-exceeds the device memory is rejected as soon as it does, with the peak as its reason: for every
+exceeds the device memory is rejected as soon as it does (counted under one reason): for every
 recipe, baselines included. The report gives each ranked plan's simulated peak bytes on one rank.
 """
 
@@ -281,7 +281,7 @@ class _Scorer:
         peak, capacity = self.peak_bytes.get(key, 0.0), self.run.cluster.device.mem_bytes
         if peak <= capacity:
             return None
-        return f"memory: simulated peak {peak / 2**30:.0f} GiB > {capacity / 2**30:.0f} GiB"
+        return f"memory: simulated peak above the device's {capacity / 2**30:.0f} GiB"
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the

@@ -185,14 +185,53 @@ def test_a_share_recomputes_the_first_blocks_of_each_stage(setup, share) -> None
     assert peaks[full.recompute_key][rank] < peaks[part.recompute_key][rank] < peaks[()][rank]
 
 
-def test_recompute_options_go_from_none_through_shares_to_every_module(setup) -> None:
+def _share(option, module: str) -> float:
+    modules, shares = option
+    return shares.get(module, 1.0) if module in modules else 0.0
+
+
+def test_recompute_options_cover_every_share_of_each_module_least_work_first(setup) -> None:
     from harmonia.plan.recipes import recompute_options
 
     cost, _, _ = setup
     options = recompute_options(cost, _plan(()))
-    assert options == [((), {}), (("llm",), {"llm": 0.25}), (("llm",), {"llm": 0.5}), (("llm",), {"llm": 0.75}),
-                       (("llm",), {}), (("llm", "vision"), {})]
+    assert options[0] == ((), {}) and options[-1] == (("llm", "vision"), {})
+    assert len({(m, tuple(sorted(s.items()))) for m, s in options}) == len(options) == 25  # 5 shares x 5 shares
+    for option in ((("vision",), {}), (("llm",), {"llm": 0.25}), (("llm", "vision"), {"llm": 0.5, "vision": 0.75})):
+        assert option in options
+    weights = {"llm": 10.0, "vision": 1.0}
+    weighted = recompute_options(cost, _plan(()), weights)
+    extra = [sum(w * _share(o, m) for m, w in weights.items()) for o in weighted]
+    assert extra == sorted(extra)
+    # the encoder whole costs less than a quarter of the LLM here, so it comes first
+    assert weighted.index((("vision",), {})) < weighted.index((("llm",), {"llm": 0.25}))
+    # a plan that already recomputes half the LLM is offered no less
+    half = replace(_plan(("llm",)), recompute_fraction={"llm": 0.5})
+    assert all(_share(o, "llm") >= 0.5 for o in recompute_options(cost, half))
     assert recompute_options(cost, _plan((), schedule="zb")) == [((), {})]
+
+
+def test_fitting_recomputes_only_the_encoder_when_that_is_the_least_that_fits() -> None:
+    """Long videos on 64 H100s: the vision encoder's activations (every frame's 1025 tokens) do not
+    fit beside the LLM's, whose own fit; recomputing a quarter of the encoder is the least that
+    fits, and whole-module options recomputing more follow it (heavier batches than the mean)."""
+    from harmonia.plan.recipes import Candidate, fitting, recompute_options
+    from harmonia.plan.scenario import Scenario, ScenarioRun
+
+    run = ScenarioRun(Scenario("e", "internvl-8b", "h100:8x8", "synthetic:long_video=0.5,image=0.35,text=0.15",
+                               128, iterations=1, search_batches=1))
+    plan = Plan("internvl-8b", {"vision": Layout(dp=64), "llm": Layout(cp=4, dp=16, fsdp=True)}, "colocated",
+                "1f1b", 4, 128)
+    got = [c.plan for c in fitting(iter([Candidate("harmonia", plan)]), run.cost, run.cluster, run.profile)]
+    assert [p.recompute_text() for p in got] == [["vision:0.25"], ["vision"], ["llm", "vision"]]
+    cap = run.cluster.device.mem_bytes * 0.9
+    peak = {(m, tuple(s.items())): max(plan_peak_bytes(run.cost, replace(plan, recompute=m, recompute_fraction=s),
+                                                       run.profile).values())
+            for m, s in recompute_options(run.cost, plan)}
+    assert peak[((), ())] > cap and peak[(("vision",), (("vision", 0.25),))] <= cap
+    options = recompute_options(run.cost, plan, run.profile.mean_costs())
+    first = options.index((("vision",), {"vision": 0.25}))
+    assert all(peak[(m, tuple(s.items()))] > cap for m, s in options[:first])
 
 
 def test_plan_json_and_layout_text_carry_the_share(setup, tmp_path) -> None:
