@@ -157,6 +157,8 @@ def _scenario(args: argparse.Namespace, plan=None):
                             flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
     if args.sequence_parallel:
         scenario = dataclasses.replace(scenario, sequence_parallel=True)
+    if args.fsdp_per_microbatch:
+        scenario = dataclasses.replace(scenario, fsdp_per_microbatch=True)
     if plan is not None and plan.global_batch != scenario.global_batch:
         raise ConfigError(f"the plan's global batch is {plan.global_batch} but the scenario's is "
                           f"{scenario.global_batch}; give --global-batch {plan.global_batch} or another plan")
@@ -442,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true",
                    help="price TP as Megatron-LM's sequence parallelism: norms, residual adds and their "
                    "activations split over the TP ranks' tokens (harmonia's runtime runs TP without it)")
+    p.add_argument("--fsdp-per-microbatch", action="store_true",
+                   help="price FSDP as ZeRO-3 (FSDP2's default): weights gathered before every forward and backward, "
+                   "every state sharded (harmonia's runtime gathers once per step and keeps weights and gradients "
+                   "whole until the step's reduce-scatter)")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipes to run (default all four; with a given plan, harmonia: whose "
                    "batch assignment and ordering score it)")

@@ -21,12 +21,13 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
 - CP: an all-gather of K and V per block in F and in the backward, ``L (c-1)/c * 2 T kv a / t / bw``;
 - recompute (a module in ``plan.recompute``): the backward runs the blocks' forward again, its
   compute (the cost model's ``B + F_blocks``) and its TP and CP collectives (a third phase of each);
-- FSDP: before every forward and backward of a microbatch the stage gathers its weights,
-  ``g = (dp-1)/dp * weights / tp / bw``, hidden behind that phase's compute, so the phase lasts
-  ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
+- FSDP: the rank gathers the chunk's weights, ``g = (dp-1)/dp * weights / tp / bw``, once before
+  its first action (harmonia's runtime), which adds ``g``; priced ``fsdp_per_microbatch``, before
+  every forward and backward of a microbatch, hidden behind that phase's compute, so the phase
+  lasts ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
   (for a fused backward ``max(n g, B + W)``, which a split one never beats);
 - DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
-  group, started after the chunk's last weight gradient. Every F, B and W of the chunk precedes
+  group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F, B and W of the chunk precedes
   its last W on the rank's one compute stream, so the reduction ends after ``busy_c + R_c``; the
   reductions of one rank share its communication stream, so they end after
   ``min_c busy_c + sum_c R_c``.
@@ -39,8 +40,8 @@ time can be skipped.
 `work_bound` is the second, sharper level, for one batch once its microbatches are known (the
 balancer's assignment and the stage work of `harmonia.schedule.stagework`, both cheap next to a
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
-lasting its compute plus its in-stage collectives, so the iteration lasts at least the largest sum
-of those durations on one rank. This sees what averages hide: an encoder replica fed more items
+lasting its compute plus its in-stage collectives, after the rank's FSDP gathers, so the iteration
+lasts at least the largest sum of those durations on one rank. This sees what averages hide: an encoder replica fed more items
 than its peers, LLM replicas the balancer could not even out. It also counts every LLM pipeline
 rank's fill and drain (`_pipeline_bound`), interleaved chunks included: the rank's first LLM task is
 a forward of its lowest chunk that waits for some microbatch's chain of forwards through the
@@ -68,8 +69,8 @@ from harmonia.schedule.actions import StageRef
 from harmonia.schedule.layout import Placement
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
-from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, stage_group,
-                                      tp_allreduce_s)
+from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, rank_gathers_s,
+                                      stage_group, tp_allreduce_s)
 from harmonia.sim.tasks import collective_extra, compute_seconds
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -156,7 +157,11 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
                                    stage_group(layout, chunk, "tp"), calls=n_mb)
     comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))
     forward = times.F
-    if layout.fsdp and dp > 1 and n_mb:
+    if layout.fsdp and dp > 1 and not cost.fsdp_per_microbatch:
+        gather = fsdp_gather_s(cost, cluster, plan, module, chunk)
+        comm += gather
+        forward += gather
+    elif layout.fsdp and dp > 1 and n_mb:
         gather = fsdp_gather_s(cost, cluster, plan, module, chunk)
         comm += max(0.0, n_mb * gather - times.F)
         if has_b:
@@ -250,9 +255,12 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
         total = sum(phases.values())
         for rank in iw.stage_ranks[key]:
             busy[rank] = busy.get(rank, 0.0) + total
+    gathers = rank_gathers_s(cost, cluster, plan)
+    for rank, seconds in gathers.items():
+        busy[rank] = busy.get(rank, 0.0) + seconds
     reduce = [grad_reduce_s(cost, cluster, plan, "llm", c) if graph.needs_w(StageRef("llm", c)) else 0.0
               for c in range(plan.layouts["llm"].n_stages)]
-    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce)), busy
+    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce, gathers)), busy
 
 
 def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d: int, m: int) -> tuple[float, float]:
@@ -275,7 +283,8 @@ def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d
     return head, tail
 
 
-def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, reduce: list[float]) -> float:
+def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, reduce: list[float],
+                    gathers: dict[int, float]) -> float:
     """Fill and drain of every LLM pipeline rank ``p`` of every replica, from the iteration's microbatches.
 
     The rank holds chunks ``p, p + pp, ...`` (one unless interleaved). Its first LLM task is a
@@ -285,7 +294,8 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, red
     ``p``'s backward is split into B and W (its last task may then be a W nothing waits for), with
     chunk ``p``'s input gradient for some microbatch, which still needs the gradients of chunks
     ``p-1 .. 0`` and the encoders' backward. Its own LLM tasks run one after another in between,
-    so the iteration lasts at least ``min_m head(m) + rank's LLM work + max(min_m tail(m), R_p)``,
+    so the iteration lasts at least ``max(G, min_m head(m)) + rank's LLM work + max(min_m tail(m), R_p)``,
+    ``G`` the FSDP gathers the rank runs before its first action (``gathers``),
     ``R_p`` the DP gradient reduction of chunk ``p`` (``reduce``), which starts after its last
     backward; with a split backward the last task is some chunk's W (where every chunk with a
     backward has weight gradients), whose reduction follows it: ``+ min_c R_c``. Each link
@@ -313,7 +323,8 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, red
             else:  # the last task is a W where every chunk with a backward has weight gradients
                 backs = [c for c in range(s, llm.n_stages, llm.pp) if kinds[StageRef("llm", c)]]
                 after = min((reduce[c] for c in backs), default=0.0)
-            out = max(out, min(head) + own + after)
+            gather = max((gathers.get(r, 0.0) for r in iw.stage_ranks.get(key, ())), default=0.0)
+            out = max(out, max(gather, min(head)) + own + after)
             for m in ms:
                 phases = tasks[(key, m, None)]
                 head[m] += phases["F"]

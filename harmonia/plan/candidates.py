@@ -6,7 +6,8 @@ divides nothing it must not (sequence shards are token-balanced by the balancer)
 small: ``pp = 1`` and ``cp = 1``, ``tp`` within the node. Disjoint placement sizes each encoder's
 rank set by its share of the profiled work (rounded, then +-1 step), the rest goes to the LLM.
 
-The memory filter uses the cost model's accounting (states sharded by FSDP over ``dp``, activations
+The memory filter uses the cost model's accounting (optimizer states sharded by FSDP over ``dp``,
+weights and gradients whole through the step as harmonia's runtime keeps them, activations
 of the microbatches in flight under 1F1B: ``min(pp - stage, n_microbatches)`` on stage ``stage``).
 The lower bound of a candidate is the slowest module's work per rank, divided by its ranks, which
 no schedule beats; candidates whose bound exceeds the best simulated time are pruned unsimulated.

@@ -1,7 +1,8 @@
 """Per-rank memory of a plan before simulating it: every module's states and in-flight activations.
 
 A rank holds the weights, gradients and optimizer states of every stage chunk placed on it (FSDP
-shards them over ``dp``; `state_bytes_per_rank`), plus the activations of the microbatches its
+shards the optimizer's over ``dp`` and keeps bf16 weights and fp32 gradients whole through the step,
+as harmonia's runtime runs it: `harmonia.workload.cost`; `state_bytes_per_rank`), plus the activations of the microbatches its
 stages keep in flight under the plan's schedule. The schedule's gates set the count on each stage
 chunk (`harmonia.schedule.generators`): forward m + k waits for the backward of m, with k the
 stages from the chunk to the LLM's last, at most the microbatches there are. Counted per chunk:
@@ -31,7 +32,7 @@ from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import StageRef
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import stage_layer_range, stage_trainable
+from harmonia.schedule.stagework import IterationWork, stage_layer_range, stage_trainable
 from harmonia.workload.cost import CostModel
 
 LLM = "llm"
@@ -126,4 +127,20 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
                 transient[rank] = max(transient.get(rank, 0.0), again)
     for rank, nbytes in transient.items():
         out[rank] += nbytes
+    return out
+
+
+def work_peak_floor(cost: CostModel, plan: Plan, iw: IterationWork) -> dict[int, float]:
+    """Per rank, bytes no schedule of this iteration's stage work holds less of at its peak: the
+    rank's states plus the largest activations one unit keeps from its forward to its backward,
+    with the bytes its backward recomputes on top (`harmonia.sim.engine` counts both)."""
+    out = state_bytes_per_rank(cost, plan)
+    held: dict[int, float] = {}
+    for (key, _, _), work in iw.work.items():
+        nbytes = work.act_bytes + work.transient
+        for rank in iw.stage_ranks.get(key, ()):
+            if nbytes > held.get(rank, 0.0):
+                held[rank] = nbytes
+    for rank, nbytes in held.items():
+        out[rank] = out.get(rank, 0.0) + nbytes
     return out

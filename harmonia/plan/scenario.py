@@ -45,6 +45,10 @@ class Scenario:
         sequence_parallel: price TP as Megatron-LM's sequence parallelism does (norms, residual adds
             and their activations split over tokens; `harmonia.workload.cost`); harmonia's runtime runs
             TP without it.
+        fsdp_per_microbatch: price FSDP as ZeRO-3 (weights gathered before every forward and
+            backward, every state sharded: FSDP2's default, as published runs use it); harmonia's
+            runtime gathers once per step and keeps weights and gradients whole until its end
+            (`harmonia.workload.cost`).
     """
 
     name: str
@@ -57,6 +61,7 @@ class Scenario:
     search_batches: int = 2
     seed: int = 0
     sequence_parallel: bool = False
+    fsdp_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
@@ -89,7 +94,8 @@ class ScenarioRun:
         self.scenario = scenario
         self.mllm = resolve_mllm(scenario.model, training=scenario.training)
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
-        self.cost = CostModel(self.mllm, self.cluster.device, sequence_parallel=scenario.sequence_parallel)
+        self.cost = CostModel(self.mllm, self.cluster.device, sequence_parallel=scenario.sequence_parallel,
+                              fsdp_per_microbatch=scenario.fsdp_per_microbatch)
         self.samples = samples if samples is not None else load_trace(
             scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096), seed=scenario.seed)
         tokens, pairs = load_arrays(self.samples, self.mllm)

@@ -38,7 +38,9 @@ Memory is checked twice. Before scoring, every candidate's estimated peak on eve
 of every module, activations of the microbatches its schedule keeps in flight:
 `harmonia.plan.memory`) must fit the device with headroom. While scoring, a candidate whose
 simulated peak on some rank (its stages' states plus its activation peak, on any batch simulated)
-exceeds the device memory is rejected as soon as it does (counted under one reason): for every
+exceeds the device memory is rejected as soon as it does (counted under one reason), and so is one
+whose stage work alone shows it must (`harmonia.plan.memory.work_peak_floor`: states plus one
+unit's activations, known before simulating): for every
 recipe, baselines included. The report gives each ranked plan's simulated peak bytes on one rank.
 """
 
@@ -56,6 +58,7 @@ from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound_busy
 from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
+from harmonia.plan.memory import work_peak_floor
 from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.scenario import Scenario, ScenarioRun
@@ -277,17 +280,20 @@ class _Scorer:
         return iw
 
     def over_memory(self, key: tuple) -> str | None:
-        """Why a simulated candidate cannot run: its peak on some rank exceeds the device (None if it fits)."""
+        """Why a candidate cannot run: its simulated peak on some rank, or before simulating the
+        floor of its stage work's peak (`work_peak_floor`), exceeds the device (None if it fits)."""
         peak, capacity = self.peak_bytes.get(key, 0.0), self.run.cluster.device.mem_bytes
         if peak <= capacity:
             return None
-        return f"memory: simulated peak above the device's {capacity / 2**30:.0f} GiB"
+        return f"memory: peak above the device's {capacity / 2**30:.0f} GiB"
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
         iteration's independent parts are queued for simulation: the busiest alone, then the others
         together (one replay of a few ranks costs little beside building the schedule's lists)."""
         iw = self._iteration(cand, j)
+        floor = max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0)
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)  # over the device: rejected unsimulated
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
         busiest, *rest = independent_parts(cand.plan, iw, busy)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest])

@@ -9,10 +9,13 @@ count a collective differently.
 - TP: two all-reduces of the ``tokens/cp x hidden`` activations per block in a forward pass
   (Megatron-LM's column/row split: one after attention, one after the MLP) and two in the backward;
 - CP: an all-gather of K and V per block, ``(c-1)/c * 2 tokens kv_dim bytes / tp / bw``;
-- FSDP: an all-gather of the chunk's weights over its ``dp`` group before a forward or a backward,
-  ``(dp-1)/dp * weight bytes / tp / bw``;
+- FSDP: an all-gather of the chunk's weights over its ``dp`` group, ``(dp-1)/dp * weight bytes /
+  tp / bw``; harmonia's runtime gathers every FSDP chunk of a rank once, at the start of the step,
+  before its first action (`rank_gathers_s`); priced ``fsdp_per_microbatch`` (ZeRO-3, as published
+  runs gather) before every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
 - DP gradient reduction: a ring all-reduce of the chunk's trainable gradients (its projector's on an
-  encoder's last chunk) over ``dp``;
+  encoder's last chunk) over ``dp``, in bf16; under FSDP a ring reduce-scatter of the fp32
+  accumulated gradients, ``(dp-1)/dp * trainable * 4 / tp / bw + (dp-1) * latency``;
 - P2P: ``latency + bytes / bw`` between two ranks, nothing on the same rank.
 
 Bandwidths come from the cluster model: a group within a node runs at the node's link speed, one
@@ -26,8 +29,16 @@ import functools
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import stage_layer_range
-from harmonia.workload.cost import CostModel, GRAD_BYTES, PARAM_BYTES
+from harmonia.workload.cost import FSDP_GRAD_BYTES, GRAD_BYTES, PARAM_BYTES, CostModel
 from harmonia.workload.devices import ClusterSpec
+
+
+def ring_reduce_scatter_s(nbytes: float, ranks: tuple[int, ...], cluster: ClusterSpec) -> float:
+    """Ring reduce-scatter time: each rank sends and receives ``(n-1)/n`` of the buffer."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / cluster.group_bandwidth(ranks) + (n - 1) * cluster.device.latency_s
 
 
 def ring_allreduce_s(nbytes: float, ranks: tuple[int, ...], cluster: ClusterSpec) -> float:
@@ -113,4 +124,30 @@ def grad_reduce_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str
     if chunk == layout.n_stages - 1 and module != "llm":
         trainable += cost.param_count(f"{module}_proj")[1]
     group = stage_group(layout, chunk, "dp", 0, cp, tp)
+    if layout.fsdp:
+        return ring_reduce_scatter_s(trainable * FSDP_GRAD_BYTES / layout.tp, group, cluster)
     return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
+
+
+def rank_gathers_s(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[int, float]:
+    """Seconds each rank spends gathering its FSDP chunks' weights at the start of the step, before
+    any action (harmonia's runtime: `harmonia.runtime.grads.start_fsdp_backward`); empty when the
+    cost model prices FSDP per microbatch instead."""
+    out: dict[int, float] = {}
+    if cost.fsdp_per_microbatch:
+        return out
+    for module, layout in plan.layouts.items():
+        if not layout.fsdp or layout.dp <= 1:
+            continue
+        per = layout.size // layout.pp
+        ranks = layout.rank_list()
+        for chunk in range(layout.n_stages):
+            pp_rank = chunk % layout.pp
+            priced: dict[tuple[int, int], float] = {}  # one price per DP group: (cp, tp) -> seconds
+            for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
+                me = layout.coords(rank)
+                group = (me["cp"], me["tp"])
+                if group not in priced:
+                    priced[group] = fsdp_gather_s(cost, cluster, plan, module, chunk, 0, *group)
+                out[rank] = out.get(rank, 0.0) + priced[group]
+    return out

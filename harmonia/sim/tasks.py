@@ -7,16 +7,20 @@ rank's tasks are exactly its actions, in its order:
   its unit on that rank's replica (`harmonia.schedule.stagework`; nothing where the replica has no
   data in the unit), plus the collectives inside it: TP adds two all-reduces of the activations per
   block and pass, CP an all-gather of K and V per block; a recomputed module's backward runs its
-  blocks' forward again, collectives included; FSDP gathers a stage's weights before the forward
-  and again before the backward, overlapped with compute (only the part longer than the compute
-  adds time). Every price is one function of `harmonia.sim.collectives`;
+  blocks' forward again, collectives included. Every price is one function of
+  `harmonia.sim.collectives`;
+- FSDP, as harmonia's runtime runs it, gathers every FSDP chunk of a rank once, before the rank's
+  first action: one task at the head of its compute stream (`rank_gathers_s`). A cost model priced
+  ``fsdp_per_microbatch`` (ZeRO-3) gathers a stage's weights before every forward and backward
+  instead, overlapped with compute (only the part longer than the compute adds time);
 - a send takes no time on the stream (sends are asynchronous);
 - a receive holds the stream until its message has arrived: the matching send's end plus the
   transfer (``latency + bytes / bandwidth``), within a module from the peer the action names, at a
   boundary from every replica that has rows for it (the encoder replicas encoding the LLM
   replica's samples forward, the LLM replicas packing the encoder replica's samples backward);
-- a ``REDUCE`` runs the chunk's gradient all-reduce over ``dp x cp`` on the rank's communication
-  stream, after the compute action before it (the chunk's last backward).
+- a ``REDUCE`` runs the chunk's gradient all-reduce (an FSDP chunk's reduce-scatter) over ``dp``
+  on the rank's communication stream, after the compute action before it (the chunk's last
+  backward).
 
 A W on a stage without B (nothing trainable upstream) still backpropagates through its own interior
 for its weight gradients: that work runs inside its W. Activations are kept from F and freed by the
@@ -32,7 +36,8 @@ from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
-from harmonia.sim.collectives import chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s, tp_allreduce_s
+from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s, rank_gathers_s,
+                                      tp_allreduce_s)
 from harmonia.sim.engine import Task, Timeline, replay
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -40,13 +45,13 @@ from harmonia.workload.devices import ClusterSpec
 
 def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: MicrobatchWork, kind: str,
                      cluster: ClusterSpec, cache: dict) -> float:
-    """TP all-reduces, CP K/V all-gathers and exposed FSDP gathers inside a stage for one phase
-    (`harmonia.sim.collectives`); ``cache`` keeps each stage key's blocks and TP and CP groups, and one
-    FSDP gather price per stage chunk."""
+    """TP all-reduces, CP K/V all-gathers and, priced ``fsdp_per_microbatch``, exposed FSDP gathers
+    inside a stage for one phase (`harmonia.sim.collectives`); ``cache`` keeps each stage key's blocks
+    and TP and CP groups, and one FSDP gather price per stage chunk."""
     layout = plan.layouts[key.module]
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
-    fsdp_gather = layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
+    fsdp_gather = cost.fsdp_per_microbatch and layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
     if not (tp_collective or cp_collective or fsdp_gather):
         return 0.0
     if key not in cache:  # the stage's blocks, TP group and CP group
@@ -210,8 +215,12 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[in
     b = _Builder(plan, cost, iw, graph, cluster)
     queue: dict[int, list[int]] = {}
     comm: dict[int, list[int]] = {}
+    gathers = rank_gathers_s(cost, cluster, plan)
     for rank, acts in actions.items():
         queue[rank], comm[rank] = [], []
+        if gathers.get(rank, 0.0) > 0:  # the step's FSDP gathers hold the compute stream first
+            queue[rank].append(len(b.tasks))
+            b.tasks.append(Task("fsdp gather", rank, gathers[rank], [], "", "C"))
         for a in acts:
             (comm if a.kind is Kind.REDUCE else queue)[rank].append(b.add(rank, a))
     b.link_receives()

@@ -38,7 +38,17 @@ recompute; the others keep their activations.
 
 Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam): 2 bytes per bf16 weight,
 plus for each trainable weight 2 bytes of gradient and 12 bytes of fp32 master weight and Adam
-moments (K = 12), the 14 trainable bytes divided by the FSDP shard degree.
+moments (K = 12). FSDP as harmonia's runtime runs it (`harmonia.runtime.grads.start_fsdp_backward`,
+as torch.distributed.pipelining does with FSDP2) gathers a chunk's weights once at the start of the
+step and keeps them, and the gradients it accumulates over the microbatches, unsharded until the
+chunk's last backward reduce-scatters them: for the whole step a rank holds every bf16 weight
+(2 B) and, per trainable one, its fp32 accumulated gradient (4 B, FSDP2's reduce dtype), while the
+fp32 sharded weight (4 B), its fp32 gradient shard (4 B) and the Adam moments (8 B) are divided by
+the shard degree: the memory of a sharded optimizer (ZeRO-1), not ZeRO-3's. With
+``fsdp_per_microbatch`` the cost model prices FSDP as frameworks that gather before every forward
+and backward and reshard after them (FSDP2's default, ZeRO-3): every state byte divided by the shard
+degree (the simulator then prices the gathers per phase: `harmonia.sim.collectives`); that is how
+published runs are simulated, not how harmonia's runtime runs.
 """
 
 from __future__ import annotations
@@ -61,7 +71,11 @@ from harmonia.workload.work import ModuleLoad, load_arrays, sample_loads
 PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
 GRAD_BYTES = 2
-OPTIMIZER_BYTES = 12
+MASTER_BYTES = 4
+ADAM_BYTES = 8
+OPTIMIZER_BYTES = MASTER_BYTES + ADAM_BYTES
+FSDP_GRAD_BYTES = 4
+"""An FSDP chunk's gradients are accumulated and reduce-scattered in fp32 (FSDP2's reduce dtype)."""
 UNIT_CACHE = 1 << 16
 """Most `CostModel.unit_cost` results one cost model keeps (about 25 MB)."""
 
@@ -132,15 +146,20 @@ class CostModel:
         sequence_parallel: TP splits the norms, residual adds and the activations they keep over
             tokens (Megatron-LM's ``--sequence-parallel``); without it they are replicated on every
             TP rank, as harmonia's runtime runs TP.
+        fsdp_per_microbatch: FSDP gathers weights before every forward and backward and shards
+            every state (ZeRO-3, FSDP2's default); without it, as harmonia's runtime runs FSDP,
+            weights are gathered once per step and kept with their gradients until the step's
+            reduce-scatter (module docstring).
     """
 
     def __init__(self, mllm: MLLMSpec, device: DeviceSpec, calibration: Calibration | None = None,
-                 act_bytes: int = 2, sequence_parallel: bool = False) -> None:
+                 act_bytes: int = 2, sequence_parallel: bool = False, fsdp_per_microbatch: bool = False) -> None:
         self.mllm = mllm
         self.device = device
         self.calibration = calibration
         self.act_bytes = act_bytes
         self.sequence_parallel = sequence_parallel
+        self.fsdp_per_microbatch = fsdp_per_microbatch
         self.layers: dict[str, list[LayerCost]] = module_layers(mllm)
         self.modules: list[str] = mllm.module_names
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
@@ -420,14 +439,21 @@ class CostModel:
 
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
                     fsdp_shards: int = 1) -> float:
-        """Weights, gradients and optimizer states of layers [start, stop) on one rank.
+        """Weights, gradients and optimizer states of layers [start, stop) on one rank at the
+        step's peak.
 
         bf16 weights (2 B) for every parameter, plus 2 B gradient + 12 B fp32 master/Adam per
-        trainable one; with FSDP everything is sharded over ``fsdp_shards`` ranks.
+        trainable one. With FSDP over ``fsdp_shards`` ranks (module docstring): the bf16 weights
+        and fp32 accumulated gradients stay whole through the step, the fp32 weights, gradient
+        shards and Adam moments are sharded; with ``fsdp_per_microbatch`` everything is sharded.
         """
         total, trainable = self.param_count(module, start, stop)
-        per_rank = (total * PARAM_BYTES + trainable * (GRAD_BYTES + OPTIMIZER_BYTES)) / tp
-        return per_rank / fsdp_shards
+        if fsdp_shards <= 1 or self.fsdp_per_microbatch:
+            per_rank = (total * PARAM_BYTES + trainable * (GRAD_BYTES + OPTIMIZER_BYTES)) / tp
+            return per_rank / fsdp_shards
+        whole = total * PARAM_BYTES + trainable * FSDP_GRAD_BYTES
+        sharded = total * MASTER_BYTES + trainable * (FSDP_GRAD_BYTES + ADAM_BYTES)
+        return (whole + sharded / fsdp_shards) / tp
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:

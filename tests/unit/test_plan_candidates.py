@@ -26,7 +26,10 @@ def test_memory_filter_rejects_70b_on_one_gpu_and_accepts_it_sharded() -> None:
     cap = device_preset("h100").mem_bytes
     load = ModuleLoad(8192, 8192 * 4096, 1)
     assert not check_memory(cost, "llm", Layout(), load, 8, cap).fits
-    assert check_memory(cost, "llm", Layout(tp=8, pp=4, dp=2, fsdp=True), load, 8, cap).fits
+    assert check_memory(cost, "llm", Layout(tp=8, pp=4, dp=8, fsdp=True), load, 8, cap).fits
+    # FSDP keeps the step's bf16 weights and fp32 gradients whole: over 2 replicas it shards too little
+    assert not check_memory(cost, "llm", Layout(tp=8, pp=4, dp=2, fsdp=True), load, 8, cap).fits
+    assert check_memory(cost, "llm", Layout(tp=8, pp=4, dp=2, fsdp=True), load, 8, cap, recompute=True).fits
 
 
 def test_disjoint_sizes_follow_work_share_and_bound() -> None:

@@ -55,6 +55,26 @@ def test_estimate_bounds_the_simulated_peak_of_every_rank(equal_samples, schedul
     assert estimate[0] - states[0] - acts[0] <= per_mb * (2 if vision.dp == 1 else 1) * 1.5
 
 
+@pytest.mark.parametrize("recompute", [(), ("llm", "vision")])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_the_stage_work_floor_never_exceeds_the_simulated_peak(equal_samples, schedule, recompute) -> None:
+    """The search rejects a plan unsimulated when its stage work's floor is over the device: the
+    floor (states plus one unit's kept and recomputed activations) must be reached on every rank."""
+    from harmonia.plan.memory import work_peak_floor
+
+    cost, samples, _ = equal_samples
+    plan = replace(_plan({"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)}, schedule),
+                   recompute=recompute)
+    per_replica = [[list(range(d * 8 + 2 * i, d * 8 + 2 * i + 2)) for i in range(4)] for d in range(2)]
+    iw = plan_iteration_work(samples, plan, cost, assignment(plan, cost, samples, per_replica))
+    floor = work_peak_floor(cost, plan, iw)
+    simulated, _ = _simulated_peaks(cost, samples, plan)
+    states = state_bytes_per_rank(cost, plan)
+    assert set(floor) == set(simulated)
+    for rank in simulated:
+        assert states[rank] < floor[rank] <= simulated[rank] * (1 + 1e-9), rank
+
+
 def test_an_encoder_replica_serving_more_llm_replicas_holds_more(equal_samples) -> None:
     cost, _, profile = equal_samples
     one = plan_peak_bytes(cost, _plan({"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)}, "1f1b"),
@@ -88,8 +108,8 @@ def test_search_rejects_plans_whose_simulated_peak_exceeds_the_device(shared_tra
     run.cluster = replace(run.cluster, device=replace(run.cluster.device, mem_bytes=cap))
     scorer, rejected = _Scorer(run, [1]), Counter()
     kept, _ = _branch_and_bound(scorer, cands, [1], len(cands), rejected)
-    over = {why: n for why, n in rejected.items() if why.startswith("memory: simulated peak")}
-    assert list(over) == [f"memory: simulated peak above the device's {cap / 2**30:.0f} GiB"]
+    over = {why: n for why, n in rejected.items() if why.startswith("memory: peak")}
+    assert list(over) == [f"memory: peak above the device's {cap / 2**30:.0f} GiB"]
     assert 0 < len(kept) < len(ranked)
     from harmonia.plan.search import simulation_key
     assert all(scorer.peak_bytes[simulation_key(c, run.cost)] <= cap for _, _, c in kept)

@@ -1,0 +1,113 @@
+"""FSDP as harmonia's runtime runs it, in the cost model, simulator and bounds: every FSDP chunk of
+a rank is gathered once before its first action, weights and fp32 gradients stay whole through the
+step, the last backward reduce-scatters; and as ZeRO-3 (``fsdp_per_microbatch``) for published runs."""
+
+from dataclasses import replace
+
+import pytest
+
+from harmonia.plan.bounds import work_bound
+from harmonia.schedule.layout import Layout
+from harmonia.schedule.plan import Plan
+from harmonia.sim.collectives import fsdp_gather_s, grad_reduce_s, rank_gathers_s, ring_reduce_scatter_s, stage_group
+from harmonia.sim.engine import replay
+from harmonia.workload.cost import CostModel
+from harmonia.workload.devices import cluster_from_string
+from tests.unit.test_sim_recompute import _tasks, _work
+
+BATCH = 16
+
+
+@pytest.fixture(scope="module")
+def setup(equal_image_samples):
+    return equal_image_samples
+
+
+def _plan(fsdp: bool) -> Plan:
+    return Plan("internvl-8b", {"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, tp=2, rank_offset=2, fsdp=fsdp)},
+                "disjoint", "1f1b", n_microbatches=4, global_batch=BATCH)
+
+
+def _zero3(cost: CostModel) -> CostModel:
+    return CostModel(cost.mllm, cost.device, fsdp_per_microbatch=True)
+
+
+def test_fsdp_states_keep_weights_and_fp32_gradients_whole_and_shard_the_optimizer(setup) -> None:
+    cost, _, _ = setup
+    total, trainable = cost.param_count("llm", 0, 10)
+    for tp, shards in ((1, 8), (2, 4), (4, 64)):
+        runtime = cost.state_bytes("llm", 0, 10, tp, shards)
+        assert runtime == pytest.approx((2 * total + 4 * trainable + (4 * total + 12 * trainable) / shards) / tp)
+        zero3 = _zero3(cost).state_bytes("llm", 0, 10, tp, shards)
+        assert zero3 == pytest.approx(cost.state_bytes("llm", 0, 10, tp) / shards)
+        assert zero3 < runtime < cost.state_bytes("llm", 0, 10, tp)
+
+
+def test_each_rank_gathers_its_fsdp_chunks_once_before_its_first_action(setup) -> None:
+    cost, samples, _ = setup
+    cluster = cluster_from_string("h100:2x8")
+    plain, fsdp = _plan(False), _plan(True)
+    timelines = {}
+    for plan in (plain, fsdp):
+        tasks, queue, comm = _tasks(cost, plan, _work(cost, samples, plan), cluster)
+        timelines[plan.layouts["llm"].fsdp] = (tasks, queue, replay(tasks, queue, comm))
+    tasks, queue, timeline = timelines[True]
+    gathers = rank_gathers_s(cost, cluster, fsdp)
+    llm = fsdp.layouts["llm"]
+    assert sorted(gathers) == list(llm.rank_list())
+    for rank in llm.rank_list():
+        me = llm.coords(rank)
+        chunk = me["pp"]
+        assert gathers[rank] == pytest.approx(fsdp_gather_s(cost, cluster, fsdp, "llm", chunk, 0, me["cp"], me["tp"]))
+        head = tasks[queue[rank][0]]
+        assert (head.name, head.kind, head.duration) == ("fsdp gather", "C", gathers[rank])
+        assert all(timeline.start[i] >= timeline.end[queue[rank][0]] for i in queue[rank][1:])
+        assert not any(tasks[i].name == "fsdp gather" for i in queue[rank][1:])
+    # the compute tasks themselves cost what they cost without FSDP: the gather is not repeated
+    plain_tasks = {t.name: t.duration for t in timelines[False][0] if t.kind in ("F", "B", "W", "BW")}
+    assert all(t.duration == pytest.approx(plain_tasks[t.name]) for t in tasks if t.kind in ("F", "B", "W", "BW"))
+    assert not any(t.name == "fsdp gather" for t in tasks if t.rank in fsdp.layouts["vision"].rank_list())
+    # the reduction is a reduce-scatter of fp32 gradients
+    for chunk in range(llm.pp):
+        trainable = cost.param_count("llm", *_range(cost, fsdp, chunk))[1]
+        group = stage_group(llm, chunk, "dp")
+        assert grad_reduce_s(cost, cluster, fsdp, "llm", chunk) == pytest.approx(
+            ring_reduce_scatter_s(trainable * 4 / llm.tp, group, cluster))
+
+
+def _range(cost, plan, chunk):
+    from harmonia.schedule.stagework import stage_layer_range
+
+    return stage_layer_range(cost, plan, "llm", chunk)
+
+
+def test_zero3_pricing_gathers_before_every_forward_and_backward(setup) -> None:
+    cost, samples, _ = setup
+    cost3 = _zero3(cost)
+    cluster = cluster_from_string("h100:2x8")
+    fsdp = _plan(True)
+    assert rank_gathers_s(cost3, cluster, fsdp) == {}
+    plain = {t.name: t.duration for t in _tasks(cost3, _plan(False), _work(cost3, samples, _plan(False)), cluster)[0]}
+    tasks = _tasks(cost3, fsdp, _work(cost3, samples, fsdp), cluster)[0]
+    assert not any(t.name == "fsdp gather" for t in tasks)
+    gather = fsdp_gather_s(cost3, cluster, fsdp, "llm", 0)
+    phases = [t for t in tasks if t.module == "llm" and t.kind in ("F", "B", "BW") and ".s0." in t.name]
+    assert len(phases) == 2 * fsdp.n_microbatches * fsdp.layouts["llm"].dp * fsdp.layouts["llm"].tp
+    # each phase lasts at least its gather, which hides behind its compute only as far as it is shorter
+    assert all(t.duration >= max(gather, plain[t.name]) * (1 - 1e-12) for t in phases)
+    assert sum(t.duration for t in phases) > sum(plain[t.name] for t in phases)
+
+
+def test_the_work_bound_counts_the_gathers_and_stays_below_the_simulation(setup) -> None:
+    cost, samples, _ = setup
+    cluster = cluster_from_string("h100:2x8")
+    for c in (cost, _zero3(cost)):
+        for plan in (_plan(True), replace(_plan(True), n_microbatches=2)):
+            iw = _work(c, samples, plan)
+            tasks, queue, comm = _tasks(c, plan, iw, cluster)
+            simulated = replay(tasks, queue, comm).iteration_s
+            bound = work_bound(plan, c, cluster, iw)
+            assert bound <= simulated * (1 + 1e-9)
+            if not c.fsdp_per_microbatch:  # the gathers are on every LLM rank's critical path
+                unfsdp = replace(plan, layouts={**plan.layouts, "llm": replace(plan.layouts["llm"], fsdp=False)})
+                assert bound > work_bound(unfsdp, c, cluster, _work(c, samples, unfsdp))
