@@ -1,0 +1,65 @@
+"""What the runtime's FSDP holds through a step is what the cost model charges (`harmonia.workload.cost`):
+bf16 weights gathered whole once, before the first microbatch, fp32 gradients accumulated whole,
+the fp32 weights sharded over ``dp``. One process, torch's fake process group of 4 ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harmonia.runtime.grads import start_fsdp_backward
+from harmonia.runtime.parallelize import apply_fsdp
+from harmonia.workload.cost import FSDP_GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
+
+DP = 4
+
+
+class _Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Linear(32, 32) for i in range(3)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+@pytest.fixture
+def fake_dp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=DP, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (DP,), mesh_dim_names=("dp",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _held(module: nn.Module) -> dict[str, int]:
+    """Bytes of every FSDP parameter's whole bf16 copy, fp32 shard and accumulated gradient."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    out = {"whole": 0, "shard": 0, "grads": 0}
+    for sub in module.modules():
+        group = fully_shard.state(sub)._fsdp_param_group if isinstance(sub, FSDPModule) else None
+        for p in group.fsdp_params if group else ():
+            out["whole"] += p._unsharded_param.untyped_storage().nbytes()
+            out["shard"] += p.sharded_param._local_tensor.untyped_storage().nbytes()
+            if p.unsharded_accumulated_grad is not None:
+                out["grads"] += p.unsharded_accumulated_grad.untyped_storage().nbytes()
+    return out
+
+
+def test_fsdp_step_holds_whole_bf16_weights_and_fp32_gradients(fake_dp_mesh) -> None:
+    torch.manual_seed(0)
+    model = _Blocks()
+    n = sum(p.numel() for p in model.parameters())
+    apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
+    start_fsdp_backward(model)  # the step's one gather, before any microbatch
+    assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP, "grads": 0}
+    for _ in range(3):  # microbatches gather nothing more and accumulate whole fp32 gradients
+        model(torch.randn(4, 32)).float().sum().backward()
+        assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP,
+                                "grads": FSDP_GRAD_BYTES * n}
