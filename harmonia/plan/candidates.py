@@ -19,7 +19,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from harmonia.model.spec import MLLMSpec, TransformerSpec
+from harmonia.model.spec import MLLMSpec, Trainability, TransformerSpec
 from harmonia.plan.partition import plan_module_stages
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.layout import Layout
@@ -38,6 +38,13 @@ def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[
     """TP degrees that divide the query and KV heads and fit in a node."""
     return [t for t in _divisors(min(limit, cluster.gpus_per_node))
             if body.n_heads % t == 0 and body.kv_heads % t == 0 and t <= limit]
+
+
+def fsdp_pays(mllm: MLLMSpec, module: str, dp: int) -> bool:
+    """Whether FSDP can save a module memory: it shards optimizer states (`harmonia.workload.cost`),
+    which only a fully trained module has (a frozen or adapter-trained one would only pay the
+    gather), over ``dp > 1`` replicas."""
+    return dp > 1 and mllm.training_of(module).mode is Trainability.FULL
 
 
 def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
@@ -60,7 +67,7 @@ def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset:
                     continue
                 if n_microbatches is not None and n_microbatches < pp:
                     continue
-                yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=dp > 1)
+                yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=fsdp_pays(mllm, "llm", dp))
 
 
 def encoder_layouts(mllm: MLLMSpec, encoder: str, cluster: ClusterSpec, n_ranks: int,

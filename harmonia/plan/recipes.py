@@ -14,17 +14,19 @@ recipe          layout rules                                                    
                 stages each), frozen-aware layer split; fixed-size microbatches; 1F1B
 ``disttrain``   disjoint encoder and LLM rank sets sized to their work share, any           DistTrain
                 factorisation; samples reordered across microbatches on total work; 1F1B
-``harmonia``    disjoint (rank sets by work share) or colocated (encoders on every rank),   harmonia
-                and every placement above (encoders on the LLM's first stage, or on
-                stages of their own); frozen-aware split; every module balanced per
-                iteration; 1F1B, interleaved 1F1B or zero-bubble, whichever wins
+``harmonia``    disjoint (rank sets by work share) or colocated (encoders on every rank,    harmonia
+                data parallel or with the LLM's tp), and every placement above
+                (encoders on the LLM's first stage, or on stages of their own);
+                frozen-aware split; every module balanced per iteration; 1F1B,
+                interleaved 1F1B or zero-bubble, whichever wins
 ==============  ==========================================================================  =========
 
 A plan that does not fit device memory is retried, under every recipe alike, recomputing the
 activations of a quarter, half, three quarters or all of each stage's blocks of each module with a
 backward, the LLM and each encoder on its own, least extra work first (`recompute_options`), as
 Megatron-LM's full and block recompute do; only what fits in none of these counts as a memory
-misfit.
+misfit. So is, where it needs less recompute, the same plan with FSDP on every fully trained module
+(`sharded_everywhere`): FSDP as harmonia's runtime runs it shards optimizer states only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from itertools import product
 import numpy as np
 
 from harmonia.errors import ConfigError
-from harmonia.plan.candidates import balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts
+from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, fsdp_pays,
+                                      llm_layouts, tp_options)
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
@@ -196,12 +199,28 @@ def recompute_options(cost: CostModel, plan: Plan, weights: dict[str, float] | N
     return options
 
 
+def _share(option: Recompute, module: str) -> float:
+    return option[1].get(module, 1.0) if module in option[0] else 0.0
+
+
 def _covers(more: Recompute, less: Recompute) -> bool:
     """Whether ``more`` recomputes every module whole or not at all, and at least what ``less`` does."""
-    def share(option: Recompute, module: str) -> float:
-        return option[1].get(module, 1.0) if module in option[0] else 0.0
     whole = not more[1]
-    return whole and more != less and all(share(more, m) >= share(less, m) for m in less[0])
+    return whole and more != less and all(_share(more, m) >= _share(less, m) for m in less[0])
+
+
+def _extra(option: Recompute, weights: dict[str, float]) -> float:
+    """The work an option runs again, in the units of ``weights`` (`recompute_options`)."""
+    return sum(_share(option, m) * weights.get(m, 1.0) for m in option[0])
+
+
+def sharded_everywhere(cost: CostModel, plan: Plan) -> Plan | None:
+    """The plan with FSDP on every fully trained module replicated over ``dp > 1`` (None if it
+    has that already): as harmonia's runtime runs FSDP (`harmonia.workload.cost`), sharding the
+    optimizer's 16 bytes per parameter costs one weight gather per step and keeps 6 whole."""
+    layouts = {m: replace(lay, fsdp=True) if fsdp_pays(cost.mllm, m, lay.dp) else lay
+               for m, lay in plan.layouts.items()}
+    return replace(plan, layouts=layouts) if layouts != plan.layouts else None
 
 
 def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
@@ -211,24 +230,41 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     (`recompute_options`, weighted by the profile's work per module) it needs and with every
     whole-module recompute option that recomputes at least as much: the estimate is for the
     profile's mean microbatch, and a batch with heavier microbatches than the mean may fit only with
-    more recompute when simulated. Those that do not fit even recomputing every module are counted
-    in ``rejected``."""
+    more recompute when simulated. The candidate with FSDP on every fully trained module
+    (`sharded_everywhere`) comes too where it needs less recompute than the candidate as found (or
+    that one fits in no way). Those that fit in none of these are counted in ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     weights = profile.mean_costs()
-    for cand in found:
+
+    def least(cand: Candidate) -> tuple[list[Recompute], Recompute | None]:
         options = recompute_options(cost, cand.plan, weights)
 
         def fits(option: Recompute) -> bool:
             plan = replace(cand.plan, recompute=option[0], recompute_fraction=option[1])
             return max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap
 
-        least = next((o for o in options if fits(o)), None) if fits(options[-1]) else None
-        if least is None:
+        return options, (next((o for o in options if fits(o)), None) if fits(options[-1]) else None)
+
+    def with_recompute(cand: Candidate, option: Recompute) -> Candidate:
+        return replace(cand, plan=replace(cand.plan, recompute=option[0], recompute_fraction=option[1]))
+
+    for cand in found:
+        options, found_least = least(cand)
+        sharded = sharded_everywhere(cost, cand.plan)
+        alt = replace(cand, plan=sharded) if sharded is not None else None
+        alt_least = least(alt)[1] if alt is not None else None
+        if found_least is None and alt_least is None:
             if rejected is not None:
                 rejected["plan exceeds device memory (estimate)"] += 1
             continue
-        for modules, shares in [least, *(o for o in options if _covers(o, least))]:
-            yield replace(cand, plan=replace(cand.plan, recompute=modules, recompute_fraction=shares))
+        if found_least is not None:
+            yield with_recompute(cand, found_least)
+            yield from (with_recompute(cand, o) for o in options if _covers(o, found_least))
+        if alt_least is not None and (found_least is None or _extra(alt_least, weights) < _extra(found_least, weights)):
+            yield with_recompute(alt, alt_least)
+            if found_least is None:
+                yield from (with_recompute(alt, o) for o in recompute_options(cost, alt.plan, weights)
+                            if _covers(o, alt_least))
 
 
 def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
@@ -266,10 +302,10 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
                         yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.DISJOINT, schedule, n_mb))
         if recipe == "harmonia":
             for base, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, True, rejected):
-                layouts = {e: Layout(dp=world) for e in encoders}
                 load = _microbatch_load(profile, global_batch, base.dp, n_mb)
-                for llm, schedule in _schedules(cost, base, n_mb, schedules, load):
-                    yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
+                for layouts in _colocated_encoders(cost, cluster, encoders, base.tp):
+                    for llm, schedule in _schedules(cost, base, n_mb, schedules, load):
+                        yield Candidate(recipe, plan({**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb))
             # the other recipes' placements, so harmonia's rules contain theirs
             for layouts, n_mb in _encoder_stage_layouts(cost, cluster, profile, global_batch, rejected):
                 load = _microbatch_load(profile, global_batch, layouts["llm"].dp, n_mb)
@@ -278,6 +314,18 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
             yield from _homogeneous(cost, cluster, profile, global_batch, model, rejected)
     else:
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
+
+
+def _colocated_encoders(cost: CostModel, cluster: ClusterSpec, encoders: list[str], llm_tp: int) -> Iterator[dict[str, Layout]]:
+    """Encoders spread over every rank: data parallel, and also each with the LLM's TP degree where
+    its heads allow it (a large encoder's states and activations split over its TP group)."""
+    world = cluster.world_size
+    plain = {e: Layout(dp=world) for e in encoders}
+    yield plain
+    split = {e: Layout(tp=llm_tp, dp=world // llm_tp) if llm_tp in tp_options(cost.mllm.encoders[e].body, cluster, world)
+             else plain[e] for e in encoders}
+    if split != plain:
+        yield split
 
 
 def _encoder_stage_layouts(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, global_batch: int,

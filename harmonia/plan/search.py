@@ -159,6 +159,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
     scorer = _Scorer(run, batches)
     ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
+    twins = 0  # even-split twins of the ranked plans, each simulated: candidates of their own
     if recipe == "harmonia" and ranked:
         ranked, twins = _even_split_first(scorer, ranked, top)
         simulated += twins
@@ -168,7 +169,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
                           f"{scenario.cluster} could be scheduled within device memory ({memory} over memory "
                           f"when simulated; {dict(rejected)}); use more devices or a smaller global batch")
     peaks = [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked]
-    return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) - simulated,
+    return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) + twins - simulated,
                       scorer.timelines, time.perf_counter() - t0)
 
 

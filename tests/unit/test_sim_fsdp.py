@@ -111,3 +111,43 @@ def test_the_work_bound_counts_the_gathers_and_stays_below_the_simulation(setup)
             if not c.fsdp_per_microbatch:  # the gathers are on every LLM rank's critical path
                 unfsdp = replace(plan, layouts={**plan.layouts, "llm": replace(plan.layouts["llm"], fsdp=False)})
                 assert bound > work_bound(unfsdp, c, cluster, _work(c, samples, unfsdp))
+
+
+def test_fitting_adds_fsdp_everywhere_where_it_needs_less_recompute() -> None:
+    """A 6B trainable encoder replicated over 4 ranks: on a device where its unsharded optimizer states
+    leave no room, FSDP on it fits without recompute, and comes beside the recomputing plan; on a
+    device with room, only the plan as found comes."""
+    from harmonia.plan.memory import plan_peak_bytes
+    from harmonia.plan.recipes import MEMORY_HEADROOM, Candidate, fitting, sharded_everywhere
+    from harmonia.plan.scenario import Scenario, ScenarioRun
+
+    run = ScenarioRun(Scenario("s", "omni-38b", "h100:3x8", "synthetic:image=0.5,audio=0.5", 32, iterations=1,
+                               search_batches=1))
+    plan = Plan("omni-38b", {"vision": Layout(dp=4), "audio": Layout(dp=4, rank_offset=4),
+                             "llm": Layout(tp=8, pp=2, rank_offset=8)}, "disjoint", "1f1b", 4, 32)
+    sharded = sharded_everywhere(run.cost, plan)
+    assert sharded.layouts["vision"].fsdp and not sharded.layouts["llm"].fsdp  # llm dp1: nothing to shard
+    peak = {p.layouts["vision"].fsdp: max(plan_peak_bytes(run.cost, p, run.profile).values()) for p in (plan, sharded)}
+    assert peak[True] < peak[False]
+
+    def fitted(capacity: float) -> list[tuple[bool, list[str]]]:
+        device = replace(run.cluster.device, mem_bytes=capacity / MEMORY_HEADROOM)
+        cands = fitting(iter([Candidate("harmonia", plan)]), run.cost, replace(run.cluster, device=device), run.profile)
+        return [(c.plan.layouts["vision"].fsdp, c.plan.recompute_text()) for c in cands]
+
+    tight = fitted((peak[True] + peak[False]) / 2)
+    assert (True, []) in tight and all(recompute for fsdp, recompute in tight if not fsdp)
+    roomy = fitted(peak[False] * 1.01)  # with the whole-module recompute options after the least
+    assert roomy[0] == (False, []) and not any(fsdp for fsdp, _ in roomy)
+
+
+def test_a_frozen_llm_is_not_sharded() -> None:
+    from harmonia.model.presets import mllm_preset
+    from harmonia.model.spec import ModuleTraining
+    from harmonia.plan.candidates import llm_layouts
+
+    cluster = cluster_from_string("h100:2x8")
+    mllm = mllm_preset("internvl-8b")
+    assert any(lay.fsdp for lay in llm_layouts(mllm, cluster, 16, 0, 64))
+    frozen = replace(mllm, training={"llm": ModuleTraining("frozen")})
+    assert not any(lay.fsdp for lay in llm_layouts(frozen, cluster, 16, 0, 64))
