@@ -41,10 +41,10 @@ def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[
 
 
 def fsdp_pays(mllm: MLLMSpec, module: str, dp: int) -> bool:
-    """Whether FSDP can save a module memory: it shards optimizer states (`harmonia.workload.cost`),
-    which only a fully trained module has (a frozen or adapter-trained one would only pay the
-    gather), over ``dp > 1`` replicas."""
-    return dp > 1 and mllm.training_of(module).mode is Trainability.FULL
+    """Whether FSDP saves a module memory (`harmonia.workload.cost`): over ``dp > 1`` replicas of a
+    fully trained module (6 + 16/dp bytes per weight instead of 16), over ``dp > 2`` of a frozen or
+    adapter-trained one (2 + 4/dp instead of 4)."""
+    return dp > (1 if mllm.training_of(module).mode is Trainability.FULL else 2)
 
 
 def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,

@@ -13,9 +13,10 @@ count a collective differently.
   tp / bw``; harmonia's runtime gathers every FSDP chunk of a rank once, at the start of the step,
   before its first action (`rank_gathers_s`); priced ``fsdp_per_microbatch`` (ZeRO-3, as published
   runs gather) before every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
-- DP gradient reduction: a ring all-reduce of the chunk's trainable gradients (its projector's on an
-  encoder's last chunk) over ``dp``, in bf16; under FSDP a ring reduce-scatter of the fp32
-  accumulated gradients, ``(dp-1)/dp * trainable * 4 / tp / bw + (dp-1) * latency``;
+- DP gradient reduction: a ring all-reduce of the chunk's fp32 trainable gradients (its projector's
+  on an encoder's last chunk) over ``dp``, as the runtime reduces them; under FSDP a ring
+  reduce-scatter of the fp32 accumulated gradients, ``(dp-1)/dp * trainable * 4 / tp / bw + (dp-1) *
+  latency``;
 - P2P: ``latency + bytes / bw`` between two ranks, nothing on the same rank.
 
 Bandwidths come from the cluster model: a group within a node runs at the node's link speed, one
@@ -29,7 +30,7 @@ import functools
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import stage_layer_range
-from harmonia.workload.cost import FSDP_GRAD_BYTES, GRAD_BYTES, PARAM_BYTES, CostModel
+from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel
 from harmonia.workload.devices import ClusterSpec
 
 
@@ -125,7 +126,7 @@ def grad_reduce_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str
         trainable += cost.param_count(f"{module}_proj")[1]
     group = stage_group(layout, chunk, "dp", 0, cp, tp)
     if layout.fsdp:
-        return ring_reduce_scatter_s(trainable * FSDP_GRAD_BYTES / layout.tp, group, cluster)
+        return ring_reduce_scatter_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
     return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
 
 

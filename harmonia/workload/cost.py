@@ -36,19 +36,22 @@ backward its full activations exist again: `recompute_transient_bytes`. Partial 
 --recompute-num-layers``): only the first ``ceil(f x n)`` of a stage's ``n`` blocks with a backward
 recompute; the others keep their activations.
 
-Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam): 2 bytes per bf16 weight,
-plus for each trainable weight 2 bytes of gradient and 12 bytes of fp32 master weight and Adam
-moments (K = 12). FSDP as harmonia's runtime runs it (`harmonia.runtime.grads.start_fsdp_backward`,
-as torch.distributed.pipelining does with FSDP2) gathers a chunk's weights once at the start of the
-step and keeps them, and the gradients it accumulates over the microbatches, unsharded until the
-chunk's last backward reduce-scatters them: for the whole step a rank holds every bf16 weight
-(2 B) and, per trainable one, its fp32 accumulated gradient (4 B, FSDP2's reduce dtype), while the
-fp32 sharded weight (4 B), its fp32 gradient shard (4 B) and the Adam moments (8 B) are divided by
-the shard degree: the memory of a sharded optimizer (ZeRO-1), not ZeRO-3's. With
-``fsdp_per_microbatch`` the cost model prices FSDP as frameworks that gather before every forward
-and backward and reshard after them (FSDP2's default, ZeRO-3): every state byte divided by the shard
-degree (the simulator then prices the gathers per phase: `harmonia.sim.collectives`); that is how
-published runs are simulated, not how harmonia's runtime runs.
+Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam), as harmonia's runtime holds
+it (`harmonia.train.rank`). A module without FSDP keeps fp32 weights (4 B; autocast computes in
+bf16) and, per trainable weight, an fp32 gradient (4 B, all-reduced over ``dp``) and Adam's two
+moments (8 B): 16 B per trainable weight, 4 B per frozen one. FSDP as the runtime runs it
+(`harmonia.runtime.grads.start_fsdp_backward`, as torch.distributed.pipelining does with FSDP2)
+gathers a chunk's weights once at the start of the step and keeps them, and the gradients it
+accumulates over the microbatches, whole until the chunk's last backward reduce-scatters them: for
+the whole step a rank holds every bf16 weight (2 B) and, per trainable one, its fp32 accumulated
+gradient (4 B, FSDP2's reduce dtype), while the fp32 weight shards (4 B), gradient shards (4 B) and
+Adam moments (8 B) are divided by the shard degree: a sharded optimizer's memory (ZeRO-1), not
+ZeRO-3's. It saves memory over ``dp > 1`` replicas of a trained module (6 + 16/dp < 16) and over
+``dp > 2`` of a frozen one (2 + 4/dp < 4). With ``fsdp_per_microbatch`` the cost model prices FSDP as
+frameworks that gather before every forward and backward and reshard after them (FSDP2's default,
+ZeRO-3): every state divided by the shard degree (the simulator then prices the gathers per phase:
+`harmonia.sim.collectives`); that is how published runs are simulated, not how harmonia's runtime
+runs.
 """
 
 from __future__ import annotations
@@ -70,12 +73,14 @@ from harmonia.workload.work import ModuleLoad, load_arrays, sample_loads
 
 PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
-GRAD_BYTES = 2
+"""A bf16 weight: what a matmul reads, what FSDP gathers and keeps whole through the step."""
 MASTER_BYTES = 4
+"""An fp32 weight: a module without FSDP keeps its weights in fp32 (autocast computes in bf16), FSDP
+its shards."""
+GRAD_BYTES = 4
+"""An fp32 gradient: all-reduced without FSDP, accumulated whole and reduce-scattered with it
+(FSDP2's reduce dtype)."""
 ADAM_BYTES = 8
-OPTIMIZER_BYTES = MASTER_BYTES + ADAM_BYTES
-FSDP_GRAD_BYTES = 4
-"""An FSDP chunk's gradients are accumulated and reduce-scattered in fp32 (FSDP2's reduce dtype)."""
 UNIT_CACHE = 1 << 16
 """Most `CostModel.unit_cost` results one cost model keeps (about 25 MB)."""
 
@@ -440,19 +445,16 @@ class CostModel:
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
                     fsdp_shards: int = 1) -> float:
         """Weights, gradients and optimizer states of layers [start, stop) on one rank at the
-        step's peak.
-
-        bf16 weights (2 B) for every parameter, plus 2 B gradient + 12 B fp32 master/Adam per
-        trainable one. With FSDP over ``fsdp_shards`` ranks (module docstring): the bf16 weights
-        and fp32 accumulated gradients stay whole through the step, the fp32 weights, gradient
-        shards and Adam moments are sharded; with ``fsdp_per_microbatch`` everything is sharded.
+        step's peak (module docstring): fp32 weights for every parameter, fp32 gradient and Adam
+        moments per trainable one. With FSDP over ``fsdp_shards`` ranks the bf16 weights and fp32
+        accumulated gradients stay whole through the step and the rest is sharded; with
+        ``fsdp_per_microbatch`` everything is sharded.
         """
         total, trainable = self.param_count(module, start, stop)
+        sharded = total * MASTER_BYTES + trainable * (GRAD_BYTES + ADAM_BYTES)
         if fsdp_shards <= 1 or self.fsdp_per_microbatch:
-            per_rank = (total * PARAM_BYTES + trainable * (GRAD_BYTES + OPTIMIZER_BYTES)) / tp
-            return per_rank / fsdp_shards
-        whole = total * PARAM_BYTES + trainable * FSDP_GRAD_BYTES
-        sharded = total * MASTER_BYTES + trainable * (FSDP_GRAD_BYTES + ADAM_BYTES)
+            return sharded / tp / fsdp_shards
+        whole = total * PARAM_BYTES + trainable * GRAD_BYTES
         return (whole + sharded / fsdp_shards) / tp
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,

@@ -9,7 +9,7 @@ from torch import nn
 
 from harmonia.runtime.grads import start_fsdp_backward
 from harmonia.runtime.parallelize import apply_fsdp
-from harmonia.workload.cost import FSDP_GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
+from harmonia.workload.cost import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
 
 DP = 4
 
@@ -62,4 +62,4 @@ def test_fsdp_step_holds_whole_bf16_weights_and_fp32_gradients(fake_dp_mesh) -> 
     for _ in range(3):  # microbatches gather nothing more and accumulate whole fp32 gradients
         model(torch.randn(4, 32)).float().sum().backward()
         assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP,
-                                "grads": FSDP_GRAD_BYTES * n}
+                                "grads": GRAD_BYTES * n}

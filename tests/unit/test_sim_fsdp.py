@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from harmonia.plan.bounds import work_bound
+from harmonia.plan.bounds import work_bound, work_bound_busy
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.sim.collectives import fsdp_gather_s, grad_reduce_s, rank_gathers_s, ring_reduce_scatter_s, stage_group
@@ -108,9 +108,12 @@ def test_the_work_bound_counts_the_gathers_and_stays_below_the_simulation(setup)
             simulated = replay(tasks, queue, comm).iteration_s
             bound = work_bound(plan, c, cluster, iw)
             assert bound <= simulated * (1 + 1e-9)
-            if not c.fsdp_per_microbatch:  # the gathers are on every LLM rank's critical path
+            if not c.fsdp_per_microbatch:  # every LLM rank's busy time counts its gathers once
                 unfsdp = replace(plan, layouts={**plan.layouts, "llm": replace(plan.layouts["llm"], fsdp=False)})
-                assert bound > work_bound(unfsdp, c, cluster, _work(c, samples, unfsdp))
+                busy = work_bound_busy(plan, c, cluster, iw)[1]
+                plain = work_bound_busy(unfsdp, c, cluster, _work(c, samples, unfsdp))[1]
+                gathers = rank_gathers_s(c, cluster, plan)
+                assert gathers and all(busy[r] == pytest.approx(plain[r] + gathers.get(r, 0.0)) for r in busy)
 
 
 def test_fitting_adds_fsdp_everywhere_where_it_needs_less_recompute() -> None:
@@ -141,13 +144,22 @@ def test_fitting_adds_fsdp_everywhere_where_it_needs_less_recompute() -> None:
     assert roomy[0] == (False, []) and not any(fsdp for fsdp, _ in roomy)
 
 
-def test_a_frozen_llm_is_not_sharded() -> None:
+def test_fsdp_where_it_saves_memory() -> None:
+    """A trained LLM is sharded over any dp > 1 (6 + 16/dp bytes per weight instead of 16), a frozen
+    one only over dp > 2 (2 + 4/dp instead of 4): over 2 replicas it would only pay the gather."""
     from harmonia.model.presets import mllm_preset
     from harmonia.model.spec import ModuleTraining
     from harmonia.plan.candidates import llm_layouts
 
     cluster = cluster_from_string("h100:2x8")
     mllm = mllm_preset("internvl-8b")
-    assert any(lay.fsdp for lay in llm_layouts(mllm, cluster, 16, 0, 64))
     frozen = replace(mllm, training={"llm": ModuleTraining("frozen")})
-    assert not any(lay.fsdp for lay in llm_layouts(frozen, cluster, 16, 0, 64))
+    for spec, least in ((mllm, 2), (frozen, 3)):
+        layouts = list(llm_layouts(spec, cluster, 16, 0, 64))
+        assert {lay.dp for lay in layouts} >= {1, 2, 4}
+        assert all(lay.fsdp == (lay.dp >= least) for lay in layouts)
+    cost = CostModel(mllm, cluster.device)
+    cold = CostModel(frozen, cluster.device)
+    for dp in (2, 3, 4):
+        assert (cost.state_bytes("llm", 0, 10, 1, dp) < cost.state_bytes("llm", 0, 10)) == (dp >= 2)
+        assert (cold.state_bytes("llm", 0, 10, 1, dp) < cold.state_bytes("llm", 0, 10)) == (dp >= 3)
