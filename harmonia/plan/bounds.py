@@ -27,8 +27,9 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
   lasts ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
   (for a fused backward ``max(n g, B + W)``, which a split one never beats);
 - DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
-  group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F, B and W of the chunk precedes
-  its last W on the rank's one compute stream, so the reduction ends after ``busy_c + R_c``; the
+  group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F,
+  B and W of the chunk precedes its last W on the rank's one compute stream, so the reduction ends
+  after ``busy_c + R_c``; the
   reductions of one rank share its communication stream, so they end after
   ``min_c busy_c + sum_c R_c``.
 
@@ -41,14 +42,14 @@ time can be skipped.
 balancer's assignment and the stage work of `harmonia.schedule.stagework`, both cheap next to a
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
 lasting its compute plus its in-stage collectives, after the rank's FSDP gathers, so the iteration
-lasts at least the largest sum of those durations on one rank. This sees what averages hide: an encoder replica fed more items
-than its peers, LLM replicas the balancer could not even out. It also counts every LLM pipeline
-rank's fill and drain (`_pipeline_bound`), interleaved chunks included: the rank's first LLM task is
-a forward of its lowest chunk that waits for some microbatch's chain of forwards through the
-encoders and the earlier chunks, and, unless that chunk's backward is split into B and W, its last
-is that chunk's backward, whose gradient still runs down the earlier chunks and the encoders; its
-own tasks run one after another in between. Each link of a chain lasts its whole task, exposed
-FSDP gathers and TP/CP collectives included.
+lasts at least the largest sum of those durations on one rank. This sees what averages hide: an
+encoder replica fed more items than its peers, LLM replicas the balancer could not even out. It also
+counts every LLM pipeline rank's fill and drain (`_pipeline_bound`), interleaved chunks included:
+the rank's first LLM task is a forward of its lowest chunk that waits for some microbatch's chain of
+forwards through the encoders and the earlier chunks, and, unless that chunk's backward is split
+into B and W, its last is that chunk's backward, whose gradient still runs down the earlier chunks
+and the encoders; its own tasks run one after another in between. Each link of a chain lasts its
+whole task, exposed FSDP gathers and TP/CP collectives included.
 
 ``estimate_s`` adds what a schedule cannot avoid but the bound cannot prove without the batch's
 microbatches: the pipeline fill and drain, about ``(pp - 1) / n`` of a stage's forward and

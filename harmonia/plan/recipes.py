@@ -25,8 +25,9 @@ A plan that does not fit device memory is retried, under every recipe alike, rec
 activations of a quarter, half, three quarters or all of each stage's blocks of each module with a
 backward, the LLM and each encoder on its own, least extra work first (`recompute_options`), as
 Megatron-LM's full and block recompute do; only what fits in none of these counts as a memory
-misfit. So is, where it needs less recompute, the same plan with FSDP on every fully trained module
-(`sharded_everywhere`): FSDP as harmonia's runtime runs it shards optimizer states only.
+misfit. So is, where it needs less recompute, the same plan with FSDP on every module where FSDP
+saves memory (`sharded_everywhere`): as harmonia's runtime runs it, FSDP shards the fp32 weights and
+optimizer states only.
 """
 
 from __future__ import annotations
@@ -215,9 +216,9 @@ def _extra(option: Recompute, weights: dict[str, float]) -> float:
 
 
 def sharded_everywhere(cost: CostModel, plan: Plan) -> Plan | None:
-    """The plan with FSDP on every fully trained module replicated over ``dp > 1`` (None if it
-    has that already): as harmonia's runtime runs FSDP (`harmonia.workload.cost`), sharding the
-    optimizer's 16 bytes per parameter costs one weight gather per step and keeps 6 whole."""
+    """The plan with FSDP on every module where it saves memory (`fsdp_pays`; None if it has that
+    already): as harmonia's runtime runs FSDP (`harmonia.workload.cost`), sharding a trained
+    weight's 16 bytes costs one weight gather per step and keeps 6 whole."""
     layouts = {m: replace(lay, fsdp=True) if fsdp_pays(cost.mllm, m, lay.dp) else lay
                for m, lay in plan.layouts.items()}
     return replace(plan, layouts=layouts) if layouts != plan.layouts else None
@@ -230,7 +231,7 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     (`recompute_options`, weighted by the profile's work per module) it needs and with every
     whole-module recompute option that recomputes at least as much: the estimate is for the
     profile's mean microbatch, and a batch with heavier microbatches than the mean may fit only with
-    more recompute when simulated. The candidate with FSDP on every fully trained module
+    more recompute when simulated. The candidate with FSDP on every module where it saves memory
     (`sharded_everywhere`) comes too where it needs less recompute than the candidate as found (or
     that one fits in no way). Those that fit in none of these are counted in ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
@@ -316,14 +317,15 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
         raise ConfigError(f"unknown recipe {recipe!r}; recipes are {RECIPES}")
 
 
-def _colocated_encoders(cost: CostModel, cluster: ClusterSpec, encoders: list[str], llm_tp: int) -> Iterator[dict[str, Layout]]:
+def _colocated_encoders(cost: CostModel, cluster: ClusterSpec, encoders: list[str],
+                        llm_tp: int) -> Iterator[dict[str, Layout]]:
     """Encoders spread over every rank: data parallel, and also each with the LLM's TP degree where
     its heads allow it (a large encoder's states and activations split over its TP group)."""
     world = cluster.world_size
     plain = {e: Layout(dp=world) for e in encoders}
     yield plain
-    split = {e: Layout(tp=llm_tp, dp=world // llm_tp) if llm_tp in tp_options(cost.mllm.encoders[e].body, cluster, world)
-             else plain[e] for e in encoders}
+    fits = {e: llm_tp in tp_options(cost.mllm.encoders[e].body, cluster, world) for e in encoders}
+    split = {e: Layout(tp=llm_tp, dp=world // llm_tp) if fits[e] else plain[e] for e in encoders}
     if split != plain:
         yield split
 
