@@ -294,7 +294,9 @@ class _Scorer:
         together (one replay of a few ranks costs little beside building the schedule's lists)."""
         iw = self._iteration(cand, j)
         floor = max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0)
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)  # over the device: rejected unsimulated
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)
+        if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
+            return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
         busiest, *rest = independent_parts(cand.plan, iw, busy)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest])
