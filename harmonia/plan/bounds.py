@@ -158,12 +158,11 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
                                    stage_group(layout, chunk, "tp"), calls=n_mb)
     comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))
     forward = times.F
-    if layout.fsdp and dp > 1 and not cost.fsdp_per_microbatch:
-        gather = fsdp_gather_s(cost, cluster, plan, module, chunk)
+    gather = fsdp_gather_s(cost, cluster, plan, module, chunk)  # zero without FSDP
+    if not cost.fsdp_per_microbatch:
         comm += gather
         forward += gather
-    elif layout.fsdp and dp > 1 and n_mb:
-        gather = fsdp_gather_s(cost, cluster, plan, module, chunk)
+    elif gather and n_mb:
         comm += max(0.0, n_mb * gather - times.F)
         if has_b:
             comm += max(0.0, n_mb * gather - backward)

@@ -3,9 +3,10 @@
 A rank holds the weights, gradients and optimizer states of every stage chunk placed on it (FSDP
 shards the optimizer's over ``dp`` and keeps bf16 weights and fp32 gradients whole through the step,
 as harmonia's runtime runs it: `harmonia.workload.cost`; `state_bytes_per_rank`), plus the
-activations of the microbatches its stages keep in flight under the plan's schedule. The schedule's gates set the count on each stage
-chunk (`harmonia.schedule.generators`): forward m + k waits for the backward of m, with k the
-stages from the chunk to the LLM's last, at most the microbatches there are. Counted per chunk:
+activations of the microbatches its stages keep in flight under the plan's schedule. The schedule's
+gates set the count on each stage chunk (`harmonia.schedule.generators`): forward m + k waits for
+the backward of m, with k the stages from the chunk to the LLM's last, at most the microbatches
+there are. Counted per chunk:
 
 - 1F1B: ``k`` microbatches, from forward to backward.
 - zero bubble, on a stage that splits its backward: ``k`` until B, then up to ``k`` deferred weight

@@ -237,14 +237,17 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     weights = profile.mean_costs()
 
-    def least(cand: Candidate) -> tuple[list[Recompute], Recompute | None]:
+    def least(cand: Candidate, below: float = float("inf")) -> tuple[list[Recompute], Recompute | None]:
+        """The recompute options and the first that fits, among those of less extra work than ``below``."""
         options = recompute_options(cost, cand.plan, weights)
 
         def fits(option: Recompute) -> bool:
             plan = replace(cand.plan, recompute=option[0], recompute_fraction=option[1])
             return max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap
 
-        return options, (next((o for o in options if fits(o)), None) if fits(options[-1]) else None)
+        if not fits(options[-1]):  # recomputing everything does not fit: nothing less does
+            return options, None
+        return options, next((o for o in options if _extra(o, weights) < below and fits(o)), None)
 
     def with_recompute(cand: Candidate, option: Recompute) -> Candidate:
         return replace(cand, plan=replace(cand.plan, recompute=option[0], recompute_fraction=option[1]))
@@ -253,7 +256,9 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
         options, found_least = least(cand)
         sharded = sharded_everywhere(cost, cand.plan)
         alt = replace(cand, plan=sharded) if sharded is not None else None
-        alt_least = least(alt)[1] if alt is not None else None
+        # the sharded plan matters only where it needs less recompute than the plan as found
+        below = _extra(found_least, weights) if found_least is not None else float("inf")
+        alt_least = least(alt, below)[1] if alt is not None and below > 0 else None
         if found_least is None and alt_least is None:
             if rejected is not None:
                 rejected["plan exceeds device memory (estimate)"] += 1
@@ -261,7 +266,7 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
         if found_least is not None:
             yield with_recompute(cand, found_least)
             yield from (with_recompute(cand, o) for o in options if _covers(o, found_least))
-        if alt_least is not None and (found_least is None or _extra(alt_least, weights) < _extra(found_least, weights)):
+        if alt_least is not None:
             yield with_recompute(alt, alt_least)
             if found_least is None:
                 yield from (with_recompute(alt, o) for o in recompute_options(cost, alt.plan, weights)

@@ -153,7 +153,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
                 rejected[reason] += 1
 
     rejected: Counter = Counter()
-    cands = list(enumerate_(run.cluster, scenario.global_batch, rejected))
+    cands = _distinct(enumerate_(run.cluster, scenario.global_batch, rejected), run.cost)
     if not cands:
         raise no_layout_error(run, enumerate_, rejected, "homogeneous layout" if homogeneous else "layout")
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
@@ -171,6 +171,16 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
     peaks = [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked]
     return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) + twins - simulated,
                       scorer.timelines, time.perf_counter() - t0)
+
+
+def _distinct(found: Iterator[Candidate], cost: CostModel) -> list[Candidate]:
+    """The first of each set of candidates that simulate alike (`simulation_key`): several rules
+    reach the same plan (a colocated encoder with the LLM's tp is also the one-layout plan), and a
+    zero-bubble plan whose stages split no backward runs as its 1F1B twin."""
+    out: dict[tuple, Candidate] = {}
+    for cand in found:
+        out.setdefault(simulation_key(cand, cost), cand)
+    return list(out.values())
 
 
 def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int], top: int,

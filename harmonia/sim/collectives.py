@@ -140,15 +140,10 @@ def rank_gathers_s(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[in
     for module, layout in plan.layouts.items():
         if not layout.fsdp or layout.dp <= 1:
             continue
-        per = layout.size // layout.pp
-        ranks = layout.rank_list()
         for chunk in range(layout.n_stages):
-            pp_rank = chunk % layout.pp
-            priced: dict[tuple[int, int], float] = {}  # one price per DP group: (cp, tp) -> seconds
-            for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
-                me = layout.coords(rank)
-                group = (me["cp"], me["tp"])
-                if group not in priced:
-                    priced[group] = fsdp_gather_s(cost, cluster, plan, module, chunk, 0, *group)
-                out[rank] = out.get(rank, 0.0) + priced[group]
+            for cp in range(layout.cp):
+                for tp in range(layout.tp):  # one DP group: its ranks gather alike
+                    seconds = fsdp_gather_s(cost, cluster, plan, module, chunk, 0, cp, tp)
+                    for rank in stage_group(layout, chunk, "dp", 0, cp, tp):
+                        out[rank] = out.get(rank, 0.0) + seconds
     return out
