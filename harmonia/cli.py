@@ -116,7 +116,7 @@ def _plan_summary(d: dict) -> str:
     from harmonia.schedule.layout import Layout
 
     parts = [f"{m} " + Layout(tp=x["tp"], cp=x["cp"], dp=x["dp"], pp=x["pp"], virtual_stages=x["virtual_stages"],
-                              fsdp=x["fsdp"]).describe() for m, x in d["plan"].items()]
+                              fsdp=x["fsdp"], reshard=x.get("reshard", False)).describe() for m, x in d["plan"].items()]
     recompute = f"; recompute {','.join(d['recompute'])}" if d.get("recompute") else ""
     return f"{d['placement']}, {d['schedule']} x{d['n_microbatches']}: " + "; ".join(parts) + recompute
 
@@ -445,9 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="price TP as Megatron-LM's sequence parallelism: norms, residual adds and their "
                    "activations split over the TP ranks' tokens (harmonia's runtime runs TP without it)")
     p.add_argument("--fsdp-per-microbatch", action="store_true",
-                   help="price FSDP as ZeRO-3 (FSDP2's default): weights gathered before every forward and backward, "
-                   "every state sharded (harmonia's runtime gathers once per step and keeps weights and gradients "
-                   "whole until the step's reduce-scatter)")
+                   help="price every FSDP layout as ZeRO-3 (FSDP2's default), as published runs use it: weights "
+                   "gathered before every forward and backward, every state sharded (harmonia's runtime does so for "
+                   "an LLM laid out 'fsdp reshard'; its plain 'fsdp' gathers once per step and keeps weights and "
+                   "gradients whole until the step's reduce-scatter)")
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipes to run (default all four; with a given plan, harmonia: whose "
                    "batch assignment and ordering score it)")

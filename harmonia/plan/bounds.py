@@ -22,10 +22,11 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
 - recompute (a module in ``plan.recompute``): the backward runs the blocks' forward again, its
   compute (the cost model's ``B + F_blocks``) and its TP and CP collectives (a third phase of each);
 - FSDP: the rank gathers the chunk's weights, ``g = (dp-1)/dp * weights / tp / bw``, once before
-  its first action (harmonia's runtime), which adds ``g``; priced ``fsdp_per_microbatch``, before
+  its first action (harmonia's runtime), which adds ``g``; resharding per microbatch, before
   every forward and backward of a microbatch, hidden behind that phase's compute, so the phase
-  lasts ``max(g, compute)``; over ``n`` microbatches that is at least ``max(n g, total compute)``
-  (for a fused backward ``max(n g, B + W)``, which a split one never beats);
+  lasts ``max(g, compute)`` (a backward ``max(g + r, compute)`` with its reduce-scatter ``r``);
+  over ``n`` microbatches that is at least ``max(n g, total compute)`` (for a fused backward
+  ``max(n (g + r), B + W)``, which a split one never beats);
 - DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
   group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F,
   B and W of the chunk precedes its last W on the rank's one compute stream, so the reduction ends
@@ -70,8 +71,8 @@ from harmonia.schedule.actions import StageRef
 from harmonia.schedule.layout import Placement
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
-from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, rank_gathers_s,
-                                      stage_group, tp_allreduce_s)
+from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
+                                      rank_gathers_s, stage_group, tp_allreduce_s)
 from harmonia.sim.tasks import collective_extra, compute_seconds
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -159,13 +160,13 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))
     forward = times.F
     gather = fsdp_gather_s(cost, cluster, plan, module, chunk)  # zero without FSDP
-    if not cost.fsdp_per_microbatch:
+    if not cost.reshards(layout):
         comm += gather
         forward += gather
     elif gather and n_mb:
         comm += max(0.0, n_mb * gather - times.F)
         if has_b:
-            comm += max(0.0, n_mb * gather - backward)
+            comm += max(0.0, n_mb * (gather + backward_reduce_s(cost, cluster, plan, module, chunk)) - backward)
         forward = max(n_mb * gather, times.F)
     reduce = grad_reduce_s(cost, cluster, plan, module, chunk) if has_w else 0.0
     return ChunkBound(times.F + backward, comm, reduce, forward, times.W if has_b and has_w else 0.0)

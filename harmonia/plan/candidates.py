@@ -127,6 +127,7 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
     """The most loaded stage's states + in-flight activations under 1F1B (worst chunk per rank);
     with ``recompute`` the blocks keep only their inputs, plus one block's recomputed activations."""
     shards = layout.dp if layout.fsdp else 1
+    reshard = cost.reshards(layout)
     n_blocks = len(cost.layers[module]) - 2
     split = layout.stage_split(n_blocks)
     peak = 0.0
@@ -135,7 +136,9 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
         lo = 0 if chunk == 0 else start
         hi = start + n if chunk < len(split) - 1 else len(cost.layers[module])
         in_flight = min(layout.pp - chunk % layout.pp, n_microbatches)
-        states = cost.state_bytes(module, lo, hi, layout.tp, shards)
+        states = cost.state_bytes(module, lo, hi, layout.tp, shards, reshard)
+        if reshard:
+            states += cost.reshard_transient_bytes(module, lo, hi, layout.tp) / layout.virtual_stages
         acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
                                                  recompute)
         if recompute:
@@ -163,8 +166,7 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
     blocks[-1] -= 1
     if min(blocks) < 0 or sum(blocks) != len(cost.layers[module]) - 2:
         return layout
-    return Layout(layout.tp, layout.cp, layout.dp, layout.pp, layout.rank_offset, layout.ranks,
-                  tuple(blocks), layout.virtual_stages, layout.fsdp)
+    return replace(layout, stage_layers=tuple(blocks))
 
 
 def even_split(cost: CostModel, module: str, layout: Layout) -> Layout | None:
@@ -179,21 +181,27 @@ def even_split(cost: CostModel, module: str, layout: Layout) -> Layout | None:
 
 def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
     """Weights, gradients and optimizer states each rank holds: every stage chunk placed on it
-    (FSDP shards over ``dp``; a projector lives on its encoder's last chunk)."""
+    (FSDP shards over ``dp``; a projector lives on its encoder's last chunk), plus, on a rank with
+    chunks that reshard per microbatch, the largest block one of them gathers whole (a rank runs one
+    unit at a time: `CostModel.reshard_transient_bytes`)."""
     out: dict[int, float] = {}
+    transient: dict[int, float] = {}
     for module, layout in plan.layouts.items():
         shards = layout.dp if layout.fsdp else 1
+        reshard = cost.reshards(layout)
         ranks = layout.rank_list()
         per = layout.size // layout.pp
         for chunk in range(layout.n_stages):
             start, stop = stage_layer_range(cost, plan, module, chunk)
-            nbytes = cost.state_bytes(module, start, stop, layout.tp, shards)
+            nbytes = cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
             if module != "llm" and chunk == layout.n_stages - 1:
-                nbytes += cost.state_bytes(f"{module}_proj", tp=layout.tp, fsdp_shards=shards)
+                nbytes += cost.state_bytes(f"{module}_proj", tp=layout.tp, fsdp_shards=shards, reshard=reshard)
+            held = cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else 0.0
             pp_rank = chunk % layout.pp
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
                 out[rank] = out.get(rank, 0.0) + nbytes
-    return out
+                transient[rank] = max(transient.get(rank, 0.0), held)
+    return {rank: nbytes + transient[rank] for rank, nbytes in out.items()}
 
 
 def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], batches: list[int] | None = None) -> float:

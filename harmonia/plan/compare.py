@@ -47,7 +47,8 @@ class RecipeResult:
                "peak_bytes": self.peak_bytes, "candidates_simulated": self.tried, "search_s": self.search_s}
         if self.candidate:
             out["plan"] = {m: {"tp": lay.tp, "cp": lay.cp, "dp": lay.dp, "pp": lay.pp, "ranks": lay.size,
-                               "virtual_stages": lay.virtual_stages, "fsdp": lay.fsdp}
+                               "virtual_stages": lay.virtual_stages, "fsdp": lay.fsdp,
+                               "reshard": lay.reshard}
                            for m, lay in self.candidate.plan.layouts.items()}
             out["placement"] = self.candidate.plan.placement.value
             out["schedule"] = self.candidate.plan.schedule

@@ -1,7 +1,8 @@
 """Layouts as text, and a plan from them: what `harmonia simulate --layout` scores.
 
 A module's layout is written as `Layout.describe` prints it: ``tp4 cp2 pp4 v5 dp2 fsdp`` (an axis left
-out has degree 1; ``v`` is the virtual stages per pipeline rank; ``fsdp`` shards over ``dp``), with
+out has degree 1; ``v`` is the virtual stages per pipeline rank; ``fsdp`` shards over ``dp``,
+``fsdp reshard`` gathers and frees the weights around every forward and backward), with
 an optional stage split as `harmonia plan` prints it, ``split[3, 4, 4, 3]`` (blocks per stage chunk).
 A plan's layouts are ``module layout`` entries joined by ``;``, one module after another:
 ``vision tp1 pp1 dp8; llm tp4 pp2 dp1``. `describe_layouts` writes that form and `parse_layouts`
@@ -16,6 +17,7 @@ encoder on the first ranks, those of the LLM's first pipeline stage when the siz
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.spec import MLLMSpec
@@ -39,18 +41,22 @@ def parse_layout(text: str) -> Layout:
         split = tuple(int(n) for n in found.group(1).replace(",", " ").split())
         text = text[:found.start()] + text[found.end():]
     degrees: dict[str, int] = {}
-    fsdp = False
+    fsdp = reshard = False
     for word in text.split():
         match = _AXIS.match(word)
         if word == "fsdp" and not fsdp:
             fsdp = True
+        elif word == "reshard" and fsdp and not reshard:
+            reshard = True
         elif match and match.group(1) not in degrees:
             degrees[match.group(1)] = int(match.group(2))
         else:
             raise LayoutError(f"layout {text.strip()!r}: {word!r} is unknown or repeated; expected the words "
-                              "Layout.describe prints, e.g. 'tp4 cp2 pp4 v5 dp2 fsdp' (an axis left out is 1)")
+                              "Layout.describe prints, e.g. 'tp4 cp2 pp4 v5 dp2 fsdp' or '... dp2 fsdp reshard' "
+                              "(an axis left out is 1)")
     kwargs = {_FIELDS[axis]: n for axis, n in degrees.items()}
-    return Layout(**kwargs, fsdp=fsdp and kwargs.get("dp", 1) > 1, stage_layers=split)
+    sharded = fsdp and kwargs.get("dp", 1) > 1
+    return Layout(**kwargs, fsdp=sharded, reshard=reshard and sharded, stage_layers=split)
 
 
 def describe_layouts(layouts: dict[str, Layout]) -> str:
@@ -98,8 +104,7 @@ def place_layouts(layouts: dict[str, Layout], world: int) -> tuple[dict[str, Lay
 
 
 def _with_offset(layout: Layout, offset: int) -> Layout:
-    return Layout(layout.tp, layout.cp, layout.dp, layout.pp, offset, None, layout.stage_layers,
-                  layout.virtual_stages, layout.fsdp)
+    return replace(layout, rank_offset=offset, ranks=None)
 
 
 def plan_from_layouts(mllm: MLLMSpec, model: str, layouts: dict[str, Layout], world: int, global_batch: int,

@@ -27,7 +27,9 @@ backward, the LLM and each encoder on its own, least extra work first (`recomput
 Megatron-LM's full and block recompute do; only what fits in none of these counts as a memory
 misfit. So is, where it needs less recompute, the same plan with FSDP on every module where FSDP
 saves memory (`sharded_everywhere`): as harmonia's runtime runs it, FSDP shards the fp32 weights and
-optimizer states only.
+optimizer states only; and, under schedules with fused backward, the same with the LLM resharding
+per microbatch (`resharded`: ZeRO-3, every state sharded, weights gathered before every forward
+and backward), which trades gathers and reduce-scatters in every unit for memory.
 """
 
 from __future__ import annotations
@@ -146,7 +148,9 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
             seen.add(key)
             load = _microbatch_load(profile, global_batch, base.dp, n_mb)
             layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
-            if any(check_memory(cost, "llm", layout, load, n_mb, cap, recompute=r).fits for r in (False, True)):
+            forms = (layout, *((resharded_llm(layout),) if fsdp_pays(cost.mllm, "llm", layout.dp) else ()))
+            if any(check_memory(cost, "llm", form, load, n_mb, cap, recompute=r).fits
+                   for form in forms for r in (False, True)):
                 yield layout, n_mb
             elif rejected is not None:
                 rejected["llm exceeds device memory"] += 1
@@ -224,6 +228,23 @@ def sharded_everywhere(cost: CostModel, plan: Plan) -> Plan | None:
     return replace(plan, layouts=layouts) if layouts != plan.layouts else None
 
 
+def resharded_llm(layout: Layout) -> Layout:
+    """An LLM layout with FSDP resharding per microbatch (ZeRO-3: `Layout.reshard`)."""
+    return replace(layout, fsdp=True, reshard=True)
+
+
+def resharded(cost: CostModel, plan: Plan) -> Plan | None:
+    """The plan with FSDP on every module where it saves memory and the LLM's resharding per
+    microbatch (None where the LLM has one replica or the schedule splits its backward): every
+    state of the LLM sharded, its weights gathered before every forward and backward and its
+    gradients reduce-scattered after every backward."""
+    llm = plan.layouts["llm"]
+    if plan.schedule == "zb" or llm.resharded or not fsdp_pays(cost.mllm, "llm", llm.dp):
+        return None
+    base = sharded_everywhere(cost, plan) or plan
+    return replace(base, layouts={**base.layouts, "llm": resharded_llm(llm)})
+
+
 def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
             rejected: Counter | None = None) -> Iterator[Candidate]:
     """The candidates whose estimated peak on every rank (states of every module plus in-flight
@@ -232,8 +253,9 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     whole-module recompute option that recomputes at least as much: the estimate is for the
     profile's mean microbatch, and a batch with heavier microbatches than the mean may fit only with
     more recompute when simulated. The candidate with FSDP on every module where it saves memory
-    (`sharded_everywhere`) comes too where it needs less recompute than the candidate as found (or
-    that one fits in no way). Those that fit in none of these are counted in ``rejected``."""
+    (`sharded_everywhere`), then that with the LLM also resharding per microbatch (`resharded`),
+    come too where each needs less recompute than the ones before it (or those fit in no way).
+    Those that fit in none of these are counted in ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     weights = profile.mean_costs()
 
@@ -254,23 +276,26 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
 
     for cand in found:
         options, found_least = least(cand)
-        sharded = sharded_everywhere(cost, cand.plan)
-        alt = replace(cand, plan=sharded) if sharded is not None else None
-        # the sharded plan matters only where it needs less recompute than the plan as found
-        below = _extra(found_least, weights) if found_least is not None else float("inf")
-        alt_least = least(alt, below)[1] if alt is not None and below > 0 else None
-        if found_least is None and alt_least is None:
-            if rejected is not None:
-                rejected["plan exceeds device memory (estimate)"] += 1
-            continue
-        if found_least is not None:
+        yielded = found_least is not None
+        if yielded:
             yield with_recompute(cand, found_least)
             yield from (with_recompute(cand, o) for o in options if _covers(o, found_least))
-        if alt_least is not None:
+        # each further variant shards more, and matters only where it needs less recompute than
+        # the least so far; those of a candidate that fits in no other way come with their covers
+        below = _extra(found_least, weights) if yielded else float("inf")
+        for variant in (sharded_everywhere(cost, cand.plan), resharded(cost, cand.plan)):
+            if variant is None or below <= 0:
+                continue
+            alt = replace(cand, plan=variant)
+            alt_options, alt_least = least(alt, below)
+            if alt_least is None:
+                continue
             yield with_recompute(alt, alt_least)
-            if found_least is None:
-                yield from (with_recompute(alt, o) for o in recompute_options(cost, alt.plan, weights)
-                            if _covers(o, alt_least))
+            if not yielded:
+                yield from (with_recompute(alt, o) for o in alt_options if _covers(o, alt_least))
+            yielded, below = True, _extra(alt_least, weights)
+        if not yielded and rejected is not None:
+            rejected["plan exceeds device memory (estimate)"] += 1
 
 
 def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,

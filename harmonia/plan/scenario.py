@@ -45,9 +45,10 @@ class Scenario:
         sequence_parallel: price TP as Megatron-LM's sequence parallelism does (norms, residual adds
             and their activations split over tokens; `harmonia.workload.cost`); harmonia's runtime runs
             TP without it.
-        fsdp_per_microbatch: price FSDP as ZeRO-3 (weights gathered before every forward and
-            backward, every state sharded: FSDP2's default, as published runs use it); harmonia's
-            runtime gathers once per step and keeps weights and gradients whole until its end
+        fsdp_per_microbatch: price every FSDP layout as ZeRO-3 (weights gathered before every
+            forward and backward, every state sharded: FSDP2's default, as published runs use it);
+            harmonia's runtime does so for an LLM laid out ``fsdp reshard`` and otherwise gathers
+            once per step and keeps weights and gradients whole until its end
             (`harmonia.workload.cost`).
     """
 

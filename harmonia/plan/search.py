@@ -403,4 +403,4 @@ def _layouts_key(plan: Plan, cost: CostModel) -> tuple:
     """Every module's layout as it places and splits work: ranks listed or by offset alike, a stage
     split given or even alike (two plans that differ only there simulate alike)."""
     return tuple((m, lay.tp, lay.cp, lay.dp, lay.pp, lay.rank_list(), lay.virtual_stages, lay.fsdp,
-                  tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))
+                  lay.reshard, tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))

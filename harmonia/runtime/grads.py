@@ -4,7 +4,8 @@ Replicated data parallelism sums each stage chunk's gradients over its ``dp`` gr
 bucket, started as soon as the chunk's last backward of the iteration has run (the reduction
 overlaps the rest of the schedule) and finished before clipping. The sum is right because every
 microbatch's loss is already divided by the global target count. FSDP2 chunks reduce-scatter
-instead (`finish_fsdp_backward`), with the divide factor set to 1 by `apply_fsdp`.
+instead (`finish_fsdp_backward`), with the divide factor set to 1 by `apply_fsdp`; FSDP2 chunks that
+reshard per microbatch (`start_fsdp_resharding`) reduce-scatter in every backward.
 
 Tied embeddings split over pipeline stages (the first chunk's input embedding, the last chunk's
 head) are two copies of one weight: after the ``dp``/``cp`` reduction `TiedGradSync` sums their
@@ -145,6 +146,22 @@ def start_fsdp_backward(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
             sub.unshard()
+
+
+def start_fsdp_resharding(module: nn.Module) -> None:
+    """Let an FSDP2 chunk run as FSDP2 trains by default (ZeRO-3) for the iteration: every block
+    gathers its weights before each forward and backward and frees them after; every backward
+    reduce-scatters its gradients, which accumulate as shards over the microbatches.
+
+    Every ``dp`` rank of the chunk must run the same forwards and backwards in the same order (the
+    gathers and reduce-scatters are collectives over ``dp``): LLM replicas do, under schedules with
+    fused backward (`harmonia.schedule.plan.Plan` refuses the rest). The root is resharded after
+    forward too (FSDP2 keeps a root's weights by default), so between units only shards stay.
+    """
+    module.set_reshard_after_forward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    module.set_is_last_backward(True)
 
 
 def finish_fsdp_backward(module: nn.Module) -> None:

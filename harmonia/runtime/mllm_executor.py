@@ -52,7 +52,7 @@ from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import project_items
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
-from harmonia.runtime.grads import clip_grad_norm, squared_norm_share, start_fsdp_backward
+from harmonia.runtime.grads import clip_grad_norm, squared_norm_share, start_fsdp_backward, start_fsdp_resharding
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
@@ -128,6 +128,9 @@ class MLLMExecutor:
             if name != LLM and last != (name in projectors):
                 raise LayoutError(f"rank {self.rank}: pass {name!r}'s projector exactly on the ranks "
                                   "holding its last stage chunk")
+            if layout.resharded and name != LLM:
+                raise LayoutError(f"encoder {name!r}: fsdp reshard is for the LLM only (an encoder replica "
+                                  "with no items skips units its peers gather weights for); use fsdp without reshard")
             device = next(p for m in mods.values() for p in m.parameters()).device
             self.runners[name] = ModuleRunner(mesh, dict(sorted(mods.items())), projectors.get(name),
                                               P2P(group=mesh.group, dtype=dtype, device=device))
@@ -180,9 +183,15 @@ class MLLMExecutor:
         for r in self.runners.values():
             if r.fsdp:
                 for module in r.chunks.values():
-                    start_fsdp_backward(module)
+                    (start_fsdp_resharding if r.reshard else start_fsdp_backward)(module)
+        actions = self.rank_actions(schedule)
+        split = [a for a in actions if a.kind is Kind.W and self.runners[a.module].reshard]
+        if split:
+            raise ScheduleError(f"{split[0]}: a split backward's W on an FSDP chunk that reshards per microbatch "
+                                "(B freed the weights W needs); use a schedule with fused backward (1f1b, gpipe, "
+                                "interleaved) or fsdp without reshard")
         run = _MLLMIteration(self, schedule, batch)
-        run.execute(self.rank_actions(schedule))
+        run.execute(actions)
         for r in self.runners.values():
             r.p2p.wait_sends()
             r.finish_reduction()

@@ -34,7 +34,8 @@ class ModuleRunner:
         self.name = self.mesh.name
         self.n_stages = layout.n_stages
         self.params = {c: [p for p in self.weights(c)] for c in self.chunks}
-        self.fsdp = layout.fsdp and layout.dp > 1
+        self.fsdp = layout.sharded
+        self.reshard = layout.resharded  # gradients reduce-scattered by every backward already
         # Gradients all-reduced over dp x cp (every rank holding the same weights): every one, or
         # with FSDP (which reduce-scatters the chunks' own over dp) the projector's, a whole replica
         # on every dp rank; FSDP shards are then all-reduced over cp (`cp_sync`).
@@ -70,7 +71,8 @@ class ModuleRunner:
     def backward_done(self, c: int) -> None:
         """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
         if self.fsdp:
-            finish_fsdp_backward(self.chunks[c])
+            if not self.reshard:
+                finish_fsdp_backward(self.chunks[c])
             if self.cp_sync is not None:
                 self.cp_sync.start([p for p in self.chunks[c].parameters() if p.requires_grad])
         if self.dp_sync is not None and self.all_reduced[c]:

@@ -35,7 +35,13 @@ class Layout:
         ranks: explicit global ranks in grid order; default ``range(rank_offset, rank_offset + size)``.
         stage_layers: number of layers per stage chunk (``pp * virtual_stages`` entries); None = even split.
         virtual_stages: stage chunks per pipeline rank (interleaved schedules).
-        fsdp: shard parameters, gradients and optimizer states over ``dp``.
+        fsdp: shard parameters, gradients and optimizer states over ``dp``. As the runtime runs it,
+            each chunk's weights are gathered once per step and kept, with the gradients they
+            accumulate, whole until its last backward reduce-scatters them.
+        reshard: with ``fsdp``, gather each block's weights before every forward and backward and
+            free them after, reduce-scattering the gradients after every backward (ZeRO-3, FSDP2's
+            default): only shards stay between microbatches. For the LLM under schedules with fused
+            backward (`harmonia.schedule.plan.Plan` checks it).
     """
 
     tp: int = 1
@@ -47,6 +53,7 @@ class Layout:
     stage_layers: tuple[int, ...] | None = None
     virtual_stages: int = 1
     fsdp: bool = False
+    reshard: bool = False
     _grid: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +61,8 @@ class Layout:
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"layout {axis}={value!r} is invalid: expected an integer >= 1")
+        if self.reshard and not self.fsdp:
+            raise LayoutError("layout reshard=True without fsdp: resharding is a mode of FSDP; set fsdp too")
         if self.rank_offset < 0:
             raise LayoutError(f"layout rank_offset={self.rank_offset} is negative: expected >= 0")
         size = self.tp * self.cp * self.dp * self.pp
@@ -86,11 +95,22 @@ class Layout:
         return self.pp * self.virtual_stages
 
     def describe(self) -> str:
-        """Degrees in one line, e.g. ``tp2 pp8 v4 dp4 fsdp`` (cp, virtual stages and FSDP when used)."""
+        """Degrees in one line, e.g. ``tp2 pp8 v4 dp4 fsdp`` (cp, virtual stages and FSDP when used;
+        ``fsdp reshard`` when it reshards per microbatch)."""
         parts = [f"tp{self.tp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"pp{self.pp}",
                  *([f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []), f"dp{self.dp}",
-                 *(["fsdp"] if self.fsdp and self.dp > 1 else [])]
+                 *(["fsdp"] if self.sharded else []), *(["reshard"] if self.resharded else [])]
         return " ".join(parts)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP shards the module (``fsdp`` over more than one replica)."""
+        return self.fsdp and self.dp > 1
+
+    @property
+    def resharded(self) -> bool:
+        """Whether FSDP gathers and frees the weights around every forward and backward."""
+        return self.sharded and self.reshard
 
     def rank_list(self) -> tuple[int, ...]:
         """Global ranks in grid order ``(pp, dp, cp, tp)``, tp fastest."""

@@ -76,6 +76,7 @@ class Plan:
             raise ConfigError(f"plan schedule {self.schedule!r} unknown; expected one of {SCHEDULES}")
         if "llm" not in self.layouts:
             raise ConfigError("plan has no layout for 'llm'; every plan lays out the LLM")
+        self._check_reshard()
         if self.n_microbatches < 1 or self.global_batch < 1:
             raise ConfigError(
                 f"plan n_microbatches={self.n_microbatches}, global_batch={self.global_batch} must be >= 1"
@@ -86,6 +87,23 @@ class Plan:
                 f"global_batch={self.global_batch} is smaller than llm dp x n_microbatches = "
                 f"{llm.dp * self.n_microbatches}; raise the batch or lower dp / n_microbatches"
             )
+
+    def _check_reshard(self) -> None:
+        """FSDP that reshards per microbatch needs every DP rank of a chunk to run every forward and
+        backward (its gathers and reduce-scatters are collectives), which only the LLM's replicas do
+        (an encoder replica without items in a unit skips it), and fused backward (a split
+        backward's W needs the weights its B freed)."""
+        for module, layout in self.layouts.items():
+            if not layout.resharded:
+                continue
+            if module != "llm":
+                raise LayoutError(f"{module}: fsdp reshard is for the LLM only (an encoder replica with no items "
+                                  "in a microbatch skips it, and its peers' gathers would wait); use fsdp "
+                                  "without reshard for encoders")
+            if self.schedule == "zb":
+                raise LayoutError("llm fsdp reshard with the zb schedule: zero bubble splits the backward, and "
+                                  "its W needs the weights B freed; use 1f1b, gpipe or interleaved, or fsdp "
+                                  "without reshard")
 
     def recompute_share(self, module: str) -> float:
         """The share of ``module``'s blocks with a backward that recompute: 0 (none) to 1 (all)."""

@@ -11,12 +11,15 @@ count a collective differently.
 - CP: an all-gather of K and V per block, ``(c-1)/c * 2 tokens kv_dim bytes / tp / bw``;
 - FSDP: an all-gather of the chunk's weights over its ``dp`` group, ``(dp-1)/dp * weight bytes /
   tp / bw``; harmonia's runtime gathers every FSDP chunk of a rank once, at the start of the step,
-  before its first action (`rank_gathers_s`); priced ``fsdp_per_microbatch`` (ZeRO-3, as published
-  runs gather) before every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
+  before its first action (`rank_gathers_s`); a chunk that reshards per microbatch (``fsdp
+  reshard``, or every FSDP chunk priced ``fsdp_per_microbatch``, as published runs gather) before
+  every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
 - DP gradient reduction: a ring all-reduce of the chunk's fp32 trainable gradients (its projector's
   on an encoder's last chunk) over ``dp``, as the runtime reduces them; under FSDP a ring
   reduce-scatter of the fp32 accumulated gradients, ``(dp-1)/dp * trainable * 4 / tp / bw + (dp-1) *
-  latency``;
+  latency``; resharding per microbatch, that reduce-scatter runs in every backward
+  (`backward_reduce_s`), overlapped with its blocks, and only the last block's follows the chunk's
+  last backward (`grad_reduce_s`);
 - P2P: ``latency + bytes / bw`` between two ranks, nothing on the same rank.
 
 Bandwidths come from the cluster model: a group within a node runs at the node's link speed, one
@@ -115,30 +118,49 @@ def fsdp_gather_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str
 
 def grad_reduce_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str, chunk: int,
                   cp: int = 0, tp: int = 0) -> float:
-    """The DP all-reduce of a chunk's trainable gradients (its projector's on an encoder's last chunk);
-    zero with ``dp = 1`` or nothing to train."""
+    """The DP reduction of a chunk's trainable gradients (its projector's on an encoder's last chunk)
+    after its last backward; zero with ``dp = 1`` or nothing to train. A chunk that reshards per
+    microbatch reduce-scatters in every backward (`backward_reduce_s`, overlapped with its blocks):
+    only its last block's share follows the last backward."""
     layout = plan.layouts[module]
     if layout.dp <= 1:
         return 0.0
+    if cost.reshards(layout):
+        blocks = max(1, chunk_blocks(cost, layout, module, chunk))
+        return backward_reduce_s(cost, cluster, plan, module, chunk, cp, tp) / blocks
+    group = stage_group(layout, chunk, "dp", 0, cp, tp)
+    nbytes = _trainable(cost, plan, module, chunk) * GRAD_BYTES / layout.tp
+    if layout.fsdp:
+        return ring_reduce_scatter_s(nbytes, group, cluster)
+    return ring_allreduce_s(nbytes, group, cluster)
+
+
+def backward_reduce_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str, chunk: int,
+                      cp: int = 0, tp: int = 0) -> float:
+    """The reduce-scatter of a resharding FSDP chunk's fp32 gradients that each of its backwards runs."""
+    layout = plan.layouts[module]
+    if not cost.reshards(layout):
+        return 0.0
+    group = stage_group(layout, chunk, "dp", 0, cp, tp)
+    return ring_reduce_scatter_s(_trainable(cost, plan, module, chunk) * GRAD_BYTES / layout.tp, group, cluster)
+
+
+def _trainable(cost: CostModel, plan: Plan, module: str, chunk: int) -> int:
+    """Trainable weights of a chunk, its projector's on an encoder's last chunk."""
     start, stop = stage_layer_range(cost, plan, module, chunk)
     trainable = cost.param_count(module, start, stop)[1]
-    if chunk == layout.n_stages - 1 and module != "llm":
+    if chunk == plan.layouts[module].n_stages - 1 and module != "llm":
         trainable += cost.param_count(f"{module}_proj")[1]
-    group = stage_group(layout, chunk, "dp", 0, cp, tp)
-    if layout.fsdp:
-        return ring_reduce_scatter_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
-    return ring_allreduce_s(trainable * GRAD_BYTES / layout.tp, group, cluster)
+    return trainable
 
 
 def rank_gathers_s(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[int, float]:
     """Seconds each rank spends gathering its FSDP chunks' weights at the start of the step, before
-    any action (harmonia's runtime: `harmonia.runtime.grads.start_fsdp_backward`); empty when the
-    cost model prices FSDP per microbatch instead."""
+    any action (harmonia's runtime: `harmonia.runtime.grads.start_fsdp_backward`); chunks that
+    reshard per microbatch gather before every forward and backward instead."""
     out: dict[int, float] = {}
-    if cost.fsdp_per_microbatch:
-        return out
     for module, layout in plan.layouts.items():
-        if not layout.fsdp or layout.dp <= 1:
+        if not layout.sharded or cost.reshards(layout):
             continue
         for chunk in range(layout.n_stages):
             for cp in range(layout.cp):

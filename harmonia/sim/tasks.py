@@ -10,9 +10,11 @@ rank's tasks are exactly its actions, in its order:
   blocks' forward again, collectives included. Every price is one function of
   `harmonia.sim.collectives`;
 - FSDP, as harmonia's runtime runs it, gathers every FSDP chunk of a rank once, before the rank's
-  first action: one task at the head of its compute stream (`rank_gathers_s`). A cost model priced
-  ``fsdp_per_microbatch`` (ZeRO-3) gathers a stage's weights before every forward and backward
-  instead, overlapped with compute (only the part longer than the compute adds time);
+  first action: one task at the head of its compute stream (`rank_gathers_s`). A chunk that
+  reshards per microbatch (``fsdp reshard``; every FSDP chunk under a cost model priced
+  ``fsdp_per_microbatch``) gathers its weights before every forward and backward instead, and
+  reduce-scatters its gradients in every backward, overlapped with compute (only the part longer
+  than the compute adds time);
 - a send takes no time on the stream (sends are asynchronous);
 - a receive holds the stream until its message has arrived: the matching send's end plus the
   transfer (``latency + bytes / bandwidth``), within a module from the peer the action names, at a
@@ -36,8 +38,8 @@ from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
-from harmonia.sim.collectives import (chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s, p2p_s, rank_gathers_s,
-                                      tp_allreduce_s)
+from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
+                                      p2p_s, rank_gathers_s, tp_allreduce_s)
 from harmonia.sim.engine import Task, Timeline, replay
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -51,7 +53,7 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
     layout = plan.layouts[key.module]
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
-    fsdp_gather = cost.fsdp_per_microbatch and layout.fsdp and layout.dp > 1 and kind in ("F", "B", "BW")
+    fsdp_gather = kind in ("F", "B", "BW") and cost.reshards(layout)
     if not (tp_collective or cp_collective or fsdp_gather):
         return 0.0
     if key not in cache:  # the stage's blocks, TP group and CP group
@@ -65,11 +67,16 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
         extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, tp_group)
         extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, cp_group)
     if fsdp_gather:
-        # every replica's stage gathers over a DP group of the same shape: one price per stage chunk
+        # every replica's stage gathers over a DP group of the same shape: one price per stage chunk;
+        # a backward also reduce-scatters its gradients, both overlapped with its blocks' compute
         if (key.module, key.stage) not in cache:
-            cache[(key.module, key.stage)] = fsdp_gather_s(cost, cluster, plan, key.module, key.stage, key.replica)
-        compute = {"F": work.times.F, "B": work.times.B, "BW": work.times.B + work.times.W}[kind]
-        extra += max(0.0, cache[(key.module, key.stage)] - compute)
+            cache[(key.module, key.stage)] = (fsdp_gather_s(cost, cluster, plan, key.module, key.stage, key.replica),
+                                              backward_reduce_s(cost, cluster, plan, key.module, key.stage))
+        gather, reduce = cache[(key.module, key.stage)]
+        if kind == "F":
+            extra += max(0.0, gather - work.times.F)
+        else:
+            extra += max(0.0, gather + reduce - work.times.B - (work.times.W if kind == "BW" else 0.0))
     return extra
 
 

@@ -93,7 +93,7 @@ def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
         table.add_column(col)
     for module, lay in plan.layouts.items():
         table.add_row(module, ",".join(map(str, lay.rank_list())), str(lay.pp), str(lay.dp), str(lay.tp),
-                      str(lay.cp), "yes" if lay.fsdp else "no")
+                      str(lay.cp), ("reshard" if lay.resharded else "yes") if lay.sharded else "no")
     console.print(table)
     if report is not None:
         console.print(f"searched {report.simulated} layouts in the simulator ({report.pruned} pruned by their "

@@ -47,11 +47,14 @@ the whole step a rank holds every bf16 weight (2 B) and, per trainable one, its 
 gradient (4 B, FSDP2's reduce dtype), while the fp32 weight shards (4 B), gradient shards (4 B) and
 Adam moments (8 B) are divided by the shard degree: a sharded optimizer's memory (ZeRO-1), not
 ZeRO-3's. It saves memory over ``dp > 1`` replicas of a trained module (6 + 16/dp < 16) and over
-``dp > 2`` of a frozen one (2 + 4/dp < 4). With ``fsdp_per_microbatch`` the cost model prices FSDP as
-frameworks that gather before every forward and backward and reshard after them (FSDP2's default,
-ZeRO-3): every state divided by the shard degree (the simulator then prices the gathers per phase:
-`harmonia.sim.collectives`); that is how published runs are simulated, not how harmonia's runtime
-runs.
+``dp > 2`` of a frozen one (2 + 4/dp < 4). An LLM laid out ``fsdp reshard`` (`Layout.reshard`,
+`harmonia.runtime.grads.start_fsdp_resharding`) runs FSDP2's default (ZeRO-3): every block gathers
+its weights before each forward and backward and frees them after, every backward reduce-scatters
+its gradients, so every state is divided by the shard degree, and while a block runs its backward
+a rank holds that block's whole bf16 weights and fp32 gradients and the next block's prefetched
+weights (`reshard_transient_bytes`); the simulator prices the gathers and reduce-scatters per phase
+(`harmonia.sim.collectives`). ``fsdp_per_microbatch`` prices every FSDP layout that way, as
+published runs gather.
 """
 
 from __future__ import annotations
@@ -436,6 +439,11 @@ class CostModel:
                 total += float(self.flops(module, load).sum())
         return total
 
+    def reshards(self, layout) -> bool:
+        """Whether an FSDP layout gathers and frees its weights around every forward and backward:
+        laid out ``fsdp reshard``, or every FSDP layout under ``fsdp_per_microbatch``."""
+        return layout.sharded and (layout.reshard or self.fsdp_per_microbatch)
+
     # ---- memory ------------------------------------------------------------------------------
     def param_count(self, module: str, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(all, trainable) parameters of layers [start, stop)."""
@@ -443,19 +451,26 @@ class CostModel:
         return sum(x.params for x in layers), sum(x.trainable_params for x in layers)
 
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
-                    fsdp_shards: int = 1) -> float:
+                    fsdp_shards: int = 1, reshard: bool = False) -> float:
         """Weights, gradients and optimizer states of layers [start, stop) on one rank at the
         step's peak (module docstring): fp32 weights for every parameter, fp32 gradient and Adam
         moments per trainable one. With FSDP over ``fsdp_shards`` ranks the bf16 weights and fp32
-        accumulated gradients stay whole through the step and the rest is sharded; with
-        ``fsdp_per_microbatch`` everything is sharded.
+        accumulated gradients stay whole through the step and the rest is sharded; resharding per
+        microbatch (``reshard`` or ``fsdp_per_microbatch``) everything is sharded.
         """
         total, trainable = self.param_count(module, start, stop)
         sharded = total * MASTER_BYTES + trainable * (GRAD_BYTES + ADAM_BYTES)
-        if fsdp_shards <= 1 or self.fsdp_per_microbatch:
+        if fsdp_shards <= 1 or reshard or self.fsdp_per_microbatch:
             return sharded / tp / fsdp_shards
         whole = total * PARAM_BYTES + trainable * GRAD_BYTES
         return (whole + sharded / fsdp_shards) / tp
+
+    def reshard_transient_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1) -> float:
+        """What FSDP resharding per microbatch holds beyond the shards while a block of layers
+        [start, stop) runs its backward: its whole bf16 weights and fp32 gradients, and the next
+        block's bf16 weights, gathered ahead (FSDP2's prefetch); counted with the largest layer."""
+        largest = max(((x.params, x.trainable_params) for x in self.layers[module][start:stop]), default=(0, 0))
+        return (2 * largest[0] * PARAM_BYTES + largest[1] * GRAD_BYTES) / tp
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:

@@ -1,13 +1,14 @@
 """What the runtime's FSDP holds through a step is what the cost model charges (`harmonia.workload.cost`):
 bf16 weights gathered whole once, before the first microbatch, fp32 gradients accumulated whole,
-the fp32 weights sharded over ``dp``. One process, torch's fake process group of 4 ranks."""
+the fp32 weights sharded over ``dp``; resharding per microbatch (``fsdp reshard``), only shards
+between microbatches. One process, torch's fake process group of 4 ranks."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harmonia.runtime.grads import start_fsdp_backward
+from harmonia.runtime.grads import start_fsdp_backward, start_fsdp_resharding
 from harmonia.runtime.parallelize import apply_fsdp
 from harmonia.workload.cost import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
 
@@ -41,14 +42,18 @@ def _held(module: nn.Module) -> dict[str, int]:
     """Bytes of every FSDP parameter's whole bf16 copy, fp32 shard and accumulated gradient."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    out = {"whole": 0, "shard": 0, "grads": 0}
+    out = {"whole": 0, "shard": 0, "grads": 0, "grad_shards": 0}
     for sub in module.modules():
         group = fully_shard.state(sub)._fsdp_param_group if isinstance(sub, FSDPModule) else None
         for p in group.fsdp_params if group else ():
-            out["whole"] += p._unsharded_param.untyped_storage().nbytes()
+            if hasattr(p, "_unsharded_param"):  # made by the first gather
+                out["whole"] += p._unsharded_param.untyped_storage().nbytes()
             out["shard"] += p.sharded_param._local_tensor.untyped_storage().nbytes()
             if p.unsharded_accumulated_grad is not None:
                 out["grads"] += p.unsharded_accumulated_grad.untyped_storage().nbytes()
+            if p.sharded_param.grad is not None:  # views of one group's reduce-scatter output
+                shard = p.sharded_param.grad._local_tensor
+                out["grad_shards"] += shard.numel() * shard.element_size()
     return out
 
 
@@ -58,8 +63,39 @@ def test_fsdp_step_holds_whole_bf16_weights_and_fp32_gradients(fake_dp_mesh) -> 
     n = sum(p.numel() for p in model.parameters())
     apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
     start_fsdp_backward(model)  # the step's one gather, before any microbatch
-    assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP, "grads": 0}
+    assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP, "grads": 0,
+                            "grad_shards": 0}
     for _ in range(3):  # microbatches gather nothing more and accumulate whole fp32 gradients
         model(torch.randn(4, 32)).float().sum().backward()
         assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP,
-                                "grads": GRAD_BYTES * n}
+                                "grads": GRAD_BYTES * n, "grad_shards": 0}
+
+
+def test_fsdp_reshard_holds_only_shards_between_microbatches(fake_dp_mesh) -> None:
+    torch.manual_seed(0)
+    model = _Blocks()
+    n = sum(p.numel() for p in model.parameters())
+    apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
+    start_fsdp_resharding(model)
+    for _ in range(3):  # each unit gathers and frees; gradients accumulate as fp32 shards
+        y = model(torch.randn(4, 32))
+        assert _held(model)["whole"] == 0, "the root frees its weights after forward too"
+        y.float().sum().backward()
+        assert _held(model) == {"whole": 0, "shard": MASTER_BYTES * n // DP, "grads": 0,
+                                "grad_shards": GRAD_BYTES * n // DP}
+
+
+def test_fsdp_reshard_of_a_frozen_module_gathers_again_for_the_input_gradient(fake_dp_mesh) -> None:
+    """A frozen LLM under a trained projector: its backward computes input gradients only, with
+    weights gathered again for it and freed after; no gradient of its own is made."""
+    torch.manual_seed(0)
+    model = _Blocks().requires_grad_(False)
+    apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
+    start_fsdp_resharding(model)
+    for _ in range(2):
+        x = torch.randn(4, 32, requires_grad=True)
+        y = model(x)
+        assert _held(model)["whole"] == 0
+        y.float().sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert _held(model)["whole"] == 0 and _held(model)["grad_shards"] == 0

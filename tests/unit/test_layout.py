@@ -1,5 +1,7 @@
 """Layouts: rank grids, groups, stage splits, and bad input."""
 
+import json
+
 import pytest
 
 from harmonia.errors import LayoutError
@@ -30,6 +32,7 @@ def test_explicit_ranks_and_stage_split() -> None:
         (dict(dp=2, ranks=(0,)), "exactly 2"),
         (dict(dp=2, ranks=(1, 1)), "distinct"),
         (dict(pp=2, stage_layers=(1,)), "stage chunks"),
+        (dict(dp=2, reshard=True), "without fsdp"),
     ],
 )
 def test_bad_layouts(kwargs, match) -> None:
@@ -40,3 +43,26 @@ def test_bad_layouts(kwargs, match) -> None:
 def test_describe_names_only_the_degrees_in_use() -> None:
     assert Layout(tp=2, pp=8, dp=4, virtual_stages=4, fsdp=True).describe() == "tp2 pp8 v4 dp4 fsdp"
     assert Layout(tp=1, cp=2, dp=1, fsdp=True).describe() == "tp1 cp2 pp1 dp1"
+    assert Layout(tp=2, dp=4, fsdp=True, reshard=True).describe() == "tp2 pp1 dp4 fsdp reshard"
+    assert Layout(dp=1, fsdp=True, reshard=True).describe() == "tp1 pp1 dp1"
+
+
+def test_reshard_text_round_trips_and_is_refused_where_the_runtime_cannot_run_it() -> None:
+    from harmonia.plan.layout_text import parse_layout
+    from harmonia.schedule.plan import Plan
+
+    layout = parse_layout("tp2 pp2 dp4 fsdp reshard")
+    assert (layout.fsdp, layout.reshard, layout.describe()) == (True, True, "tp2 pp2 dp4 fsdp reshard")
+    assert Plan.from_json(Plan("m", {"llm": layout}, global_batch=64).to_json()).layouts["llm"] == layout
+    for text in ("dp4 reshard", "dp4 fsdp reshard reshard"):
+        with pytest.raises(LayoutError, match="unknown or repeated"):
+            parse_layout(text)
+    llm = Layout(dp=2, fsdp=True, reshard=True)
+    with pytest.raises(LayoutError, match="zero bubble splits the backward"):
+        Plan("m", {"llm": llm}, schedule="zb", global_batch=64)
+    with pytest.raises(LayoutError, match="vision: fsdp reshard is for the LLM only"):
+        Plan("m", {"vision": llm, "llm": llm}, global_batch=64)
+    raw = json.loads(Plan("m", {"llm": Layout(dp=2)}, global_batch=64).to_json())
+    raw["layouts"]["llm"]["reshard"] = True  # a plan file edited by hand
+    with pytest.raises(LayoutError, match="without fsdp"):
+        Plan.from_json(json.dumps(raw))

@@ -163,3 +163,61 @@ def test_fsdp_where_it_saves_memory() -> None:
     for dp in (2, 3, 4):
         assert (cost.state_bytes("llm", 0, 10, 1, dp) < cost.state_bytes("llm", 0, 10)) == (dp >= 2)
         assert (cold.state_bytes("llm", 0, 10, 1, dp) < cold.state_bytes("llm", 0, 10)) == (dp >= 3)
+
+
+def _resharded(plan: Plan) -> Plan:
+    return replace(plan, layouts={**plan.layouts, "llm": replace(plan.layouts["llm"], reshard=True)})
+
+
+def test_an_llm_laid_out_fsdp_reshard_is_priced_as_zero3_on_its_own(setup) -> None:
+    """``fsdp reshard`` on the LLM costs under the runtime's cost model exactly what ZeRO-3 pricing
+    of every FSDP layout costs the same plan (the LLM is its only FSDP module): gathers in every
+    forward and backward, reduce-scatters in every backward, only the last block's after the last
+    backward, every state sharded plus one block gathered whole."""
+    from harmonia.plan.candidates import state_bytes_per_rank
+    from harmonia.sim.collectives import backward_reduce_s, chunk_blocks
+
+    cost, samples, _ = setup
+    cluster = cluster_from_string("h100:2x8")
+    plan, zero3 = _resharded(_plan(True)), _zero3(cost)
+    assert rank_gathers_s(cost, cluster, plan) == {} and rank_gathers_s(cost, cluster, _plan(True))
+    mine = replay(*_tasks(cost, plan, _work(cost, samples, plan), cluster)).iteration_s
+    theirs = replay(*_tasks(zero3, _plan(True), _work(zero3, samples, _plan(True)), cluster)).iteration_s
+    assert mine == pytest.approx(theirs)
+    llm = plan.layouts["llm"]
+    for chunk in range(llm.pp):
+        whole = backward_reduce_s(cost, cluster, plan, "llm", chunk)
+        assert whole > 0 and backward_reduce_s(cost, cluster, _plan(True), "llm", chunk) == 0.0
+        assert grad_reduce_s(cost, cluster, plan, "llm", chunk) == pytest.approx(
+            whole / chunk_blocks(cost, llm, "llm", chunk))
+    held, kept = state_bytes_per_rank(cost, plan), state_bytes_per_rank(cost, _plan(True))
+    for rank in llm.rank_list():
+        start, stop = _range(cost, plan, llm.coords(rank)["pp"])
+        sharded = cost.state_bytes("llm", start, stop, llm.tp) / llm.dp
+        assert held[rank] == pytest.approx(sharded + cost.reshard_transient_bytes("llm", start, stop, llm.tp))
+        assert held[rank] < kept[rank]
+    # its backwards last at least their gather plus reduce-scatter
+    tasks = _tasks(cost, plan, _work(cost, samples, plan), cluster)[0]
+    floor = fsdp_gather_s(cost, cluster, plan, "llm", 0) + backward_reduce_s(cost, cluster, plan, "llm", 0)
+    assert all(t.duration >= floor * (1 - 1e-12) for t in tasks if t.kind == "BW" and t.name.startswith("llm.s0."))
+    iw = _work(cost, samples, plan)
+    assert work_bound(plan, cost, cluster, iw) <= mine * (1 + 1e-9)
+
+
+def test_resharding_is_a_variant_the_planner_tries_where_it_needs_less_recompute() -> None:
+    """Qwen2.5-72B's LLM over 64 ranks at tp4 pp1: its whole bf16 weights and fp32 gradients (6 B per
+    weight / tp = 108 GB) cannot fit an 80 GB device however much it recomputes; resharding per
+    microbatch fits it, and under zero bubble (split backward) it is not offered."""
+    from harmonia.plan.recipes import Candidate, fitting, resharded
+    from harmonia.plan.scenario import Scenario, ScenarioRun
+
+    run = ScenarioRun(Scenario("b", "omni-72b", "h100:8x8", "synthetic:image=1", 64, iterations=1,
+                               search_batches=1))
+    llm = Layout(tp=4, dp=16, fsdp=True)
+    plan = Plan("omni-72b", {"vision": Layout(dp=64), "audio": Layout(dp=64), "llm": llm}, "colocated",
+                "1f1b", 4, 64)
+    got = [c.plan for c in fitting(iter([Candidate("harmonia", plan)]), run.cost, run.cluster, run.profile)]
+    assert got and all(p.layouts["llm"].resharded and p.layouts["llm"].describe() == "tp4 pp1 dp16 fsdp reshard"
+                       for p in got)
+    assert resharded(run.cost, replace(plan, schedule="zb")) is None
+    assert resharded(run.cost, got[0]) is None  # already resharded
