@@ -27,6 +27,8 @@ the simulated peak (actual microbatches, actual order) decides after scoring.
 
 from __future__ import annotations
 
+import numpy as np
+
 from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
@@ -76,59 +78,105 @@ def _microbatch_share(plan: Plan, module: str) -> float:
 
 
 def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str,
-                                chunk: int) -> float:
+                                chunk: int, recompute: float | None = None) -> float:
     """Activation bytes one mean microbatch keeps on one rank of a stage chunk (projector included
-    on an encoder's last chunk)."""
+    on an encoder's last chunk), recomputing the plan's share of the module's blocks or
+    ``recompute``."""
     layout: Layout = plan.layouts[module]
     share = _microbatch_share(plan, module)
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * share
-    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, plan.recompute_share(module))
+    recompute = plan.recompute_share(module) if recompute is None else recompute
+    act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
     if module != LLM and chunk == layout.n_stages - 1:
         proj = f"{module}_proj"
         act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * share, tp=layout.tp, cp=layout.cp)
     return act
 
 
-def recompute_transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int) -> float:
+def recompute_transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int,
+                              recompute: float | None = None) -> float:
     """Bytes a mean microbatch's backward holds on one rank of a recomputed stage chunk beyond what
-    it keeps: one block's recomputed activations (0 when ``module`` does not recompute)."""
-    if module not in plan.recompute:
+    it keeps: one block's recomputed activations (0 when ``module`` does not recompute), for the
+    plan's share or ``recompute``."""
+    recompute = plan.recompute_share(module) if recompute is None else recompute
+    if not recompute:
         return 0.0
     layout: Layout = plan.layouts[module]
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
-    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp,
-                                          plan.recompute_share(module))
+    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
+
+
+def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, graph: StageGraph, module: str,
+                        recompute: float, fused: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank (indexed by global rank), the activations ``module``'s stage chunks keep in flight
+    there and the bytes one of its recomputing backwards adds on top, recomputing ``recompute``."""
+    layout = plan.layouts[module]
+    kept, again = np.zeros(plan.world_size), np.zeros(plan.world_size)
+    ranks = np.asarray(layout.rank_list())
+    per = layout.size // layout.pp
+    interleaved = module == LLM and plan.schedule == "interleaved" and layout.virtual_stages > 1
+    acts = [microbatch_activation_bytes(cost, plan, profile, module, c, recompute) for c in range(layout.n_stages)]
+    for chunk in range(layout.n_stages):
+        pp_rank = chunk % layout.pp
+        if interleaved:  # one gate per rank over its chunks: the largest chunk forwards it admits
+            if chunk >= layout.pp:
+                continue
+            mine = sorted(acts[pp_rank::layout.pp], reverse=True)
+            act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
+        else:
+            act = in_flight(graph, plan, StageRef(module, chunk), fused) * acts[chunk]
+        held = max(recompute_transient_bytes(cost, plan, profile, module, c, recompute)
+                   for c in range(pp_rank, layout.n_stages, layout.pp))
+        mine_ranks = ranks[pp_rank * per:(pp_rank + 1) * per]
+        kept[mine_ranks] += act
+        again[mine_ranks] = np.maximum(again[mine_ranks], held)
+    return kept, again
+
+
+def _states(cost: CostModel, plan: Plan) -> np.ndarray:
+    """`state_bytes_per_rank` indexed by global rank."""
+    out = np.zeros(plan.world_size)
+    for rank, nbytes in state_bytes_per_rank(cost, plan).items():
+        out[rank] = nbytes
+    return out
 
 
 def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: bool = False) -> dict[int, float]:
     """Per rank, states plus the activations its stage chunks keep in flight (module docstring)."""
-    out = state_bytes_per_rank(cost, plan)
-    transient: dict[int, float] = {}
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    total, transient = _states(cost, plan), np.zeros(plan.world_size)
+    used = np.zeros(plan.world_size, dtype=bool)
     for module, layout in plan.layouts.items():
-        ranks = layout.rank_list()
-        per = layout.size // layout.pp
-        interleaved = module == LLM and plan.schedule == "interleaved" and layout.virtual_stages > 1
-        acts = [microbatch_activation_bytes(cost, plan, profile, module, c) for c in range(layout.n_stages)]
-        for chunk in range(layout.n_stages):
-            pp_rank = chunk % layout.pp
-            if interleaved:  # one gate per rank over its chunks: the largest chunk forwards it admits
-                if chunk >= layout.pp:
-                    continue
-                mine = sorted(acts[pp_rank::layout.pp], reverse=True)
-                act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
-            else:
-                act = in_flight(graph, plan, StageRef(module, chunk), fused) * acts[chunk]
-            again = max(recompute_transient_bytes(cost, plan, profile, module, c)
-                        for c in range(pp_rank, layout.n_stages, layout.pp))
-            for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
-                out[rank] = out.get(rank, 0.0) + act
-                transient[rank] = max(transient.get(rank, 0.0), again)
-    for rank, nbytes in transient.items():
-        out[rank] += nbytes
-    return out
+        kept, again = _module_activations(cost, plan, profile, graph, module, plan.recompute_share(module), fused)
+        total += kept
+        transient = np.maximum(transient, again)
+        used[list(layout.rank_list())] = True
+    total += transient
+    return {int(r): float(total[r]) for r in np.flatnonzero(used)}
+
+
+def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options: list[dict[str, float]],
+                    fused: bool = False) -> list[float]:
+    """The largest `plan_peak_bytes` over ranks of the plan under each recompute option (module ->
+    share of its blocks recomputed; a module left out recomputes nothing). Equal to evaluating
+    each option's plan, but each module's activations are computed once per share it takes."""
+    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    states = _states(cost, plan)
+    cache: dict[tuple[str, float], tuple[np.ndarray, np.ndarray]] = {}
+    peaks = []
+    for option in options:
+        total, transient = states.copy(), np.zeros(plan.world_size)
+        for module in plan.layouts:
+            share = float(option.get(module, 0.0))
+            if (module, share) not in cache:
+                cache[(module, share)] = _module_activations(cost, plan, profile, graph, module, share, fused)
+            kept, again = cache[(module, share)]
+            total += kept
+            transient = np.maximum(transient, again)
+        peaks.append(float((total + transient).max()))
+    return peaks
 
 
 def work_peak_floor(cost: CostModel, plan: Plan, iw: IterationWork) -> dict[int, float]:

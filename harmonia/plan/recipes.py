@@ -44,7 +44,7 @@ import numpy as np
 from harmonia.errors import ConfigError
 from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, fsdp_pays,
                                       llm_layouts, tp_options)
-from harmonia.plan.memory import plan_peak_bytes
+from harmonia.plan.memory import recompute_peaks
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
 from harmonia.schedule.families import fuse_encoders
@@ -262,14 +262,12 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     def least(cand: Candidate, below: float = float("inf")) -> tuple[list[Recompute], Recompute | None]:
         """The recompute options and the first that fits, among those of less extra work than ``below``."""
         options = recompute_options(cost, cand.plan, weights)
-
-        def fits(option: Recompute) -> bool:
-            plan = replace(cand.plan, recompute=option[0], recompute_fraction=option[1])
-            return max(plan_peak_bytes(cost, plan, profile, cand.fused).values()) <= cap
-
-        if not fits(options[-1]):  # recomputing everything does not fit: nothing less does
+        shares = [{m: _share(o, m) for m in cand.plan.layouts} for o in options]
+        peaks = recompute_peaks(cost, cand.plan, profile, shares, cand.fused)
+        if peaks[-1] > cap:  # recomputing everything does not fit: nothing less does
             return options, None
-        return options, next((o for o in options if _extra(o, weights) < below and fits(o)), None)
+        return options, next((o for o, peak in zip(options, peaks) if _extra(o, weights) < below and peak <= cap),
+                             None)
 
     def with_recompute(cand: Candidate, option: Recompute) -> Candidate:
         return replace(cand, plan=replace(cand.plan, recompute=option[0], recompute_fraction=option[1]))

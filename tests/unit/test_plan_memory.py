@@ -134,3 +134,24 @@ def test_interleaved_estimate_counts_the_rank_gate_not_every_chunk_depth(equal_s
         held = estimate[rank] - states[rank]
         assert acts[rank] <= held * (1 + 1e-9)
         assert held <= acts[rank] * 1.4, (rank, held, acts[rank])
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_recompute_peaks_equal_the_peak_of_each_options_plan(equal_samples, schedule) -> None:
+    """The planner prices every recompute option of a candidate at once; each must be the peak of
+    that option's own plan, states (FSDP resharding included) and transients alike."""
+    from harmonia.plan.memory import recompute_peaks
+    from harmonia.plan.recipes import recompute_options
+
+    cost, _, profile = equal_samples
+    llm = Layout(pp=2, dp=2, rank_offset=2, virtual_stages=2 if schedule == "interleaved" else 1, fsdp=True,
+                 reshard=True)
+    plan = _plan({"vision": Layout(dp=2, fsdp=True), "llm": llm}, schedule)
+    options = recompute_options(cost, plan)
+    assert len(options) > 10
+    shares = [{m: (o[1].get(m, 1.0) if m in o[0] else 0.0) for m in plan.layouts} for o in options]
+    got = recompute_peaks(cost, plan, profile, shares)
+    for option, peak in zip(options, got):
+        own = replace(plan, recompute=option[0], recompute_fraction=option[1])
+        assert peak == pytest.approx(max(plan_peak_bytes(cost, own, profile).values()), rel=1e-12)
+    assert len(set(got)) > 1
