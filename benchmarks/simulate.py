@@ -48,7 +48,7 @@ def plan_text(result) -> str:
         return f"no plan fits ({why})" if "fits" in result.error else result.error[:100]
     plan = result.candidate.plan
     mods = "; ".join(f"{m} {x.describe()}" for m, x in plan.layouts.items())
-    recompute = f"; recompute {','.join(plan.recompute)}" if plan.recompute else ""
+    recompute = f"; recompute {','.join(plan.recompute_text())}" if plan.recompute else ""
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}{recompute}"
 
 

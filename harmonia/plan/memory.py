@@ -158,21 +158,27 @@ def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: b
 
 
 def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options: list[dict[str, float]],
-                    fused: bool = False) -> list[float]:
+                    fused: bool = False, cache: dict | None = None) -> list[float]:
     """The largest `plan_peak_bytes` over ranks of the plan under each recompute option (module ->
     share of its blocks recomputed; a module left out recomputes nothing). Equal to evaluating
-    each option's plan, but each module's activations are computed once per share it takes."""
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    each option's plan, but each module's activations are computed once per share it takes, and
+    with a ``cache`` once per search: they depend on the module's and the LLM's layouts, the
+    schedule, the microbatches and the batch only (an encoder's in-flight count follows the
+    LLM's stages after it)."""
+    graph = None
     states = _states(cost, plan)
-    cache: dict[tuple[str, float], tuple[np.ndarray, np.ndarray]] = {}
+    cache = {} if cache is None else cache
+    fixed = (plan.layouts[LLM], plan.schedule, plan.n_microbatches, plan.global_batch, fused, plan.world_size)
     peaks = []
     for option in options:
         total, transient = states.copy(), np.zeros(plan.world_size)
         for module in plan.layouts:
             share = float(option.get(module, 0.0))
-            if (module, share) not in cache:
-                cache[(module, share)] = _module_activations(cost, plan, profile, graph, module, share, fused)
-            kept, again = cache[(module, share)]
+            key = (module, plan.layouts[module], share, *fixed)
+            if key not in cache:
+                graph = graph or StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+                cache[key] = _module_activations(cost, plan, profile, graph, module, share, fused)
+            kept, again = cache[key]
             total += kept
             transient = np.maximum(transient, again)
         peaks.append(float((total + transient).max()))

@@ -9,6 +9,7 @@ batches, serves the whole run while per-iteration balancing absorbs the rest.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,9 +56,14 @@ class BatchProfile:
 
     def sample_load(self, module: str) -> ModuleLoad:
         """Mean per-sample load of a module (a reference for stage splits and memory)."""
-        j = self.modules.index(module)
-        return ModuleLoad(int(self.batch_tokens[:, j].mean() / self.global_batch),
-                          int(self.batch_pairs[:, j].mean() / self.global_batch), 1)
+        return self._sample_loads[module]
+
+    @functools.cached_property
+    def _sample_loads(self) -> dict[str, ModuleLoad]:
+        """`sample_load` of every module, computed once (the planner asks for it per candidate)."""
+        return {m: ModuleLoad(int(self.batch_tokens[:, j].mean() / self.global_batch),
+                              int(self.batch_pairs[:, j].mean() / self.global_batch), 1)
+                for j, m in enumerate(self.modules)}
 
 
 def profile_batches(samples: list[SampleShape], cost: CostModel, global_batch: int, n_batches: int = 16,

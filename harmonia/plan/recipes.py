@@ -258,12 +258,13 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     Those that fit in none of these are counted in ``rejected``."""
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     weights = profile.mean_costs()
+    activations: dict = {}  # every module's activations per layout and share, shared by the candidates
 
     def least(cand: Candidate, below: float = float("inf")) -> tuple[list[Recompute], Recompute | None]:
         """The recompute options and the first that fits, among those of less extra work than ``below``."""
         options = recompute_options(cost, cand.plan, weights)
         shares = [{m: _share(o, m) for m in cand.plan.layouts} for o in options]
-        peaks = recompute_peaks(cost, cand.plan, profile, shares, cand.fused)
+        peaks = recompute_peaks(cost, cand.plan, profile, shares, cand.fused, activations)
         if peaks[-1] > cap:  # recomputing everything does not fit: nothing less does
             return options, None
         return options, next((o for o, peak in zip(options, peaks) if _extra(o, weights) < below and peak <= cap),
