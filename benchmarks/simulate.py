@@ -52,6 +52,14 @@ def plan_text(result) -> str:
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}{recompute}"
 
 
+def peak_text(run: ScenarioRun, result) -> str:
+    """The most one rank holds over the scenario's iterations (states plus activations), marked
+    ``over`` where some iteration exceeds the device: the search scores memory on its own batches
+    only, and a heavier batch than those can need more."""
+    capacity = run.cluster.device.mem_bytes
+    return f"{result.peak_bytes / 2**30:.1f}" + (" over" if result.peak_bytes > capacity else "")
+
+
 def one_layout(run: ScenarioRun):
     """harmonia's best plan with one layout for all modules, on the scenario's iterations (None for
     an LLM alone, whose every plan is one layout)."""
@@ -116,21 +124,21 @@ def main(paths: list[str]) -> int:
         bound = float(run.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / run.cluster.world_size
         table = Table(title=f"{scenario.name} — {scenario.iterations} iterations of {scenario.global_batch} "
                             f"samples ({time.perf_counter() - t0:.0f} s)")
-        for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "bound / time", "plan",
-                    "searched"):
+        for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "bound / time",
+                    "peak GiB", "plan", "searched"):
             table.add_column(col, justify="left" if col in ("recipe", "plan") else "right")
         base = results["megatron"].iteration_s  # NaN when no megatron plan fits
         fitted = [results[r].iteration_s for r in ("megatron", "cornstarch", "disttrain") if results[r].candidate]
         others = min(fitted, default=float("nan"))
         for name, r in results.items():
             if r.candidate is None:
-                table.add_row(name, "-", "-", "-", "-", "-", "-", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
+                table.add_row(name, "-", "-", "-", "-", "-", "-", "-", plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
                 continue
             table.add_row(name, f"{r.iteration_s:.3f}", f"{r.samples_per_s:.1f}", times(base, r.iteration_s),
-                          f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", f"{bound / r.iteration_s:.1%}", plan_text(r),
-                          f"{r.tried} in {r.search_s:.1f}s")
+                          f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", f"{bound / r.iteration_s:.1%}", peak_text(run, r),
+                          plan_text(r), f"{r.tried} in {r.search_s:.1f}s")
         table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}",
-                      times(base, bound), "0.0%", "", "100%", "all work spread evenly over every rank", "")
+                      times(base, bound), "0.0%", "", "100%", "", "all work spread evenly over every rank", "")
         console.print(table)
         h = results["harmonia"].iteration_s
         if results["harmonia"].candidate:
