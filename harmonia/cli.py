@@ -275,7 +275,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
     scenario = Scenario("plan", args.model, args.cluster, _trace_path(args.trace), args.global_batch, training,
-                        iterations=1, search_batches=args.batches, seed=args.seed)
+                        iterations=1, search_batches=args.batches, memory_batches=args.memory_batches, seed=args.seed)
     with console.status("profiling batches and searching layouts"):
         report = search_plan(scenario, top=args.top)
     table = Table(title=f"best {len(report.ranked)} plans for {args.model} on {args.cluster} "
@@ -407,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
     p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
+    p.add_argument("--memory-batches", type=int, default=8,
+                   help="further profiled batches a plan must fit device memory on before it is ranked "
+                   "(heavier batches than the scored ones need more)")
     p.add_argument("--top", type=int, default=3,
                    help="plans ranked exactly (the best is always exact; each further one may cost simulations, "
                    "about a second each on 64 GPUs)")

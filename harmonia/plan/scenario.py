@@ -41,6 +41,8 @@ class Scenario:
         global_batch: samples per iteration.
         iterations: batches averaged in the report.
         search_batches: batches each candidate is scored on during the search.
+        memory_batches: further batches a plan must also fit device memory on before the search
+            ranks it (a plan timed on a few batches meets heavier ones when it trains).
         seed: sampling seed.
         sequence_parallel: price TP as Megatron-LM's sequence parallelism does (norms, residual adds
             and their activations split over tokens; `harmonia.workload.cost`); harmonia's runtime runs
@@ -60,6 +62,7 @@ class Scenario:
     training: dict[str, str] = field(default_factory=dict)
     iterations: int = 20
     search_batches: int = 2
+    memory_batches: int = 8
     seed: int = 0
     sequence_parallel: bool = False
     fsdp_per_microbatch: bool = False
@@ -67,6 +70,8 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
             raise ConfigError(f"scenario {self.name!r}: global_batch, iterations and search_batches must be >= 1")
+        if self.memory_batches < 0:
+            raise ConfigError(f"scenario {self.name!r}: memory_batches={self.memory_batches} must be >= 0")
 
     @staticmethod
     def load(path: str | Path) -> Scenario:
@@ -102,7 +107,7 @@ class ScenarioRun:
         tokens, pairs = load_arrays(self.samples, self.mllm)
         self.costs = self.cost.costs_from_loads(tokens, pairs)
         self.tokens = tokens[:, self.cost.modules.index("llm")]
-        n_batches = scenario.iterations + scenario.search_batches
+        n_batches = scenario.iterations + scenario.search_batches + scenario.memory_batches
         self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
 
     def iteration_work(self, cand: Candidate, k: int) -> IterationWork:

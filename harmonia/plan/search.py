@@ -41,7 +41,10 @@ simulated peak on some rank (its stages' states plus its activation peak, on any
 exceeds the device memory is rejected as soon as it does (counted under one reason), and so is one
 whose stage work alone shows it must (`harmonia.plan.memory.work_peak_floor`: states plus one
 unit's activations, known before simulating): for every
-recipe, baselines included. The report gives each ranked plan's simulated peak bytes on one rank.
+recipe, baselines included. A plan timed on a few batches meets heavier ones when it trains, so
+before a candidate is ranked it must also fit the scenario's memory batches (further profiled
+batches, never scored for time): the floor of its peak on each, and the simulated peak of the one
+whose floor is highest. The report gives each ranked plan's peak bytes on one rank over all of these.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
 from harmonia.sim.parts import independent_parts, simulate_part
+from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -218,6 +222,14 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
         state = states[key]
         j = min(range(len(batches)), key=lambda j: state[j][0])
         if state[j][0] == SIMULATED:
+            try:
+                over = scorer.heavier_batches_over(cands[i], key)
+            except HarmoniaError as err:
+                over = f"schedule: {err}"[:80]
+            if over:  # it would run out of memory on a batch heavier than those it was timed on
+                failed[key] = over
+                rejected[over] += 1
+                continue
             ranked.append((current, run.scenario.global_batch / current, cands[i]))
             continue
         try:
@@ -297,6 +309,28 @@ class _Scorer:
         if peak <= capacity:
             return None
         return f"memory: peak above the device's {capacity / 2**30:.0f} GiB"
+
+    def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None:
+        """Why a scored candidate cannot train on the scenario's memory batches (None if it can):
+        the floor of its stage work's peak on each (`work_peak_floor`), then the simulated peak
+        of the one whose floor is highest; both count towards its peak bytes."""
+        run = self.run
+        first = run.scenario.iterations + run.scenario.search_batches
+        floors = []
+        for k in range(first, first + run.scenario.memory_batches):
+            iw = run.iteration_work(cand, k)
+            floors.append((max(work_peak_floor(run.cost, cand.plan, iw).values(), default=0.0), k, iw))
+        if not floors:
+            return None
+        floor, _, iw = max(floors, key=lambda f: f[0])
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)
+        if not self.over_memory(key):
+            timeline = simulate_schedule(cand.plan, run.cost, run.cluster, iw, candidate_schedule(cand, run.cost, iw))
+            states = state_bytes_per_rank(run.cost, cand.plan)
+            peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
+            self.peak_bytes[key] = max(self.peak_bytes[key], peak)
+        over = self.over_memory(key)
+        return f"{over} on a heavier batch" if over else None
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
@@ -378,7 +412,7 @@ def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidat
         score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
     except HarmoniaError:
         return ranked, 1
-    if scorer.over_memory(key) or score >= ranked[0][0]:
+    if scorer.over_memory(key) or score >= ranked[0][0] or scorer.heavier_batches_over(twin, key):
         return ranked, 1
     return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
 

@@ -97,7 +97,7 @@ def test_colocated_encoders_add_to_the_llm_ranks(equal_samples) -> None:
 
 def test_search_rejects_plans_whose_simulated_peak_exceeds_the_device(shared_traces) -> None:
     scenario = Scenario("m", "internvl-8b", "h100:1x4", str(shared_traces / "chartqa.csv"), 32,
-                        iterations=1, search_batches=1)
+                        iterations=1, search_batches=1, memory_batches=0)
     run = ScenarioRun(scenario)
     cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, 32, scenario.model))
     scorer = _Scorer(run, [1])
@@ -115,6 +115,33 @@ def test_search_rejects_plans_whose_simulated_peak_exceeds_the_device(shared_tra
     assert all(scorer.peak_bytes[simulation_key(c, run.cost)] <= cap for _, _, c in kept)
     assert [c for _, _, c in kept] == [c for _, _, c in ranked
                                        if scorer.peak_bytes.get(simulation_key(c, run.cost), 0.0) <= cap]
+
+
+def test_search_rejects_plans_that_fit_their_scored_batch_but_not_a_heavier_one(shared_traces) -> None:
+    """A plan is timed on its search batches but trains on every batch: before it is ranked it must
+    fit the scenario's memory batches too (never scored for time)."""
+    from harmonia.plan.search import simulation_key
+
+    scenario = Scenario("m", "internvl-8b", "h100:1x4", str(shared_traces / "chartqa.csv"), 32,
+                        iterations=1, search_batches=1, memory_batches=4)
+    run = ScenarioRun(scenario)
+    cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, 32, scenario.model))[:12]
+    scored, heavier = {}, {}
+    for cand in cands:
+        scorer, key = _Scorer(run, [1]), simulation_key(cand, run.cost)
+        scorer.simulate(cand, key, 0)
+        scored[key] = scorer.peak_bytes[key]
+        assert scorer.heavier_batches_over(cand, key) is None  # an 80 GiB device holds them all
+        heavier[key] = scorer.peak_bytes[key]
+    key = max(heavier, key=lambda k: heavier[k] / scored[k])
+    assert heavier[key] > scored[key], "some memory batch needs more than the scored one"
+    cand = next(c for c in cands if simulation_key(c, run.cost) == key)
+    cap = (scored[key] + heavier[key]) / 2  # the scored batch fits, a heavier one does not
+    run.cluster = replace(run.cluster, device=replace(run.cluster.device, mem_bytes=cap))
+    rejected = Counter()
+    kept, _ = _branch_and_bound(_Scorer(run, [1]), [cand], [1], 1, rejected)
+    assert kept == [] and rejected == Counter({f"memory: peak above the device's {cap / 2**30:.0f} GiB on a "
+                                               "heavier batch": 1})
 
 
 @pytest.mark.parametrize("virtual", [2, 4])

@@ -219,7 +219,7 @@ def test_fitting_recomputes_only_the_encoder_when_that_is_the_least_that_fits() 
     from harmonia.plan.scenario import Scenario, ScenarioRun
 
     run = ScenarioRun(Scenario("e", "internvl-8b", "h100:8x8", "synthetic:long_video=0.5,image=0.35,text=0.15",
-                               128, iterations=1, search_batches=1))
+                               128, iterations=1, search_batches=1, memory_batches=0))
     plan = Plan("internvl-8b", {"vision": Layout(dp=64), "llm": Layout(tp=4, dp=16, fsdp=True)}, "colocated",
                 "1f1b", 4, 128)
     got = [c.plan for c in fitting(iter([Candidate("harmonia", plan)]), run.cost, run.cluster, run.profile)]
