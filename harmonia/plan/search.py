@@ -436,5 +436,5 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
 def _layouts_key(plan: Plan, cost: CostModel) -> tuple:
     """Every module's layout as it places and splits work: ranks listed or by offset alike, a stage
     split given or even alike (two plans that differ only there simulate alike)."""
-    return tuple((m, lay.tp, lay.cp, lay.dp, lay.pp, lay.rank_list(), lay.virtual_stages, lay.fsdp,
-                  lay.reshard, tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))
+    return tuple((m, lay.tp, lay.cp, lay.dp, lay.pp, lay.rank_list(), lay.virtual_stages, lay.fsdp, lay.reshard,
+                  tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))

@@ -180,16 +180,16 @@ class MLLMExecutor:
                                 "LLM microbatches were given")
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=True)
-        for r in self.runners.values():
-            if r.fsdp:
-                for module in r.chunks.values():
-                    (start_fsdp_resharding if r.reshard else start_fsdp_backward)(module)
         actions = self.rank_actions(schedule)
         split = [a for a in actions if a.kind is Kind.W and self.runners[a.module].reshard]
         if split:
             raise ScheduleError(f"{split[0]}: a split backward's W on an FSDP chunk that reshards per microbatch "
                                 "(B freed the weights W needs); use a schedule with fused backward (1f1b, gpipe, "
                                 "interleaved) or fsdp without reshard")
+        for r in self.runners.values():
+            if r.fsdp:
+                for module in r.chunks.values():
+                    (start_fsdp_resharding if r.reshard else start_fsdp_backward)(module)
         run = _MLLMIteration(self, schedule, batch)
         run.execute(actions)
         for r in self.runners.values():
