@@ -168,10 +168,11 @@ def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options:
     graph = None
     states = _states(cost, plan)
     cache = {} if cache is None else cache
-    fixed = (plan.layouts[LLM], plan.schedule, plan.n_microbatches, plan.global_batch, fused, plan.world_size)
+    world = plan.world_size
+    fixed = (plan.layouts[LLM], plan.schedule, plan.n_microbatches, plan.global_batch, fused, world)
     peaks = []
     for option in options:
-        total, transient = states.copy(), np.zeros(plan.world_size)
+        total, transient = states.copy(), np.zeros(world)
         for module in plan.layouts:
             share = float(option.get(module, 0.0))
             key = (module, plan.layouts[module], share, *fixed)

@@ -7,6 +7,7 @@ list the same ranks, factorised their own way); with ``disjoint`` each module ow
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -120,8 +121,9 @@ class Plan:
         """What recomputes, hashable (modules and their shares), for caches keyed by plan."""
         return tuple((m, self.recompute_share(m)) for m in self.recompute)
 
-    @property
+    @functools.cached_property
     def world_size(self) -> int:
+        """Ranks the plan spans (the highest rank any module holds, plus one; computed once)."""
         return max(r for layout in self.layouts.values() for r in layout.rank_list()) + 1
 
     @property
