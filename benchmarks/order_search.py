@@ -12,7 +12,6 @@ the simulate benchmark does.
 
 from __future__ import annotations
 
-import datetime
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from saved import save_table
 from simulate import order_search_ms
 
 from harmonia.errors import LayoutError
@@ -64,9 +64,7 @@ def main(paths: list[str]) -> int:
     console.print(table)
     console.print(f"largest per-batch search {worst:.0f} ms (budget {BUDGET_MS:.0f} ms, wall clock on this machine, "
                   "while nothing else ran)")
-    out = ROOT / "benchmarks" / "results" / f"order-search-{datetime.date.today()}.txt"
-    out.write_text(console.export_text())
-    console.print(f"saved {out.relative_to(ROOT)}")
+    save_table(console, "order-search")
     return 0
 
 

@@ -15,7 +15,6 @@ default (`COMMAND`) on 64 and 1024 GPUs.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 from dataclasses import replace
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from saved import save_table
 
 from harmonia.errors import LayoutError
 from harmonia.plan.scenario import Scenario, ScenarioRun
@@ -114,10 +114,7 @@ def main(argv: list[str]) -> int:
     console.print(table)
     console.print("targets: search <= 10 s on 64 GPUs, <= 60 s on 1024 GPUs (one core); 'held-out' runs the "
                   f"scenario's first {args.held_out} sampled iterations, which the search never scored")
-    stamp = f"{datetime.date.today()}"
-    out = ROOT / "benchmarks" / "results" / f"plan-{stamp}.txt"
-    out.write_text(console.export_text())
-    console.print(f"saved {out.relative_to(ROOT)}")
+    save_table(console, "plan")
     return 0
 
 

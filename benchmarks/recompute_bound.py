@@ -17,13 +17,13 @@ beside the share it reaches (bound / its time) and that share over the cap.
 
 from __future__ import annotations
 
-import datetime
 import json
 import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from saved import save_table
 
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.plan import parse_recompute
@@ -62,9 +62,7 @@ def main(argv: list[str]) -> int:
         table.add_row(name, ",".join(plan["recompute"]) or "none", f"{factor:.3f}", f"{1 / factor:.1%}",
                       f"{share:.1%}", f"{share * factor:.1%}")
     console.print(table)
-    out = ROOT / "benchmarks" / "results" / f"recompute-bound-{datetime.date.today()}.txt"
-    out.write_text(console.export_text())
-    console.print(f"saved {out.relative_to(ROOT)}")
+    save_table(console, "recompute-bound")
     return 0
 
 
