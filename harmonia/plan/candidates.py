@@ -137,7 +137,7 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
         hi = start + n if chunk < len(split) - 1 else len(cost.layers[module])
         in_flight = min(layout.pp - chunk % layout.pp, n_microbatches)
         states = cost.state_bytes(module, lo, hi, layout.tp, shards, reshard)
-        if reshard:
+        if reshard:  # once per rank although its v chunks' states are counted v times below
             states += cost.reshard_transient_bytes(module, lo, hi, layout.tp) / layout.virtual_stages
         acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
                                                  recompute)

@@ -70,6 +70,7 @@ from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
+from harmonia.sim.engine import Timeline
 from harmonia.sim.parts import independent_parts, simulate_part
 from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import CostModel
@@ -310,25 +311,31 @@ class _Scorer:
             return None
         return f"memory: peak above the device's {capacity / 2**30:.0f} GiB"
 
+    def _record(self, key: tuple, nbytes: float) -> None:
+        """Raise a candidate's peak bytes on one rank to ``nbytes`` if that is more."""
+        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), nbytes)
+
+    def _record_simulated(self, key: tuple, plan: Plan, timeline: Timeline) -> None:
+        """Record a simulation's peak: each simulated rank's states plus its activation peak."""
+        states = state_bytes_per_rank(self.run.cost, plan)
+        self._record(key, max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in timeline.peak_mem))
+
     def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None:
         """Why a scored candidate cannot train on the scenario's memory batches (None if it can):
         the floor of its stage work's peak on each (`work_peak_floor`), then the simulated peak
         of the one whose floor is highest; both count towards its peak bytes."""
         run = self.run
         first = run.scenario.iterations + run.scenario.search_batches
-        floors = []
-        for k in range(first, first + run.scenario.memory_batches):
-            iw = run.iteration_work(cand, k)
-            floors.append((max(work_peak_floor(run.cost, cand.plan, iw).values(), default=0.0), k, iw))
-        if not floors:
+        works = [run.iteration_work(cand, k) for k in range(first, first + run.scenario.memory_batches)]
+        if not works:
             return None
-        floor, _, iw = max(floors, key=lambda f: f[0])
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)
+        floors = [max(work_peak_floor(run.cost, cand.plan, iw).values(), default=0.0) for iw in works]
+        heaviest = works[floors.index(max(floors))]
+        self._record(key, max(floors))
         if not self.over_memory(key):
-            timeline = simulate_schedule(cand.plan, run.cost, run.cluster, iw, candidate_schedule(cand, run.cost, iw))
-            states = state_bytes_per_rank(run.cost, cand.plan)
-            peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in states)
-            self.peak_bytes[key] = max(self.peak_bytes[key], peak)
+            schedule = candidate_schedule(cand, run.cost, heaviest)
+            self._record_simulated(key, cand.plan, simulate_schedule(cand.plan, run.cost, run.cluster, heaviest,
+                                                                     schedule))
         over = self.over_memory(key)
         return f"{over} on a heavier batch" if over else None
 
@@ -337,8 +344,7 @@ class _Scorer:
         iteration's independent parts are queued for simulation: the busiest alone, then the others
         together (one replay of a few ranks costs little beside building the schedule's lists)."""
         iw = self._iteration(cand, j)
-        floor = max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0)
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), floor)
+        self._record(key, max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0))
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
@@ -360,9 +366,7 @@ class _Scorer:
         timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, parts.ranks[parts.done])
         parts.done += 1
         parts.seconds = max(parts.seconds, float(timeline.iteration_s))
-        states = state_bytes_per_rank(run.cost, cand.plan)
-        peak = max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in timeline.peak_mem)
-        self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), peak)
+        self._record_simulated(key, cand.plan, timeline)
         whole = parts.done == len(parts.ranks)
         if whole:
             del self.parts[(key, j)]
