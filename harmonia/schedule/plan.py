@@ -209,4 +209,7 @@ class Plan:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"plan file {path} does not exist; create one with `harmonia plan`")
-        return Plan.from_json(path.read_text())
+        try:
+            return Plan.from_json(path.read_text())
+        except (ConfigError, LayoutError) as err:
+            raise type(err)(f"plan file {path}: {err}") from None
