@@ -166,24 +166,25 @@ def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options:
     schedule, the microbatches and the batch only (an encoder's in-flight count follows the
     LLM's stages after it)."""
     graph = None
-    states = _states(cost, plan)
     cache = {} if cache is None else cache
     world = plan.world_size
     fixed = (plan.layouts[LLM], plan.schedule, plan.n_microbatches, plan.global_batch, fused, world)
-    peaks = []
-    for option in options:
-        total, transient = states.copy(), np.zeros(world)
-        for module in plan.layouts:
-            share = float(option.get(module, 0.0))
+    total = np.tile(_states(cost, plan), (len(options), 1))  # (options, world)
+    transient = np.zeros_like(total)
+    for module in plan.layouts:
+        shares = [float(option.get(module, 0.0)) for option in options]
+        distinct = sorted(set(shares))
+        rows = []  # per distinct share: (kept, again), each (world,)
+        for share in distinct:
             key = (module, plan.layouts[module], share, *fixed)
             if key not in cache:
                 graph = graph or StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
                 cache[key] = _module_activations(cost, plan, profile, graph, module, share, fused)
-            kept, again = cache[key]
-            total += kept
-            transient = np.maximum(transient, again)
-        peaks.append(float((total + transient).max()))
-    return peaks
+            rows.append(cache[key])
+        which = np.searchsorted(distinct, shares)  # (options,) each option's row
+        total += np.stack([kept for kept, _ in rows])[which]
+        np.maximum(transient, np.stack([again for _, again in rows])[which], out=transient)
+    return [float(peak) for peak in (total + transient).max(axis=1)]
 
 
 def work_peak_floor(cost: CostModel, plan: Plan, iw: IterationWork) -> dict[int, float]:

@@ -36,15 +36,16 @@ harmonia's plan is never slower than its own layout under the baselines' split.
 
 Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
 of every module, activations of the microbatches its schedule keeps in flight:
-`harmonia.plan.memory`) must fit the device with headroom. While scoring, a candidate whose
-simulated peak on some rank (its stages' states plus its activation peak, on any batch simulated)
-exceeds the device memory is rejected as soon as it does (counted under one reason), and so is one
-whose stage work alone shows it must (`harmonia.plan.memory.work_peak_floor`: states plus one
-unit's activations, known before simulating): for every
-recipe, baselines included. A plan timed on a few batches meets heavier ones when it trains, so
-before a candidate is ranked it must also fit the scenario's memory batches (further profiled
-batches, never scored for time): the floor of its peak on each, and the simulated peak of the one
-whose floor is highest. The report gives each ranked plan's peak bytes on one rank over all of these.
+`harmonia.plan.memory`) must fit the device with headroom. While scoring, a candidate is rejected
+as soon as its peak on some rank exceeds the device memory (counted under one reason): first the
+floor its stage work alone shows (`harmonia.plan.memory.work_peak_floor`: states plus one unit's
+activations), then, once a batch's schedule is built and before it is timed, the peak of its
+stages' states plus the activations each rank holds in its order (`harmonia.sim.memory`: the
+simulation's own peak); for every recipe, baselines included. A plan timed on a few batches meets
+heavier ones when it trains, so before a candidate is ranked it must also fit the scenario's
+memory batches (further profiled batches, never scored for time): the floor of its peak on each,
+and the scheduled peak of the one whose floor is highest. The report gives each ranked plan's peak
+bytes on one rank over all of these.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import heapq
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -70,9 +72,8 @@ from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
-from harmonia.sim.engine import Timeline
+from harmonia.sim.memory import activation_peaks
 from harmonia.sim.parts import independent_parts, simulate_part
-from harmonia.sim.tasks import simulate_schedule
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -304,8 +305,9 @@ class _Scorer:
         return iw
 
     def over_memory(self, key: tuple) -> str | None:
-        """Why a candidate cannot run: its simulated peak on some rank, or before simulating the
-        floor of its stage work's peak (`work_peak_floor`), exceeds the device (None if it fits)."""
+        """Why a candidate cannot run: its peak on some rank under a batch's schedule, or before
+        scheduling the floor of its stage work's peak (`work_peak_floor`), exceeds the device
+        (None if it fits)."""
         peak, capacity = self.peak_bytes.get(key, 0.0), self.run.cluster.device.mem_bytes
         if peak <= capacity:
             return None
@@ -315,14 +317,16 @@ class _Scorer:
         """Raise a candidate's peak bytes on one rank to ``nbytes`` if that is more."""
         self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), nbytes)
 
-    def _record_simulated(self, key: tuple, plan: Plan, timeline: Timeline) -> None:
-        """Record a simulation's peak: each simulated rank's states plus its activation peak."""
+    def _record_schedule(self, key: tuple, plan: Plan, iw: IterationWork, schedule: IterationSchedule) -> None:
+        """Record the peak of a schedule of stage work: each rank's states plus its activation peak
+        (`activation_peaks`: what simulating it would report, found from each rank's order alone)."""
         states = state_bytes_per_rank(self.run.cost, plan)
-        self._record(key, max(states.get(r, 0.0) + timeline.peak_mem.get(r, 0.0) for r in timeline.peak_mem))
+        peaks = activation_peaks(plan, iw, schedule)
+        self._record(key, max(states.get(r, 0.0) + peaks[r] for r in peaks))
 
     def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None:
         """Why a scored candidate cannot train on the scenario's memory batches (None if it can):
-        the floor of its stage work's peak on each (`work_peak_floor`), then the simulated peak
+        the floor of its stage work's peak on each (`work_peak_floor`), then the scheduled peak
         of the one whose floor is highest; both count towards its peak bytes."""
         run = self.run
         first = run.scenario.iterations + run.scenario.search_batches
@@ -333,9 +337,7 @@ class _Scorer:
         heaviest = works[floors.index(max(floors))]
         self._record(key, max(floors))
         if not self.over_memory(key):
-            schedule = candidate_schedule(cand, run.cost, heaviest)
-            self._record_simulated(key, cand.plan, simulate_schedule(cand.plan, run.cost, run.cluster, heaviest,
-                                                                     schedule))
+            self._record_schedule(key, cand.plan, heaviest, candidate_schedule(cand, run.cost, heaviest))
         over = self.over_memory(key)
         return f"{over} on a heavier batch" if over else None
 
@@ -355,29 +357,35 @@ class _Scorer:
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
         """Simulate batch ``j``'s next independent part (the balancer's order; no per-batch order
         search). Returns the longest part so far and whether every part is simulated: the
-        iteration's simulated seconds (`harmonia.sim.parts`)."""
+        iteration's simulated seconds (`harmonia.sim.parts`). Before the first part, the
+        schedule's peak on every rank is recorded; a plan over the devices' memory is not timed."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
             self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, iw))])
         parts = self.parts[(key, j)]
-        if parts.schedule is None:
+        if parts.schedule is None:  # its memory first: a plan that cannot run is not timed
             self.timelines += 1
             parts.schedule = candidate_schedule(cand, run.cost, iw)
+            self._record_schedule(key, cand.plan, iw, parts.schedule)
+            if self.over_memory(key):
+                return parts.seconds, False
         timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, parts.ranks[parts.done])
         parts.done += 1
         parts.seconds = max(parts.seconds, float(timeline.iteration_s))
-        self._record_simulated(key, cand.plan, timeline)
         whole = parts.done == len(parts.ranks)
         if whole:
             del self.parts[(key, j)]
         return parts.seconds, whole
 
     def simulate(self, cand: Candidate, key: tuple, j: int) -> float:
-        """Simulated seconds of batch ``j``: every part not yet simulated."""
+        """Simulated seconds of batch ``j``: every part not yet simulated (infinite for a plan that
+        cannot fit the devices' memory)."""
         while True:
             seconds, whole = self.simulate_part(cand, key, j)
             if whole:
                 return seconds
+            if self.over_memory(key):
+                return math.inf
 
 
 def _union(parts: list[tuple[int, ...]]) -> tuple[int, ...]:

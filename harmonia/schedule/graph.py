@@ -273,6 +273,9 @@ class IterationSchedule:
     """The durations the generator ordered the actions with (None: uniform). Every rank expands the
     schedule to its own action list by the schedule's timeline under these costs
     (`harmonia.schedule.rank_actions`), so they are part of the schedule."""
+    chunk_actions: dict | None = field(default=None, compare=False, repr=False)
+    """(schedule rank, stage chunk) -> its compute actions as ``((start, sequence), action)`` on that
+    timeline, derived once by `harmonia.schedule.rank_actions` (None: not yet)."""
 
     def subs(self, module: str, microbatch: int) -> list[int | None]:
         """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""

@@ -92,23 +92,44 @@ def plan_rank_actions(layouts: Mapping[str, Layout], schedule: IterationSchedule
         rank -> its actions in execution order.
     """
     graph = schedule.graph
-    compute = strip_communication(schedule) if schedule.is_lowered() else schedule
-    times = replay(compute, compute.costs)
-    order = {key: (start, seq) for seq, (key, (start, _)) in enumerate(times.items())}
-    wanted = sorted({r for lay in layouts.values() for r in lay.rank_list()} if ranks is None else set(ranks))
     crosses = {e: graph.needs_backward(_last(graph, e)) for e in graph.encoders}
+    return {rank: _with_communication(_Rank(layouts, graph, rank, crosses), compute)
+            for rank, compute in rank_compute_actions(layouts, schedule, ranks).items()}
+
+
+def rank_compute_actions(layouts: Mapping[str, Layout], schedule: IterationSchedule,
+                         ranks: Iterable[int] | None = None) -> dict[int, list[Action]]:
+    """Each global rank's compute actions (F, B, W, BW) in execution order: step 1 of the module
+    docstring, `plan_rank_actions` without messages and collectives (what a rank's compute stream
+    and its activation memory follow). Ranks holding the same chunks and copies share one list."""
+    graph = schedule.graph
+    by_chunk = _chunk_actions(schedule)
+    wanted = sorted({r for lay in layouts.values() for r in lay.rank_list()} if ranks is None else set(ranks))
+    lists: dict[tuple, list[Action]] = {}
     out = {}
     for rank in wanted:
-        view = _Rank(layouts, graph, rank, crosses)
-        mine = []
-        for ref in view.chunks():
-            holder = holder_copy(graph, layouts, ref, rank)
-            for pos, a in enumerate(compute.orders.get(holder, [])):
-                if a.stage_ref == ref:
-                    mine.append((order[(holder, pos)], a))
-        mine.sort(key=lambda t: t[0])
-        out[rank] = _with_communication(view, [a for _, a in mine])
+        view = _Rank(layouts, graph, rank, {})
+        copies = tuple((ref, holder_copy(graph, layouts, ref, rank)) for ref in view.chunks())
+        if copies not in lists:
+            mine = sorted((t for ref, holder in copies for t in by_chunk.get((holder, ref), ())), key=lambda t: t[0])
+            lists[copies] = [a for _, a in mine]
+        out[rank] = lists[copies]
     return out
+
+
+def _chunk_actions(schedule: IterationSchedule) -> dict[tuple[int, StageRef], list[tuple[tuple[float, int], Action]]]:
+    """``schedule.chunk_actions``, derived on first use: every schedule rank's compute actions by
+    stage chunk, each with its (start, sequence) on the schedule's own timeline."""
+    if schedule.chunk_actions is None:
+        compute = strip_communication(schedule) if schedule.is_lowered() else schedule
+        times = replay(compute, compute.costs)
+        order = {key: (start, seq) for seq, (key, (start, _)) in enumerate(times.items())}
+        by_chunk: dict[tuple[int, StageRef], list] = {}
+        for holder, actions in compute.orders.items():
+            for pos, a in enumerate(actions):
+                by_chunk.setdefault((holder, a.stage_ref), []).append((order[(holder, pos)], a))
+        schedule.chunk_actions = by_chunk
+    return schedule.chunk_actions
 
 
 def _with_communication(view: _Rank, compute: list[Action]) -> list[Action]:

@@ -173,7 +173,7 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         for enc in plan.encoders:
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
                 for p in positions:  # boundary rows: this replica's samples, to the replica packing each
-                    rows = _item_load(cost, enc, _items(shapes, [samples[p]], cost, enc))[1].tokens
+                    rows = cost.sample_loads(shapes[samples[p]])[f"{enc}_proj"].tokens
                     if rows:
                         key = (enc, e, owner[p], m)
                         out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
@@ -200,11 +200,16 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
+            if len(subs) == 1:  # the samples' loads summed: what their items' loads sum to
+                loads = [cost.sample_loads(out.shapes[samples[p]]) for p in positions]
+                proj_load = sum((load[f"{enc}_proj"] for load in loads), ModuleLoad())
+                if proj_load.sequences:  # one per item
+                    enc_load = sum((load[enc] for load in loads), ModuleLoad())
+                    _add_module_work(out, plan, cost, enc, e, m, None, enc_load, proj_load, dim)
+                continue
             items = _items(out.shapes, [samples[p] for p in positions], cost, enc)
-            runs = [(0, len(items))]
-            if len(subs) > 1:
-                runs = sub_runs.get((enc, e, m)) or item_runs(_item_costs(cost, enc, items), len(subs))
-                out.sub_runs[(enc, e, m)] = list(runs)
+            runs = sub_runs.get((enc, e, m)) or item_runs(_item_costs(cost, enc, items), len(subs))
+            out.sub_runs[(enc, e, m)] = list(runs)
             for sub, (a, b) in zip(subs, runs):
                 if a < b:
                     enc_load, proj_load = _item_load(cost, enc, items[a:b])

@@ -14,6 +14,7 @@ schedule deadlocks; the error lists what each rank waits for.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -179,9 +180,16 @@ def _peak_memory(tasks: list[Task], end: np.ndarray, ranks: list[int]) -> dict[i
         if t.mem_delta or t.transient:
             by_rank.setdefault(t.rank, []).append((e, -t.mem_delta, t.transient))
     for r, events in by_rank.items():
-        level = 0.0
-        for _, neg, transient in sorted(events):
-            peak[r] = max(peak[r], level + transient)
-            level -= neg
-            peak[r] = max(peak[r], level)
+        peak[r] = running_peak((-neg, transient) for _, neg, transient in sorted(events))
+    return peak
+
+
+def running_peak(events: Iterable[tuple[float, float]]) -> float:
+    """Peak of a running sum of ``(delta, transient)`` events in order, each ``transient`` counted
+    on top of the level its task runs at (before its own delta)."""
+    level = peak = 0.0
+    for delta, transient in events:
+        peak = max(peak, level + transient)
+        level += delta
+        peak = max(peak, level)
     return peak

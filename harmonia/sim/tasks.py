@@ -26,7 +26,8 @@ rank's tasks are exactly its actions, in its order:
 
 A W on a stage without B (nothing trainable upstream) still backpropagates through its own interior
 for its weight gradients: that work runs inside its W. Activations are kept from F and freed by the
-backward (half at B, half at W when split).
+backward (half at B, half at W when split; `harmonia.sim.memory`, which also finds each rank's
+peak from its order alone).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey,
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
                                       p2p_s, rank_gathers_s, tp_allreduce_s)
 from harmonia.sim.engine import Task, Timeline, replay
+from harmonia.sim.memory import phase, unit_memory
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
@@ -84,16 +86,6 @@ def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
     """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward)."""
     t = work.times
     return {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
-
-
-def _activation_delta(kind: str, act_bytes: float, w_only: bool, has_w: bool) -> float:
-    """Activation bytes a task allocates (+) or frees (-): F keeps them; a split backward frees half
-    at B and half at W; a fused BW, or a W that is the stage's whole backward, frees them all."""
-    if kind == "F":
-        return act_bytes
-    if (kind == "B" and has_w) or (kind == "W" and not w_only):
-        return -0.5 * act_bytes
-    return -act_bytes
 
 
 _COMPUTE = frozenset(k for k in Kind if k.is_compute)
@@ -153,9 +145,7 @@ class _Builder:
         """(kind, W-only stage's W, stage has W) of a compute action, once per stage and kind."""
         key = (a.module, a.stage, a.kind)
         if key not in self.phases:
-            ref = a.stage_ref
-            kind = a.kind.value
-            self.phases[key] = (kind, kind == "W" and not self.graph.needs_b(ref), self.graph.needs_w(ref))
+            self.phases[key] = phase(self.graph, a)
         return self.phases[key]
 
     def _compute(self, rank: int, a: Action) -> Task:
@@ -177,9 +167,8 @@ class _Builder:
         seconds = compute_seconds(work, kind, w_only)
         duration = seconds + collective_extra(self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
         share = seconds / max(work.times.total, 1e-30)
-        mem = _activation_delta(kind, work.act_bytes, w_only, has_w)
-        recomputes = kind in ("B", "BW") or w_only  # the task that runs the blocks' forward again
-        return name, duration, mem, work.flops * share, work.transient if recomputes else 0.0
+        mem, transient = unit_memory(work, kind, w_only, has_w)
+        return name, duration, mem, work.flops * share, transient
 
     def link_receives(self) -> None:
         for i, rank, a in self.recvs:

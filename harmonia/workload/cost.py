@@ -179,6 +179,7 @@ class CostModel:
         self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
         self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
         self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
+        self._largest: dict[tuple[str, int, int, int, int], float] = {}  # largest recomputed block's bytes per token
 
     def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, float]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
@@ -507,8 +508,11 @@ class CostModel:
         lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
         if not n:
             return 0.0
-        return max(self._kept_bytes(module, tokens, i, i + 1, tp, cp) for i in range(lo, hi)
-                   if self.layers[module][i].kind == "block")
+        key = (module, lo, hi, tp, cp)  # kept bytes are linear in tokens: the largest block per token
+        if key not in self._largest:
+            self._largest[key] = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
+                                     if self.layers[module][i].kind == "block")
+        return self._largest[key] * tokens
 
     def needs_backward(self, module: str) -> bool:
         """Whether any layer of the module runs B or W."""

@@ -4,13 +4,16 @@ The planner simulates a candidate one part at a time (sets of ranks no message c
 the longest part as the iteration's time, so a part's tasks must start and end exactly when they
 do in the whole simulation: checked on every recipe's placements (colocated, disjoint with an
 encoder replica feeding several LLM replicas, encoders fused into the LLM's first stage), pp 1/2/4,
-1F1B, zero-bubble and interleaved schedules, with and without recomputation.
+1F1B, zero-bubble and interleaved schedules, with and without recomputation. On the same plans,
+each rank's activation peak found from its action order alone (`harmonia.sim.memory`, what the
+search rejects plans by before timing them) is exactly the simulation's.
 """
 
 from harmonia.plan.bounds import work_bound_busy
 from harmonia.plan.recipes import candidate_schedule, simulate_work
 from harmonia.plan.scenario import ScenarioRun
 from harmonia.schedule.graph import LLM
+from harmonia.sim.memory import activation_peaks
 from harmonia.sim.parts import independent_parts, simulate_part
 from tests.unit.test_plan_bounds import _describe, _scenario, _spread
 
@@ -31,6 +34,8 @@ def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
         assert max(t.iteration_s for t in timelines) == whole.iteration_s, _describe(cand)
         assert {r: v for t in timelines for r, v in t.peak_mem.items()} == whole.peak_mem, _describe(cand)
         assert _ends(timelines) == _ends([whole]), _describe(cand)
+        assert activation_peaks(plan, iw, schedule) == whole.peak_mem, _describe(cand)
+        assert activation_peaks(plan, iw, schedule, parts[0]) == timelines[0].peak_mem, _describe(cand)
         several += len(parts) > 1
         llm = plan.layouts[LLM]
         shared_encoder += len(parts) < llm.dp  # some part joins LLM replicas through an encoder replica

@@ -1,0 +1,83 @@
+"""Activation memory of every rank's action list, without timing it.
+
+A rank's compute actions run one after another on its compute stream in the order
+`harmonia.schedule.rank_actions.rank_compute_actions` gives, and only they hold activations: F
+keeps its unit's activations, the backward frees them (half at B, half at W when split), and the
+task that runs a recomputed block's forward again holds its activations while it runs. So a rank's
+activation peak depends on its order alone, not on when each action starts: `activation_peaks`
+finds what `harmonia.sim.tasks.simulate_schedule` reports as ``Timeline.peak_mem`` for the cost of
+ordering the actions, without building tasks, messages or collectives or replaying them (the plan
+search rejects a candidate that cannot fit before it is timed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from harmonia.schedule.actions import Action
+from harmonia.schedule.graph import IterationSchedule, StageGraph
+from harmonia.schedule.plan import Plan
+from harmonia.schedule.rank_actions import rank_compute_actions
+from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey
+from harmonia.sim.engine import running_peak
+
+
+def phase(graph: StageGraph, a: Action) -> tuple[str, bool, bool]:
+    """(kind, a W-only stage's W, the stage has W) of a compute action."""
+    kind = a.kind.value
+    return kind, kind == "W" and not graph.needs_b(a.stage_ref), graph.needs_w(a.stage_ref)
+
+
+def unit_memory(work: MicrobatchWork, kind: str, w_only: bool, has_w: bool) -> tuple[float, float]:
+    """(bytes allocated (+) or freed (-), bytes held only while it runs) of one phase of a unit:
+    F keeps its activations; a split backward frees half at B and half at W; a fused BW, or a W
+    that is the stage's whole backward, frees them all; the phase that runs the blocks' forward
+    again (B, BW, or a W-only stage's W) holds the recomputed activations while it runs."""
+    if kind == "F":
+        delta = work.act_bytes
+    elif (kind == "B" and has_w) or (kind == "W" and not w_only):
+        delta = -0.5 * work.act_bytes
+    else:
+        delta = -work.act_bytes
+    recomputes = kind in ("B", "BW") or w_only
+    return delta, work.transient if recomputes else 0.0
+
+
+def activation_peaks(plan: Plan, iw: IterationWork, schedule: IterationSchedule,
+                     ranks: Iterable[int] | None = None) -> dict[int, float]:
+    """Per rank (default: every rank of the plan), the peak activation bytes of the iteration's
+    stage work ``iw`` under ``schedule``: ``Timeline.peak_mem`` of its simulation."""
+    graph = schedule.graph
+    phases: dict[tuple, tuple[str, bool, bool]] = {}
+    specs: dict[int, list[tuple]] = {}  # action list -> its actions as (module, stage, microbatch, sub, phase)
+    peaks: dict[tuple, float] = {}  # (action list, replicas) -> peak: TP and CP peers alike
+    out = {}
+    for rank, actions in rank_compute_actions(plan.layouts, schedule, ranks).items():
+        replicas = tuple(sorted((m, lay.coords(rank)["dp"]) for m, lay in plan.layouts.items()
+                                if rank in lay.rank_list()))
+        same = (id(actions), replicas)
+        if same not in peaks:
+            if id(actions) not in specs:
+                specs[id(actions)] = [_spec(phases, graph, a) for a in actions]
+            peaks[same] = running_peak(_events(iw, specs[id(actions)], dict(replicas)))
+        out[rank] = peaks[same]
+    return out
+
+
+def _spec(phases: dict, graph: StageGraph, a: Action) -> tuple:
+    key = (a.module, a.stage, a.kind)
+    if key not in phases:
+        phases[key] = phase(graph, a)
+    return a.module, a.stage, a.microbatch, a.sub, phases[key]
+
+
+def _events(iw: IterationWork, spec: list[tuple], replicas: dict[str, int]) -> Iterator[tuple[float, float]]:
+    """`unit_memory` of each action of a list (`_spec`) run by the given module replicas."""
+    keys: dict[tuple[str, int], StageKey] = {}
+    for module, stage, m, sub, (kind, w_only, has_w) in spec:
+        key = keys.get((module, stage))
+        if key is None:
+            key = keys[(module, stage)] = StageKey(module, replicas[module], stage)
+        work = iw.work.get((key, m, sub))
+        if work is not None:
+            yield unit_memory(work, kind, w_only, has_w)
