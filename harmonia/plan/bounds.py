@@ -242,20 +242,22 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
     graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
     split = plan.schedule == "zb"
     kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
-    busy: dict[int, float] = {}
+    backwards = {(ref.module, ref.stage): [(k.value, k.value == "W" and len(ks) == 1) for k in ks]
+                 for ref, ks in kinds.items()}  # (phase, W-only stage's W: it backpropagates too)
+    per_key: dict[StageKey, float] = {}  # a replica's stage chunk -> the seconds of all its tasks
     tasks: dict = {}  # (stage key, microbatch, sub) -> {phase: seconds of its task}
     gathers: dict = {}
     for (key, m, sub), work in iw.work.items():
-        backward = kinds[StageRef(key.module, key.stage)]
         phases = {"F": work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)}
-        for kind in backward:
-            w_only = kind.value == "W" and len(backward) == 1  # W-only stage: its W backpropagates too
-            phases[kind.value] = (compute_seconds(work, kind.value, w_only)
-                                  + collective_extra(plan, cost, key, work, kind.value, cluster, gathers))
+        for kind, w_only in backwards[(key.module, key.stage)]:
+            phases[kind] = (compute_seconds(work, kind, w_only)
+                            + collective_extra(plan, cost, key, work, kind, cluster, gathers))
         tasks[(key, m, sub)] = phases
-        total = sum(phases.values())
+        per_key[key] = per_key.get(key, 0.0) + sum(phases.values())
+    busy: dict[int, float] = {}
+    for key, seconds in per_key.items():
         for rank in iw.stage_ranks[key]:
-            busy[rank] = busy.get(rank, 0.0) + total
+            busy[rank] = busy.get(rank, 0.0) + seconds
     gathers = rank_gathers_s(cost, cluster, plan)
     for rank, seconds in gathers.items():
         busy[rank] = busy.get(rank, 0.0) + seconds

@@ -317,11 +317,13 @@ class _Scorer:
         """Raise a candidate's peak bytes on one rank to ``nbytes`` if that is more."""
         self.peak_bytes[key] = max(self.peak_bytes.get(key, 0.0), nbytes)
 
-    def _record_schedule(self, key: tuple, plan: Plan, iw: IterationWork, schedule: IterationSchedule) -> None:
-        """Record the peak of a schedule of stage work: each rank's states plus its activation peak
-        (`activation_peaks`: what simulating it would report, found from each rank's order alone)."""
+    def _record_schedule(self, key: tuple, plan: Plan, iw: IterationWork, schedule: IterationSchedule,
+                         ranks: tuple[int, ...] | None = None) -> None:
+        """Record the peak of a schedule of stage work on ``ranks`` (default: all): each rank's
+        states plus its activation peak (`activation_peaks`: what simulating it would report,
+        found from each rank's order alone)."""
         states = state_bytes_per_rank(self.run.cost, plan)
-        peaks = activation_peaks(plan, iw, schedule)
+        peaks = activation_peaks(plan, iw, schedule, ranks)
         self._record(key, max(states.get(r, 0.0) + peaks[r] for r in peaks))
 
     def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None:
@@ -357,19 +359,20 @@ class _Scorer:
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
         """Simulate batch ``j``'s next independent part (the balancer's order; no per-batch order
         search). Returns the longest part so far and whether every part is simulated: the
-        iteration's simulated seconds (`harmonia.sim.parts`). Before the first part, the
-        schedule's peak on every rank is recorded; a plan over the devices' memory is not timed."""
+        iteration's simulated seconds (`harmonia.sim.parts`). The part's peak memory is recorded
+        first: a plan over the devices' memory is not timed."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
             self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, iw))])
         parts = self.parts[(key, j)]
-        if parts.schedule is None:  # its memory first: a plan that cannot run is not timed
+        if parts.schedule is None:
             self.timelines += 1
             parts.schedule = candidate_schedule(cand, run.cost, iw)
-            self._record_schedule(key, cand.plan, iw, parts.schedule)
-            if self.over_memory(key):
-                return parts.seconds, False
-        timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, parts.ranks[parts.done])
+        ranks = parts.ranks[parts.done]
+        self._record_schedule(key, cand.plan, iw, parts.schedule, ranks)
+        if self.over_memory(key):  # a plan that cannot run is not timed
+            return parts.seconds, False
+        timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, ranks)
         parts.done += 1
         parts.seconds = max(parts.seconds, float(timeline.iteration_s))
         whole = parts.done == len(parts.ranks)

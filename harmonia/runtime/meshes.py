@@ -96,11 +96,11 @@ class ModuleMeshes:
 
     def modules(self) -> list[str]:
         """Modules this rank runs, sorted by name."""
-        return [m for m in sorted(self.layouts) if self.rank in self.layouts[m].rank_list()]
+        return [m for m in sorted(self.layouts) if self.layouts[m].holds(self.rank)]
 
     def runs(self, module: str) -> bool:
         """Whether this rank holds part of ``module``."""
-        return self.rank in self._layout(module).rank_list()
+        return self._layout(module).holds(self.rank)
 
     def coords(self, module: str) -> dict[str, int]:
         """This rank's ``pp``, ``dp``, ``cp``, ``tp`` coordinates in ``module``'s layout."""

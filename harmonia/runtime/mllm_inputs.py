@@ -158,7 +158,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         total += sum(_n_targets(s) for s in samples)
         replicas = [[samples[i] for i in replica] for replica in llm_split[m]]
         assign = _cp_assignment(llm.cp, replicas, None if llm_cp is None else llm_cp[m], m)
-        if rank in llm.rank_list():
+        if llm.holds(rank):
             d = llm.coords(rank)["dp"]
             out.llm.append(pack_samples(replicas[d]))
             if assign is not None:
@@ -169,7 +169,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
             plan = plan_boundary(layouts[e], llm, [[n for _, n in its] for its in items],
                                  encoder_split[e][m], llm_split[m], dst_cp_assign=dst_assign)
             out.plans.setdefault(e, []).append(plan)
-            if rank not in layouts[e].rank_list():
+            if not layouts[e].holds(rank):
                 continue
             mine = [item for i in encoder_split[e][m][layouts[e].coords(rank)["dp"]] for item, _ in items[i]]
             parts = (n_sub or {}).get(e, ())

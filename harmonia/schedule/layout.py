@@ -116,7 +116,21 @@ class Layout:
         """Global ranks in grid order ``(pp, dp, cp, tp)``, tp fastest."""
         if self.ranks is not None:
             return self.ranks
+        return self._offset_ranks
+
+    @functools.cached_property
+    def _offset_ranks(self) -> tuple[int, ...]:
         return tuple(range(self.rank_offset, self.rank_offset + self.size))
+
+    @functools.cached_property
+    def _rank_set(self) -> frozenset[int]:
+        return frozenset(self.rank_list())
+
+    def holds(self, rank: int) -> bool:
+        """Whether a global rank is one of this layout's."""
+        if self.ranks is None:
+            return self.rank_offset <= rank < self.rank_offset + self.size
+        return rank in self._rank_set
 
     def rank_at(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """Global rank at grid coordinates."""

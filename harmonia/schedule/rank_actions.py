@@ -46,7 +46,7 @@ def holder_copy(graph: StageGraph, layouts: Mapping[str, Layout], ref: StageRef,
     """The schedule rank whose copy of ``ref``'s actions global ``rank`` runs."""
     holders = graph.holders_of(ref)
     llm = layouts[LLM]
-    if len(holders) == 1 or rank not in llm.rank_list():
+    if len(holders) == 1 or not llm.holds(rank):
         return holders[0]
     mine = graph.llm.ranks[llm.coords(rank)["pp"]]
     return mine if mine in holders else holders[0]
@@ -64,7 +64,7 @@ class _Rank:
     def __init__(self, layouts: Mapping[str, Layout], graph: StageGraph, rank: int,
                  crosses: Mapping[str, bool]) -> None:
         self.rank, self.graph, self.layouts, self.crosses = rank, graph, layouts, crosses
-        self.coords = {m: lay.coords(rank) for m, lay in layouts.items() if rank in lay.rank_list()}
+        self.coords = {m: lay.coords(rank) for m, lay in layouts.items() if lay.holds(rank)}
 
     def chunks(self) -> list[StageRef]:
         return [StageRef(m, c) for m, me in self.coords.items()

@@ -162,6 +162,7 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     """
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     h_llm = cost.mllm.llm.hidden
+    llm_ranges = chunk_ranges(cost, plan, LLM)
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
@@ -169,7 +170,7 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
             for p in positions:
                 load += cost.sample_loads(shapes[samples[p]])["llm"]
                 owner[p] = d
-            _add_module_work(out, plan, cost, LLM, d, m, None, load, ModuleLoad())
+            _add_module_work(out, plan, cost, LLM, llm_ranges, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
                 for p in positions:  # boundary rows: this replica's samples, to the replica packing each
@@ -197,6 +198,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                       sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]]) -> None:
     """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost."""
     assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
+    ranges = chunk_ranges(cost, plan, enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
@@ -205,7 +207,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                 proj_load = sum((load[f"{enc}_proj"] for load in loads), ModuleLoad())
                 if proj_load.sequences:  # one per item
                     enc_load = sum((load[enc] for load in loads), ModuleLoad())
-                    _add_module_work(out, plan, cost, enc, e, m, None, enc_load, proj_load, dim)
+                    _add_module_work(out, plan, cost, enc, ranges, e, m, None, enc_load, proj_load, dim)
                 continue
             items = _items(out.shapes, [samples[p] for p in positions], cost, enc)
             runs = sub_runs.get((enc, e, m)) or item_runs(_item_costs(cost, enc, items), len(subs))
@@ -213,7 +215,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
             for sub, (a, b) in zip(subs, runs):
                 if a < b:
                     enc_load, proj_load = _item_load(cost, enc, items[a:b])
-                    _add_module_work(out, plan, cost, enc, e, m, sub, enc_load, proj_load, dim)
+                    _add_module_work(out, plan, cost, enc, ranges, e, m, sub, enc_load, proj_load, dim)
 
 
 def _item_costs(cost: CostModel, encoder: str, items: list) -> np.ndarray:
@@ -231,15 +233,22 @@ def _item_costs(cost: CostModel, encoder: str, items: list) -> np.ndarray:
     return per_module[:, col[encoder]] + (per_module[:, col[f"{encoder}_proj"]] if f"{encoder}_proj" in col else 0.0)
 
 
-def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, replica: int, m: int,
-                     sub: int | None, load: ModuleLoad, proj_load: ModuleLoad, hidden: int | None = None) -> None:
+def chunk_ranges(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, int]]:
+    """`stage_layer_range` of every stage chunk of a module."""
+    return [stage_layer_range(cost, plan, module, c) for c in range(plan.layouts[module].n_stages)]
+
+
+def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, ranges: list[tuple[int, int]],
+                     replica: int, m: int, sub: int | None, load: ModuleLoad, proj_load: ModuleLoad,
+                     hidden: int | None = None) -> None:
+    """One replica's unit of microbatch ``m`` (sub-microbatch ``sub``) on every stage chunk of a
+    module; ``ranges``: its chunks' layer ranges (`chunk_ranges`)."""
     layout = plan.layouts[module]
     tp, cp = layout.tp, layout.cp
     hidden = cost.mllm.llm.hidden if hidden is None else hidden
     recompute = plan.recompute_share(module)
-    for chunk in range(layout.n_stages):
-        start, stop = stage_layer_range(cost, plan, module, chunk)
-        last = chunk == layout.n_stages - 1
+    for chunk, (start, stop) in enumerate(ranges):
+        last = chunk == len(ranges) - 1
         # the projector runs on the encoder's last stage
         times, flops, act, transient = cost.unit_cost(module, load, start, stop, tp, cp, recompute,
                                                       proj_load if last and module != LLM else None)

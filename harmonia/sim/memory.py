@@ -54,7 +54,7 @@ def activation_peaks(plan: Plan, iw: IterationWork, schedule: IterationSchedule,
     out = {}
     for rank, actions in rank_compute_actions(plan.layouts, schedule, ranks).items():
         replicas = tuple(sorted((m, lay.coords(rank)["dp"]) for m, lay in plan.layouts.items()
-                                if rank in lay.rank_list()))
+                                if lay.holds(rank)))
         same = (id(actions), replicas)
         if same not in peaks:
             if id(actions) not in specs:

@@ -45,7 +45,7 @@ def independent_parts(plan: Plan, iw: IterationWork, busy: Mapping[int, float] |
     for module, layout in plan.layouts.items():
         for d in range(layout.dp):
             join(r for c in range(layout.n_stages) for r in stage_ranks(plan, module, d, c))
-    for enc, e, d, _ in iw.boundary_bytes:
+    for enc, e, d in {(enc, e, d) for enc, e, d, _ in iw.boundary_bytes}:  # every microbatch alike
         last = plan.layouts[enc].n_stages - 1
         join((stage_ranks(plan, enc, e, last)[0], stage_ranks(plan, LLM, d, 0)[0]))
     parts: dict[int, list[int]] = {}

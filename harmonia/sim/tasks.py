@@ -50,22 +50,21 @@ from harmonia.workload.devices import ClusterSpec
 def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: MicrobatchWork, kind: str,
                      cluster: ClusterSpec, cache: dict) -> float:
     """TP all-reduces, CP K/V all-gathers and, priced ``fsdp_per_microbatch``, exposed FSDP gathers
-    inside a stage for one phase (`harmonia.sim.collectives`); ``cache`` keeps each stage key's blocks
-    and TP and CP groups, and one FSDP gather price per stage chunk."""
-    layout = plan.layouts[key.module]
+    inside a stage for one phase (`harmonia.sim.collectives`); ``cache`` keeps what each stage key's
+    collectives take (`_stage_collectives`) and one FSDP gather price per stage chunk."""
+    entry = cache.get(key)
+    if entry is None:
+        entry = cache[key] = _stage_collectives(plan, cost, key)
+    layout, blocks, tp_group, cp_group, reshards, again = entry
     tp_collective = layout.tp > 1 and kind != "W"
     cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
-    fsdp_gather = kind in ("F", "B", "BW") and cost.reshards(layout)
+    fsdp_gather = reshards and kind in ("F", "B", "BW")
     if not (tp_collective or cp_collective or fsdp_gather):
         return 0.0
-    if key not in cache:  # the stage's blocks, TP group and CP group
-        ranks = stage_ranks(plan, key.module, key.replica, key.stage)
-        cache[key] = (chunk_blocks(cost, layout, key.module, key.stage), ranks[: layout.tp], ranks[:: layout.tp])
-    blocks, tp_group, cp_group = cache[key]
     extra = 0.0
     if tp_collective or cp_collective:
         # recompute: the recomputed blocks' forward (a share of the stage's blocks) again
-        passes = 1 + plan.recompute_share(key.module) if kind in ("B", "BW") else 1
+        passes = 1 + again if kind in ("B", "BW") else 1
         extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, tp_group)
         extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, cp_group)
     if fsdp_gather:
@@ -80,6 +79,15 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
         else:
             extra += max(0.0, gather + reduce - work.times.B - (work.times.W if kind == "BW" else 0.0))
     return extra
+
+
+def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey) -> tuple:
+    """(layout, blocks, TP group, CP group, resharding per microbatch, share of blocks recomputed)
+    of a replica's stage chunk: what `collective_extra` prices its phases with."""
+    layout = plan.layouts[key.module]
+    ranks = stage_ranks(plan, key.module, key.replica, key.stage)
+    return (layout, chunk_blocks(cost, layout, key.module, key.stage), ranks[: layout.tp], ranks[:: layout.tp],
+            cost.reshards(layout), plan.recompute_share(key.module))
 
 
 def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:

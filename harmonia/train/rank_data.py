@@ -43,10 +43,10 @@ def rank_positions(layouts: Mapping[str, Layout], rank: int, assignment: Iterati
     mine: set[int] = set()
     llm = layouts[LLM]
     for m, mb in enumerate(assignment.microbatches):
-        if rank in llm.rank_list():
+        if llm.holds(rank):
             mine.update(mb[i] for i in assignment.llm_split[m][llm.coords(rank)["dp"]])
         for e, split in assignment.encoder_split.items():
-            if rank not in layouts[e].rank_list():
+            if not layouts[e].holds(rank):
                 continue
             for i in split[m][layouts[e].coords(rank)["dp"]]:
                 if any(spec.encoder_for(item.modality) == e for item in shapes[mb[i]].items):
