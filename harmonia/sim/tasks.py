@@ -13,8 +13,9 @@ rank's tasks are exactly its actions, in its order:
   first action: one task at the head of its compute stream (`rank_gathers_s`). A chunk that
   reshards per microbatch (``fsdp reshard``; every FSDP chunk under a cost model priced
   ``fsdp_per_microbatch``) gathers its weights before every forward and backward instead, and
-  reduce-scatters its gradients in every backward, overlapped with compute (only the part longer
-  than the compute adds time);
+  reduce-scatters its gradients in every backward, overlapped with compute: the compute runs
+  slower while they do (`DeviceSpec.overlap_slowdown`) and the part longer than it adds time
+  (`overlapped_extra`);
 - a send takes no time on the stream (sends are asynchronous);
 - a receive holds the stream until its message has arrived: the matching send's end plus the
   transfer (``latency + bytes / bandwidth``), within a module from the peer the action names, at a
@@ -75,10 +76,22 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
                                               backward_reduce_s(cost, cluster, plan, key.module, key.stage))
         gather, reduce = cache[(key.module, key.stage)]
         if kind == "F":
-            extra += max(0.0, gather - work.times.F)
+            extra += overlapped_extra(gather, work.times.F, cluster.device.overlap_slowdown)
         else:
-            extra += max(0.0, gather + reduce - work.times.B - (work.times.W if kind == "BW" else 0.0))
+            compute = work.times.B + (work.times.W if kind == "BW" else 0.0)
+            extra += overlapped_extra(gather + reduce, compute, cluster.device.overlap_slowdown)
     return extra
+
+
+def overlapped_extra(comm: float, compute: float, slowdown: float) -> float:
+    """What ``comm`` seconds of collectives started with ``compute`` seconds of compute add to it.
+
+    The compute runs ``1 + slowdown`` times slower while the collectives run (`DeviceSpec.overlap_slowdown`).
+    If it ends within them (``compute (1 + slowdown) <= comm``) the pair lasts ``comm``; else
+    ``comm / (1 + slowdown)`` of its work is done by then and the rest follows at full speed:
+    ``comm + compute - comm / (1 + slowdown)``. So it adds ``max(comm - compute, comm s / (1 + s))``.
+    """
+    return max(comm - compute, comm * slowdown / (1 + slowdown)) if comm > 0 else 0.0
 
 
 def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey) -> tuple:

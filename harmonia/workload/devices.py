@@ -22,6 +22,11 @@ cost model adds matmul, attention and memory-bound kernel times, `harmonia.workl
   about 0.9) and of NVLink / network bandwidth (NCCL's intra-node all-reduce bus bandwidth on
   H100 is about 360 GB/s of 450).
 A100 and the CPU keep one efficiency for matmuls and attention.
+- compute beside communication: a compute kernel running while a collective runs on the same GPU
+  (NCCL's kernels occupy streaming multiprocessors and memory bandwidth) is on average 18.9% slower
+  than alone, at most 40% (Lee et al. 2025, "Characterizing Compute-Communication Overlap in
+  GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and LLaMA training on 4 A100,
+  H100, MI250 and MI210); the GPUs take that average. The CPU's processes share no such units: 0.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class DeviceSpec:
         latency_s: per-message latency of a point-to-point transfer.
         attention_efficiency: achievable fraction of ``peak_flops`` for fused attention kernels
             (default: ``flops_efficiency``).
+        overlap_slowdown: how much longer compute takes while a collective runs beside it
+            (0.189: 18.9% longer); the simulator charges it where it hides a collective behind
+            a unit's compute (`harmonia.sim.tasks.collective_extra`).
     """
 
     name: str
@@ -61,6 +69,7 @@ class DeviceSpec:
     bw_efficiency: float = 0.8
     latency_s: float = 10e-6
     attention_efficiency: float | None = None
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         if self.attention_efficiency is None:
@@ -71,15 +80,19 @@ class DeviceSpec:
         for field in ("flops_efficiency", "bw_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, field) <= 1:
                 raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
+        if self.overlap_slowdown < 0:
+            raise ConfigError(f"device {self.name!r}: overlap_slowdown={self.overlap_slowdown} must be >= 0")
 
 
 GB = 1e9
+OVERLAP_SLOWDOWN = 0.189
+"""Compute's average slowdown beside a collective on a GPU (module docstring)."""
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.70,
-                       attention_efficiency=0.55),
+                       attention_efficiency=0.55, overlap_slowdown=OVERLAP_SLOWDOWN),
     "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.70,
-                       attention_efficiency=0.55),
-    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB),
+                       attention_efficiency=0.55, overlap_slowdown=OVERLAP_SLOWDOWN),
+    "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB, overlap_slowdown=OVERLAP_SLOWDOWN),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
     "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
                       flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6),

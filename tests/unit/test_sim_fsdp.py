@@ -221,3 +221,26 @@ def test_resharding_is_a_variant_the_planner_tries_where_it_needs_less_recompute
                        for p in got)
     assert resharded(run.cost, replace(plan, schedule="zb")) is None
     assert resharded(run.cost, got[0]) is None  # already resharded
+
+
+def test_compute_beside_a_collective_runs_slower_by_the_devices_overlap_slowdown(setup) -> None:
+    """A resharding unit's gathers and reduce-scatters hide behind its compute, which runs
+    ``1 + overlap_slowdown`` times slower while they do: the unit lasts its communication when the
+    slowed compute ends within it, else its compute plus ``comm x s / (1 + s)``; a device without
+    the slowdown hides them entirely behind longer compute."""
+    from harmonia.sim.tasks import overlapped_extra
+    from harmonia.workload.devices import ClusterSpec
+
+    assert overlapped_extra(1.0, 3.0, 0.0) == 0.0 and overlapped_extra(3.0, 1.0, 0.0) == 2.0
+    assert overlapped_extra(0.0, 3.0, 0.5) == 0.0
+    assert overlapped_extra(1.0, 3.0, 0.5) == pytest.approx(1.0 / 3.0)  # 2/3 of the compute done by then
+    assert overlapped_extra(2.0, 1.0, 0.5) == pytest.approx(1.0)  # 1 x 1.5 <= 2: the collectives' 2 s
+    cost, samples, _ = setup
+    plan = _resharded(_plan(True))
+    h100 = cluster_from_string("h100:2x8")
+    assert h100.device.overlap_slowdown == pytest.approx(0.189)
+    free = ClusterSpec(replace(h100.device, overlap_slowdown=0.0), h100.n_nodes)
+    iw = _work(cost, samples, plan)
+    slowed = {t.name: t.duration for t in _tasks(cost, plan, iw, h100)[0] if t.module == "llm"}
+    alone = {t.name: t.duration for t in _tasks(cost, plan, iw, free)[0] if t.module == "llm"}
+    assert all(slowed[n] >= alone[n] for n in alone) and sum(slowed.values()) > sum(alone.values())
