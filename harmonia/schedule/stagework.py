@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,9 +41,9 @@ from harmonia.workload.work import ModuleLoad
 NO_WORK = PhaseCost(0.0, 0.0, 0.0)
 
 
-@dataclass(frozen=True)
-class StageKey:
-    """One stage chunk of one replica of a module."""
+class StageKey(NamedTuple):
+    """One stage chunk of one replica of a module (a named tuple: the key of every unit's work,
+    hashed millions of times in a search)."""
 
     module: str
     replica: int
