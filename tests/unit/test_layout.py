@@ -20,6 +20,8 @@ def test_grid_order_tp_fastest() -> None:
 def test_explicit_ranks_and_stage_split() -> None:
     layout = Layout(dp=2, pp=2, ranks=(7, 3, 5, 1), virtual_stages=2)
     assert layout.rank_at(pp=1, dp=1) == 1
+    assert [r for r in range(9) if layout.holds(r)] == [1, 3, 5, 7]
+    assert [r for r in range(9) if Layout(dp=3, rank_offset=4).holds(r)] == [4, 5, 6]
     assert layout.stage_split(10) == (3, 3, 2, 2)
     with pytest.raises(LayoutError, match="sum to"):
         Layout(pp=2, stage_layers=(3, 3)).stage_split(7)

@@ -21,7 +21,8 @@ from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.iteration import assign_iteration, balancer_costs, feeding_replicas
 from harmonia.schedule.layout import Layout, Placement
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.rank_actions import holder_copy, plan_rank_actions
+from harmonia.schedule.lowering import lower
+from harmonia.schedule.rank_actions import holder_copy, plan_rank_actions, rank_compute_actions
 from harmonia.schedule.stagework import iteration_schedule, plan_iteration_work
 from harmonia.sim.engine import replay
 from harmonia.sim.tasks import build_tasks
@@ -103,6 +104,12 @@ def test_the_simulator_times_exactly_every_ranks_list(seed: int) -> None:
         assert starts == sorted(starts)
     _messages_pair_up(actions)
     _every_compute_runs_on_its_ranks(plan, schedule, actions)
+    # each rank's compute list alone is its list's compute actions; a lowered copy of the schedule
+    # (its own timeline derived again, not the original's kept one) gives every rank the same list
+    compute = rank_compute_actions(plan.layouts, schedule)
+    assert all(compute[r] == [a for a in acts if a.kind.is_compute] for r, acts in actions.items())
+    assert schedule.chunk_actions is not None and lower(schedule).chunk_actions is None
+    assert plan_rank_actions(plan.layouts, lower(schedule)) == actions
 
 
 def _messages_pair_up(actions: dict[int, list[Action]]) -> None:
