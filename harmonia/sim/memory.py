@@ -78,6 +78,6 @@ def _events(iw: IterationWork, spec: list[tuple], replicas: dict[str, int]) -> I
         key = keys.get((module, stage))
         if key is None:
             key = keys[(module, stage)] = StageKey(module, replicas[module], stage)
-        work = iw.work.get((key, m, sub))
+        work = iw.unit(key, m, sub)
         if work is not None:
             yield unit_memory(work, kind, w_only, has_w)
