@@ -19,7 +19,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from harmonia.model.spec import MLLMSpec, Trainability, TransformerSpec
+from harmonia.model.spec import MLLMSpec, TransformerSpec
 from harmonia.plan.partition import plan_module_stages
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.layout import Layout
@@ -40,14 +40,7 @@ def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[
             if body.n_heads % t == 0 and body.kv_heads % t == 0 and t <= limit]
 
 
-def fsdp_pays(mllm: MLLMSpec, module: str, dp: int) -> bool:
-    """Whether FSDP saves a module memory (`harmonia.workload.cost`): over ``dp > 1`` replicas of a
-    fully trained module (6 + 16/dp bytes per weight instead of 16), over ``dp > 2`` of a frozen or
-    adapter-trained one (2 + 4/dp instead of 4)."""
-    return dp > (1 if mllm.training_of(module).mode is Trainability.FULL else 2)
-
-
-def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
+def llm_layouts(cost: CostModel, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
                 n_microbatches: int | None = None, max_cp: int = 4) -> Iterator[Layout]:
     """Every valid LLM factorisation of ``n_ranks`` ranks starting at ``rank_offset``.
 
@@ -56,7 +49,7 @@ def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset:
     bounded by the global batch.
     """
     n_mb = n_microbatches or 1
-    body = mllm.llm.body
+    body = cost.mllm.llm.body
     for tp in tp_options(body, cluster, n_ranks):
         for cp in _divisors(n_ranks // tp):
             if cp > max_cp:
@@ -67,7 +60,7 @@ def llm_layouts(mllm: MLLMSpec, cluster: ClusterSpec, n_ranks: int, rank_offset:
                     continue
                 if n_microbatches is not None and n_microbatches < pp:
                     continue
-                yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=fsdp_pays(mllm, "llm", dp))
+                yield Layout(tp=tp, cp=cp, dp=dp, pp=pp, rank_offset=rank_offset, fsdp=cost.fsdp_pays("llm", dp))
 
 
 def encoder_layouts(mllm: MLLMSpec, encoder: str, cluster: ClusterSpec, n_ranks: int,

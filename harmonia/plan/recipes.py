@@ -42,7 +42,7 @@ from itertools import product
 import numpy as np
 
 from harmonia.errors import ConfigError
-from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, fsdp_pays,
+from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts,
                                       llm_layouts, tp_options)
 from harmonia.plan.memory import recompute_peaks
 from harmonia.plan.profiling import BatchProfile
@@ -137,7 +137,7 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
     seen = set()
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     long = profile.sample_load("llm").tokens >= LONG_SAMPLE
-    for base in llm_layouts(cost.mllm, cluster, n_ranks, offset, global_batch, max_cp=4 if long else 1):
+    for base in llm_layouts(cost, cluster, n_ranks, offset, global_batch, max_cp=4 if long else 1):
         if base.pp > 8:
             continue
         per_replica = global_batch // base.dp
@@ -148,7 +148,7 @@ def _llm_options(cost: CostModel, cluster: ClusterSpec, n_ranks: int, offset: in
             seen.add(key)
             load = _microbatch_load(profile, global_batch, base.dp, n_mb)
             layout = balanced_split(cost, "llm", base, load) if frozen_aware else base
-            forms = (layout, *((resharded_llm(layout),) if fsdp_pays(cost.mllm, "llm", layout.dp) else ()))
+            forms = (layout, *((resharded_llm(layout),) if cost.fsdp_pays("llm", layout.dp, reshard=True) else ()))
             if any(check_memory(cost, "llm", form, load, n_mb, cap, recompute=r).fits
                    for form in forms for r in (False, True)):
                 yield layout, n_mb
@@ -220,10 +220,10 @@ def _extra(option: Recompute, weights: dict[str, float]) -> float:
 
 
 def sharded_everywhere(cost: CostModel, plan: Plan) -> Plan | None:
-    """The plan with FSDP on every module where it saves memory (`fsdp_pays`; None if it has that
+    """The plan with FSDP on every module where it saves memory (`CostModel.fsdp_pays`; None if it has that
     already): as harmonia's runtime runs FSDP (`harmonia.workload.cost`), sharding a trained
     weight's 16 bytes costs one weight gather per step and keeps 6 whole."""
-    layouts = {m: replace(lay, fsdp=True) if fsdp_pays(cost.mllm, m, lay.dp) else lay
+    layouts = {m: replace(lay, fsdp=True) if cost.fsdp_pays(m, lay.dp) else lay
                for m, lay in plan.layouts.items()}
     return replace(plan, layouts=layouts) if layouts != plan.layouts else None
 
@@ -239,7 +239,7 @@ def resharded(cost: CostModel, plan: Plan) -> Plan | None:
     state of the LLM sharded, its weights gathered before every forward and backward and its
     gradients reduce-scattered after every backward."""
     llm = plan.layouts["llm"]
-    if plan.schedule == "zb" or llm.resharded or not fsdp_pays(cost.mllm, "llm", llm.dp):
+    if plan.schedule == "zb" or llm.resharded or not cost.fsdp_pays("llm", llm.dp, reshard=True):
         return None
     base = sharded_everywhere(cost, plan) or plan
     return replace(base, layouts={**base.layouts, "llm": resharded_llm(llm)})
@@ -365,7 +365,7 @@ def _encoder_stage_layouts(cost: CostModel, cluster: ClusterSpec, profile: Batch
     LLM's tp and dp, then the LLM's stages (frozen-aware split), as (layouts, microbatches)."""
     world = cluster.world_size
     encoders = list(cost.mllm.encoders)
-    for tp in sorted({lay.tp for lay in llm_layouts(cost.mllm, cluster, world, 0, global_batch, max_cp=1)}):
+    for tp in sorted({lay.tp for lay in llm_layouts(cost, cluster, world, 0, global_batch, max_cp=1)}):
         for dp in (d for d in range(1, world // tp + 1) if world % (tp * d) == 0):
             group = tp * dp
             for enc_pp in (1, 2):

@@ -109,18 +109,32 @@ def apply_recompute(module: nn.Module, share: float = 1.0) -> int:
     return len(chosen)
 
 
+def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
+    """Hold ``module``'s frozen parameters in ``dtype`` (bf16 under mixed precision: what autocast
+    computes with, 2 B instead of fp32's 4; `harmonia.workload.cost`), as Megatron-LM's
+    Float16Module and a bf16-loaded transformers model hold them; trained ones keep fp32 master
+    weights. Returns how many parameters changed dtype. Before TP and FSDP wrap them."""
+    frozen = [p for p in module.parameters() if not p.requires_grad and p.is_floating_point() and p.dtype != dtype]
+    for p in frozen:
+        p.data = p.data.to(dtype)
+    return len(frozen)
+
+
 def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: float = 0.0,
                       mixed_precision: bool = False) -> nn.Module:
-    """TP, activation checkpointing, then FSDP, as the plan says for the module. Returns the (same)
-    module, changed in place.
+    """Frozen weights in bf16 under mixed precision, then TP, activation checkpointing and FSDP, as
+    the plan says for the module. Returns the (same) module, changed in place.
 
     Args:
         recompute: the share of the blocks that recompute their activations in backward
             (`Plan.recompute_share`; True = every block).
-        mixed_precision: with FSDP, gather parameters and compute in bf16, reduce gradients in
-            fp32 (FSDP2's `MixedPrecisionPolicy`); without FSDP the executor's autocast does it.
+        mixed_precision: frozen parameters held in bf16 (`hold_frozen_in`); with FSDP, gather
+            parameters and compute in bf16, reduce gradients in fp32 (FSDP2's
+            `MixedPrecisionPolicy`); without FSDP the executor's autocast does it.
     """
     layout = mesh.layout
+    if mixed_precision:
+        hold_frozen_in(module, torch.bfloat16)
     if layout.tp > 1:
         apply_tp(module, mesh.submesh("tp"))
     if recompute:

@@ -100,14 +100,15 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it).
 
     The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
-    (``auto``: on GPUs) runs every forward under bf16 autocast and gathers FSDP parameters in bf16,
-    with fp32 parameters, gradient reduction and optimizer states. With ``source`` (an HF checkpoint
+    (``auto``: on GPUs) runs every forward under bf16 autocast, holds frozen weights in bf16 and
+    gathers FSDP parameters in bf16, with fp32 trained weights, gradient reduction and optimizer
+    states. With ``source`` (an HF checkpoint
     directory or a composition) each chunk reads its own tensors from the checkpoint
     (`harmonia.train.weights`); without, the whole model's weights come from ``seed``.
     """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
-    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage, stage_layers
+    from harmonia.runtime.parallelize import build_stage_modules, hold_frozen_in, parallelize_stage, stage_layers
     from harmonia.train.weights import initial_state, load_checkpoint_chunk
 
     state = initial_state(spec, seed) if source is None else None
@@ -145,6 +146,8 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             apply_training(proj, spec.training_of(f"{name}_proj"))
             fill(proj, f"{name}_proj", None)
             proj.to(device)
+            if mixed:
+                hold_frozen_in(proj, torch.bfloat16)
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,

@@ -37,17 +37,19 @@ backward its full activations exist again: `recompute_transient_bytes`. Partial 
 recompute; the others keep their activations.
 
 Memory per rank (Rajbhandari et al. 2020, ZeRO, mixed-precision Adam), as harmonia's runtime holds
-it (`harmonia.train.rank`). A module without FSDP keeps fp32 weights (4 B; autocast computes in
-bf16) and, per trainable weight, an fp32 gradient (4 B, all-reduced over ``dp``) and Adam's two
-moments (8 B): 16 B per trainable weight, 4 B per frozen one. FSDP as the runtime runs it
+it (`harmonia.train.rank`). A module without FSDP keeps, per trainable weight, an fp32 weight (4 B;
+autocast computes in bf16), an fp32 gradient (4 B, all-reduced over ``dp``) and Adam's two moments
+(8 B): 16 B; a frozen weight is held in bf16 under mixed precision (2 B, `DeviceSpec.mixed_precision`;
+`harmonia.runtime.parallelize.hold_frozen_in`), in fp32 otherwise (4 B). FSDP as the runtime runs it
 (`harmonia.runtime.grads.start_fsdp_backward`, as torch.distributed.pipelining does with FSDP2)
 gathers a chunk's weights once at the start of the step and keeps them, and the gradients it
 accumulates over the microbatches, whole until the chunk's last backward reduce-scatters them: for
 the whole step a rank holds every bf16 weight (2 B) and, per trainable one, its fp32 accumulated
-gradient (4 B, FSDP2's reduce dtype), while the fp32 weight shards (4 B), gradient shards (4 B) and
-Adam moments (8 B) are divided by the shard degree: a sharded optimizer's memory (ZeRO-1), not
-ZeRO-3's. It saves memory over ``dp > 1`` replicas of a trained module (6 + 16/dp < 16) and over
-``dp > 2`` of a frozen one (2 + 4/dp < 4). An LLM laid out ``fsdp reshard`` (`Layout.reshard`,
+gradient (4 B, FSDP2's reduce dtype), while the weight shards (4 B; a frozen one's 2 B under mixed
+precision), gradient shards (4 B) and Adam moments (8 B) are divided by the shard degree: a sharded
+optimizer's memory (ZeRO-1), not ZeRO-3's. It saves memory over ``dp > 1`` replicas of a trained
+module (6 + 16/dp < 16) and, in fp32, over ``dp > 2`` of a frozen one (2 + 4/dp < 4); a frozen
+module held in bf16 never (2 + 2/dp > 2). An LLM laid out ``fsdp reshard`` (`Layout.reshard`,
 `harmonia.runtime.grads.start_fsdp_resharding`) runs FSDP2's default (ZeRO-3): every block gathers
 its weights before each forward and backward and frees them after, every backward reduce-scatters
 its gradients, so every state is divided by the shard degree, and while a block runs its backward
@@ -78,8 +80,8 @@ PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
 """A bf16 weight: what a matmul reads, what FSDP gathers and keeps whole through the step."""
 MASTER_BYTES = 4
-"""An fp32 weight: a module without FSDP keeps its weights in fp32 (autocast computes in bf16), FSDP
-its shards."""
+"""An fp32 weight: a module without FSDP keeps its trained weights in fp32 (autocast computes in
+bf16), FSDP its shards; frozen weights too where the device trains in fp32."""
 GRAD_BYTES = 4
 """An fp32 gradient: all-reduced without FSDP, accumulated whole and reduce-scattered with it
 (FSDP2's reduce dtype)."""
@@ -454,17 +456,27 @@ class CostModel:
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
                     fsdp_shards: int = 1, reshard: bool = False) -> float:
         """Weights, gradients and optimizer states of layers [start, stop) on one rank at the
-        step's peak (module docstring): fp32 weights for every parameter, fp32 gradient and Adam
-        moments per trainable one. With FSDP over ``fsdp_shards`` ranks the bf16 weights and fp32
-        accumulated gradients stay whole through the step and the rest is sharded; resharding per
-        microbatch (``reshard`` or ``fsdp_per_microbatch``) everything is sharded.
+        step's peak (module docstring): fp32 weight, gradient and Adam moments per trainable
+        parameter, `frozen_bytes` per frozen one. With FSDP over ``fsdp_shards`` ranks the bf16
+        weights and fp32 accumulated gradients stay whole through the step and the rest is sharded;
+        resharding per microbatch (``reshard`` or ``fsdp_per_microbatch``) everything is sharded.
         """
         total, trainable = self.param_count(module, start, stop)
-        sharded = total * MASTER_BYTES + trainable * (GRAD_BYTES + ADAM_BYTES)
+        sharded = trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) + (total - trainable) * self.frozen_bytes
         if fsdp_shards <= 1 or reshard or self.fsdp_per_microbatch:
             return sharded / tp / fsdp_shards
         whole = total * PARAM_BYTES + trainable * GRAD_BYTES
         return (whole + sharded / fsdp_shards) / tp
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes a frozen weight is held in: bf16 under mixed precision, fp32 otherwise."""
+        return PARAM_BYTES if self.device.mixed_precision else MASTER_BYTES
+
+    def fsdp_pays(self, module: str, dp: int, reshard: bool = False) -> bool:
+        """Whether FSDP over ``dp`` replicas (resharding per microbatch with ``reshard``) holds less
+        of ``module``'s states per rank than no FSDP (`state_bytes`)."""
+        return dp > 1 and self.state_bytes(module, fsdp_shards=dp, reshard=reshard) < self.state_bytes(module)
 
     def reshard_transient_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1) -> float:
         """What FSDP resharding per microbatch holds beyond the shards while a block of layers

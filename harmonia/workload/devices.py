@@ -27,6 +27,9 @@ A100 and the CPU keep one efficiency for matmuls and attention.
   than alone, at most 40% (Lee et al. 2025, "Characterizing Compute-Communication Overlap in
   GPU-Accelerated Distributed Deep Learning", arXiv 2507.03114: GPT and LLaMA training on 4 A100,
   H100, MI250 and MI210); the GPUs take that average. The CPU's processes share no such units: 0.
+- precision: the GPUs train in bf16 mixed precision (`harmonia.train.rank`): compute in bf16, fp32
+  master weights, gradients and Adam moments for trained weights, frozen weights held in bf16 as
+  Megatron-LM's Float16Module and a bf16-loaded transformers model hold them. The CPU runs fp32.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class DeviceSpec:
         overlap_slowdown: how much longer compute takes while a collective runs beside it
             (0.189: 18.9% longer); the simulator charges it where it hides a collective behind
             a unit's compute (`harmonia.sim.tasks.collective_extra`).
+        mixed_precision: trains in bf16 mixed precision (frozen weights held in bf16, 2 B each)
+            rather than fp32 throughout (4 B); what `harmonia.train.rank` runs on the device kind.
     """
 
     name: str
@@ -70,6 +75,7 @@ class DeviceSpec:
     latency_s: float = 10e-6
     attention_efficiency: float | None = None
     overlap_slowdown: float = 0.0
+    mixed_precision: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_efficiency is None:
@@ -95,7 +101,7 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB, overlap_slowdown=OVERLAP_SLOWDOWN),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
     "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
-                      flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6),
+                      flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6, mixed_precision=False),
 }
 
 

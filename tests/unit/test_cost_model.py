@@ -54,8 +54,8 @@ def test_lora_needs_b_and_adapter_only_w() -> None:
     assert blk.needs_b and blk.needs_w
     assert 0 < blk.trainable_params < 0.01 * blk.params
     assert 0 < blk.w_tok < 0.01 * blk_full.w_tok
-    # the frozen base keeps its fp32 weights (4 of a trained weight's 16 bytes), adapters train
-    assert 0.25 * full.state_bytes("llm") < cost.state_bytes("llm") < 0.26 * full.state_bytes("llm")
+    # the frozen base is held in bf16 under mixed precision (2 of a trained weight's 16 bytes), adapters train
+    assert 0.125 * full.state_bytes("llm") < cost.state_bytes("llm") < 0.135 * full.state_bytes("llm")
 
 
 def test_sample_costs_are_additive_and_ordered() -> None:

@@ -99,3 +99,39 @@ def test_fsdp_reshard_of_a_frozen_module_gathers_again_for_the_input_gradient(fa
         y.float().sum().backward()
         assert x.grad is not None and x.grad.shape == x.shape
         assert _held(model)["whole"] == 0 and _held(model)["grad_shards"] == 0
+
+
+def test_frozen_weights_are_held_in_bf16_and_sharded_as_bf16(fake_dp_mesh) -> None:
+    """Under mixed precision a frozen module holds its weights in bf16 (2 B, what the cost model
+    charges per frozen weight on a GPU); FSDP keeps the step's whole bf16 copy and bf16 shards
+    (2 + 2/dp B: it never saves a frozen module memory without resharding)."""
+    from harmonia.runtime.parallelize import hold_frozen_in
+
+    torch.manual_seed(0)
+    model = _Blocks().requires_grad_(False)
+    n = sum(p.numel() for p in model.parameters())
+    assert hold_frozen_in(model, torch.bfloat16) == 6
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
+    start_fsdp_backward(model)
+    assert _held(model) == {"whole": PARAM_BYTES * n, "shard": PARAM_BYTES * n // DP, "grads": 0, "grad_shards": 0}
+    x = torch.randn(4, 32, requires_grad=True)
+    model(x).float().sum().backward()
+    assert x.grad is not None and _held(model)["grads"] == 0
+
+
+def test_holding_frozen_linears_in_bf16_changes_nothing_autocast_computes() -> None:
+    """Autocast casts a linear's weight and bias to bf16 for the matmul anyway: holding them in bf16
+    gives the same numbers; trained parameters keep their fp32 master weights."""
+    from harmonia.runtime.parallelize import hold_frozen_in
+
+    torch.manual_seed(0)
+    frozen, trained = nn.Linear(32, 32).requires_grad_(False), nn.Linear(32, 32)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = trained(frozen(x))
+    assert hold_frozen_in(nn.Sequential(frozen, trained), torch.bfloat16) == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        after = trained(frozen(x))
+    assert frozen.weight.dtype == torch.bfloat16 and trained.weight.dtype == torch.float32
+    assert torch.equal(before, after)

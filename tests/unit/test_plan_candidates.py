@@ -14,7 +14,7 @@ from harmonia.workload.work import ModuleLoad
 def test_llm_factorisations_are_valid() -> None:
     mllm = mllm_preset("internvl-8b")  # Qwen2.5-7B: 28 heads, 4 KV heads
     cluster = cluster_from_string("h100:2x8")
-    layouts = list(llm_layouts(mllm, cluster, 16, 0, global_batch=128, n_microbatches=8))
+    layouts = list(llm_layouts(CostModel(mllm, cluster.device), cluster, 16, 0, global_batch=128, n_microbatches=8))
     assert layouts and all(lay.size == 16 for lay in layouts)
     assert {lay.tp for lay in layouts} <= {1, 2, 4}  # 8 does not divide 28 heads
     assert all(lay.dp * 8 <= 128 for lay in layouts)

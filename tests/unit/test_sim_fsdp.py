@@ -12,7 +12,7 @@ from harmonia.schedule.plan import Plan
 from harmonia.sim.collectives import fsdp_gather_s, grad_reduce_s, rank_gathers_s, ring_reduce_scatter_s, stage_group
 from harmonia.sim.engine import replay
 from harmonia.workload.cost import CostModel
-from harmonia.workload.devices import cluster_from_string
+from harmonia.workload.devices import cluster_from_string, device_preset
 from tests.unit.test_sim_recompute import _tasks, _work
 
 BATCH = 16
@@ -145,24 +145,39 @@ def test_fitting_adds_fsdp_everywhere_where_it_needs_less_recompute() -> None:
 
 
 def test_fsdp_where_it_saves_memory() -> None:
-    """A trained LLM is sharded over any dp > 1 (6 + 16/dp bytes per weight instead of 16), a frozen
-    one only over dp > 2 (2 + 4/dp instead of 4): over 2 replicas it would only pay the gather."""
+    """A trained LLM is sharded over any dp > 1 (6 + 16/dp bytes per weight instead of 16). A frozen
+    one held in fp32 (the CPU) only over dp > 2 (2 + 4/dp instead of 4): over 2 replicas it would
+    only pay the gather; held in bf16 (a GPU's mixed precision) never (2 + 2/dp instead of 2), but
+    resharding per microbatch pays over any dp > 1 (2/dp)."""
     from harmonia.model.presets import mllm_preset
     from harmonia.model.spec import ModuleTraining
     from harmonia.plan.candidates import llm_layouts
 
-    cluster = cluster_from_string("h100:2x8")
     mllm = mllm_preset("internvl-8b")
     frozen = replace(mllm, training={"llm": ModuleTraining("frozen")})
-    for spec, least in ((mllm, 2), (frozen, 3)):
-        layouts = list(llm_layouts(spec, cluster, 16, 0, 64))
+    for device, spec, least in (("h100", mllm, 2), ("h100", frozen, 17), ("cpu", frozen, 3)):
+        cluster = cluster_from_string(f"{device}:2x8")
+        cost = CostModel(spec, cluster.device)
+        layouts = list(llm_layouts(cost, cluster, 16, 0, 64))
         assert {lay.dp for lay in layouts} >= {1, 2, 4}
-        assert all(lay.fsdp == (lay.dp >= least) for lay in layouts)
-    cost = CostModel(mllm, cluster.device)
-    cold = CostModel(frozen, cluster.device)
-    for dp in (2, 3, 4):
-        assert (cost.state_bytes("llm", 0, 10, 1, dp) < cost.state_bytes("llm", 0, 10)) == (dp >= 2)
-        assert (cold.state_bytes("llm", 0, 10, 1, dp) < cold.state_bytes("llm", 0, 10)) == (dp >= 3)
+        assert all(lay.fsdp == (lay.dp >= least) for lay in layouts), (device, least)
+        for dp in (2, 3, 4):
+            assert (cost.state_bytes("llm", 0, 10, 1, dp) < cost.state_bytes("llm", 0, 10)) == (dp >= least)
+            assert cost.fsdp_pays("llm", dp) == (dp >= least)
+            assert cost.fsdp_pays("llm", dp, reshard=True)
+        assert not cost.fsdp_pays("llm", 1, reshard=True)
+
+
+def test_frozen_weights_cost_two_bytes_under_mixed_precision_four_in_fp32() -> None:
+    from harmonia.model.presets import mllm_preset
+    from harmonia.model.spec import ModuleTraining
+
+    frozen = replace(mllm_preset("internvl-8b"), training={"llm": ModuleTraining("frozen")})
+    n = CostModel(frozen, device_preset("h100")).param_count("llm")[0]
+    assert CostModel(frozen, device_preset("h100")).state_bytes("llm") == 2 * n
+    assert CostModel(frozen, device_preset("cpu")).state_bytes("llm") == 4 * n
+    assert CostModel(frozen, device_preset("h100")).state_bytes("llm", fsdp_shards=4) == 2 * n + 2 * n / 4
+    assert CostModel(frozen, device_preset("h100")).state_bytes("llm", fsdp_shards=4, reshard=True) == 2 * n / 4
 
 
 def _resharded(plan: Plan) -> Plan:
