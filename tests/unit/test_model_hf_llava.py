@@ -392,3 +392,26 @@ def test_cost_model_counts_the_causal_mask_of_llava(tmp_path):
     shape = SampleShape(9, (ModalityItem.image(height=40, width=30),) * 2, (3, 7))
     load = sample_loads(shape, spec)["llm"]
     assert load.tokens == len(ids) and load.pairs == count_pairs(batch.layout)
+
+
+def test_export_writes_a_frozen_module_as_the_source_had_it(tmp_path) -> None:
+    """A mixed-precision run holds a frozen encoder in bf16, so its training checkpoint has it
+    rounded; the export takes the frozen module's tensors from the source instead."""
+    from harmonia.model.mllm import build_mllm_model, state_prefix
+    from harmonia.train.export import frozen_from_source
+    from harmonia.train.tiny_llava import write_tiny_llava
+
+    base = write_tiny_llava(tmp_path / "base")
+    spec = mllm_spec_from_hf(base)
+    state = dict(build_mllm_model(spec).state_dict())
+    source = {**{state_prefix(spec, "vision") + k: t for k, t in load_module_state(base, spec, "vision").items()},
+              **{state_prefix(spec, "llm") + k: t for k, t in load_module_state(base, spec, "llm").items()}}
+    with torch.no_grad():
+        for key, t in state.items():  # the checkpoint: vision held in bf16, the LLM trained on
+            if key in source:
+                t.copy_(source[key].to(torch.bfloat16) if key.startswith("encoders.") else source[key] + 1)
+    vision = [k for k in state if k.startswith(state_prefix(spec, "vision"))]
+    assert any(not torch.equal(state[k], source[k].float()) for k in vision), "bf16 must round some weights"
+    assert frozen_from_source(state, spec, base, ["vision"]) == len(vision)
+    assert all(torch.equal(state[k], source[k].float()) for k in vision)
+    assert all(torch.equal(state[k], source[k] + 1) for k in source if k.startswith("llm."))
