@@ -145,6 +145,15 @@ class PhaseTimes:
         return PhaseTimes(self.F + other.F, self.B + other.B, self.W + other.W)
 
 
+def _phase_seconds(rates: tuple, tokens: float, pairs: float, win: float) -> tuple[float, float, float]:
+    """F, B, W seconds of a load at a range's kernel rates (`CostModel._per_unit_seconds`): the
+    phase sums of `CostModel.kernel_seconds`, added as `CostModel.stage_times` adds them."""
+    weight_s, per_phase = rates
+    return tuple(0.0 if tok == 0.0 and pair == 0.0 and window == 0.0
+                 else max(tok * tokens, weight_s) + (pair * pairs + window * win) + elem * tokens
+                 for tok, pair, window, elem in per_phase)
+
+
 class CostModel:
     """Analytic, frozen-aware cost of an MLLM on one device kind.
 
@@ -175,6 +184,8 @@ class CostModel:
         self._coef = {m: self._coefficients(m, 0, len(self.layers[m])) for m in self.modules}
         self._elem = {m: self._elementwise(m, 0, len(self.layers[m])) for m in self.modules}
         self._ranges: dict[tuple[str, int, int], tuple[np.ndarray, int, float]] = {}
+        self._forms: dict[tuple, tuple] = {}  # `_unit_form` per range, degrees and recompute
+        self._counts: dict[tuple[str, int | None, int | None], tuple[int, int]] = {}  # `param_count` per range
         self._kernels: dict[tuple[str, int, int], tuple[np.ndarray, float]] = {}
         self._rates: dict[tuple[str, int, int, int, int], tuple] = {}  # `_per_unit_seconds` per range and degrees
         self._units: dict[tuple, tuple[PhaseTimes, float, float, float]] = {}  # `unit_cost` per arguments
@@ -293,10 +304,14 @@ class CostModel:
         found = self._units.get(key)
         if found is not None:
             return found
-        times = self.stage_times(module, load, start, stop, tp, cp, recompute)
-        flops = sum(self.phase_flops(module, load, start, stop))
-        act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-        transient = self.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute) if recompute else 0.0
+        if self.calibration is None:
+            times, flops, act, transient = self._uncalibrated_unit(module, load, start, stop, tp, cp, recompute)
+        else:
+            times = self.stage_times(module, load, start, stop, tp, cp, recompute)
+            flops = sum(self.phase_flops(module, load, start, stop))
+            act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+            transient = (self.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+                         if recompute else 0.0)
         if proj_load is not None:
             proj = f"{module}_proj"
             times = times + self.stage_times(proj, proj_load, tp=tp, cp=cp)
@@ -306,6 +321,58 @@ class CostModel:
             self._units.clear()
         self._units[key] = (times, flops, act, transient)
         return self._units[key]
+
+    def _uncalibrated_unit(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int, cp: int,
+                           recompute: float) -> tuple[PhaseTimes, float, float, float]:
+        """`unit_cost` without a projector or calibration from the range's factors, kept per
+        (range, degrees, recompute): the same operations, in the same order, as `stage_times`,
+        `phase_flops`, `activation_bytes` and `recompute_transient_bytes` (search asks for
+        hundreds of thousands of units)."""
+        key = (module, start, stop, tp, cp, recompute)
+        form = self._forms.get(key)
+        if form is None:
+            form = self._forms[key] = self._unit_form(module, start, stop, tp, cp, recompute)
+        rates, again_rates, flop_coef, kept, recomputed, inputs, largest = form
+        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
+        f, b, w = _phase_seconds(rates, tokens, pairs, win)
+        if again_rates is not None:
+            b = b + _phase_seconds(again_rates, tokens, pairs, win)[0]
+        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = flop_coef
+        flops = (f_tok * tokens + f_pair * pairs + f_win * win) + (b_tok * tokens + b_pair * pairs + b_win * win) \
+            + w_tok * tokens
+        act = kept * load.tokens * self.act_bytes / cp if kept is not None else 0.0
+        if recomputed is not None:
+            gone = recomputed * load.tokens * self.act_bytes / cp if recomputed else 0.0
+            act = act - gone + inputs * load.tokens * self.act_bytes / (cp * self._sp(tp))
+        transient = largest * load.tokens if largest else 0.0
+        return PhaseTimes(f, b, w), flops, act, transient
+
+    def _unit_form(self, module: str, start: int, stop: int, tp: int, cp: int, recompute: float) -> tuple:
+        """The factors `_uncalibrated_unit` multiplies a load by: the range's kernel rates and
+        (recompute) its recomputed blocks', FLOP coefficients, kept activation elements per token
+        (`_kept_bytes` before tokens), the recomputed blocks' and their inputs' (``n x hidden``),
+        and the largest recomputed block's transient bytes per token."""
+        self.kernel_seconds(module, ModuleLoad(), start, stop, tp, cp)  # fills `_rates`
+        rates = self._rates[(module, start, stop, tp, cp)]
+        self.phase_flops(module, ModuleLoad(), start, stop)  # fills `_flat`
+        flop_coef = self._flat[(module, start, stop)]
+        kept = self._kept_factor(module, start, stop, tp) if start < stop else None
+        again_rates = recomputed = inputs = largest = None
+        if recompute:
+            lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
+            if n:
+                self.kernel_seconds(module, ModuleLoad(), lo, hi, tp, cp)
+                again_rates = self._rates[(module, lo, hi, tp, cp)]
+                largest = self.recompute_transient_bytes(module, 1, start, stop, tp, cp, recompute)
+            recomputed = self._kept_factor(module, lo, hi, tp) if lo < hi else 0.0
+            inputs = n * self.hidden(module)
+        return rates, again_rates, flop_coef, kept, recomputed, inputs, largest
+
+    def _kept_factor(self, module: str, start: int, stop: int, tp: int) -> float:
+        """`_kept_bytes` of layers [start, stop) before its ``x tokens x act_bytes / cp``."""
+        kept = self._range(module, start, stop)[2]
+        replicated = self._kernel_range(module, start, stop)[1]
+        return (kept - replicated) / tp + replicated / self._sp(tp)
 
     # ---- time --------------------------------------------------------------------------------
     def stage_times(self, module: str, load: ModuleLoad, start: int = 0, stop: int | None = None,
@@ -449,9 +516,14 @@ class CostModel:
 
     # ---- memory ------------------------------------------------------------------------------
     def param_count(self, module: str, start: int = 0, stop: int | None = None) -> tuple[int, int]:
-        """(all, trainable) parameters of layers [start, stop)."""
-        layers = self.layers[module][start:stop]
-        return sum(x.params for x in layers), sum(x.trainable_params for x in layers)
+        """(all, trainable) parameters of layers [start, stop) (kept per range: every candidate's
+        memory estimate asks for its stages' counts again)."""
+        key = (module, start, stop)
+        found = self._counts.get(key)
+        if found is None:
+            layers = self.layers[module][start:stop]
+            found = self._counts[key] = (sum(x.params for x in layers), sum(x.trainable_params for x in layers))
+        return found
 
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
                     fsdp_shards: int = 1, reshard: bool = False) -> float:

@@ -113,3 +113,26 @@ def test_cluster_specs() -> None:
         cluster_from_string("tpu:1x4")
     with pytest.raises(ConfigError, match="n_nodes"):
         ClusterSpec(H100, 0)
+
+
+def test_a_unit_from_its_range_factors_equals_the_general_path_bit_for_bit() -> None:
+    """`unit_cost` prices an uncalibrated unit from factors kept per range; its numbers are those
+    of `stage_times`, `phase_flops`, `activation_bytes` and `recompute_transient_bytes`."""
+    import random
+
+    from harmonia.workload.work import ModuleLoad
+
+    rnd = random.Random(0)
+    for preset in ("omni-8b", "internvl-8b"):
+        cost = CostModel(mllm_preset(preset, training={"vision": "frozen"}), H100)
+        for module in ("llm", "vision"):
+            n = len(cost.layers[module])
+            for _ in range(200):
+                a = rnd.randrange(0, n)
+                b, tp, cp = rnd.randrange(a, n + 1), rnd.choice([1, 2, 4]), rnd.choice([1, 2])
+                share = rnd.choice([0.0, 0.25, 0.5, 1.0, True])
+                load = ModuleLoad(rnd.randrange(0, 50000), rnd.randrange(0, 10**8), rnd.randrange(0, 40))
+                want = (cost.stage_times(module, load, a, b, tp, cp, share), sum(cost.phase_flops(module, load, a, b)),
+                        cost.activation_bytes(module, load.tokens, a, b, tp, cp, share),
+                        cost.recompute_transient_bytes(module, load.tokens, a, b, tp, cp, share) if share else 0.0)
+                assert cost.unit_cost(module, load, a, b, tp, cp, share) == want
