@@ -259,11 +259,16 @@ def fitting(found: Iterator[Candidate], cost: CostModel, cluster: ClusterSpec, p
     cap = cluster.device.mem_bytes * MEMORY_HEADROOM
     weights = profile.mean_costs()
     activations: dict = {}  # every module's activations per layout and share, shared by the candidates
+    options_of: dict[tuple, tuple[list[Recompute], list[dict[str, float]]]] = {}  # per what they depend on
 
     def least(cand: Candidate, below: float = float("inf")) -> tuple[list[Recompute], Recompute | None]:
         """The recompute options and the first that fits, among those of less extra work than ``below``."""
-        options = recompute_options(cost, cand.plan, weights)
-        shares = [{m: _share(o, m) for m in cand.plan.layouts} for o in options]
+        plan = cand.plan
+        okey = (plan.schedule, plan.recompute_key, tuple(plan.layouts))
+        if okey not in options_of:
+            found = recompute_options(cost, plan, weights)
+            options_of[okey] = found, [{m: _share(o, m) for m in plan.layouts} for o in found]
+        options, shares = options_of[okey]
         peaks = recompute_peaks(cost, cand.plan, profile, shares, cand.fused, activations)
         if peaks[-1] > cap:  # recomputing everything does not fit: nothing less does
             return options, None

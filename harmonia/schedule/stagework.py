@@ -167,10 +167,8 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
-            load = ModuleLoad()
-            for p in positions:
-                load += cost.sample_loads(shapes[samples[p]])["llm"]
-                owner[p] = d
+            load = ModuleLoad.total(cost.sample_loads(shapes[samples[p]])["llm"] for p in positions)
+            owner.update((p, d) for p in positions)
             _add_module_work(out, plan, cost, LLM, llm_ranges, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
@@ -205,9 +203,9 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
             if len(subs) == 1:  # the samples' loads summed: what their items' loads sum to
                 loads = [cost.sample_loads(out.shapes[samples[p]]) for p in positions]
-                proj_load = sum((load[f"{enc}_proj"] for load in loads), ModuleLoad())
+                proj_load = ModuleLoad.total(load[f"{enc}_proj"] for load in loads)
                 if proj_load.sequences:  # one per item
-                    enc_load = sum((load[enc] for load in loads), ModuleLoad())
+                    enc_load = ModuleLoad.total(load[enc] for load in loads)
                     _add_module_work(out, plan, cost, enc, ranges, e, m, None, enc_load, proj_load, dim)
                 continue
             items = _items(out.shapes, [samples[p] for p in positions], cost, enc)

@@ -9,6 +9,7 @@ sequences (a tile, a frame, an audio chunk).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +41,17 @@ class ModuleLoad:
             window = self.windowed_pairs + other.windowed_pairs
         return ModuleLoad(self.tokens + other.tokens, self.pairs + other.pairs, self.sequences + other.sequences,
                           window)
+
+    @staticmethod
+    def total(loads: Iterable[ModuleLoad]) -> ModuleLoad:
+        """The sum of ``loads`` (as adding them one by one, without the loads in between)."""
+        tokens = pairs = sequences = window = 0
+        windowed = False
+        for x in loads:
+            tokens, pairs, sequences = tokens + x.tokens, pairs + x.pairs, sequences + x.sequences
+            window += x.windowed_pairs
+            windowed = windowed or x.window_pairs is not None
+        return ModuleLoad(tokens, pairs, sequences, window if windowed else None)
 
     @property
     def windowed_pairs(self) -> int:

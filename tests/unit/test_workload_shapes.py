@@ -96,3 +96,11 @@ def test_sample_loads_place_items_by_offset() -> None:
     assert loads["vision"].sequences == 2 and loads["audio"].sequences == 1
     assert loads["llm"].tokens == 10 + loads["vision_proj"].tokens + loads["audio_proj"].tokens
     assert loads["llm"].pairs == brute_force_pairs(segs)
+
+
+def test_a_total_of_loads_is_their_sum() -> None:
+    from harmonia.workload.work import ModuleLoad
+
+    loads = [ModuleLoad(3, 7, 1), ModuleLoad(5, 11, 2, window_pairs=4), ModuleLoad(2, 9, 1)]
+    assert ModuleLoad.total(loads) == loads[0] + loads[1] + loads[2] == ModuleLoad(10, 27, 4, 4 + 7 + 9)
+    assert ModuleLoad.total(loads[::2]) == ModuleLoad(5, 16, 2) and ModuleLoad.total([]) == ModuleLoad()
