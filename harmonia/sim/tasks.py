@@ -40,8 +40,8 @@ from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
-from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
-                                      p2p_s, rank_gathers_s, tp_allreduce_s)
+from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, fsdp_gather_s, grad_reduce_s, p2p_s,
+                                      rank_gathers_s)
 from harmonia.sim.engine import Task, Timeline, replay
 from harmonia.sim.memory import phase, unit_memory
 from harmonia.workload.cost import CostModel
@@ -55,19 +55,21 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
     collectives take (`_stage_collectives`) and one FSDP gather price per stage chunk."""
     entry = cache.get(key)
     if entry is None:
-        entry = cache[key] = _stage_collectives(plan, cost, key)
-    layout, blocks, tp_group, cp_group, reshards, again = entry
-    tp_collective = layout.tp > 1 and kind != "W"
-    cp_collective = layout.cp > 1 and kind in ("F", "B", "BW")
+        entry = cache[key] = _stage_collectives(plan, cost, key, cluster)
+    tp_form, cp_form, reshards, again = entry
     fsdp_gather = reshards and kind in ("F", "B", "BW")
-    if not (tp_collective or cp_collective or fsdp_gather):
+    if kind == "W" or not (tp_form or cp_form or fsdp_gather):
         return 0.0
-    extra = 0.0
-    if tp_collective or cp_collective:
+    extra, tokens = 0.0, work.tokens
+    if (tp_form or cp_form) and tokens > 0:
         # recompute: the recomputed blocks' forward (a share of the stage's blocks) again
         passes = 1 + again if kind in ("B", "BW") else 1
-        extra += passes * tp_allreduce_s(cost, cluster, layout, key.module, blocks, work.tokens, tp_group)
-        extra += passes * cp_kv_gather_s(cost, cluster, layout, key.module, blocks, work.tokens, cp_group)
+        if tp_form:  # `tp_allreduce_s`, its operations in its order
+            cp, hidden, act_bytes, ring, bw, latency, twice_blocks = tp_form
+            extra += passes * (twice_blocks * (ring * (tokens / cp * hidden * act_bytes) / bw + latency))
+        if cp_form:  # `cp_kv_gather_s`, likewise
+            kv_dim, act_bytes, tp, share, bw = cp_form
+            extra += passes * (share * (2 * tokens * kv_dim * act_bytes / tp) / bw)
     if fsdp_gather:
         # every replica's stage gathers over a DP group of the same shape: one price per stage chunk;
         # a backward also reduce-scatters its gradients, both overlapped with its blocks' compute
@@ -94,13 +96,25 @@ def overlapped_extra(comm: float, compute: float, slowdown: float) -> float:
     return max(comm - compute, comm * slowdown / (1 + slowdown)) if comm > 0 else 0.0
 
 
-def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey) -> tuple:
-    """(layout, blocks, TP group, CP group, resharding per microbatch, share of blocks recomputed)
-    of a replica's stage chunk: what `collective_extra` prices its phases with."""
+def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: ClusterSpec) -> tuple:
+    """What `collective_extra` prices a replica's stage chunk's phases with: the factors of its TP
+    all-reduces (`tp_allreduce_s`; None without TP) and CP K/V all-gathers (`cp_kv_gather_s`;
+    None without CP) per token, whether it reshards per microbatch, and the share of its blocks
+    recomputed."""
     layout = plan.layouts[key.module]
     ranks = stage_ranks(plan, key.module, key.replica, key.stage)
-    return (layout, chunk_blocks(cost, layout, key.module, key.stage), ranks[: layout.tp], ranks[:: layout.tp],
-            cost.reshards(layout), plan.recompute_share(key.module))
+    blocks = chunk_blocks(cost, layout, key.module, key.stage)
+    tp_form = cp_form = None
+    if layout.tp > 1:
+        n = layout.tp
+        hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
+        tp_form = (layout.cp, hidden, cost.act_bytes, 2 * (n - 1) / n, cluster.group_bandwidth(ranks[: n]),
+                   1 * 2 * (n - 1) * cluster.device.latency_s, 2 * blocks)
+    if layout.cp > 1:
+        spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
+        cp_form = (spec.kv_dim, cost.act_bytes, layout.tp, blocks * (layout.cp - 1) / layout.cp,
+                   cluster.group_bandwidth(ranks[:: layout.tp]))
+    return tp_form, cp_form, cost.reshards(layout), plan.recompute_share(key.module)
 
 
 def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:

@@ -300,7 +300,10 @@ class CostModel:
 
         Kept per arguments: every candidate layout's stage work asks for the same loads again.
         """
-        key = (module, load, start, stop, tp, cp, recompute, proj_load)
+        # the loads' fields, not the loads: a frozen dataclass hashes in Python, a tuple of ints in C
+        key = (module, load.tokens, load.pairs, load.sequences, load.window_pairs, start, stop, tp, cp, recompute,
+               None if proj_load is None else (proj_load.tokens, proj_load.pairs, proj_load.sequences,
+                                               proj_load.window_pairs))
         found = self._units.get(key)
         if found is not None:
             return found

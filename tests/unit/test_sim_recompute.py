@@ -255,3 +255,29 @@ def test_plan_json_and_layout_text_carry_the_share(setup, tmp_path) -> None:
         replace(plan, recompute_fraction={"llm": 1.5})
     with pytest.raises(ConfigError, match="share in"):
         replace(plan, recompute=("vision",))
+
+
+def test_tp_and_cp_collectives_inside_a_unit_are_the_collective_functions(setup) -> None:
+    """The simulator prices a unit's TP all-reduces and CP K/V all-gathers from factors kept per
+    stage chunk; they equal `tp_allreduce_s` and `cp_kv_gather_s`, once per pass (a recomputing
+    backward runs its recomputed blocks' forward again), bit for bit."""
+    from harmonia.sim.collectives import chunk_blocks, cp_kv_gather_s, tp_allreduce_s
+    from harmonia.sim.tasks import collective_extra
+    from harmonia.schedule.stagework import stage_ranks
+
+    cost, samples, _ = setup
+    cluster = cluster_from_string("h100:2x8")
+    for llm in (Layout(pp=2, tp=2, cp=2, rank_offset=2), Layout(pp=1, cp=2, dp=2, rank_offset=2)):
+        plan = replace(_plan(("llm",), llm=llm), recompute_fraction={"llm": 0.5})
+        iw, cache, checked = _work(cost, samples, plan), {}, 0
+        for (key, m, sub), work in iw.work.items():
+            if key.module != "llm":
+                continue
+            ranks = stage_ranks(plan, "llm", key.replica, key.stage)
+            blocks = chunk_blocks(cost, llm, "llm", key.stage)
+            for kind, passes in (("F", 1), ("B", 1.5), ("BW", 1.5), ("W", 0)):
+                want = passes * tp_allreduce_s(cost, cluster, llm, "llm", blocks, work.tokens, ranks[: llm.tp])
+                want += passes * cp_kv_gather_s(cost, cluster, llm, "llm", blocks, work.tokens, ranks[:: llm.tp])
+                assert collective_extra(plan, cost, key, work, kind, cluster, cache) == want, (kind, key)
+                checked += want > 0
+        assert checked
