@@ -52,6 +52,9 @@ class Scenario:
             harmonia's runtime does so for an LLM laid out ``fsdp reshard`` and otherwise gathers
             once per step and keeps weights and gradients whole until its end
             (`harmonia.workload.cost`).
+        mixed_precision: whether the job trains in bf16 mixed precision (frozen weights held in
+            bf16: `DeviceSpec.mixed_precision`); None: as the device kind does by default (the
+            GPUs yes, the CPU no), as ``train.precision`` ``auto`` runs it.
     """
 
     name: str
@@ -66,6 +69,7 @@ class Scenario:
     seed: int = 0
     sequence_parallel: bool = False
     fsdp_per_microbatch: bool = False
+    mixed_precision: bool | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
@@ -100,6 +104,8 @@ class ScenarioRun:
         self.scenario = scenario
         self.mllm = resolve_mllm(scenario.model, training=scenario.training)
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
+        if scenario.mixed_precision is not None:
+            self.cluster = self.cluster.with_device(mixed_precision=scenario.mixed_precision)
         self.cost = CostModel(self.mllm, self.cluster.device, sequence_parallel=scenario.sequence_parallel,
                               fsdp_per_microbatch=scenario.fsdp_per_microbatch)
         self.samples = samples if samples is not None else load_trace(

@@ -38,7 +38,7 @@ from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
 from harmonia.train.backend import backend_of, schedule_search
-from harmonia.train.planning import model_spec
+from harmonia.train.planning import PRECISION_MIXED, model_spec
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines
 from harmonia.train.state import load_training, save_training
@@ -144,6 +144,8 @@ class Trainer:
         self.order = DataOrder(list(shapes), tc.global_batch, tc.seed)
         self.data_group = dist.new_group(backend="gloo")  # the ranks agree on samples that failed to decode
         cluster = cluster_from_string(config.parallel.cluster)
+        if PRECISION_MIXED[tc.precision] is not None:
+            cluster = cluster.with_device(mixed_precision=PRECISION_MIXED[tc.precision])
         cost = CostModel(self.spec, cluster.device)
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
                                         schedule_graph(self.spec, plan), rank,

@@ -55,6 +55,11 @@ def _constraints(config: Config):
     return accept
 
 
+PRECISION_MIXED = {"auto": None, "bf16": True, "fp32": False}
+"""``train.precision`` -> whether the cost model prices bf16 mixed precision (None: the device
+kind's default, which ``auto`` runs: `harmonia.train.rank.build_rank_model`)."""
+
+
 def check_cluster(config: Config) -> None:
     """The planner's cluster must have exactly ``parallel.world_size`` devices."""
     cluster = cluster_from_string(config.parallel.cluster)
@@ -68,7 +73,8 @@ def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanRepor
     check_cluster(config)
     scenario = Scenario(name="train", model=config.model.source, cluster=config.parallel.cluster,
                         trace=config.data.path, global_batch=config.train.global_batch,
-                        training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed)
+                        training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
+                        mixed_precision=PRECISION_MIXED[config.train.precision])
     return search_plan(scenario, accept=_constraints(config), samples=shapes)
 
 

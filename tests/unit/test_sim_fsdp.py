@@ -259,3 +259,18 @@ def test_compute_beside_a_collective_runs_slower_by_the_devices_overlap_slowdown
     slowed = {t.name: t.duration for t in _tasks(cost, plan, iw, h100)[0] if t.module == "llm"}
     alone = {t.name: t.duration for t in _tasks(cost, plan, iw, free)[0] if t.module == "llm"}
     assert all(slowed[n] >= alone[n] for n in alone) and sum(slowed.values()) > sum(alone.values())
+
+
+def test_a_jobs_precision_sets_what_a_frozen_weight_costs_the_plan() -> None:
+    """``train.precision`` reaches the planner: fp32 on a GPU holds frozen weights in fp32, bf16 on
+    the CPU in bf16, ``auto`` as the device kind runs (`harmonia.train.planning.PRECISION_MIXED`)."""
+    from harmonia.plan.scenario import Scenario, ScenarioRun
+    from harmonia.train.planning import PRECISION_MIXED
+
+    def frozen_bytes(cluster: str, precision: str) -> int:
+        scenario = Scenario("p", "internvl-8b", cluster, "text:64", 8, {"llm": "frozen"}, iterations=1,
+                            memory_batches=0, mixed_precision=PRECISION_MIXED[precision])
+        return ScenarioRun(scenario).cost.frozen_bytes
+
+    assert [frozen_bytes("h100:1x8", p) for p in ("auto", "bf16", "fp32")] == [2, 2, 4]
+    assert [frozen_bytes("cpu:1x4", p) for p in ("auto", "bf16", "fp32")] == [4, 2, 4]
