@@ -21,8 +21,16 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/harmonia demo
 
+# Single-process tests on every core (each file on one worker), then the multi-process ones one at
+# a time (they time ranks and hangs); PYTEST_ARGS go to both (e.g. -k NAME, -x).
+TEST_WORKERS ?= 2
+TEST_PHASES = "-n $(TEST_WORKERS) --dist loadfile tests/unit" "tests/distributed tests/e2e"
+
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests selected"; exit 0; fi; exit $$rc
+	@rc=0; for phase in $(TEST_PHASES); do \
+		$(PY) -m pytest $$phase $(PYTEST_ARGS); r=$$?; \
+		if [ $$r -eq 5 ]; then echo "no tests selected in $$phase"; elif [ $$r -ne 0 ]; then rc=$$r; fi; \
+	done; exit $$rc
 
 # The property tests with fresh random seeds (CI runs them derandomized).
 test-random: install
