@@ -79,27 +79,30 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
     with warnings.catch_warnings():  # loading in one process is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step), no_dist=True)
-    frozen_from_source(state["model"], spec, source, [m for m, t in fingerprint["training"].items() if t == "frozen"])
+    frozen_from_source(state["model"], spec, source, [m for m, t in fingerprint["training"].items() if t != "full"])
     export_hf(state["model"], spec, source, out, _source_dtype(source) if dtype == "source" else getattr(torch, dtype))
     return out
 
 
 def frozen_from_source(state: dict, spec, source: str | dict, frozen: list[str]) -> int:
-    """Put the source checkpoint's own tensors of the ``frozen`` modules into ``state`` (a whole
-    model's, as `MLLM.state_dict` names them); returns how many. Training never changes a frozen
-    module, but mixed precision holds it in bf16 (`harmonia.runtime.parallelize.hold_frozen_in`),
-    so the training checkpoint has it rounded: the export writes what the source had."""
+    """Put the source checkpoint's own tensors of the ``frozen`` modules (frozen, or LoRA-trained:
+    everything but their adapters) into ``state`` (a whole model's, as `MLLM.state_dict` names
+    them, LoRA wrappers included); returns how many. Training never changes a frozen weight, but
+    mixed precision holds it in bf16 (`harmonia.runtime.parallelize.hold_frozen_in`), so the
+    training checkpoint has it rounded: the export writes (and merges adapters into) what the
+    source had."""
     import torch
 
     from harmonia.model.hf.stages import load_module_state
     from harmonia.model.mllm import state_prefix
+    from harmonia.train.weights import is_adapter, unwrapped
 
     count = 0
     for name in frozen:
         prefix = state_prefix(spec, name)
-        ours = {k[len(prefix):] for k in state if k.startswith(prefix)}
+        ours = {unwrapped(k[len(prefix):]): k for k in state if k.startswith(prefix) and not is_adapter(k)}
         with torch.no_grad():
-            for key, t in load_module_state(source, spec, name, None, ours).items():
-                state[prefix + key].copy_(t)
+            for key, t in load_module_state(source, spec, name, None, set(ours)).items():
+                state[ours[key]].copy_(t)
                 count += 1
     return count

@@ -84,9 +84,9 @@ def load_checkpoint_chunk(module: nn.Module, spec: MLLMSpec, source: str | dict,
     from harmonia.model.hf.stages import load_module_state
 
     own = module.state_dict()
-    base = {k: v for k, v in own.items() if ".lora_a." not in k and ".lora_b." not in k}
-    state = load_module_state(source, spec, name, layers, set(_unwrapped(k) for k in base))
-    rewrapped = {k: state[_unwrapped(k)] for k in base if _unwrapped(k) in state}
+    base = {k: v for k, v in own.items() if not is_adapter(k)}
+    state = load_module_state(source, spec, name, layers, set(unwrapped(k) for k in base))
+    rewrapped = {k: state[unwrapped(k)] for k in base if unwrapped(k) in state}
     for key, t in rewrapped.items():
         if t.shape != own[key].shape:
             raise ConfigError(f"{prefix}{key} has shape {tuple(t.shape)} in the checkpoint, "
@@ -100,9 +100,14 @@ def load_checkpoint_chunk(module: nn.Module, spec: MLLMSpec, source: str | dict,
     return init_missing(module, prefix, set(rewrapped), seed)
 
 
-def _unwrapped(key: str) -> str:
+def unwrapped(key: str) -> str:
     """The plain-linear name of a LoRA-wrapped weight (``q_proj.base.weight`` -> ``q_proj.weight``)."""
     return key.replace(".base.", ".")
+
+
+def is_adapter(key: str) -> bool:
+    """Whether a module-local tensor name is a LoRA adapter's (not in any source checkpoint)."""
+    return ".lora_a." in key or ".lora_b." in key
 
 
 def initial_model(config, spec: MLLMSpec) -> nn.Module:

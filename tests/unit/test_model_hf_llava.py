@@ -415,3 +415,32 @@ def test_export_writes_a_frozen_module_as_the_source_had_it(tmp_path) -> None:
     assert frozen_from_source(state, spec, base, ["vision"]) == len(vision)
     assert all(torch.equal(state[k], source[k].float()) for k in vision)
     assert all(torch.equal(state[k], source[k] + 1) for k in source if k.startswith("llm."))
+
+
+def test_export_writes_a_lora_modules_frozen_base_as_the_source_had_it(tmp_path) -> None:
+    """A LoRA-trained LLM's base weights are frozen, held in bf16 under mixed precision; the export
+    restores them from the source and keeps the trained adapters."""
+    from harmonia.model.mllm import build_mllm_model, state_prefix
+    from harmonia.model.resolve import resolve_mllm
+    from harmonia.train.export import frozen_from_source
+    from harmonia.train.tiny_llava import write_tiny_llava
+
+    base = write_tiny_llava(tmp_path / "base")
+    spec = resolve_mllm(str(base), training={"llm": "lora"}, lora_rank=4)
+    state = dict(build_mllm_model(spec).state_dict())
+    prefix = state_prefix(spec, "llm")
+    source = load_module_state(base, spec, "llm")
+    adapters = {k: t.clone() for k, t in state.items() if ".lora_" in k}
+    assert adapters and any(".base." in k for k in state)
+    with torch.no_grad():
+        for key, t in state.items():
+            plain = key[len(prefix):].replace(".base.", ".")
+            if key.startswith(prefix) and plain in source:
+                t.copy_(source[plain].to(torch.bfloat16))
+    assert not torch.equal(state[prefix + "layers.0.attn.q_proj.base.weight"], source["layers.0.attn.q_proj.weight"])
+    assert frozen_from_source(state, spec, base, ["llm"]) == len(source)
+    for key, t in state.items():
+        plain = key[len(prefix):].replace(".base.", ".")
+        if key.startswith(prefix) and plain in source:
+            assert torch.equal(t, source[plain].float()), key
+    assert all(torch.equal(state[k], t) for k, t in adapters.items())
