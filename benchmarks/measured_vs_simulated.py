@@ -67,7 +67,8 @@ from harmonia.train.iteration import DataOrder, IterationBuilder
 from harmonia.train.job import dataset_shapes
 from harmonia.train.planning import _constraints, model_spec, search_training_plan, training_modes
 from harmonia.train.rank import schedule_graph
-from harmonia.workload.cost import PHASES, Calibration, CostModel
+from harmonia.workload.calibration import PHASES, Calibration
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string
 
 ROOT = Path(__file__).resolve().parents[1]

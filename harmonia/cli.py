@@ -30,7 +30,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _build_cost(args: argparse.Namespace):
     from harmonia.model.resolve import resolve_mllm
-    from harmonia.workload.cost import Calibration, CostModel
+    from harmonia.workload.calibration import Calibration
+    from harmonia.workload.cost import CostModel
     from harmonia.workload.devices import device_preset
 
     frozen = {m: "frozen" for m in filter(None, args.frozen.split(","))}

@@ -1,7 +1,7 @@
 """Fit the cost model to a measured step, so simulated and measured steps can be compared.
 
 A calibration is the achieved fraction of the device's peak over whole blocks' FLOPs
-(`harmonia.workload.cost.Calibration`): nominal efficiencies describe well-fed accelerators, and
+(`harmonia.workload.calibration.Calibration`): nominal efficiencies describe well-fed accelerators, and
 a small model on an oversubscribed CPU runs far below them (per-op overheads, ranks sharing
 cores). After a warm-up step, every rank's measured compute actions (F, B, W, fused BW) are summed,
 and the FLOPs the simulator gave the same step's compute tasks are divided by them:
@@ -19,7 +19,8 @@ and waiting that the simulator models differently from the run.
 from __future__ import annotations
 
 from harmonia.sim.engine import Timeline
-from harmonia.workload.cost import PHASES, Calibration, CostModel
+from harmonia.workload.calibration import PHASES, Calibration
+from harmonia.workload.cost import CostModel
 
 COMPUTE = ("F", "B", "W", "BW")
 

@@ -49,7 +49,8 @@ from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteratio
 from harmonia.sim.engine import Timeline
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
-from harmonia.workload.cost import Calibration, CostModel
+from harmonia.workload.calibration import Calibration
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
 

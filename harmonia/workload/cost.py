@@ -61,22 +61,19 @@ published runs gather.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
-from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec
+from harmonia.workload.calibration import PHASES, Calibration
 from harmonia.workload.devices import DeviceSpec
 from harmonia.workload.kernels import elementwise_elems, replicated_activation_elems
 from harmonia.workload.layers import LayerCost, module_layers
 from harmonia.workload.shapes import SampleShape
 from harmonia.workload.work import ModuleLoad, load_arrays, sample_loads
 
-PHASES = ("F", "B", "W")
 PARAM_BYTES = 2
 """A bf16 weight: what a matmul reads, what FSDP gathers and keeps whole through the step."""
 MASTER_BYTES = 4
@@ -88,45 +85,6 @@ GRAD_BYTES = 4
 ADAM_BYTES = 8
 UNIT_CACHE = 1 << 16
 """Most `CostModel.unit_cost` results one cost model keeps (about 25 MB)."""
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Measured efficiency factors: achieved fraction of ``peak_flops`` per phase, over a whole block's
-    FLOPs (its matmul, attention and elementwise kernels together).
-
-    Attributes:
-        device: device name the numbers were measured on.
-        flops_efficiency: phase -> achieved fraction of peak.
-        measurements: raw rows (layer, tokens, phase, seconds, flops) for reference.
-    """
-
-    device: str
-    flops_efficiency: dict[str, float]
-    measurements: list[dict] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        bad = {k: v for k, v in self.flops_efficiency.items() if k not in PHASES or not 0 < v <= 1.5}
-        if bad:
-            raise ConfigError(
-                f"calibration for {self.device!r}: efficiencies {bad} invalid; expected phases "
-                f"{PHASES} with values in (0, 1.5]"
-            )
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(
-            {"device": self.device, "flops_efficiency": self.flops_efficiency,
-             "measurements": self.measurements}, indent=1))
-
-    @staticmethod
-    def load(path: str | Path) -> Calibration:
-        try:
-            raw = json.loads(Path(path).read_text())
-            return Calibration(raw["device"], dict(raw["flops_efficiency"]), list(raw.get("measurements", [])))
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
-            raise ConfigError(
-                f"calibration file {path}: {err}; expected JSON written by `harmonia profile`"
-            ) from None
 
 
 @dataclass(frozen=True)
@@ -270,14 +228,18 @@ class CostModel:
     def phase_flops(self, module: str, load: ModuleLoad, start: int = 0,
                     stop: int | None = None) -> tuple[float, float, float]:
         """`flops` as plain floats (the simulator asks this per stage and microbatch)."""
+        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = self._flop_factors(module, start, stop)
+        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
+        return (f_tok * tokens + f_pair * pairs + f_win * win, b_tok * tokens + b_pair * pairs + b_win * win,
+                w_tok * tokens)
+
+    def _flop_factors(self, module: str, start: int, stop: int | None) -> tuple[float, ...]:
+        """`_coefficients` of layers [start, stop) as plain floats, kept per range."""
         key = (module, start, len(self.layers[module]) if stop is None else stop)
         coef = self._flat.get(key)
         if coef is None:
             coef = self._flat[key] = tuple(float(x) for x in self._range(module, start, stop)[0].ravel())
-        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = coef
-        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
-        return (f_tok * tokens + f_pair * pairs + f_win * win, b_tok * tokens + b_pair * pairs + b_win * win,
-                w_tok * tokens)
+        return coef
 
     def efficiency(self, phase: str) -> float:
         """The matmul rate of a phase as a fraction of peak: the calibration's measured whole-block
@@ -355,17 +317,14 @@ class CostModel:
         (recompute) its recomputed blocks', FLOP coefficients, kept activation elements per token
         (`_kept_bytes` before tokens), the recomputed blocks' and their inputs' (``n x hidden``),
         and the largest recomputed block's transient bytes per token."""
-        self.kernel_seconds(module, ModuleLoad(), start, stop, tp, cp)  # fills `_rates`
-        rates = self._rates[(module, start, stop, tp, cp)]
-        self.phase_flops(module, ModuleLoad(), start, stop)  # fills `_flat`
-        flop_coef = self._flat[(module, start, stop)]
+        rates = self._kernel_rates(module, start, stop, tp, cp)
+        flop_coef = self._flop_factors(module, start, stop)
         kept = self._kept_factor(module, start, stop, tp) if start < stop else None
         again_rates = recomputed = inputs = largest = None
         if recompute:
             lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
             if n:
-                self.kernel_seconds(module, ModuleLoad(), lo, hi, tp, cp)
-                again_rates = self._rates[(module, lo, hi, tp, cp)]
+                again_rates = self._kernel_rates(module, lo, hi, tp, cp)
                 largest = self.recompute_transient_bytes(module, 1, start, stop, tp, cp, recompute)
             recomputed = self._kept_factor(module, lo, hi, tp) if lo < hi else 0.0
             inputs = n * self.hidden(module)
@@ -418,12 +377,7 @@ class CostModel:
             per phase F, B, W: (matmuls, at least the weights' read time in a phase that runs any;
             attention; elementwise kernels).
         """
-        stop = len(self.layers[module]) if stop is None else stop
-        key = (module, start, stop, tp, cp)
-        rates = self._rates.get(key)
-        if rates is None:
-            rates = self._rates[key] = self._per_unit_seconds(module, start, stop, tp, cp)
-        weight_s, per_phase = rates
+        weight_s, per_phase = self._kernel_rates(module, start, stop, tp, cp)
         tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
         out = []
         for tok, pair, window, elem in per_phase:
@@ -432,6 +386,14 @@ class CostModel:
             else:
                 out.append((max(tok * tokens, weight_s), pair * pairs + window * win, elem * tokens))
         return tuple(out)
+
+    def _kernel_rates(self, module: str, start: int, stop: int | None, tp: int, cp: int) -> tuple:
+        """`_per_unit_seconds` of layers [start, stop), kept per range and degrees."""
+        key = (module, start, len(self.layers[module]) if stop is None else stop, tp, cp)
+        rates = self._rates.get(key)
+        if rates is None:
+            rates = self._rates[key] = self._per_unit_seconds(module, *key[1:])
+        return rates
 
     def _per_unit_seconds(self, module: str, start: int, stop: int, tp: int, cp: int) -> tuple:
         """Seconds per token, pair and windowed pair of each phase's matmuls, attention and

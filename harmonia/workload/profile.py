@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from harmonia.model.spec import TransformerSpec, Trainability
-from harmonia.workload.cost import Calibration
+from harmonia.workload.calibration import Calibration
 from harmonia.workload.devices import DeviceSpec
 from harmonia.workload.layers import block_cost
 

@@ -5,7 +5,8 @@ import pytest
 
 from harmonia.errors import ConfigError
 from harmonia.model.presets import mllm_preset
-from harmonia.workload.cost import Calibration, CostModel
+from harmonia.workload.calibration import Calibration
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec, cluster_from_string, device_preset
 from harmonia.workload.shapes import ModalityItem, SampleShape
 from harmonia.workload.work import ModuleLoad

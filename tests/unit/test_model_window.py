@@ -12,7 +12,8 @@ from harmonia.model.layers import ShardedKeys, restrict_to_window
 from harmonia.model.llm import build_llm
 from harmonia.model.presets import mllm_preset
 from harmonia.model.spec import LLMSpec, TransformerSpec
-from harmonia.workload.cost import Calibration, CostModel
+from harmonia.workload.calibration import Calibration
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import device_preset
 from harmonia.workload.shapes import ModalityItem, SampleShape
 from harmonia.workload.work import attended_pairs, load_arrays, sample_loads
