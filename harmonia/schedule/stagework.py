@@ -164,21 +164,22 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     h_llm = cost.mllm.llm.hidden
     llm_ranges = chunk_ranges(cost, plan, LLM)
+    loads = [cost.sample_loads(s) for s in shapes]  # per module, of each sample of the batch
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
-            load = ModuleLoad.total(cost.sample_loads(shapes[samples[p]])["llm"] for p in positions)
+            load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
             owner.update((p, d) for p in positions)
             _add_module_work(out, plan, cost, LLM, llm_ranges, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
                 for p in positions:  # boundary rows: this replica's samples, to the replica packing each
-                    rows = cost.sample_loads(shapes[samples[p]])[f"{enc}_proj"].tokens
+                    rows = loads[samples[p]][f"{enc}_proj"].tokens
                     if rows:
                         key = (enc, e, owner[p], m)
                         out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
     for enc in plan.encoders:
-        _add_encoder_work(out, plan, cost, enc, sub_runs or {})
+        _add_encoder_work(out, plan, cost, enc, sub_runs or {}, loads)
     return out
 
 
@@ -194,18 +195,22 @@ def with_submicrobatches(iw: IterationWork, plan: Plan, cost: CostModel, encoder
 
 
 def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
-                      sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]]) -> None:
-    """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost."""
+                      sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]],
+                      loads: Sequence[dict[str, ModuleLoad]] | None = None) -> None:
+    """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost;
+    ``loads``: the batch's `CostModel.sample_loads`, in sample order (default: asked again)."""
     assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
+    if loads is None:
+        loads = [cost.sample_loads(s) for s in out.shapes]
     ranges = chunk_ranges(cost, plan, enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
             if len(subs) == 1:  # the samples' loads summed: what their items' loads sum to
-                loads = [cost.sample_loads(out.shapes[samples[p]]) for p in positions]
-                proj_load = ModuleLoad.total(load[f"{enc}_proj"] for load in loads)
+                mine = [loads[samples[p]] for p in positions]
+                proj_load = ModuleLoad.total(load[f"{enc}_proj"] for load in mine)
                 if proj_load.sequences:  # one per item
-                    enc_load = ModuleLoad.total(load[enc] for load in loads)
+                    enc_load = ModuleLoad.total(load[enc] for load in mine)
                     _add_module_work(out, plan, cost, enc, ranges, e, m, None, enc_load, proj_load, dim)
                 continue
             items = _items(out.shapes, [samples[p] for p in positions], cost, enc)

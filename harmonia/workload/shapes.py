@@ -107,6 +107,18 @@ class SampleShape:
         if self.text_tokens == 0 and not self.items:
             raise SampleError(f"{where} is empty: it has no text tokens and no items")
 
+    def __hash__(self) -> int:
+        # kept after the first call: a batch's shapes key the cost model's caches, asked millions of
+        # times in a plan search; never pickled (string hashes differ between processes)
+        kept = self.__dict__.get("_hash")
+        if kept is None:
+            kept = hash((self.text_tokens, self.items, self.item_offsets, self.sample_id))
+            object.__setattr__(self, "_hash", kept)
+        return kept
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def offsets(self) -> tuple[int, ...]:
         return self.item_offsets if self.item_offsets is not None else (0,) * len(self.items)
 

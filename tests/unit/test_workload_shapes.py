@@ -104,3 +104,15 @@ def test_a_total_of_loads_is_their_sum() -> None:
     loads = [ModuleLoad(3, 7, 1), ModuleLoad(5, 11, 2, window_pairs=4), ModuleLoad(2, 9, 1)]
     assert ModuleLoad.total(loads) == loads[0] + loads[1] + loads[2] == ModuleLoad(10, 27, 4, 4 + 7 + 9)
     assert ModuleLoad.total(loads[::2]) == ModuleLoad(5, 16, 2) and ModuleLoad.total([]) == ModuleLoad()
+
+
+def test_a_shapes_kept_hash_is_its_fields_hash_and_never_travels() -> None:
+    import pickle
+
+    shape = SampleShape(12, (ModalityItem("image", tiles=3), ModalityItem("audio", seconds=2.5)), (0, 4), sample_id=7)
+    twin = SampleShape(12, (ModalityItem("image", tiles=3), ModalityItem("audio", seconds=2.5)), (0, 4), sample_id=7)
+    assert hash(shape) == hash(twin) == hash((12, shape.items, (0, 4), 7)) and shape == twin
+    assert {shape: 1}[twin] == 1
+    copy = pickle.loads(pickle.dumps(shape))  # another process hashes its strings differently
+    assert "_hash" not in copy.__dict__ and copy == shape and hash(copy) == hash(shape)
+    assert SampleShape(12, shape.items, (0, 4), sample_id=8) != shape
