@@ -12,6 +12,7 @@ from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
 from harmonia.model.mllm import build_mllm_model
 from harmonia.model.presets import mllm_preset
 from harmonia.model.tp import plan_tp, tp_styles
+from tests.distributed._spawn import preloaded_forkserver
 
 pytestmark = pytest.mark.distributed
 SPEC = mllm_preset("tiny-vlm")
@@ -75,7 +76,7 @@ def test_tp2_matches_single_process(lora):
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(2, port, lora, out), nprocs=2, join=True)
+        mp.start_processes(_worker, args=(2, port, lora, out), nprocs=2, join=True, start_method=preloaded_forkserver())
         loss, ref = out["loss"]
         assert loss == pytest.approx(ref, abs=1e-5)
         assert out["grad"] < 1e-5
@@ -133,7 +134,7 @@ def test_qwen3_per_head_norms_under_tp2_match_single_process():
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_qwen3_worker, args=(2, port, out), nprocs=2, join=True)
+        mp.start_processes(_qwen3_worker, args=(2, port, out), nprocs=2, join=True, start_method=preloaded_forkserver())
         loss, ref = out["loss"]
         assert loss == pytest.approx(ref, abs=1e-5)
         assert out["grad"] < 1e-5
