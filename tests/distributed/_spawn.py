@@ -8,14 +8,16 @@ terminated and the error says which were still running. Inside a worker, `check_
 one check so a hang surfaces as a TimeoutError naming the check.
 
 The processes are forked from a fork server that imported torch and harmonia's runtime once
-(`PRELOAD`), as fresh as spawned ones (the fork server runs no test code) but without paying the
-imports again in every rank of every test.
+(`PRELOAD`), as fresh as spawned ones (the fork server runs no test code, and each rank takes the
+caller's environment as it is at the call) but without paying the imports again in every rank of
+every test.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import pickle
 import queue
 import signal
@@ -60,9 +62,13 @@ def check_timeout(seconds: int, what: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results, pg_timeout: float,
+           environ: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
+
+    os.environ.clear()  # the caller's, not the fork server's from when it started
+    os.environ.update(environ)
 
     torch.set_num_threads(1)  # N processes share the machine's cores
     try:
@@ -84,7 +90,8 @@ def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: f
     ctx = mp.get_context(preloaded_forkserver())
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, pg_timeout), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, pg_timeout, environ), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
