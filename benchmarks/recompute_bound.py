@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
     table = Table(title=f"recomputation against the lower bound ({results.name})")
     for col in ("scenario", "harmonia recompute", "work factor", "cap (1 / factor)", "bound / time", "of the cap",
                 "less recompute", "its bound / time"):
-        table.add_column(col, justify="left" if col in ("scenario", "harmonia recompute", "less recompute") else "right")
+        left = col in ("scenario", "harmonia recompute", "less recompute")
+        table.add_column(col, justify="left" if left else "right")
     for name, entry in summary.items():
         plan = entry.get("harmonia", {})
         if name not in scenarios or "recompute" not in plan:
@@ -88,7 +89,9 @@ def main(argv: list[str]) -> int:
         run = ScenarioRun(Scenario.load(scenarios[name]))
         factor = work_factor(run, plan["recompute"])
         share = entry["bound_share"]["harmonia"]
-        less, less_share = less_recompute(run, plan["recompute"], entry["lower_bound_s"]) if plan["recompute"] else ("", "")
+        less, less_share = ("", "")
+        if plan["recompute"]:
+            less, less_share = less_recompute(run, plan["recompute"], entry["lower_bound_s"])
         table.add_row(name, ",".join(plan["recompute"]) or "none", f"{factor:.3f}", f"{1 / factor:.1%}",
                       f"{share:.1%}", f"{share * factor:.1%}", less, less_share)
         console.print(f"{name}: {less or 'no recompute'} {less_share}", highlight=False)

@@ -76,7 +76,8 @@ def test_tp2_matches_single_process(lora):
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_worker, args=(2, port, lora, out), nprocs=2, join=True, start_method=preloaded_forkserver())
+        mp.start_processes(_worker, args=(2, port, lora, out), nprocs=2, join=True,
+                           start_method=preloaded_forkserver())
         loss, ref = out["loss"]
         assert loss == pytest.approx(ref, abs=1e-5)
         assert out["grad"] < 1e-5
@@ -134,7 +135,8 @@ def test_qwen3_per_head_norms_under_tp2_match_single_process():
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.start_processes(_qwen3_worker, args=(2, port, out), nprocs=2, join=True, start_method=preloaded_forkserver())
+        mp.start_processes(_qwen3_worker, args=(2, port, out), nprocs=2, join=True,
+                           start_method=preloaded_forkserver())
         loss, ref = out["loss"]
         assert loss == pytest.approx(ref, abs=1e-5)
         assert out["grad"] < 1e-5
