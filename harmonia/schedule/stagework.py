@@ -190,18 +190,16 @@ def with_submicrobatches(iw: IterationWork, plan: Plan, cost: CostModel, encoder
     out = replace(iw, n_sub={**iw.n_sub, encoder: tuple(counts)},
                   work={k: w for k, w in iw.work.items() if k[0].module != encoder},
                   sub_runs={k: r for k, r in iw.sub_runs.items() if k[0] != encoder})
-    _add_encoder_work(out, plan, cost, encoder, {})
+    _add_encoder_work(out, plan, cost, encoder, {}, [cost.sample_loads(s) for s in iw.shapes])
     return out
 
 
 def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                       sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]],
-                      loads: Sequence[dict[str, ModuleLoad]] | None = None) -> None:
+                      loads: Sequence[dict[str, ModuleLoad]]) -> None:
     """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost;
-    ``loads``: the batch's `CostModel.sample_loads`, in sample order (default: asked again)."""
+    ``loads``: the batch's `CostModel.sample_loads`, in sample order."""
     assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
-    if loads is None:
-        loads = [cost.sample_loads(s) for s in out.shapes]
     ranges = chunk_ranges(cost, plan, enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
