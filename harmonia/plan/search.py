@@ -12,9 +12,11 @@ best plan as simulating every candidate on every batch:
   compute-only `lower_bound_s` (all candidates, microseconds each), then
   `harmonia.plan.bounds.plan_bound` (compute, TP/CP collectives, FSDP gathers and the DP gradient
   reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`),
-  then the simulated time of the batch's busiest independent part, then of all (parts are sets of
-  ranks no message crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the
-  iteration's, and the longest of all is the iteration's simulated time);
+  then the simulated time of the busiest part's busiest column (one LLM rank per pipeline rank,
+  messages from outside it free: every task starts no later than in the whole simulation), then
+  of the batch's busiest independent part, then of all (parts are sets of ranks no message
+  crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the iteration's, and the
+  longest of all is the iteration's simulated time);
 - a candidate's bound on its score is ``mean_k (t_k if batch k is simulated else b_k)``; it only
   rises as its batches are refined, and equals the score once all are simulated;
 - the candidate with the smallest bound is refined next: its least refined batch goes one step
@@ -73,7 +75,7 @@ from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
 from harmonia.sim.memory import activation_peaks
-from harmonia.sim.parts import independent_parts, simulate_part
+from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.shapes import SampleShape
@@ -345,22 +347,25 @@ class _Scorer:
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
         """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
-        iteration's independent parts are queued for simulation: the busiest alone, then the others
-        together (one replay of a few ranks costs little beside building the schedule's lists)."""
+        iteration's independent parts are queued for simulation: the busiest part's busiest column,
+        the busiest part, then the others together (one replay of a few ranks costs little beside
+        building the schedule's lists)."""
         iw = self._iteration(cand, j)
         self._record(key, max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0))
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
         busiest, *rest = independent_parts(cand.plan, iw, busy)
-        self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest])
+        self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest],
+                                      column=busiest_column(cand.plan, busiest, busy))
         return bound
 
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
-        """Simulate batch ``j``'s next independent part (the balancer's order; no per-batch order
-        search). Returns the longest part so far and whether every part is simulated: the
-        iteration's simulated seconds (`harmonia.sim.parts`). The part's peak memory is recorded
-        first: a plan over the devices' memory is not timed."""
+        """Simulate batch ``j``'s next independent part, or first the busiest part's column (the
+        balancer's order; no per-batch order search). Returns the longest part (or column) so far
+        and whether every part is simulated: the iteration's simulated seconds
+        (`harmonia.sim.parts`). The ranks' peak memory is recorded first: a plan over the devices'
+        memory is not timed."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
             self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, iw))])
@@ -368,13 +373,17 @@ class _Scorer:
         if parts.schedule is None:
             self.timelines += 1
             parts.schedule = candidate_schedule(cand, run.cost, iw)
-        ranks = parts.ranks[parts.done]
+        column = parts.column
+        ranks = parts.ranks[parts.done] if column is None else column
         self._record_schedule(key, cand.plan, iw, parts.schedule, ranks)
         if self.over_memory(key):  # a plan that cannot run is not timed
             return parts.seconds, False
-        timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, ranks)
-        parts.done += 1
+        timeline = simulate_part(cand.plan, run.cost, run.cluster, iw, parts.schedule, ranks, closed=column is None)
         parts.seconds = max(parts.seconds, float(timeline.iteration_s))
+        if column is not None:  # a bound on the busiest part's time: that part comes next
+            parts.column = None
+            return parts.seconds, False
+        parts.done += 1
         whole = parts.done == len(parts.ranks)
         if whole:
             del self.parts[(key, j)]
@@ -403,14 +412,17 @@ class _Parts:
     Attributes:
         ranks: what is simulated, in turn: the busiest part, then the union of the others.
         done: parts simulated.
-        seconds: the longest of them.
-        schedule: the schedule they run (built with the first part).
+        seconds: the longest of them (or, before any, the busiest part's column's time).
+        schedule: the schedule they run (built with the first simulation).
+        column: the busiest part's busiest column (`busiest_column`), simulated before the parts;
+            None once it is (or where the part has no fewer ranks).
     """
 
     ranks: list[tuple[int, ...]]
     done: int = 0
     seconds: float = 0.0
     schedule: IterationSchedule | None = None
+    column: tuple[int, ...] | None = None
 
 
 def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]],

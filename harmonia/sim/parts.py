@@ -9,6 +9,13 @@ replicas (a colocated encoder). Parts replay independently: the iteration lasts 
 longest part, and any part's time is a lower bound on it. The planner simulates a candidate's
 busiest part first and drops the candidate once a part exceeds the best score
 (`harmonia.plan.search`), at a fraction of a whole simulation.
+
+Before its busiest part, it simulates that part's busiest column (`busiest_column`: one LLM rank
+per pipeline rank at the same ``dp``/``cp``/``tp`` coordinates, with the encoder copies those ranks
+hold), each message from a rank outside the column taken as arrived at the start. Every rank runs
+its list in order and a task waits only for its rank's previous task and its messages, so dropping
+waits only moves starts earlier: every task of the column starts no later than in the whole
+simulation, and the column's time is a lower bound on the part's, at the cost of its few ranks.
 """
 
 from __future__ import annotations
@@ -57,9 +64,35 @@ def independent_parts(plan: Plan, iw: IterationWork, busy: Mapping[int, float] |
     return out
 
 
+def busiest_column(plan: Plan, part: tuple[int, ...], busy: Mapping[int, float]) -> tuple[int, ...] | None:
+    """The LLM ranks of ``part`` at one ``dp``/``cp``/``tp`` position, one per pipeline rank: the
+    column holding the busiest rank in ``busy``, in order (None where it is the whole part)."""
+    llm = plan.layouts[LLM]
+    best: tuple[int, ...] | None = None
+    most = -1.0
+    seen = set()
+    for rank in part:
+        if not llm.holds(rank):
+            continue
+        me = llm.coords(rank)
+        position = (me["dp"], me["cp"], me["tp"])
+        if position in seen:
+            continue
+        seen.add(position)
+        column = tuple(llm.rank_at(pp=p, dp=me["dp"], cp=me["cp"], tp=me["tp"]) for p in range(llm.pp))
+        load = max(busy.get(r, 0.0) for r in column)
+        if load > most:
+            best, most = column, load
+    if best is None or len(best) >= len(part):
+        return None
+    return tuple(sorted(best))
+
+
 def simulate_part(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork, schedule: IterationSchedule,
-                  ranks: tuple[int, ...]) -> Timeline:
+                  ranks: tuple[int, ...], closed: bool = True) -> Timeline:
     """One part of the iteration of ``schedule``: the action lists of ``ranks`` timed as
-    `harmonia.sim.tasks.simulate_schedule` times every rank's (the same start and end per task)."""
+    `harmonia.sim.tasks.simulate_schedule` times every rank's (the same start and end per task).
+    ``closed=False``: ``ranks`` are some of a part's (`busiest_column`), their messages from other
+    ranks taken as arrived at the start; every task starts no later than in the whole simulation."""
     actions = plan_rank_actions(plan.layouts, schedule, ranks)
-    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster))
+    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed))

@@ -205,10 +205,14 @@ class _Builder:
         mem, transient = unit_memory(work, kind, w_only, has_w)
         return name, duration, mem, work.flops * share, transient
 
-    def link_receives(self) -> None:
+    def link_receives(self, closed: bool) -> None:
+        """Make every receive wait for its messages; where not ``closed``, a message from a rank
+        whose tasks are not built is taken as arrived at the start."""
+        sends = self.sends
         for i, rank, a in self.recvs:
-            self.tasks[i].deps = [(self.sends[(src, send)], p2p_s(nbytes, src, rank, self.cluster))
-                                  for src, send, nbytes in self._senders(rank, a)]
+            self.tasks[i].deps = [(sends[(src, send)], p2p_s(nbytes, src, rank, self.cluster))
+                                  for src, send, nbytes in self._senders(rank, a)
+                                  if closed or (src, send) in sends]
 
     def _senders(self, rank: int, a: Action) -> list[tuple[int, Action, float]]:
         """(rank, send action, bytes) of every message a receive waits for."""
@@ -232,7 +236,8 @@ class _Builder:
 
 
 def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[int, list[Action]],
-                graph: StageGraph, cluster: ClusterSpec) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
+                graph: StageGraph, cluster: ClusterSpec,
+                closed: bool = True) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
     """Tasks, per-rank compute queues and per-rank communication queues for `harmonia.sim.engine.replay`.
 
     Args:
@@ -242,6 +247,9 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[in
         actions: every rank's action list (`plan_rank_actions`).
         graph: the schedule's stage graph (what trains where).
         cluster: the cluster model.
+        closed: every message a receive of ``actions`` waits for is sent by a rank of ``actions``
+            (a KeyError otherwise); False: a message from another rank is taken as arrived at the
+            start, so every task starts no later than among all ranks (`harmonia.sim.parts.column_s`).
     """
     b = _Builder(plan, cost, iw, graph, cluster)
     queue: dict[int, list[int]] = {}
@@ -254,7 +262,7 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[in
             b.tasks.append(Task("fsdp gather", rank, gathers[rank], [], "", "C"))
         for a in acts:
             (comm if a.kind is Kind.REDUCE else queue)[rank].append(b.add(rank, a))
-    b.link_receives()
+    b.link_receives(closed)
     return b.tasks, queue, comm
 
 

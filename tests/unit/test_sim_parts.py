@@ -6,7 +6,9 @@ do in the whole simulation: checked on every recipe's placements (colocated, dis
 encoder replica feeding several LLM replicas, encoders fused into the LLM's first stage), pp 1/2/4,
 1F1B, zero-bubble and interleaved schedules, with and without recomputation. On the same plans,
 each rank's activation peak found from its action order alone (`harmonia.sim.memory`, what the
-search rejects plans by before timing them) is exactly the simulation's.
+search rejects plans by before timing them) is exactly the simulation's. A part's busiest column,
+simulated with its messages from other ranks free, starts every task no later than the whole
+simulation does (the bound the search drops candidates by before simulating their busiest part).
 """
 
 from harmonia.plan.bounds import work_bound_busy
@@ -14,14 +16,14 @@ from harmonia.plan.recipes import candidate_schedule, simulate_work
 from harmonia.plan.scenario import ScenarioRun
 from harmonia.schedule.graph import LLM
 from harmonia.sim.memory import activation_peaks
-from harmonia.sim.parts import independent_parts, simulate_part
+from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from tests.unit.test_plan_bounds import _describe, _scenario, _spread
 
 
 def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
     run = ScenarioRun(_scenario("llava-siglip-8b trainable, 16 GPUs", shared_traces))
     picked = _spread(run, per_family=1)
-    several, shared_encoder = 0, 0
+    several, shared_encoder, columns = 0, 0, 0
     for cand in picked:
         plan = cand.plan
         iw = run.iteration_work(cand, 1)
@@ -36,10 +38,39 @@ def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
         assert _ends(timelines) == _ends([whole]), _describe(cand)
         assert activation_peaks(plan, iw, schedule) == whole.peak_mem, _describe(cand)
         assert activation_peaks(plan, iw, schedule, parts[0]) == timelines[0].peak_mem, _describe(cand)
+        columns += _column_starts_no_later(cand, iw, schedule, parts[0], run, whole)
         several += len(parts) > 1
         llm = plan.layouts[LLM]
         shared_encoder += len(parts) < llm.dp  # some part joins LLM replicas through an encoder replica
-    assert several and shared_encoder, (several, shared_encoder)
+    assert several and shared_encoder and columns, (several, shared_encoder, columns)
+
+
+def _column_starts_no_later(cand, iw, schedule, part, run, whole) -> int:
+    """Check the busiest column of ``part`` against the whole simulation ``whole``; 1 if the part
+    has a column narrower than itself, else 0."""
+    plan = cand.plan
+    busy = work_bound_busy(plan, run.cost, run.cluster, iw)[1]
+    column = busiest_column(plan, part, busy)
+    if column is None:
+        return 0
+    llm = plan.layouts[LLM]
+    assert len(column) == llm.pp and set(column) < set(part), _describe(cand)
+    assert len({tuple(llm.coords(r)[a] for a in ("dp", "cp", "tp")) for r in column}) == 1, _describe(cand)
+    timeline = simulate_part(plan, run.cost, run.cluster, iw, schedule, column, closed=False)
+    starts = _starts([whole])
+    for (rank, name), at in _starts([timeline]).items():
+        assert all(a <= b + 1e-12 for a, b in zip(at, starts[(rank, name)], strict=True)), (_describe(cand), name)
+    assert timeline.iteration_s <= whole.iteration_s + 1e-12, _describe(cand)
+    return 1
+
+
+def _starts(timelines) -> dict[tuple[int, str], list[float]]:
+    """Every task's start, by rank and name (a name may repeat on a rank: its starts in order)."""
+    out: dict[tuple[int, str], list[float]] = {}
+    for tl in timelines:
+        for task, start in zip(tl.tasks, tl.start):
+            out.setdefault((task.rank, task.name), []).append(float(start))
+    return out
 
 
 def _ends(timelines) -> dict[tuple[int, str], list[float]]:
