@@ -9,7 +9,7 @@ plan on it is compared by `harmonia.plan.compare`.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from harmonia.errors import ConfigError
@@ -19,12 +19,14 @@ from harmonia.plan.recipes import Candidate, assign, simulate
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work
 from harmonia.sim.engine import Timeline
 from harmonia.workload.cost import CostModel
-from harmonia.workload.devices import ClusterSpec, cluster_from_string
+from harmonia.workload.devices import ClusterSpec, DeviceSpec, cluster_from_string
 from harmonia.workload.shapes import SampleShape
 from harmonia.workload.traces import is_generated, load_trace
 from harmonia.workload.work import load_arrays
 
 ROOT = Path(__file__).resolve().parents[2]
+DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name"}
+"""What a scenario's ``device`` may replace in its cluster's device preset."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Scenario:
         mixed_precision: whether the job trains in bf16 mixed precision (frozen weights held in
             bf16: `DeviceSpec.mixed_precision`); None: as the device kind does by default (the
             GPUs yes, the CPU no), as ``train.precision`` ``auto`` runs it.
+        device: fields of the cluster's device preset to replace (`DeviceSpec`), e.g.
+            ``{flops_efficiency = 0.62}`` for a matmul rate measured on the user's own runs.
     """
 
     name: str
@@ -70,10 +74,15 @@ class Scenario:
     sequence_parallel: bool = False
     fsdp_per_microbatch: bool = False
     mixed_precision: bool | None = None
+    device: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.global_batch < 1 or self.iterations < 1 or self.search_batches < 1:
             raise ConfigError(f"scenario {self.name!r}: global_batch, iterations and search_batches must be >= 1")
+        unknown = sorted(set(self.device) - DEVICE_FIELDS)
+        if unknown:
+            raise ConfigError(f"scenario {self.name!r}: device fields {unknown} unknown; a device sets "
+                              f"{sorted(DEVICE_FIELDS)}")
         if self.memory_batches < 0:
             raise ConfigError(f"scenario {self.name!r}: memory_batches={self.memory_batches} must be >= 0")
 
@@ -106,6 +115,8 @@ class ScenarioRun:
         self.cluster: ClusterSpec = cluster_from_string(scenario.cluster)
         if scenario.mixed_precision is not None:
             self.cluster = self.cluster.with_device(mixed_precision=scenario.mixed_precision)
+        if scenario.device:
+            self.cluster = self.cluster.with_device(**scenario.device)
         self.cost = CostModel(self.mllm, self.cluster.device, sequence_parallel=scenario.sequence_parallel,
                               fsdp_per_microbatch=scenario.fsdp_per_microbatch)
         self.samples = samples if samples is not None else load_trace(

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from harmonia.errors import ConfigError
 from harmonia.model.presets import mllm_preset
 from harmonia.plan.recipes import LONG_SAMPLE, candidates
 from harmonia.plan.scenario import Scenario, ScenarioRun
@@ -39,3 +40,20 @@ def test_long_samples_are_searched_with_context_parallelism_and_one_per_microbat
     assert all(c.plan.layouts[e].cp == 1 for c in found for e in c.plan.encoders)  # never an encoder
     one_each = [c for c in found if c.plan.n_microbatches * c.plan.layouts["llm"].dp == 32]
     assert any(c.plan.n_microbatches > 16 for c in one_each) is long  # beyond the usual 2pp, 4pp, 8
+
+
+def test_a_scenarios_device_fields_replace_the_presets_in_the_cost_model_and_the_cluster(tmp_path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text('[scenario]\nname = "fit"\nmodel = "llama3-8b"\ncluster = "h100:1x8"\ntrace = "text:2048"\n'
+                    'global_batch = 8\niterations = 1\nsearch_batches = 1\ndevice = { flops_efficiency = 0.6 }\n')
+    run = ScenarioRun(Scenario.load(path))
+    preset = ScenarioRun(Scenario("preset", "llama3-8b", "h100:1x8", "text:2048", 8, iterations=1, search_batches=1))
+    assert run.cluster.device.flops_efficiency == run.cost.device.flops_efficiency == 0.6
+    assert run.cost.device.attention_efficiency == preset.cost.device.attention_efficiency  # only what is named
+    slower = run.costs[0, run.cost.modules.index("llm")] / preset.costs[0, preset.cost.modules.index("llm")]
+    assert 1.0 < slower < 0.7 / 0.6 + 1e-9  # the matmuls alone run 0.7 / 0.6 times longer
+    with pytest.raises(ConfigError, match=r"device fields \['flops'\] unknown"):
+        Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, device={"flops": 0.6})
+    with pytest.raises(ConfigError, match="flops_efficiency must be in"):
+        ScenarioRun(Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, iterations=1, search_batches=1,
+                             device={"flops_efficiency": 1.5}))
