@@ -23,10 +23,12 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
   compute (the cost model's ``B + F_blocks``) and its TP and CP collectives (a third phase of each);
 - FSDP: the rank gathers the chunk's weights, ``g = (dp-1)/dp * weights / tp / bw``, once before
   its first action (harmonia's runtime), which adds ``g``; resharding per microbatch, before
-  every forward and backward of a microbatch, hidden behind that phase's compute, so the phase
-  lasts ``max(g, compute)`` (a backward ``max(g + r, compute)`` with its reduce-scatter ``r``);
-  over ``n`` microbatches that is at least ``max(n g, total compute)`` (for a fused backward
-  ``max(n (g + r), B + W)``, which a split one never beats);
+  every forward and backward of a microbatch, hidden behind that phase's compute ``c``, which runs
+  ``1 + s`` times slower beside it (`DeviceSpec.overlap_slowdown`), so the phase adds
+  ``max(g - c, g s / (1 + s))`` (a backward ``g + r`` with its reduce-scatter ``r``:
+  `harmonia.sim.tasks.overlapped_extra`); a maximum of affine terms is convex, so over ``n``
+  microbatches that adds at least ``max(n g - C, n g s / (1 + s))``, ``C`` their total compute
+  (for a backward ``n (g + r)`` against ``B + W``, which a split one's B alone never beats);
 - DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
   group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F,
   B and W of the chunk precedes its last W on the rank's one compute stream, so the reduction ends
@@ -73,7 +75,7 @@ from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
                                       rank_gathers_s, stage_group, tp_allreduce_s)
-from harmonia.sim.tasks import collective_extra, compute_seconds
+from harmonia.sim.tasks import collective_extra, compute_seconds, overlapped_extra
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -164,10 +166,13 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
         comm += gather
         forward += gather
     elif gather and n_mb:
-        comm += max(0.0, n_mb * gather - times.F)
+        slowdown = cluster.device.overlap_slowdown
+        exposed = overlapped_extra(n_mb * gather, times.F, slowdown)
+        comm += exposed
         if has_b:
-            comm += max(0.0, n_mb * (gather + backward_reduce_s(cost, cluster, plan, module, chunk)) - backward)
-        forward = max(n_mb * gather, times.F)
+            comm += overlapped_extra(n_mb * (gather + backward_reduce_s(cost, cluster, plan, module, chunk)), backward,
+                                     slowdown)
+        forward = times.F + exposed
     reduce = grad_reduce_s(cost, cluster, plan, module, chunk) if has_w else 0.0
     return ChunkBound(times.F + backward, comm, reduce, forward, times.W if has_b and has_w else 0.0)
 
