@@ -213,8 +213,9 @@ def main() -> int:
     console.print(
         f"Fitted over matmul efficiencies {FIT_RATES[0]:.2f}-{FIT_RATES[-1]:.2f} in steps of 0.01: {rate:.2f} gives "
         "the least largest error over the three runs; each left-out error predicts a run from the efficiency "
-        "fitted to the other two alone. A scenario file sets it as `device = { flops_efficiency = "
-        f"{rate:.2f} }}`; the H100 preset keeps the microbenchmark rate.")
+        "fitted to the other two alone. `harmonia plan` and `harmonia simulate` take it as `--device-set "
+        f"flops_efficiency={rate:.2f}`, a scenario file as `device = {{ flops_efficiency = {rate:.2f} }}`; the H100 "
+        "preset keeps the microbenchmark rate.")
     console.print(f"largest error {max(errors, key=abs):+.1%} with the H100 preset, "
                   f"{max(fitted_errors, key=abs):+.1%} with one fitted calibration, "
                   f"{max(left_out, key=abs):+.1%} left out (target: every row within 15%)")

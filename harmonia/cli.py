@@ -123,6 +123,9 @@ def _plan_summary(d: dict) -> str:
 
 
 DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"
+DEVICE_SET_HELP = ("replace fields of the cluster's device preset, comma-separated FIELD=VALUE, e.g. "
+                   "flops_efficiency=0.6 (the matmul rate benchmarks/fidelity.py fits to published runs; "
+                   "a scenario file's device table does the same)")
 SCENARIO_FLAGS = ("model", "cluster", "trace", "global_batch", "frozen")
 
 
@@ -141,7 +144,7 @@ def _scenario(args: argparse.Namespace, plan=None):
     import dataclasses
 
     from harmonia.errors import ConfigError
-    from harmonia.plan.scenario import Scenario
+    from harmonia.plan.scenario import Scenario, parse_device_changes
 
     flags = {k: getattr(args, k) for k in SCENARIO_FLAGS if getattr(args, k) is not None}
     if args.scenario and flags:
@@ -158,6 +161,8 @@ def _scenario(args: argparse.Namespace, plan=None):
                             flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
     if args.sequence_parallel:
         scenario = dataclasses.replace(scenario, sequence_parallel=True)
+    if args.device_set:
+        scenario = dataclasses.replace(scenario, device={**scenario.device, **parse_device_changes(args.device_set)})
     if args.fsdp_per_microbatch:
         scenario = dataclasses.replace(scenario, fsdp_per_microbatch=True)
     if plan is not None and plan.global_batch != scenario.global_batch:
@@ -271,12 +276,13 @@ def _write_timelines(directory: str, name: str, results: dict) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write plan.json."""
     from harmonia.plan.search import search_plan
-    from harmonia.plan.scenario import Scenario
+    from harmonia.plan.scenario import Scenario, parse_device_changes
     from harmonia.workload.devices import cluster_from_string
 
     training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
     scenario = Scenario("plan", args.model, args.cluster, _trace_path(args.trace), args.global_batch, training,
-                        iterations=1, search_batches=args.batches, memory_batches=args.memory_batches, seed=args.seed)
+                        iterations=1, search_batches=args.batches, memory_batches=args.memory_batches, seed=args.seed,
+                        device=parse_device_changes(args.device_set))
     with console.status("profiling batches and searching layouts"):
         report = search_plan(scenario, top=args.top)
     table = Table(title=f"best {len(report.ranked)} plans for {args.model} on {args.cluster} "
@@ -416,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "about a second each on 64 GPUs)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", default="plan.json", help="where the best plan is written")
+    p.add_argument("--device-set", default="", help=DEVICE_SET_HELP)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="score a given plan (--plan, --layout), or run a scenario under each "
@@ -453,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "gathered before every forward and backward, every state sharded (harmonia's runtime does so for "
                    "an LLM laid out 'fsdp reshard'; its plain 'fsdp' gathers once per step and keeps weights and "
                    "gradients whole until the step's reduce-scatter)")
+    p.add_argument("--device-set", default="", help=DEVICE_SET_HELP)
     p.add_argument("--recipes", default=None,
                    help="comma-separated recipes to run (default all four; with a given plan, harmonia: whose "
                    "batch assignment and ordering score it)")

@@ -25,8 +25,36 @@ from harmonia.workload.traces import is_generated, load_trace
 from harmonia.workload.work import load_arrays
 
 ROOT = Path(__file__).resolve().parents[2]
-DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name"}
-"""What a scenario's ``device`` may replace in its cluster's device preset."""
+DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name", "gpus_per_node"}
+"""What a scenario's ``device`` may replace in its cluster's device preset (the cluster string
+gives the devices per node)."""
+
+
+def parse_device_changes(text: str) -> dict[str, float | int | bool]:
+    """``flops_efficiency=0.6,mixed_precision=false`` (a command line's ``--device``) as the device
+    fields it replaces, each of its field's type.
+
+    Raises:
+        ConfigError: on an item that is not ``FIELD=VALUE``, an unknown field or a value of the wrong type.
+    """
+    kinds = {f.name: str(f.type) for f in fields(DeviceSpec)}
+    out: dict[str, float | int | bool] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = (x.strip() for x in item.partition("="))
+        if not sep or name not in DEVICE_FIELDS:
+            raise ConfigError(f"device setting {item!r}: expected FIELD=VALUE with FIELD one of "
+                              f"{sorted(DEVICE_FIELDS)}, e.g. flops_efficiency=0.6")
+        try:
+            if kinds[name] == "bool":
+                if value.lower() not in ("true", "false"):
+                    raise ValueError(value)
+                out[name] = value.lower() == "true"
+            else:
+                out[name] = int(value) if kinds[name] == "int" else float(value)
+        except ValueError:
+            raise ConfigError(f"device setting {item!r}: {name} takes a{'n' if kinds[name] == 'int' else ''} "
+                              f"{kinds[name].split(' ')[0]}, not {value!r}") from None
+    return out
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 from harmonia.errors import ConfigError
 from harmonia.model.presets import mllm_preset
 from harmonia.plan.recipes import LONG_SAMPLE, candidates
-from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.plan.scenario import Scenario, ScenarioRun, parse_device_changes
 from harmonia.workload.traces import load_trace
 from harmonia.workload.work import load_arrays
 
@@ -57,3 +57,15 @@ def test_a_scenarios_device_fields_replace_the_presets_in_the_cost_model_and_the
     with pytest.raises(ConfigError, match="flops_efficiency must be in"):
         ScenarioRun(Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, iterations=1, search_batches=1,
                              device={"flops_efficiency": 1.5}))
+
+
+def test_device_settings_parse_to_each_fields_type_or_name_what_is_wrong() -> None:
+    assert parse_device_changes("flops_efficiency=0.6, mixed_precision=false") == {
+        "flops_efficiency": 0.6, "mixed_precision": False}
+    assert parse_device_changes("") == {}
+    for text, message in (("flops=0.6", "expected FIELD=VALUE"), ("flops_efficiency", "expected FIELD=VALUE"),
+                          ("gpus_per_node=4", "expected FIELD=VALUE"),  # the cluster string gives it
+                          ("mixed_precision=yes", "mixed_precision takes a bool, not 'yes'"),
+                          ("latency_s=soon", "latency_s takes a float, not 'soon'")):
+        with pytest.raises(ConfigError, match=message):
+            parse_device_changes(text)

@@ -108,6 +108,10 @@ def test_simulate_scores_a_layout_and_a_plan_alike(tmp_path) -> None:
     again = tmp_path / "plan-scored.json"
     assert main(["simulate", *flags, "--plan", str(tmp_path / "plan.json"), "--json", str(again)]) == 0
     assert json.loads(again.read_text())["recipes"]["harmonia"]["iteration_s"] == scored["iteration_s"]
+    slower = tmp_path / "slower.json"  # a measured matmul rate below the preset's 0.70
+    assert main(["simulate", *flags, "--plan", str(tmp_path / "plan.json"), "--device-set", "flops_efficiency=0.6",
+                 "--json", str(slower)]) == 0
+    assert json.loads(slower.read_text())["recipes"]["harmonia"]["iteration_s"] > scored["iteration_s"] * 1.05
 
 
 def test_simulate_refuses_mixed_or_mismatched_inputs(tmp_path, capsys) -> None:
@@ -117,3 +121,6 @@ def test_simulate_refuses_mixed_or_mismatched_inputs(tmp_path, capsys) -> None:
     assert main(["simulate", "--model", "llama3-8b", "--cluster", "h100:1x8", "--trace", "text:1024",
                  "--global-batch", "16", "--layout", "llm tp1 pp1 dp4"]) == 2
     assert "add up to 8" in capsys.readouterr().out
+    assert main(["simulate", "--model", "llama3-8b", "--cluster", "h100:1x8", "--trace", "text:1024",
+                 "--global-batch", "16", "--layout", "llm tp1 pp1 dp8", "--device-set", "flops=0.6"]) == 2
+    assert "device setting 'flops=0.6': expected FIELD=VALUE" in capsys.readouterr().out
