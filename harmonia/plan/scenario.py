@@ -31,7 +31,7 @@ gives the devices per node)."""
 
 
 def parse_device_changes(text: str) -> dict[str, float | int | bool]:
-    """``flops_efficiency=0.6,mixed_precision=false`` (a command line's ``--device``) as the device
+    """``flops_efficiency=0.6,mixed_precision=false`` (a command line's ``--device-set``) as the device
     fields it replaces, each of its field's type.
 
     Raises:
