@@ -65,18 +65,18 @@ def _column_starts_no_later(cand, iw, schedule, part, run, whole) -> int:
 
 
 def _starts(timelines) -> dict[tuple[int, str], list[float]]:
-    """Every task's start, by rank and name (a name may repeat on a rank: its starts in order)."""
-    out: dict[tuple[int, str], list[float]] = {}
-    for tl in timelines:
-        for task, start in zip(tl.tasks, tl.start):
-            out.setdefault((task.rank, task.name), []).append(float(start))
-    return out
+    return _times(timelines, "start")
 
 
 def _ends(timelines) -> dict[tuple[int, str], list[float]]:
-    """Every task's end, by rank and name (a name may repeat on a rank: its ends in order)."""
+    return _times(timelines, "end")
+
+
+def _times(timelines, which: str) -> dict[tuple[int, str], list[float]]:
+    """Every task's start or end (``which``), by rank and name (a name may repeat on a rank: its
+    times in order)."""
     out: dict[tuple[int, str], list[float]] = {}
     for tl in timelines:
-        for task, end in zip(tl.tasks, tl.end):
-            out.setdefault((task.rank, task.name), []).append(float(end))
+        for task, at in zip(tl.tasks, getattr(tl, which)):
+            out.setdefault((task.rank, task.name), []).append(float(at))
     return out
