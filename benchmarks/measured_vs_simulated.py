@@ -12,7 +12,9 @@ steps under two plans, searched on the job's own data with the same constraints:
   LLM's on those ranks rather than fused into its first stage; the simulated step is of the same
   action lists the ranks run, so the comparison stays like for like.
 - ``harmonia``: what ``parallel.plan=auto`` picks (`harmonia.train.planning.search_training_plan`),
-  with its per-iteration balancing, order search and sub-microbatch split.
+  with its per-iteration balancing, run as a job runs by default (``parallel.schedule_search``
+  auto: on CPU no per-batch order and sub-microbatch search, whose CPU would come out of the
+  ranks' compute on this machine's shared cores).
 
 Both runs train the same data stream (same dataset, global batch and seed; their losses are equal
 step by step) and are timed alternately (megatron, harmonia, harmonia, megatron, ...), so a change of
@@ -33,9 +35,9 @@ order search, split and action lists; checked by reproducing the trainer's own s
 its own calibration) and prices them with the pooled calibration. The trainer's own-fit figures are
 shown too.
 
-With ``--diagnose`` two more variants run in turn with them (`DIAGNOSTIC`): harmonia's plan without
-its per-batch search, and harmonia's plan under the sequential assignment, to tell which part of a
-gap between measured and simulated comes from where.
+With ``--diagnose`` two more variants run in turn with them (`DIAGNOSTIC`): harmonia's plan with
+the per-batch search a GPU job runs, and harmonia's plan under the sequential assignment, to tell
+which part of a gap between measured and simulated comes from where.
 
     nice -n 5 python benchmarks/measured_vs_simulated.py [--repeats 2] [--steps 12] [--diagnose]
 """
@@ -62,6 +64,7 @@ from harmonia.plan.scenario import Scenario
 from harmonia.plan.search import search_plan
 from harmonia.schedule.plan import Plan
 from harmonia.train import run_training
+from harmonia.train.backend import schedule_search
 from harmonia.train.data import open_training_data, prepare_data
 from harmonia.train.iteration import DataOrder, IterationBuilder
 from harmonia.train.job import dataset_shapes
@@ -76,7 +79,10 @@ WORK = ROOT / "runs" / "bench" / "measured-vs-simulated"
 WARMUP_STEPS = 3
 """Steps left out: step 0 (start-up), step 1 (the calibration step) and step 2 (prepared before it)."""
 AGREEMENT = 0.10
-SEARCH = 16  # parallel.schedule_search on GPUs (auto); CPU jobs default to 0
+AUTO = -1
+"""``parallel.schedule_search`` as a job runs by default: 16 evaluations on GPUs, none on CPU
+(`harmonia.train.backend.schedule_search`)."""
+SEARCH_GPU = 16
 
 
 @dataclass(frozen=True)
@@ -85,15 +91,15 @@ class Variant:
 
     plan: str
     assignment: str
-    search: int = SEARCH
+    search: int = AUTO
 
 
 VARIANTS = {"megatron": Variant("megatron", "sequential"), "harmonia": Variant("harmonia", "balanced")}
-DIAGNOSTIC = {"harmonia, no per-batch search": Variant("harmonia", "balanced", 0),
+DIAGNOSTIC = {"harmonia, per-batch search as on GPUs": Variant("harmonia", "balanced", SEARCH_GPU),
               "harmonia's plan, sequential": Variant("harmonia", "sequential")}
-"""With ``--diagnose``: harmonia's plan without the per-batch order and sub-microbatch search (its
-preparation then costs what the Megatron-LM recipe's does), and with the recipe's assignment (its
-schedule and layer split alone)."""
+"""With ``--diagnose``: harmonia's plan with the per-batch order and sub-microbatch search a GPU job
+runs (every rank searches in its prefetch thread; here its CPU comes out of the ranks' compute),
+and with the recipe's assignment (its schedule and layer split alone)."""
 
 
 @dataclass
@@ -115,10 +121,13 @@ class Runs:
     busy: list[float] = field(default_factory=list)  # measured compute seconds summed over ranks
 
 
-def job_config(name: str, steps: int, plan: str = "auto", variant: Variant = VARIANTS["harmonia"]) -> Config:
-    """The demo job on the benchmark's data, trained as ``variant`` says, logging under ``WORK / name``."""
+def job_config(name: str, steps: int, plan: str = "auto", variant: Variant = VARIANTS["harmonia"],
+               cluster: str | None = None) -> Config:
+    """The demo job on the benchmark's data, trained as ``variant`` says, logging under ``WORK / name``
+    (on ``cluster``'s processes, default the demo's 4)."""
     run = WORK / name.replace(" ", "-").replace(",", "").replace("'", "")
-    return load_config(ROOT / "configs" / "demo.toml", [
+    sized = [f"--parallel.cluster={cluster}", f"--parallel.world_size={cluster_from_string(cluster).world_size}"]
+    return load_config(ROOT / "configs" / "demo.toml", [*(sized if cluster else []),
         f"--data.path={WORK / 'data'}", "--data.heldout=0", f"--train.steps={steps}",
         f"--log.dir={run}", f"--checkpoint.dir={run / 'ck'}", "--checkpoint.every=0", "--checkpoint.resume=false",
         "--log.tensorboard=false", f"--parallel.plan={plan}", f"--train.assignment={variant.assignment}",
@@ -159,7 +168,7 @@ def rank_builder(config: Config, plan: Plan, rank: int) -> IterationBuilder:
     cluster = cluster_from_string(config.parallel.cluster)
     return IterationBuilder(spec, plan, dataset, DataOrder(list(shapes), config.train.global_batch, config.train.seed),
                             CostModel(spec, cluster.device), cluster, schedule_graph(spec, plan), rank,
-                            search_evaluations=config.parallel.schedule_search, simulate=rank == 0, shapes=shapes,
+                            search_evaluations=schedule_search(config), simulate=rank == 0, shapes=shapes,
                             assignment=config.train.assignment)
 
 
@@ -227,15 +236,17 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
     out = io.StringIO()
     console = Console(file=out, width=150, force_terminal=False)
     m = runs["megatron"]
-    table = Table(title="Measured vs simulated step time, tiny-omni on 4 CPU processes (gloo), global batch 32 — "
-                  f"timed under load (1-min load average {load[0]} before, {load[1]} after, on 2 shared cores)")
+    table = Table(title=f"Measured vs simulated step time, tiny-omni on {m.plan.world_size} CPU processes (gloo), "
+                  f"global batch 32 — timed under load (1-min load average {load[0]} before, {load[1]} after, on "
+                  f"{os.cpu_count() or 1} shared cores)")
     for col in ("plan", "schedule", "assignment", "measured s/step", "simulated s/step (pooled fit)",
                 "simulated s/step (run's own fit)", "bubble (measured)"):
         table.add_column(col, justify="left" if col in ("plan", "schedule", "assignment") else "right")
     for name, r in runs.items():
         llm, v = r.plan.layouts["llm"], r.variant
+        search = schedule_search(r.configs[0])
         table.add_row(f"{name}: {r.plan.placement.value}, llm {llm.describe()}", r.plan.schedule,
-                      f"{v.assignment}, {r.plan.n_microbatches} mb" + (", no search" if not v.search else ""),
+                      f"{v.assignment}, {r.plan.n_microbatches} mb" + (f", search {search}" if search else ", no search"),
                       spread(r.measured), spread(r.pooled), spread(r.own_fit), f"{mean(r.bubble):.2f}")
     console.print(table)
     console.print(_ratios(runs))
@@ -294,9 +305,9 @@ def _diagnosis(runs: dict[str, Runs]) -> Table:
     for col in ("change", "from", "to", "measured", "simulated (pooled fit)", "preparation CPU s, all ranks"):
         table.add_column(col, justify="left" if col in ("change", "from", "to") else "right")
     path = [("harmonia's schedule and layer split (zb, frozen-aware)", "megatron", "harmonia's plan, sequential"),
-            ("per-iteration balancing (balancer's order, unsplit)", "harmonia's plan, sequential",
-             "harmonia, no per-batch search"),
-            ("per-batch order and sub-microbatch search", "harmonia, no per-batch search", "harmonia")]
+            ("per-iteration balancing (balancer's order, unsplit)", "harmonia's plan, sequential", "harmonia"),
+            ("per-batch order and sub-microbatch search (as on GPUs)", "harmonia",
+             "harmonia, per-batch search as on GPUs")]
     for change, a, b in path:
         ra, rb = runs[a], runs[b]
         table.add_row(change, a, b, f"{mean(rb.measured) - mean(ra.measured):+.3f}",
@@ -310,10 +321,14 @@ def main() -> None:
                         help="runs per variant, in turn, the order reversed every other round")
     parser.add_argument("--steps", type=int, default=12, help="steps per run")
     parser.add_argument("--diagnose", action="store_true", help="also run the `DIAGNOSTIC` variants")
+    parser.add_argument("--cluster", default=None,
+                        help="processes to train on, e.g. cpu:1x2 (default the demo's cpu:1x4); the simulator "
+                        "gives every rank a device of its own, which this machine's cores are only when "
+                        "there are no more ranks than cores")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                              f"measured-vs-simulated-{datetime.date.today()}.txt"))
     args = parser.parse_args()
-    base = job_config("search", args.steps)
+    base = job_config("search", args.steps, cluster=args.cluster)
     prepare_data(base)
     plans = search_plans(base)
     WORK.mkdir(parents=True, exist_ok=True)
@@ -327,7 +342,7 @@ def main() -> None:
     losses = {}
     for k, name in enumerate(order):
         variant = runs[name].variant
-        config = job_config(f"{name}-{k}", args.steps, str(WORK / f"{variant.plan}-plan.json"), variant)
+        config = job_config(f"{name}-{k}", args.steps, str(WORK / f"{variant.plan}-plan.json"), variant, args.cluster)
         records = train(config)
         losses.setdefault(name, [r["loss"] for r in records])
         collect(runs[name], config, records)
