@@ -39,7 +39,7 @@ With ``--diagnose`` two more variants run in turn with them (`DIAGNOSTIC`): harm
 the per-batch search a GPU job runs, and harmonia's plan under the sequential assignment, to tell
 which part of a gap between measured and simulated comes from where.
 
-    nice -n 5 python benchmarks/measured_vs_simulated.py [--repeats 2] [--steps 12] [--diagnose]
+    nice -n 5 python benchmarks/measured_vs_simulated.py [--repeats 2] [--steps 12] [--diagnose] [--cluster cpu:1x2]
 """
 
 from __future__ import annotations
