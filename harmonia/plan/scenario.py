@@ -11,6 +11,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import get_type_hints
 
 from harmonia.errors import ConfigError
 from harmonia.model.resolve import resolve_mllm
@@ -30,30 +31,30 @@ DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name", "gpus_p
 gives the devices per node)."""
 
 
-def parse_device_changes(text: str) -> dict[str, float | int | bool]:
+def parse_device_changes(text: str) -> dict[str, float | bool]:
     """``flops_efficiency=0.6,mixed_precision=false`` (a command line's ``--device-set``) as the device
-    fields it replaces, each of its field's type.
+    fields it replaces: booleans ``true`` or ``false``, every other field a number.
 
     Raises:
         ConfigError: on an item that is not ``FIELD=VALUE``, an unknown field or a value of the wrong type.
     """
-    kinds = {f.name: str(f.type) for f in fields(DeviceSpec)}
-    out: dict[str, float | int | bool] = {}
+    booleans = {name for name, kind in get_type_hints(DeviceSpec).items() if kind is bool}
+    out: dict[str, float | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (x.strip() for x in item.partition("="))
         if not sep or name not in DEVICE_FIELDS:
             raise ConfigError(f"device setting {item!r}: expected FIELD=VALUE with FIELD one of "
                               f"{sorted(DEVICE_FIELDS)}, e.g. flops_efficiency=0.6")
         try:
-            if kinds[name] == "bool":
+            if name in booleans:
                 if value.lower() not in ("true", "false"):
                     raise ValueError(value)
                 out[name] = value.lower() == "true"
             else:
-                out[name] = int(value) if kinds[name] == "int" else float(value)
+                out[name] = float(value)
         except ValueError:
-            raise ConfigError(f"device setting {item!r}: {name} takes a{'n' if kinds[name] == 'int' else ''} "
-                              f"{kinds[name].split(' ')[0]}, not {value!r}") from None
+            kind = "bool" if name in booleans else "float"
+            raise ConfigError(f"device setting {item!r}: {name} takes a {kind}, not {value!r}") from None
     return out
 
 
