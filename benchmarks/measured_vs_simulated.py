@@ -126,8 +126,9 @@ def job_config(name: str, steps: int, plan: str = "auto", variant: Variant = VAR
     """The demo job on the benchmark's data, trained as ``variant`` says, logging under ``WORK / name``
     (on ``cluster``'s processes, default the demo's 4)."""
     run = WORK / name.replace(" ", "-").replace(",", "").replace("'", "")
-    sized = [f"--parallel.cluster={cluster}", f"--parallel.world_size={cluster_from_string(cluster).world_size}"]
-    return load_config(ROOT / "configs" / "demo.toml", [*(sized if cluster else []),
+    sized = ([f"--parallel.cluster={cluster}", f"--parallel.world_size={cluster_from_string(cluster).world_size}"]
+             if cluster else [])
+    return load_config(ROOT / "configs" / "demo.toml", [*sized,
         f"--data.path={WORK / 'data'}", "--data.heldout=0", f"--train.steps={steps}",
         f"--log.dir={run}", f"--checkpoint.dir={run / 'ck'}", "--checkpoint.every=0", "--checkpoint.resume=false",
         "--log.tensorboard=false", f"--parallel.plan={plan}", f"--train.assignment={variant.assignment}",
