@@ -29,6 +29,15 @@ ROOT = Path(__file__).resolve().parents[2]
 DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name", "gpus_per_node"}
 """What a scenario's ``device`` may replace in its cluster's device preset (the cluster string
 gives the devices per node)."""
+DEVICE_BOOLEANS = frozenset(name for name, kind in get_type_hints(DeviceSpec).items() if kind is bool)
+"""The device fields that are true or false; every other one a number."""
+
+
+def _device_value_fits(name: str, value: object) -> bool:
+    """Whether ``value`` is of device field ``name``'s kind (a bool, or a number that is not one)."""
+    if name in DEVICE_BOOLEANS:
+        return isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def parse_device_changes(text: str) -> dict[str, float | bool]:
@@ -38,7 +47,6 @@ def parse_device_changes(text: str) -> dict[str, float | bool]:
     Raises:
         ConfigError: on an item that is not ``FIELD=VALUE``, an unknown field or a value of the wrong type.
     """
-    booleans = {name for name, kind in get_type_hints(DeviceSpec).items() if kind is bool}
     out: dict[str, float | bool] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (x.strip() for x in item.partition("="))
@@ -46,14 +54,14 @@ def parse_device_changes(text: str) -> dict[str, float | bool]:
             raise ConfigError(f"device setting {item!r}: expected FIELD=VALUE with FIELD one of "
                               f"{sorted(DEVICE_FIELDS)}, e.g. flops_efficiency=0.6")
         try:
-            if name in booleans:
+            if name in DEVICE_BOOLEANS:
                 if value.lower() not in ("true", "false"):
                     raise ValueError(value)
                 out[name] = value.lower() == "true"
             else:
                 out[name] = float(value)
         except ValueError:
-            kind = "bool" if name in booleans else "float"
+            kind = "bool" if name in DEVICE_BOOLEANS else "float"
             raise ConfigError(f"device setting {item!r}: {name} takes a {kind}, not {value!r}") from None
     return out
 
@@ -112,6 +120,10 @@ class Scenario:
         if unknown:
             raise ConfigError(f"scenario {self.name!r}: device fields {unknown} unknown; a device sets "
                               f"{sorted(DEVICE_FIELDS)}")
+        wrong = {k: v for k, v in self.device.items() if not _device_value_fits(k, v)}
+        if wrong:
+            raise ConfigError(f"scenario {self.name!r}: device {wrong} invalid: "
+                              f"{' and '.join(sorted(DEVICE_BOOLEANS))} is true or false, every other field a number")
         if self.memory_batches < 0:
             raise ConfigError(f"scenario {self.name!r}: memory_batches={self.memory_batches} must be >= 0")
 

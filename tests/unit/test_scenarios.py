@@ -54,6 +54,10 @@ def test_a_scenarios_device_fields_replace_the_presets_in_the_cost_model_and_the
     assert 1.0 < slower < 0.7 / 0.6 + 1e-9  # the matmuls alone run 0.7 / 0.6 times longer
     with pytest.raises(ConfigError, match=r"device fields \['flops'\] unknown"):
         Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, device={"flops": 0.6})
+    with pytest.raises(ConfigError, match=r"device \{'flops_efficiency': '0.6'\} invalid"):  # a TOML string
+        Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, device={"flops_efficiency": "0.6"})
+    with pytest.raises(ConfigError, match="mixed_precision is true or false"):
+        Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, device={"mixed_precision": 1})
     with pytest.raises(ConfigError, match="flops_efficiency must be in"):
         ScenarioRun(Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, iterations=1, search_batches=1,
                              device={"flops_efficiency": 1.5}))
