@@ -124,8 +124,8 @@ def _plan_summary(d: dict) -> str:
 
 DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"
 DEVICE_SET_HELP = ("replace fields of the cluster's device preset, comma-separated FIELD=VALUE, e.g. "
-                   "flops_efficiency=0.6 (the matmul rate benchmarks/fidelity.py fits to published runs; "
-                   "a scenario file's device table does the same)")
+                   "flops_efficiency=0.55 (a matmul rate measured on your own runs, as benchmarks/fidelity.py fits the "
+                   "H100 preset's to published ones; a scenario file's device table does the same)")
 SCENARIO_FLAGS = ("model", "cluster", "trace", "global_batch", "frozen")
 
 

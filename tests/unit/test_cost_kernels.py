@@ -49,7 +49,7 @@ def test_stage_times_add_the_kernel_classes() -> None:
     elem = elementwise_elems(cost.mllm, "llm", layer)
     bw = H100.mem_bw * H100.bw_efficiency
     for tp, cp in ((1, 1), (2, 2)):
-        forward = (layer.f_tok * tokens / (tp * cp) / (H100.peak_flops * 0.70)
+        forward = (layer.f_tok * tokens / (tp * cp) / (H100.peak_flops * H100.flops_efficiency)
                    + layer.f_pair * load.pairs / (tp * cp) / (H100.peak_flops * 0.55)
                    + (elem[0, 0] / tp + elem[0, 1]) * tokens / cp * 2 / bw)
         assert cost.stage_times("llm", load, 1, 2, tp, cp).F == pytest.approx(forward, rel=1e-12)

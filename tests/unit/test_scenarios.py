@@ -45,13 +45,13 @@ def test_long_samples_are_searched_with_context_parallelism_and_one_per_microbat
 def test_a_scenarios_device_fields_replace_the_presets_in_the_cost_model_and_the_cluster(tmp_path) -> None:
     path = tmp_path / "s.toml"
     path.write_text('[scenario]\nname = "fit"\nmodel = "llama3-8b"\ncluster = "h100:1x8"\ntrace = "text:2048"\n'
-                    'global_batch = 8\niterations = 1\nsearch_batches = 1\ndevice = { flops_efficiency = 0.6 }\n')
+                    'global_batch = 8\niterations = 1\nsearch_batches = 1\ndevice = { flops_efficiency = 0.5 }\n')
     run = ScenarioRun(Scenario.load(path))
     preset = ScenarioRun(Scenario("preset", "llama3-8b", "h100:1x8", "text:2048", 8, iterations=1, search_batches=1))
-    assert run.cluster.device.flops_efficiency == run.cost.device.flops_efficiency == 0.6
+    assert run.cluster.device.flops_efficiency == run.cost.device.flops_efficiency == 0.5
     assert run.cost.device.attention_efficiency == preset.cost.device.attention_efficiency  # only what is named
     slower = run.costs[0, run.cost.modules.index("llm")] / preset.costs[0, preset.cost.modules.index("llm")]
-    assert 1.0 < slower < 0.7 / 0.6 + 1e-9  # the matmuls alone run 0.7 / 0.6 times longer
+    assert 1.0 < slower < 0.6 / 0.5 + 1e-9  # the matmuls alone run 0.6 / 0.5 times longer
     with pytest.raises(ConfigError, match=r"device fields \['flops'\] unknown"):
         Scenario("bad", "llama3-8b", "h100:1x8", "text:2048", 8, device={"flops": 0.6})
     with pytest.raises(ConfigError, match=r"device \{'flops_efficiency': '0.6'\} invalid"):  # a TOML string
