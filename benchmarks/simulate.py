@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harmonia.errors import LayoutError
-from harmonia.plan.compare import RecipeResult, averages, run_recipe
+from harmonia.plan.compare import MFU_NOTE, RecipeResult, averages, run_recipe
 from harmonia.plan.recipes import RECIPES, search_microbatch_order
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
@@ -140,6 +140,7 @@ def main(paths: list[str]) -> int:
         table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}",
                       times(base, bound), "0.0%", "", "100%", "", "all work spread evenly over every rank", "")
         console.print(table)
+        console.print(MFU_NOTE)
         h = results["harmonia"].iteration_s
         if results["harmonia"].candidate:
             console.print(f"harmonia vs megatron {times(base, h)} (target 1.40x); vs best other baseline "

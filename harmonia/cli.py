@@ -184,7 +184,7 @@ def _given_plan(args: argparse.Namespace, run):
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Score a given plan (--plan, --layout), or run a scenario under each recipe and compare them."""
     from harmonia.errors import ConfigError
-    from harmonia.plan.compare import run_recipe, score_plan
+    from harmonia.plan.compare import MFU_NOTE, run_recipe, score_plan
     from harmonia.plan.scenario import ScenarioRun
     from harmonia.schedule.plan import Plan
 
@@ -202,6 +202,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     bound = float(runner.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / runner.cluster.world_size
     console.print(_given_table(scenario, runner, results, bound) if given
                   else _comparison_table(scenario, results, bound))
+    console.print(MFU_NOTE)
     if args.json:
         import dataclasses
         import json

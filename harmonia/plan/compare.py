@@ -23,6 +23,11 @@ from harmonia.plan.search import search_plan
 from harmonia.schedule.plan import Plan
 from harmonia.sim.engine import Timeline
 
+MFU_NOTE = ("MFU: useful FLOPs per second (forward, input and weight gradients of every module, attention over "
+            "the (query, key) pairs its mask keeps, as executed; recomputation not counted) over the devices' "
+            "peak (dense bf16 on the GPUs).")
+"""How the comparison tables count MFU."""
+
 
 @dataclass
 class RecipeResult:

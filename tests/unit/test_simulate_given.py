@@ -93,12 +93,13 @@ def test_llm_only_models_from_presets_and_config_json(tmp_path) -> None:
     assert mllm.llm.n_params() == LLMS["llama3-8b"].spec.n_params()
 
 
-def test_simulate_scores_a_layout_and_a_plan_alike(tmp_path) -> None:
+def test_simulate_scores_a_layout_and_a_plan_alike(tmp_path, capsys) -> None:
     flags = ["--model", "llama3-8b", "--cluster", "h100:1x8", "--trace", "text:4096", "--global-batch", "16",
              "--iterations", "1"]
     out = tmp_path / "layout.json"
     assert main(["simulate", *flags, "--layout", "llm tp1 cp2 pp1 dp4", "--microbatch-size", "2",
                  "--json", str(out)]) == 0
+    assert "MFU: useful FLOPs" in capsys.readouterr().out.replace("\n", " ")  # the table says how it counts
     scored = json.loads(out.read_text())["recipes"]["harmonia"]
     assert scored["plan"]["llm"]["cp"] == 2 and scored["n_microbatches"] == 2
     assert scored["tokens_per_s"] == pytest.approx(16 * 4096 / scored["iteration_s"])
