@@ -212,7 +212,8 @@ def main() -> int:
         "compute, not one row's term, and one matmul rate serves every row (next table).")
     fitted, left_out, rate = fit_table()
     console.print(fitted)
-    same = "the H100 preset's" if rate == device.flops_efficiency else f"not the preset's {device.flops_efficiency:.2f}"
+    same = ("the H100 preset's" if rate == device.flops_efficiency
+            else f"not the preset's {device.flops_efficiency:.2f}")
     console.print(
         f"Fitted over matmul efficiencies {FIT_RATES[0]:.2f}-{FIT_RATES[-1]:.2f} in steps of 0.01: {rate:.2f} ({same}) "
         "gives the least largest error over the three runs; each left-out error predicts a run from the efficiency "

@@ -35,6 +35,12 @@ order search, split and action lists; checked by reproducing the trainer's own s
 its own calibration) and prices them with the pooled calibration. The trainer's own-fit figures are
 shown too.
 
+Shared cores. The job's ranks outnumber this machine's cores, so the trainer simulates them sharing
+the cores (`harmonia.train.backend.job_cluster`, `harmonia.sim.shared`): its fit is to the compute
+actions' CPU seconds, and each rank's process's CPU outside them in the calibration step (the
+prefetch thread preparing the next step, the optimizer, the collectives' threads) runs beside its
+compute on the same cores; each run is simulated with its own such measurement.
+
 With ``--diagnose`` two more variants run in turn with them (`DIAGNOSTIC`): harmonia's plan with
 the per-batch search a GPU job runs, and harmonia's plan under the sequential assignment, to tell
 which part of a gap between measured and simulated comes from where.
@@ -52,7 +58,7 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -64,7 +70,7 @@ from harmonia.plan.scenario import Scenario
 from harmonia.plan.search import search_plan
 from harmonia.schedule.plan import Plan
 from harmonia.train import run_training
-from harmonia.train.backend import schedule_search
+from harmonia.train.backend import job_cluster, schedule_search
 from harmonia.train.data import open_training_data, prepare_data
 from harmonia.train.iteration import DataOrder, IterationBuilder
 from harmonia.train.job import dataset_shapes
@@ -154,7 +160,9 @@ def train(config: Config) -> list[dict]:
 
 def pooled_calibration(paths: list[Path]) -> Calibration:
     """One calibration from every run's step-1 fit: efficiencies weighted by measured compute seconds
-    (= the runs' simulated FLOPs over peak x their measured compute seconds, summed)."""
+    (= the runs' simulated FLOPs over peak x their measured compute seconds, summed). Each run is
+    then simulated with it and its own measured CPU outside compute (``host_cpu_s``: a measurement
+    of that run's step, as its step time is, not a fitted rate)."""
     fits = [Calibration.load(p) for p in paths]
     seconds = [fit.measurements[0]["measured_compute_s"] for fit in fits]
     efficiency = sum(f.flops_efficiency["F"] * s for f, s in zip(fits, seconds)) / sum(seconds)
@@ -166,7 +174,7 @@ def rank_builder(config: Config, plan: Plan, rank: int) -> IterationBuilder:
     """The iteration builder of ``rank`` as the trainer makes it (rank 0 simulates)."""
     spec = model_spec(config)
     dataset, shapes = open_training_data(config, spec, rank)
-    cluster = cluster_from_string(config.parallel.cluster)
+    cluster = job_cluster(config)
     return IterationBuilder(spec, plan, dataset, DataOrder(list(shapes), config.train.global_batch, config.train.seed),
                             CostModel(spec, cluster.device), cluster, schedule_graph(spec, plan), rank,
                             search_evaluations=schedule_search(config), simulate=rank == 0, shapes=shapes,
@@ -262,7 +270,8 @@ def report(runs: dict[str, Runs], calibration: Calibration, load: tuple[str, str
     console.print(work)
     console.print("Compute s: the compute actions' seconds (F, B, W, fused BW) summed over the ranks, measured as "
                   "wall time of each action (a rank descheduled mid-action counts); the simulator prices the same "
-                  "FLOPs at one fitted rate, so both plans' simulated compute is the same. Preparation: one step "
+                  "FLOPs at one fitted rate and, where the ranks share cores, stretches each action by the "
+                  "compute and other CPU running beside it. Preparation: one step "
                   "prepared by every rank's iteration builder (decoding its samples, balancing, the per-batch "
                   "search; rank 0 also simulates), CPU seconds timed here in one process; in training it runs in "
                   "each rank's prefetch thread on the same cores as the ranks' compute.", soft_wrap=True)
@@ -323,9 +332,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="steps per run")
     parser.add_argument("--diagnose", action="store_true", help="also run the `DIAGNOSTIC` variants")
     parser.add_argument("--cluster", default=None,
-                        help="processes to train on, e.g. cpu:1x2 (default the demo's cpu:1x4); the simulator "
-                        "gives every rank a device of its own, which this machine's cores are only when "
-                        "there are no more ranks than cores")
+                        help="processes to train on, e.g. cpu:1x2 (default the demo's cpu:1x4); where they "
+                        "outnumber this machine's cores the simulator shares the cores among them")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                              f"measured-vs-simulated-{datetime.date.today()}.txt"))
     args = parser.parse_args()
@@ -353,10 +361,11 @@ def main() -> None:
     assert worst <= 1e-5, f"the runs' losses differ by {worst:.1e}: not the same data stream"
     calibration = pooled_calibration([p for name in VARIANTS for p in runs[name].calibrations])
     for r in runs.values():
-        for config in r.configs:
+        for config, own in zip(r.configs, r.calibrations):
             records = [json.loads(line) for line in (Path(config.log.dir) / "metrics.jsonl").read_text().splitlines()]
             steps = [x["step"] for x in records if x["step"] >= WARMUP_STEPS]
-            for step_s, busy_s in resimulate(config, r.plan, steps, calibration):
+            measured_host = replace(calibration, host_cpu_s=Calibration.load(own).host_cpu_s)
+            for step_s, busy_s in resimulate(config, r.plan, steps, measured_host):
                 r.pooled.append(step_s)
                 r.pooled_busy.append(busy_s)
         r.prepare_cpu = preparation_cpu(r.configs[0], r.plan, list(range(WARMUP_STEPS, args.steps)))

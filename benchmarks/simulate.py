@@ -121,7 +121,7 @@ def main(paths: list[str]) -> int:
         homogeneous = one_layout(run)
         if homogeneous is not None:
             results[homogeneous.recipe] = homogeneous
-        bound = float(run.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / run.cluster.world_size
+        bound = float(run.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / run.cluster.compute_units
         table = Table(title=f"{scenario.name} — {scenario.iterations} iterations of {scenario.global_batch} "
                             f"samples ({time.perf_counter() - t0:.0f} s)")
         for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "bound / time",

@@ -199,7 +199,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for recipe in recipes:
         with console.status(f"simulating {recipe}" if given else f"searching {recipe} layouts"):
             results[recipe] = score_plan(runner, given, recipe) if given else run_recipe(runner, recipe)
-    bound = float(runner.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / runner.cluster.world_size
+    bound = float(runner.profile.batch_costs[: scenario.iterations].sum(axis=1).mean()) / \
+        runner.cluster.compute_units
     console.print(_given_table(scenario, runner, results, bound) if given
                   else _comparison_table(scenario, results, bound))
     console.print(MFU_NOTE)
@@ -235,7 +236,8 @@ def _comparison_table(scenario, results: dict, bound: float) -> Table:
                       f"{r.bubble_frac:.1%}", f"{r.mfu:.1%}", _plan_summary(d),
                       f"{r.tried} in {r.search_s:.1f}s")
     table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "",
-                  "all work spread evenly over every rank at the cost model's efficiency", "")
+                  "all work spread evenly over every rank (core, where ranks share them) at the cost model's efficiency",
+                  "")
     return table
 
 
@@ -411,13 +413,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
     p.add_argument("--model", default="internvl-8b", help="MLLM preset or an HF checkpoint directory")
     p.add_argument("--frozen", default="", help="comma-separated modules to freeze")
-    p.add_argument("--cluster", default="h100:1x8", help="DEVICE:NODESxGPUS, e.g. h100:4x8")
+    p.add_argument("--cluster", default="h100:1x8",
+                   help="DEVICE:NODESxGPUS, e.g. h100:4x8; @C after it where a node's ranks share C cores (cpu:1x4@2)")
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
     p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
     p.add_argument("--memory-batches", type=int, default=8,
-                   help="further profiled batches a plan must fit device memory on before it is ranked "
-                   "(heavier batches than the scored ones need more)")
+                   help="further profiled batches a plan must fit device memory on before it is ranked: "
+                   "the heaviest of a draw MEMORY_POOL times larger (harmonia.plan.profiling; heavier "
+                   "batches than the scored ones need more)")
     p.add_argument("--top", type=int, default=3,
                    help="plans ranked exactly (the best is always exact; each further one may cost simulations, "
                    "about a second each on 64 GPUs)")
@@ -434,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="instead of --scenario: MLLM or LLM preset, or an HF checkpoint "
                    "directory (an LLM's config.json gives a model without encoders)")
     p.add_argument("--frozen", default=None, help="comma-separated modules to freeze")
-    p.add_argument("--cluster", default=None, help="DEVICE:NODESxGPUS (default h100:1x8)")
+    p.add_argument("--cluster", default=None,
+                   help="DEVICE:NODESxGPUS (default h100:1x8); @C after it where a node's ranks share C cores")
     p.add_argument("--trace", default=None,
                    help="CSV path, synthetic[:mix], or text:N (every sample N text tokens); default ai2d")
     p.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 256, or the plan's)")

@@ -110,7 +110,8 @@ class DataConfig:
 class ParallelConfig:
     world_size: int = _f(4, "processes; spawned locally when not started by torchrun")
     plan: str = _f("auto", "plan JSON written by `harmonia plan`, or auto to search at start-up")
-    cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8")
+    cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8 (cpu:1x4@2: "
+                      "4 ranks sharing 2 cores; a CPU job simulates its ranks on the cores it is given)")
     schedule: str = _f("auto", "pipeline schedule family the plan search must use: auto (the search decides), "
                        "gpipe, 1f1b, interleaved or zb")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")

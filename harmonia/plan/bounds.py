@@ -21,8 +21,10 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
 - CP: an all-gather of K and V per block in F and in the backward, ``L (c-1)/c * 2 T kv a / t / bw``;
 - recompute (a module in ``plan.recompute``): the backward runs the blocks' forward again, its
   compute (the cost model's ``B + F_blocks``) and its TP and CP collectives (a third phase of each);
-- FSDP: the rank gathers the chunk's weights, ``g = (dp-1)/dp * weights / tp / bw``, once before
-  its first action (harmonia's runtime), which adds ``g``; resharding per microbatch, before
+- FSDP: the rank gathers the chunk's weights, ``g = (dp-1)/dp * weights / tp / bw``, once per step
+  on its communication stream, beside its first forward (harmonia's runtime), which adds nothing
+  sure to the compute stream (it slows some compute by an amount the bound does not know);
+  resharding per microbatch, before
   every forward and backward of a microbatch, hidden behind that phase's compute ``c``, which runs
   ``1 + s`` times slower beside it (`DeviceSpec.overlap_slowdown`), so the phase adds
   ``max(g - c, g s / (1 + s))`` (a backward ``g + r`` with its reduce-scatter ``r``:
@@ -32,7 +34,9 @@ and attended pairs of the module divided by its ``dp``, ``n`` the microbatches o
 - DP gradient reduction ``R_c``: a ring all-reduce of the chunk's trainable gradients over its DP
   group (an FSDP chunk's reduce-scatter), started after the chunk's last weight gradient. Every F,
   B and W of the chunk precedes its last W on the rank's one compute stream, so the reduction ends
-  after ``busy_c + R_c``; the
+  after ``busy_c + R_c``; an LLM FSDP chunk reducing inside its last fused backward runs only its
+  least exposed part past that backward (`reduce_exposed_s`), which stands for ``R_c`` here (the
+  parts it overlaps total at most ``R_c`` minus that, on the same stream). The
   reductions of one rank share its communication stream, so they end after
   ``min_c busy_c + sum_c R_c``.
 
@@ -44,7 +48,7 @@ time can be skipped.
 `work_bound` is the second, sharper level, for one batch once its microbatches are known (the
 balancer's assignment and the stage work of `harmonia.schedule.stagework`, both cheap next to a
 simulation): the simulator runs every piece of stage work on its rank's one compute stream, each
-lasting its compute plus its in-stage collectives, after the rank's FSDP gathers, so the iteration
+lasting its compute plus its in-stage collectives, so the iteration
 lasts at least the largest sum of those durations on one rank. This sees what averages hide: an
 encoder replica fed more items than its peers, LLM replicas the balancer could not even out. It also
 counts every LLM pipeline rank's fill and drain (`_pipeline_bound`), interleaved chunks included:
@@ -69,12 +73,13 @@ import numpy as np
 
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule import StageGraph
-from harmonia.schedule.actions import StageRef
+from harmonia.schedule.actions import Kind, StageRef
 from harmonia.schedule.layout import Placement
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
-                                      rank_gathers_s, stage_group, tp_allreduce_s)
+                                      reduce_exposed_s, reduces_in_backward, stage_group, step_gathers,
+                                      tp_allreduce_s)
 from harmonia.sim.tasks import collective_extra, compute_seconds, overlapped_extra
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -162,10 +167,7 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     comm += phases * cp_kv_gather_s(cost, cluster, layout, module, blocks, load.tokens, stage_group(layout, chunk, "cp"))
     forward = times.F
     gather = fsdp_gather_s(cost, cluster, plan, module, chunk)  # zero without FSDP
-    if not cost.reshards(layout):
-        comm += gather
-        forward += gather
-    elif gather and n_mb:
+    if gather and n_mb and cost.reshards(layout):
         slowdown = cluster.device.overlap_slowdown
         exposed = overlapped_extra(n_mb * gather, times.F, slowdown)
         comm += exposed
@@ -173,8 +175,19 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
             comm += overlapped_extra(n_mb * (gather + backward_reduce_s(cost, cluster, plan, module, chunk)), backward,
                                      slowdown)
         forward = times.F + exposed
-    reduce = grad_reduce_s(cost, cluster, plan, module, chunk) if has_w else 0.0
+    kinds = graph.backward_kinds(ref, plan.schedule == "zb")
+    reduce = _reduce_past_backward(plan, cost, cluster, module, chunk, kinds) if has_w else 0.0
     return ChunkBound(times.F + backward, comm, reduce, forward, times.W if has_b and has_w else 0.0)
+
+
+def _reduce_past_backward(plan: Plan, cost: CostModel, cluster: ClusterSpec, module: str, chunk: int,
+                          kinds: tuple[Kind, ...]) -> float:
+    """Seconds no less than a chunk's DP gradient reduction runs past its last backward: all of it
+    (`grad_reduce_s`), or, where a fused last backward reduces as it goes, its least exposed part
+    (`reduce_exposed_s`)."""
+    if kinds == (Kind.BW,) and reduces_in_backward(cost, plan, module):
+        return reduce_exposed_s(cost, cluster, plan, module, chunk)
+    return grad_reduce_s(cost, cluster, plan, module, chunk)
 
 
 def plan_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, profile: BatchProfile,
@@ -263,12 +276,12 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
     for key, seconds in per_key.items():
         for rank in iw.stage_ranks[key]:
             busy[rank] = busy.get(rank, 0.0) + seconds
-    gathers = rank_gathers_s(cost, cluster, plan)
-    for rank, seconds in gathers.items():
-        busy[rank] = busy.get(rank, 0.0) + seconds
-    reduce = [grad_reduce_s(cost, cluster, plan, "llm", c) if graph.needs_w(StageRef("llm", c)) else 0.0
-              for c in range(plan.layouts["llm"].n_stages)]
-    return max(max(busy.values(), default=0.0), _pipeline_bound(plan, iw, kinds, tasks, reduce, gathers)), busy
+    reduce = [_reduce_past_backward(plan, cost, cluster, "llm", c, kinds[StageRef("llm", c)])
+              if graph.needs_w(StageRef("llm", c)) else 0.0 for c in range(plan.layouts["llm"].n_stages)]
+    llm_gathers = {(rank, c): seconds for rank, found in step_gathers(cost, cluster, plan).items()
+                   for module, c, seconds in found if module == "llm"}
+    pipeline = _pipeline_bound(plan, iw, kinds, tasks, reduce, llm_gathers, cluster.device.overlap_slowdown)
+    return max(max(busy.values(), default=0.0), pipeline), busy
 
 
 def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d: int, m: int) -> tuple[float, float]:
@@ -292,21 +305,23 @@ def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d
 
 
 def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, reduce: list[float],
-                    gathers: dict[int, float]) -> float:
+                    gathers: dict[tuple[int, int], float], slowdown: float) -> float:
     """Fill and drain of every LLM pipeline rank ``p`` of every replica, from the iteration's microbatches.
 
     The rank holds chunks ``p, p + pp, ...`` (one unless interleaved). Its first LLM task is a
     forward of chunk ``p`` (a later chunk of a microbatch needs the microbatch's chunk ``p`` first,
     on this rank), which waits for that microbatch's forward through the encoders (the slowest
-    encoder replica holding its rows) and chunks ``0 .. p-1``, on other ranks. It ends, unless chunk
+    encoder replica holding its rows) and chunks ``0 .. p-1``, on other ranks, and, with FSDP, ends
+    after the chunk's gather ``G`` (``gathers``, per rank and chunk), which it computes beside for at
+    most its own seconds slowed, ``(1 + s) F``. It ends, unless chunk
     ``p``'s backward is split into B and W (its last task may then be a W nothing waits for), with
     chunk ``p``'s input gradient for some microbatch, which still needs the gradients of chunks
     ``p-1 .. 0`` and the encoders' backward. Its own LLM tasks run one after another in between,
-    so the iteration lasts at least ``max(G, min_m head(m)) + rank's LLM work + max(min_m tail(m), R_p)``,
-    ``G`` the FSDP gathers the rank runs before its first action (``gathers``),
-    ``R_p`` the DP gradient reduction of chunk ``p`` (``reduce``), which starts after its last
-    backward; with a split backward the last task is some chunk's W (where every chunk with a
-    backward has weight gradients), whose reduction follows it: ``+ min_c R_c``. Each link
+    so the iteration lasts at least ``max(G - (1 + s) max_m F_m, min_m head(m)) + rank's LLM work +
+    max(min_m tail(m), R_p)``,
+    ``R_p`` the DP gradient reduction of chunk ``p`` past its last backward (``reduce``); with a split
+    backward the last task is some chunk's W (where every chunk with a backward has weight
+    gradients), whose reduction follows it: ``+ min_c R_c``. Each link
     of a chain lasts its task (compute and the collectives inside it, as ``tasks`` times it); the
     transfers between them are not counted, so it stays a lower bound.
     """
@@ -331,7 +346,9 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, red
             else:  # the last task is a W where every chunk with a backward has weight gradients
                 backs = [c for c in range(s, llm.n_stages, llm.pp) if kinds[StageRef("llm", c)]]
                 after = min((reduce[c] for c in backs), default=0.0)
-            gather = max((gathers.get(r, 0.0) for r in iw.stage_ranks.get(key, ())), default=0.0)
+            gather = max((gathers.get((r, s), 0.0) for r in iw.stage_ranks.get(key, ())), default=0.0)
+            if gather:
+                gather -= (1 + slowdown) * max(tasks[(key, m, None)]["F"] for m in ms)
             out = max(out, max(gather, min(head)) + own + after)
             for m in ms:
                 phases = tasks[(key, m, None)]

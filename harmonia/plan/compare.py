@@ -107,7 +107,8 @@ def averages(run: ScenarioRun, cand: Candidate) -> RecipeResult:
     flops = run.cluster.device.peak_flops
     return RecipeResult(
         cand.recipe, cand, iteration, float(np.mean([t.bubble_frac for t in timelines])),
-        float(np.mean([t.mfu(flops) for t in timelines])), run.scenario.global_batch / iteration,
+        float(np.mean([t.mfu(flops, run.cluster.units_of(t.ranks)) for t in timelines])),
+        run.scenario.global_batch / iteration,
         timeline=timelines[0], tokens_per_s=tokens / iteration, peak_bytes=peak,
     )
 

@@ -36,7 +36,7 @@ def no_layout_error(run: ScenarioRun, enumerate_: Enumerate, rejected: Counter, 
     if rejected:
         need = smallest_fitting_cluster(run, enumerate_)
         reasons = ", ".join(f"{n} {why}" for why, n in rejected.items())
-        fix = (f"use at least {need.world_size} devices ({_spec(need)}) or devices with more memory" if need
+        fix = (f"use at least {need.world_size} devices ({need.describe()}) or devices with more memory" if need
                else "use devices with more memory or a smaller model")
         return LayoutError(f"{what} fits ({reasons}); {fix}")
     batch = smallest_feeding_batch(run, enumerate_)
@@ -49,14 +49,10 @@ def no_layout_error(run: ScenarioRun, enumerate_: Enumerate, rejected: Counter, 
     if batch is not None:
         fixes.append(f"a global batch of at least {batch}")
     if fewer is not None:
-        fixes.append(f"{fewer.world_size} devices ({_spec(fewer)})")
+        fixes.append(f"{fewer.world_size} devices ({fewer.describe()})")
     fix = "use " + " or ".join(fixes) if fixes else "use another model or cluster"
     message = f"{what}: no way to factor its {cluster.world_size} devices into layouts ({rules}); {fix}"
     return LayoutError(message)
-
-
-def _spec(cluster: ClusterSpec) -> str:
-    return f"{cluster.device.name}:{cluster.n_nodes}x{cluster.gpus_per_node}"
 
 
 def _has_candidates(enumerate_: Enumerate, cluster: ClusterSpec, global_batch: int) -> bool:

@@ -31,6 +31,8 @@ class BatchProfile:
         batch_pairs: (K, n_modules) attended pairs of each batch per module.
         global_batch: samples per batch.
         batches: sample indices of each batch, (K, global_batch).
+        drawn: the first batches, drawn as training draws them, that the means are taken over
+            (None: all); those after are chosen for their weight (`heaviest`).
     """
 
     modules: list[str]
@@ -39,6 +41,13 @@ class BatchProfile:
     batch_pairs: np.ndarray
     global_batch: int
     batches: np.ndarray
+    drawn: int | None = None
+
+    def take(self, rows, drawn: int | None = None) -> BatchProfile:
+        """The profile of the batches at ``rows``, the first ``drawn`` of them drawn (None: all)."""
+        rows = np.asarray(list(rows), dtype=int)
+        return BatchProfile(self.modules, self.batch_costs[rows], self.batch_tokens[rows], self.batch_pairs[rows],
+                            self.global_batch, self.batches[rows], drawn)
 
     def ratios(self) -> np.ndarray:
         """(K, n_modules) share of each module in its batch's total work."""
@@ -46,13 +55,13 @@ class BatchProfile:
 
     def ratio_cv(self) -> np.ndarray:
         """(n_modules,) coefficient of variation across batches of each module's share."""
-        r = self.ratios()
+        r = self.ratios()[: self.drawn]
         mean = r.mean(axis=0)
         return np.where(mean > 0, r.std(axis=0) / np.where(mean > 0, mean, 1), 0.0)
 
     def mean_costs(self) -> dict[str, float]:
         """Mean seconds per global batch of each module."""
-        return dict(zip(self.modules, self.batch_costs.mean(axis=0).tolist()))
+        return dict(zip(self.modules, self.batch_costs[: self.drawn].mean(axis=0).tolist()))
 
     def sample_load(self, module: str) -> ModuleLoad:
         """Mean per-sample load of a module (a reference for stage splits and memory)."""
@@ -61,8 +70,9 @@ class BatchProfile:
     @functools.cached_property
     def _sample_loads(self) -> dict[str, ModuleLoad]:
         """`sample_load` of every module, computed once (the planner asks for it per candidate)."""
-        return {m: ModuleLoad(int(self.batch_tokens[:, j].mean() / self.global_batch),
-                              int(self.batch_pairs[:, j].mean() / self.global_batch), 1)
+        tokens, pairs = self.batch_tokens[: self.drawn], self.batch_pairs[: self.drawn]
+        return {m: ModuleLoad(int(tokens[:, j].mean() / self.global_batch),
+                              int(pairs[:, j].mean() / self.global_batch), 1)
                 for j, m in enumerate(self.modules)}
 
 
@@ -89,5 +99,35 @@ def profile_batches(samples: list[SampleShape], cost: CostModel, global_batch: i
     idx = np.stack(batches[:n_batches])
     tokens, pairs = load_arrays(samples, cost.mllm)
     costs = cost.costs_from_loads(tokens, pairs)
-    return BatchProfile(cost.modules, costs[idx].sum(axis=1), tokens[idx].sum(axis=1), pairs[idx].sum(axis=1),
-                        global_batch, idx)
+
+    def sums(per_sample: np.ndarray) -> np.ndarray:  # (n_batches, n_modules), one batch at a time
+        return np.stack([per_sample[row].sum(axis=0) for row in idx])  # not (n_batches, global_batch, n_modules)
+
+    return BatchProfile(cost.modules, sums(costs), sums(tokens), sums(pairs), global_batch, idx)
+
+
+MEMORY_POOL = 64
+"""How many times more batches than it keeps the scenario draws to pick them from (`heaviest`): with
+8 memory batches, the heaviest of 512 (a batch training draws later has more LLM tokens than all
+of them about once in 500; only a cap on each microbatch's tokens at run time would bound them all)."""
+
+
+def heaviest(profile: BatchProfile, keep: int) -> list[int]:
+    """The rows of the ``keep`` heaviest batches of ``profile``: by each module's tokens in turn (the
+    most LLM tokens, then the most of the next module's, ...), skipping one taken. A plan checked
+    only on batches drawn as training draws them meets heavier ones as it trains: a batch's
+    activation peak follows its tokens (balanced microbatches each hold about a share of them), so
+    these are the batches most likely to exceed the device."""
+    order = [np.argsort(-profile.batch_tokens[:, m], kind="stable") for m in range(len(profile.modules))]
+    llm = profile.modules.index("llm") if "llm" in profile.modules else 0
+    order.insert(0, order.pop(llm))
+    keep = min(keep, len(profile.batches))
+    taken: list[int] = []
+    heads = [0] * len(order)
+    while len(taken) < keep:
+        for m, ranked in enumerate(order):
+            while heads[m] < len(ranked) and int(ranked[heads[m]]) in taken:
+                heads[m] += 1
+            if heads[m] < len(ranked) and len(taken) < keep:
+                taken.append(int(ranked[heads[m]]))
+    return taken

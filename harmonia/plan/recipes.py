@@ -49,6 +49,7 @@ from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
 from harmonia.schedule.families import fuse_encoders
 from harmonia.schedule.graph import IterationSchedule, StageGraph
+from harmonia.schedule.item_cuts import cut_encoder_items
 from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, feeding_replicas,
                                         module_columns)
 from harmonia.schedule.layout import Layout, Placement
@@ -418,11 +419,13 @@ def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:
             yield (first, *rest)
 
 
-def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: CostModel) -> IterationAssignment:
+def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: CostModel,
+           shapes: Sequence[SampleShape] | None = None) -> IterationAssignment:
     """The recipe's assignment of a batch (``costs``: (n, modules) rows of its samples, columns
     ``cost.modules``): global microbatches as batch positions, split over the LLM replicas by the
     recipe's rule, and over each encoder's replicas by sample (`assemble_iteration`); harmonia's is
-    the trainer's own (`assign_iteration`)."""
+    the trainer's own (`assign_iteration`, then its colocated encoders' items cut evenly over the
+    replicas feeding each LLM replica, `cut_encoder_items`, where the batch's ``shapes`` are given)."""
     plan = candidate.plan
     dp, n_mb = plan.layouts["llm"].dp, plan.n_microbatches
     encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
@@ -434,7 +437,8 @@ def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: Co
     elif candidate.recipe == "disttrain":
         per_replica = assign_reordered(positions, costs, dp, n_mb)
     else:
-        return assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds)
+        balanced = assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds)
+        return balanced if shapes is None else cut_encoder_items(balanced, plan, cost, shapes)
     return assemble_iteration([per_replica[d] for d in range(dp)], columns, names, encoder_dp, feeds=feeds)
 
 
@@ -456,8 +460,8 @@ def simulate(candidate: Candidate, samples: list[SampleShape], batch: np.ndarray
              tokens: np.ndarray, cost: CostModel, cluster: ClusterSpec, search_budget_s: float = 0.1,
              sub_options: Sequence[int] = SUB_OPTIONS) -> Timeline:
     """Simulate one iteration of ``batch`` (indices into ``samples``) under a candidate."""
-    assignment = assign(candidate, costs, tokens, cost)
-    iw = plan_iteration_work([samples[i] for i in batch], candidate.plan, cost, assignment)
+    shapes = [samples[i] for i in batch]
+    iw = plan_iteration_work(shapes, candidate.plan, cost, assign(candidate, costs, tokens, cost, shapes))
     return simulate_work(candidate, iw, cost, cluster, search_budget_s, sub_options)
 
 

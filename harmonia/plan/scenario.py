@@ -15,7 +15,7 @@ from typing import get_type_hints
 
 from harmonia.errors import ConfigError
 from harmonia.model.resolve import resolve_mllm
-from harmonia.plan.profiling import profile_batches
+from harmonia.plan.profiling import MEMORY_POOL, heaviest, profile_batches
 from harmonia.plan.recipes import Candidate, assign, simulate
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work
 from harmonia.sim.engine import Timeline
@@ -81,7 +81,8 @@ class Scenario:
         iterations: batches averaged in the report.
         search_batches: batches each candidate is scored on during the search.
         memory_batches: further batches a plan must also fit device memory on before the search
-            ranks it (a plan timed on a few batches meets heavier ones when it trains).
+            ranks it (a plan timed on a few batches meets heavier ones when it trains): the
+            heaviest of `MEMORY_POOL` times as many drawn batches (`heaviest`).
         seed: sampling seed.
         sequence_parallel: price TP as Megatron-LM's sequence parallelism does (norms, residual adds
             and their activations split over tokens; `harmonia.workload.cost`); harmonia's runtime runs
@@ -165,14 +166,19 @@ class ScenarioRun:
         tokens, pairs = load_arrays(self.samples, self.mllm)
         self.costs = self.cost.costs_from_loads(tokens, pairs)
         self.tokens = tokens[:, self.cost.modules.index("llm")]
-        n_batches = scenario.iterations + scenario.search_batches + scenario.memory_batches
-        self.profile = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches, scenario.seed)
+        n_batches = scenario.iterations + scenario.search_batches
+        pool = MEMORY_POOL * scenario.memory_batches
+        drawn = profile_batches(self.samples, self.cost, scenario.global_batch, n_batches + pool, scenario.seed)
+        heavy = heaviest(drawn.take(range(n_batches, n_batches + pool)), scenario.memory_batches)
+        self.profile = drawn.take([*range(n_batches), *(n_batches + r for r in heavy)],
+                                  drawn=n_batches if heavy else None)
 
     def iteration_work(self, cand: Candidate, k: int) -> IterationWork:
         """The stage work of profiled batch ``k`` under a candidate (its recipe's assignment)."""
         batch = self.profile.batches[k]
-        assignment = assign(cand, self.costs[batch], self.tokens[batch], self.cost)
-        return plan_iteration_work([self.samples[i] for i in batch], cand.plan, self.cost, assignment)
+        shapes = [self.samples[i] for i in batch]
+        assignment = assign(cand, self.costs[batch], self.tokens[batch], self.cost, shapes)
+        return plan_iteration_work(shapes, cand.plan, self.cost, assignment)
 
     def timeline(self, cand: Candidate, k: int, search_budget_s: float = 0.1) -> Timeline:
         """One simulated iteration of profiled batch ``k`` under a candidate."""

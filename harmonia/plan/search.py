@@ -14,8 +14,8 @@ best plan as simulating every candidate on every batch:
   reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`),
   then the simulated time of the busiest part's busiest column (one LLM rank per pipeline rank,
   messages from outside it free: every task starts no later than in the whole simulation), then
-  of the batch's busiest independent part, then of all (parts are sets of ranks no message
-  crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the iteration's, and the
+  of the batch's busiest independent part, then of all (parts are sets of ranks no message or
+  lockstep crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the iteration's, and the
   longest of all is the iteration's simulated time);
 - a candidate's bound on its score is ``mean_k (t_k if batch k is simulated else b_k)``; it only
   rises as its batches are refined, and equals the score once all are simulated;
@@ -298,9 +298,10 @@ class _Scorer:
         run, k = self.run, self.batches[j]
         batch = run.profile.batches[k]
         akey = (*assignment_key(cand), k)
+        shapes = [run.samples[i] for i in batch]
         if akey not in self.assignments:
-            self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost)
-        iw = plan_iteration_work([run.samples[i] for i in batch], plan, run.cost, self.assignments[akey])
+            self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost, shapes)
+        iw = plan_iteration_work(shapes, plan, run.cost, self.assignments[akey])
         if len(self.work_cache) >= self.keep:
             self.work_cache.pop(next(iter(self.work_cache)))
         self.work_cache[wkey] = iw
@@ -355,7 +356,7 @@ class _Scorer:
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
-        busiest, *rest = independent_parts(cand.plan, iw, busy)
+        busiest, *rest = independent_parts(cand.plan, self.run.cost, iw, busy)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest],
                                       column=busiest_column(cand.plan, busiest, busy))
         return bound
@@ -368,7 +369,7 @@ class _Scorer:
         memory is not timed."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
-            self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, iw))])
+            self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, run.cost, iw))])
         parts = self.parts[(key, j)]
         if parts.schedule is None:
             self.timelines += 1

@@ -4,7 +4,9 @@ Replicated data parallelism sums each stage chunk's gradients over its ``dp`` gr
 bucket, started as soon as the chunk's last backward of the iteration has run (the reduction
 overlaps the rest of the schedule) and finished before clipping. The sum is right because every
 microbatch's loss is already divided by the global target count. FSDP2 chunks reduce-scatter
-instead (`finish_fsdp_backward`), with the divide factor set to 1 by `apply_fsdp`; FSDP2 chunks that
+instead, with the divide factor set to 1 by `apply_fsdp`: an LLM chunk inside its last (fused)
+backward, block by block (`reduce_in_last_backward`), any other after its last backward
+(`finish_fsdp_backward`); FSDP2 chunks that
 reshard per microbatch (`start_fsdp_resharding`) reduce-scatter in every backward.
 
 Tied embeddings split over pipeline stages (the first chunk's input embedding, the last chunk's
@@ -127,14 +129,18 @@ def plan_tied_sync(chunks: dict[int, nn.Module], layout: Layout, rank: int,
     return TiedGradSync(list(held.values()), peer, group, uncounted)
 
 
-def start_fsdp_backward(module: nn.Module) -> None:
-    """Unshard an FSDP2 chunk for the iteration and let it accumulate unsharded gradients.
+def start_fsdp_backward(module: nn.Module) -> list:
+    """Start gathering an FSDP2 chunk for the iteration; let it accumulate unsharded gradients.
 
     Parameters stay unsharded from the start of the iteration to its end: split backward (B now, W
     later) differentiates w.r.t. the parameters the forward used, which are the unsharded ones. The
-    all-gathers run here, in module order, rather than in the first forward: an encoder replica may
-    have no items in some microbatches (the executor skips those actions) or in the whole iteration,
-    and the ``dp`` ranks must still meet in the same collectives at the same point.
+    all-gathers are issued here, in module order, rather than in the first forward: an encoder
+    replica may have no items in some microbatches (the executor skips those actions) or in the whole
+    iteration, and the ``dp`` ranks must still meet in the same collectives at the same point. They
+    run asynchronously: each block's pre-forward waits for its own gather (FSDP2's pending-unshard
+    wait), so the first forward computes block ``i`` while the gathers of blocks ``i+1 ..`` are in
+    flight. Returns the gathers' handles; `wait_fsdp_gathers` before reducing (a replica that runs
+    no forward never waits in one).
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -143,9 +149,25 @@ def start_fsdp_backward(module: nn.Module) -> None:
     module.set_reshard_after_backward(False)
     module.set_requires_gradient_sync(False)
     fully_shard.state(module)._lazy_init()  # what the first forward would do
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            sub.unshard()
+    return [sub.unshard(async_op=True) for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def wait_fsdp_gathers(handles: list) -> None:
+    """Wait for gathers `start_fsdp_backward` issued (idempotent: a forward may have waited already)."""
+    for handle in handles:
+        handle.wait()
+
+
+def reduce_in_last_backward(module: nn.Module) -> None:
+    """Let an FSDP2 chunk's next backward, its last of the iteration, reduce-scatter its gradients
+    as FSDP2 does by default: each block's accumulated gradient (every microbatch's, summed in place
+    as before) is reduce-scattered as soon as that block's backward is done, overlapping the blocks
+    still to run, and the chunk's root group's at the end of that backward (FSDP2's final callback).
+    Every ``dp`` rank must run the chunk's backwards alike (LLM replicas do under fused backward);
+    the chunk then needs no `finish_fsdp_backward`."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
 
 
 def start_fsdp_resharding(module: nn.Module) -> None:

@@ -52,7 +52,8 @@ from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import project_items
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
-from harmonia.runtime.grads import clip_grad_norm, squared_norm_share, start_fsdp_backward, start_fsdp_resharding
+from harmonia.runtime.grads import (clip_grad_norm, reduce_in_last_backward, squared_norm_share, start_fsdp_backward,
+                                   start_fsdp_resharding)
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
@@ -140,8 +141,9 @@ class MLLMExecutor:
         self.dtype, self.device = dtype, device
         self.optimizers = {n: (optimizer or default_optimizer)(r.trainable)
                            for n, r in self.runners.items() if r.trainable}
-        self.action_times: list[tuple[Action, float, float]] | None = None
-        """When a list: every compute action run is appended with its start and end (``time.perf_counter``)."""
+        self.action_times: list[tuple[Action, float, float, float]] | None = None
+        """When a list: every compute action run is appended with its start and end
+        (``time.perf_counter``) and the CPU seconds this thread spent in it (``time.thread_time``)."""
         self.executed: list[Action] = []
         """Every action of the last iteration, in the order it ran."""
 
@@ -187,10 +189,14 @@ class MLLMExecutor:
                                 "(B freed the weights W needs); use a schedule with fused backward (1f1b, gpipe, "
                                 "interleaved) or fsdp without reshard")
         for r in self.runners.values():
+            r.reduced.clear()
             if r.fsdp:
-                for module in r.chunks.values():
-                    (start_fsdp_resharding if r.reshard else start_fsdp_backward)(module)
-        run = _MLLMIteration(self, schedule, batch)
+                for c, module in r.chunks.items():
+                    if r.reshard:
+                        start_fsdp_resharding(module)
+                    else:
+                        r.gathers[c] = start_fsdp_backward(module)
+        run = _MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
         run.execute(actions)
         for r in self.runners.values():
             r.p2p.wait_sends()
@@ -220,8 +226,10 @@ class MLLMExecutor:
 class _MLLMIteration:
     """Tensors in flight during one iteration on one rank, keyed by (module, chunk, microbatch, sub)."""
 
-    def __init__(self, ex: MLLMExecutor, schedule: IterationSchedule, batch: RankBatch) -> None:
-        self.ex, self.schedule, self.batch = ex, schedule, batch
+    def __init__(self, ex: MLLMExecutor, schedule: IterationSchedule, batch: RankBatch,
+                 reducing: frozenset[Action] = frozenset()) -> None:
+        """``reducing``: the backwards that reduce-scatter their chunk's gradients (`_reducing_backwards`)."""
+        self.ex, self.schedule, self.batch, self.reducing = ex, schedule, batch, reducing
         self.graph: StageGraph = schedule.graph
         self.normalizer = max(batch.n_targets, 1.0)
         self.inbox: dict[Key, torch.Tensor] = {}  # a chunk's inputs: activations or output gradients
@@ -270,9 +278,9 @@ class _MLLMIteration:
             if self.ex.action_times is None or not a.kind.is_compute:
                 handlers[a.kind](a)
             else:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 handlers[a.kind](a)
-                self.ex.action_times.append((a, start, time.perf_counter()))
+                self.ex.action_times.append((a, start, time.perf_counter(), time.thread_time() - cpu))
         if self.saved or self.w_groups or self.pending_g or self.outbox:
             raise ScheduleError(f"iteration ended with unfinished work: backward pending for "
                                 f"{sorted(self.saved)}, W for {sorted(self.w_groups)}, unsent {sorted(self.outbox)}")
@@ -477,6 +485,10 @@ class _MLLMIteration:
         if self._empty(a):
             return
         inputs, y = self.saved.pop(self._key(a))
+        if a in self.reducing:
+            runner = self.ex.runners[a.module]
+            reduce_in_last_backward(runner.chunks[a.stage])
+            runner.reduced.add(a.stage)
         torch.autograd.backward(y, self._grad_output(a))
         self._route(a, inputs, [x.grad for x in inputs])
 
@@ -515,6 +527,21 @@ class _MLLMIteration:
         _inputs, y = self.saved.pop(key)
         g = self.pending_g.pop(key) if key in self.pending_g else self._grad_output(a)
         torch.autograd.backward(y, g)
+
+
+def _reducing_backwards(runners: dict[str, ModuleRunner], actions: list[Action]) -> frozenset[Action]:
+    """The backwards that reduce-scatter their chunk's gradients as they run (`reduce_in_last_backward`):
+    each LLM FSDP chunk's last one on this rank where it is fused (BW) and the chunk gathers once per
+    step. Every LLM replica runs the same backwards (none is ever empty), so the ``dp`` ranks meet in
+    the same reduce-scatters; encoder replicas may skip theirs and reduce after (`finish_fsdp_backward`)."""
+    runner = runners.get(LLM)
+    if runner is None or not runner.fsdp or runner.reshard:
+        return frozenset()
+    last: dict[int, Action] = {}
+    for a in actions:
+        if a.module == LLM and a.kind in (Kind.B, Kind.W, Kind.BW):
+            last[a.stage] = a
+    return frozenset(a for a in last.values() if a.kind is Kind.BW)
 
 
 def _grad_of(rows: torch.Tensor, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> torch.Tensor:

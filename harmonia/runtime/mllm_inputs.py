@@ -34,6 +34,7 @@ from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
 from harmonia.schedule.graph import LLM
+from harmonia.schedule.item_cuts import kept_parts
 from harmonia.schedule.submicrobatch import item_runs
 from harmonia.schedule.layout import Layout
 
@@ -122,12 +123,58 @@ def cp_token_ranks(samples: Sequence[TokenizedSample], cp: int, block: int = 128
     return shards.token_ranks()
 
 
+def slice_item(item: ItemInputs, first: int, stop: int | None) -> ItemInputs:
+    """The sequences of an item's output slots [first, stop) (None: to the last), renumbered from 0:
+    what an encoder replica runs for its share of the item (`harmonia.schedule.item_cuts`).
+
+    Raises:
+        SampleError: the item's tokens come in an order of their own (anyres), so its slots cannot
+            be encoded apart.
+    """
+    if first == 0 and stop is None:
+        return item
+    if item.order is not None:
+        raise SampleError("an anyres image's tokens follow its own order and cannot be encoded in parts")
+    groups = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
+    stop = item.n_groups if stop is None else stop
+    keep = (groups >= first) & (groups < stop)
+    return ItemInputs(item.module, item.inputs[keep], groups[keep] - first)
+
+
+def _boundary_units(items: list[list[tuple[ItemInputs, int]]], split: Split, cuts: Mapping, llm_split: Split
+                    ) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """The rows one boundary moves as units: each sample whole, or each replica's share of a sample
+    cut over several (in slot order). Returns (rows of each unit, per encoder replica its units in
+    order, per LLM replica its units in order)."""
+    holders: dict[int, list[tuple[tuple, int]]] = {}
+    for r, positions in enumerate(split):
+        for p in positions:
+            whole = ((0, 0), (len(items[p]), 0), sum(n for _, n in items[p]))
+            holders.setdefault(p, []).append((cuts.get((r, p)) or whole, r))
+    unit_rows, of_sample, src = [], {}, [[] for _ in split]
+    unit_of: dict[tuple[int, int], int] = {}
+    for p in range(len(items)):
+        of_sample[p] = []
+        for share, r in sorted(holders.get(p, [])):
+            unit_of[(r, p)] = len(unit_rows)
+            of_sample[p].append(len(unit_rows))
+            unit_rows.append([share[2]])
+    unheld = [p for p in range(len(items)) if p not in holders]
+    if unheld:
+        raise SampleError(f"samples {unheld} are held by no encoder replica; every sample needs one")
+    for r, positions in enumerate(split):
+        src[r] = [unit_of[(r, p)] for p in positions]
+    return unit_rows, src, [[u for p in positions for u in of_sample[p]] for positions in llm_split]
+
+
 def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                      microbatches: Sequence[Sequence[TokenizedSample]], llm_split: Sequence[Split],
                      encoder_split: Mapping[str, Sequence[Split]],
                      n_sub: Mapping[str, Sequence[int]] | None = None,
                      sub_runs: Mapping[tuple[str, int, int], Sequence[tuple[int, int]]] | None = None,
-                     llm_cp: Sequence[Sequence[np.ndarray | Sequence[int]]] | None = None) -> RankBatch:
+                     llm_cp: Sequence[Sequence[np.ndarray | Sequence[int]]] | None = None,
+                     encoder_cuts: Mapping[str, Sequence[Mapping[tuple[int, int], tuple]]] | None = None
+                     ) -> RankBatch:
     """One rank's `RankBatch` from the iteration's global microbatches and their placement.
 
     Args:
@@ -141,6 +188,8 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
             sub-microbatches (`IterationWork.sub_runs`); where absent, ``n_sub`` runs even by count.
         llm_cp: with LLM ``cp > 1``: per microbatch, per LLM DP replica, the CP rank of every token of
             its packed sequence (any assignment); None = `cp_token_ranks` (balanced, unit costs).
+        encoder_cuts: encoder -> per microbatch, ``(encoder replica, position)`` -> the replica's
+            share of a sample several replicas encode in parts (`IterationAssignment.encoder_cuts`).
 
     Raises:
         SampleError: a split does not hold every sample exactly once, an LLM replica gets none, or a
@@ -166,16 +215,23 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         for e in encoders:
             items = [encoder_items(s, e) for s in samples]
             dst_assign = None if assign is None else [a[item_positions(r, e)] for a, r in zip(assign, replicas)]
-            plan = plan_boundary(layouts[e], llm, [[n for _, n in its] for its in items],
-                                 encoder_split[e][m], llm_split[m], dst_cp_assign=dst_assign)
+            cuts = (encoder_cuts or {}).get(e)
+            cuts = cuts[m] if cuts else {}
+            if cuts:
+                rows, src, dst = _boundary_units(items, encoder_split[e][m], cuts, llm_split[m])
+                plan = plan_boundary(layouts[e], llm, rows, src, dst, dst_cp_assign=dst_assign)
+            else:
+                plan = plan_boundary(layouts[e], llm, [[n for _, n in its] for its in items],
+                                     encoder_split[e][m], llm_split[m], dst_cp_assign=dst_assign)
             out.plans.setdefault(e, []).append(plan)
             if not layouts[e].holds(rank):
                 continue
-            mine = [item for i in encoder_split[e][m][layouts[e].coords(rank)["dp"]] for item, _ in items[i]]
-            parts = (n_sub or {}).get(e, ())
             replica = layouts[e].coords(rank)["dp"]
-            cuts = (sub_runs or {}).get((e, replica, m)) or item_runs([1.0] * len(mine), parts[m] if parts else 1)
-            out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in cuts])
+            mine = [slice_item(items[i][k][0], a, b) for i in encoder_split[e][m][replica]
+                    for k, a, b in kept_parts(len(items[i]), cuts.get((replica, i)))]
+            parts = (n_sub or {}).get(e, ())
+            runs = (sub_runs or {}).get((e, replica, m)) or item_runs([1.0] * len(mine), parts[m] if parts else 1)
+            out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in runs])
     out.n_targets = float(total)
     return out
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from harmonia.runtime.grads import DPGradSync, finish_fsdp_backward, plan_tied_sync
+from harmonia.runtime.grads import DPGradSync, finish_fsdp_backward, plan_tied_sync, wait_fsdp_gathers
 from harmonia.runtime.meshes import ModuleMesh
 from harmonia.runtime.p2p import P2P
 from harmonia.schedule.graph import LLM
@@ -46,6 +46,8 @@ class ModuleRunner:
         self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
         self.replication = layout.dp * layout.cp * layout.tp
         self.tied = plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group) if self.name == LLM else None
+        self.gathers: dict[int, list] = {}  # chunk -> its FSDP gathers in flight (`start_fsdp_backward`)
+        self.reduced: set[int] = set()  # chunks whose last backward reduce-scattered their gradients
 
     def weights(self, c: int) -> Iterator[nn.Parameter]:
         """Trainable parameters of chunk ``c`` as registered now (its projector on the last chunk)."""
@@ -71,7 +73,8 @@ class ModuleRunner:
     def backward_done(self, c: int) -> None:
         """Start chunk ``c``'s gradient reduction over ``dp x cp`` (after its last backward)."""
         if self.fsdp:
-            if not self.reshard:
+            wait_fsdp_gathers(self.gathers.pop(c, []))
+            if not self.reshard and c not in self.reduced:
                 finish_fsdp_backward(self.chunks[c])
             if self.cp_sync is not None:
                 self.cp_sync.start([p for p in self.chunks[c].parameters() if p.requires_grad])

@@ -49,6 +49,10 @@ class CostTable:
     shares: Mapping[tuple[int, str, int, int], PhaseCost] = field(default_factory=dict)
     """``(rank, module, stage, microbatch)`` -> one holder's share of a stage held by several ranks
     (split over sub-microbatches like ``entries``); holders without one take ``entries``."""
+    replicas: Mapping[tuple[str, int, int, int, int | None], PhaseCost] = field(default_factory=dict)
+    """``(encoder, replica, stage, microbatch, sub)`` -> that encoder replica's own durations, where it
+    has data, for the encoders each rank places its forwards by (`harmonia.schedule.encoder_slots`);
+    empty: every rank keeps the schedule's order."""
 
     @staticmethod
     def uniform(F: float = 1.0, B: float = 1.0, W: float = 1.0) -> CostTable:

@@ -229,4 +229,5 @@ def fuse_encoders(schedule: IterationSchedule) -> IterationSchedule:
         for leftovers in (*enc_f.values(), *enc_b.values()):
             fused += leftovers
         orders[rank] = fused
-    return replace(schedule, orders=orders, family=schedule.family + "+fused", producers=None, chunk_actions=None)
+    return replace(schedule, orders=orders, family=schedule.family + "+fused", producers=None, chunk_actions=None,
+                   placements=None)

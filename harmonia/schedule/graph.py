@@ -276,6 +276,9 @@ class IterationSchedule:
     chunk_actions: dict | None = field(default=None, compare=False, repr=False)
     """(schedule rank, stage chunk) -> its compute actions as ``((start, sequence), action)`` on that
     timeline, derived once by `harmonia.schedule.rank_actions` (None: not yet)."""
+    placements: dict | None = field(default=None, compare=False, repr=False)
+    """LLM group -> each of its ranks' compute list with its encoder work placed by its replicas'
+    costs, derived on first use by `harmonia.schedule.rank_actions` (None: not yet)."""
 
     def subs(self, module: str, microbatch: int) -> list[int | None]:
         """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""

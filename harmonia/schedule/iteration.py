@@ -27,14 +27,16 @@ well as dealing items.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from harmonia.errors import ScheduleError
 from harmonia.schedule.dp_balance import balance_dp
 from harmonia.schedule.microbatching import order_microbatches
+from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.workload.cost import CostModel
 from harmonia.workload.shapes import SampleShape
@@ -49,14 +51,27 @@ class IterationAssignment:
         microbatches: per global microbatch, batch positions of its samples (replica 0's first).
         llm_split: per global microbatch, per LLM DP replica, positions into ``microbatches[m]``.
         encoder_split: encoder -> per global microbatch, per encoder DP replica, positions into
-            ``microbatches[m]``.
+            ``microbatches[m]``; a sample cut over several replicas is listed by each of them.
         loads: (n_microbatches, n_modules) summed work of each global microbatch.
+        encoder_cuts: encoder -> per global microbatch, ``(encoder replica, position)`` -> the
+            replica's share of a sample it encodes only in part (`harmonia.schedule.item_cuts.Cut`);
+            a sample without an entry is encoded whole by the one replica listing it.
     """
 
     microbatches: list[list[int]]
     llm_split: list[list[list[int]]]
     encoder_split: dict[str, list[list[list[int]]]]
     loads: np.ndarray
+    encoder_cuts: dict[str, list[dict[tuple[int, int], tuple]]] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    """What the stage work derives from the assignment alone, kept for the next plan priced on it
+    (`harmonia.schedule.stagework`: per encoder, each replica's cut items and their loads, and its
+    units per encoder layout; the training step's whole stage work, `harmonia.train.iteration`)."""
+
+    def cut(self, encoder: str, m: int, replica: int, position: int) -> tuple | None:
+        """The share of sample ``position`` encoder replica ``replica`` encodes (None: whole)."""
+        cuts = self.encoder_cuts.get(encoder)
+        return cuts[m].get((replica, position)) if cuts else None
 
     @property
     def n_microbatches(self) -> int:
@@ -130,7 +145,16 @@ def feeding_replicas(plan: Plan, encoder: str) -> list[list[int]]:
     ranks, and its pipeline never waits for encoder work queued behind another replica's LLM work),
     else round-robin (``enc_dp >= llm_dp``: replicas ``{e : e % llm_dp == d}``; fewer: replica
     ``d % enc_dp``, which then serves several LLM replicas)."""
-    enc_layout, llm = plan.layouts[encoder], plan.layouts["llm"]
+    return [list(replicas) for replicas in _feeding(plan.layouts[encoder], plan.layouts["llm"])]
+
+
+@functools.lru_cache(maxsize=4096)
+def _feeding(enc_layout: Layout, llm: Layout) -> tuple[tuple[int, ...], ...]:
+    """`feeding_replicas` of an encoder's and the LLM's layouts (kept: every plan of a search asks again)."""
+    return tuple(map(tuple, _feeding_lists(enc_layout, llm)))
+
+
+def _feeding_lists(enc_layout: Layout, llm: Layout) -> list[list[int]]:
     enc_dp, llm_dp = enc_layout.dp, llm.dp
     owner = {r: llm.coords(r)["dp"] for r in llm.rank_list()}
     inside: list[list[int]] = [[] for _ in range(llm_dp)]

@@ -11,6 +11,9 @@ module runs it. `plan_rank_actions` expands it to each global rank of the plan, 
    by the schedule's own timeline (`harmonia.schedule.replay` under the schedule's costs), ties by
    the replay's sequence, which puts every producer before its consumers: each rank's list is a
    subsequence of one dependency-respecting order of all actions, so no set of lists deadlocks.
+   Where the schedule's costs carry each encoder replica's own durations, a rank then moves its
+   colocated single-chunk encoders' forwards ahead into the slack its LLM group leaves
+   (`harmonia.schedule.encoder_slots`, which says why that keeps the lists deadlock-free).
 2. **Stage messages.** Where the neighbouring chunk is on another rank: ``RECV_F`` before a
    forward, ``SEND_F`` after it; ``RECV_B`` before the action that consumes the output gradient (B,
    BW, or the W of a stage with nothing trainable upstream), ``SEND_B`` after the one producing the
@@ -36,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from harmonia.schedule.actions import BACKWARD_KINDS, Action, Kind, StageRef
+from harmonia.schedule.encoder_slots import group_members, group_ranks, movable_encoders, place_encoder_work
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.lowering import strip_communication
@@ -101,20 +105,56 @@ def rank_compute_actions(layouts: Mapping[str, Layout], schedule: IterationSched
                          ranks: Iterable[int] | None = None) -> dict[int, list[Action]]:
     """Each global rank's compute actions (F, B, W, BW) in execution order: step 1 of the module
     docstring, `plan_rank_actions` without messages and collectives (what a rank's compute stream
-    and its activation memory follow). Ranks holding the same chunks and copies share one list."""
-    graph = schedule.graph
-    by_chunk = _chunk_actions(schedule)
+    and its activation memory follow). Ranks holding the same chunks and copies, and placing their
+    encoders' forwards alike, share one list."""
     wanted = sorted({r for lay in layouts.values() for r in lay.rank_list()} if ranks is None else set(ranks))
-    lists: dict[tuple, list[Action]] = {}
-    out = {}
-    for rank in wanted:
-        view = _Rank(layouts, graph, rank, {})
-        copies = tuple((ref, holder_copy(graph, layouts, ref, rank)) for ref in view.chunks())
-        if copies not in lists:
-            mine = sorted((t for ref, holder in copies for t in by_chunk.get((holder, ref), ())), key=lambda t: t[0])
-            lists[copies] = [a for _, a in mine]
-        out[rank] = lists[copies]
-    return out
+    lists = _Lists(layouts, schedule)
+    return {rank: lists.placed(rank) for rank in wanted}
+
+
+class _Lists:
+    """Ranks' compute lists: the schedule's order of the chunk copies a rank holds (shared by every
+    rank holding the same copies), then its colocated encoders' forwards placed by its own replicas'
+    costs where the schedule carries them (`harmonia.schedule.encoder_slots`)."""
+
+    def __init__(self, layouts: Mapping[str, Layout], schedule: IterationSchedule) -> None:
+        self.layouts, self.graph = layouts, schedule.graph
+        self.costs = schedule.costs
+        self.by_chunk = _chunk_actions(schedule)
+        self.ordered: dict[tuple, list[Action]] = {}
+        if schedule.placements is None:
+            schedule.placements = {}
+        self.groups: dict[tuple[int, ...], dict[int, list[Action]]] = schedule.placements
+        self.movable = movable_encoders(layouts, self.graph.encoders) if self.costs and self.costs.replicas else ()
+
+    def ordered_list(self, rank: int) -> list[Action]:
+        """The schedule's order of the rank's chunk copies."""
+        view = _Rank(self.layouts, self.graph, rank, {})
+        copies = tuple((ref, holder_copy(self.graph, self.layouts, ref, rank)) for ref in view.chunks())
+        if copies not in self.ordered:
+            mine = sorted((t for ref, holder in copies for t in self.by_chunk.get((holder, ref), ())),
+                          key=lambda t: t[0])
+            self.ordered[copies] = [a for _, a in mine]
+        return self.ordered[copies]
+
+    def placed(self, rank: int) -> list[Action]:
+        """The rank's list, its movable encoders' forwards placed for its LLM group."""
+        llm = self.layouts[LLM]
+        if not self.movable or not llm.holds(rank):
+            return self.ordered_list(rank)
+        group = group_ranks(llm, rank)
+        if group not in self.groups:
+            self.groups[group] = self._place(group)
+        return self.groups[group].get(rank) or self.ordered_list(rank)
+
+    def _place(self, group: tuple[int, ...]) -> dict[int, list[Action]]:
+        """Every rank's placed list in a group (empty where the group keeps the schedule's order)."""
+        members = group_members(self.layouts, self.movable, group)
+        actions = self.ordered_list(group[0])
+        if members is None or any(self.ordered_list(r) != actions for r in group[1:]):
+            return {}
+        by_member = place_encoder_work(actions, self.movable, set(members.values()), self.costs, self.graph)
+        return {r: by_member[m] for r, m in members.items()}
 
 
 def _chunk_actions(schedule: IterationSchedule) -> dict[tuple[int, StageRef], list[tuple[tuple[float, int], Action]]]:

@@ -25,11 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-import numpy as np
-
 from harmonia.schedule.costs import CostTable, PhaseCost
+from harmonia.schedule.encoder_slots import movable_encoders
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders_by_replica
+from harmonia.schedule.item_cuts import cut_item, encoder_items, item_seconds, kept_parts
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
@@ -131,10 +131,41 @@ def _layout_stage_ranks(layout: Layout, replica: int, pp: int) -> tuple[int, ...
     return tuple(layout.rank_at(pp=pp, dp=replica, cp=c, tp=t) for c in range(layout.cp) for t in range(layout.tp))
 
 
-def _items(shapes: Sequence[SampleShape], positions: Sequence[int], cost: CostModel, encoder: str) -> list:
-    """One encoder's items of the samples at ``positions``, in sample order."""
+def _replica_items(iw: IterationWork, cost: CostModel, encoder: str, m: int, replica: int,
+                   positions: Sequence[int]) -> list:
+    """The items one encoder replica runs in microbatch ``m``, in order: each sample's items of the
+    encoder, or the part of them its share keeps (`harmonia.schedule.item_cuts`)."""
+    memo = _memo(iw, cost, encoder)
+    key = ("items", m, replica, tuple(positions))
+    if key not in memo:
+        spec, samples = cost.mllm.encoders[encoder], iw.assignment.microbatches[m]
+        out = []
+        for p in positions:
+            items = encoder_items(iw.shapes[samples[p]], spec)
+            share = iw.assignment.cut(encoder, m, replica, p)
+            out += [cut_item(items[k], spec, a, b) for k, a, b in kept_parts(len(items), share)]
+        memo[key] = out
+    return memo[key]
+
+
+def _shares_load(iw: IterationWork, cost: CostModel, encoder: str, m: int, replica: int,
+                 positions: Sequence[int]) -> tuple[ModuleLoad, ModuleLoad]:
+    """The encoder and projector loads of the items an encoder replica runs of samples it shares."""
+    memo = _memo(iw, cost, encoder)
+    key = ("loads", m, replica, tuple(positions))
+    if key not in memo:
+        memo[key] = _item_load(cost, encoder, _replica_items(iw, cost, encoder, m, replica, positions))
+    return memo[key]
+
+
+def _memo(iw: IterationWork, cost: CostModel, encoder: str) -> dict:
+    """The assignment's kept items and loads of one encoder (`IterationAssignment.memo`), started
+    afresh when another encoder spec prices it (items and loads depend on the spec alone)."""
     spec = cost.mllm.encoders[encoder]
-    return [item for i in positions for item in shapes[i].items if item.modality in spec.modalities]
+    kept = iw.assignment.memo.get(encoder)
+    if kept is None or kept[0] is not spec:
+        kept = iw.assignment.memo[encoder] = (spec, {})
+    return kept[1]
 
 
 def _item_load(cost: CostModel, encoder: str, items: list) -> tuple[ModuleLoad, ModuleLoad]:
@@ -172,15 +203,38 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
             owner.update((p, d) for p in positions)
             _add_module_work(out, plan, cost, LLM, llm_ranges, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
+            every = assignment.encoder_cuts.get(enc)
+            cuts = every[m] if every else {}
             for e, positions in enumerate(assignment.encoder_split[enc][m]):
-                for p in positions:  # boundary rows: this replica's samples, to the replica packing each
-                    rows = loads[samples[p]][f"{enc}_proj"].tokens
+                for p in positions:  # boundary rows: this replica's samples (or shares), to the replica packing each
+                    share = cuts.get((e, p)) if cuts else None
+                    rows = loads[samples[p]][f"{enc}_proj"].tokens if share is None else share[2]
                     if rows:
                         key = (enc, e, owner[p], m)
                         out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
     for enc in plan.encoders:
-        _add_encoder_work(out, plan, cost, enc, sub_runs or {}, loads)
+        if sub_runs:
+            _add_encoder_work(out, plan, cost, enc, sub_runs, loads)
+        else:
+            _kept_encoder_work(out, plan, cost, enc, loads)
     return out
+
+
+def _kept_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
+                       loads: Sequence[dict[str, ModuleLoad]]) -> None:
+    """`_add_encoder_work`, or its entries kept on the assignment from an earlier plan with the same
+    encoder layout, recomputation and sub-microbatches priced by the same cost model (plans that
+    differ in the LLM's layout alone share an assignment and so every encoder unit)."""
+    key = ("encoder work", cost, enc, plan.layouts[enc], plan.recompute_share(enc), out.n_sub.get(enc))
+    kept = out.assignment.memo.get(key)
+    if kept is None:
+        part = IterationWork(out.assignment, out.shapes, out.n_sub)
+        _add_encoder_work(part, plan, cost, enc, {}, loads)
+        kept = out.assignment.memo[key] = (part.work, part.stage_ranks, part.sub_runs)
+    work, ranks, runs = kept
+    out.work.update(work)
+    out.stage_ranks.update(ranks)
+    out.sub_runs.update(runs)
 
 
 def with_submicrobatches(iw: IterationWork, plan: Plan, cost: CostModel, encoder: str,
@@ -201,38 +255,29 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
     ``loads``: the batch's `CostModel.sample_loads`, in sample order."""
     assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
     ranges = chunk_ranges(cost, plan, enc)
+    every = assignment.encoder_cuts.get(enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
+        cuts = every[m] if every else {}
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
-            if len(subs) == 1:  # the samples' loads summed: what their items' loads sum to
-                mine = [loads[samples[p]] for p in positions]
+            if len(subs) == 1:  # the samples' loads summed (what their items' loads sum to), and the shares'
+                whole = [p for p in positions if (e, p) not in cuts] if cuts else positions
+                mine = [loads[samples[p]] for p in whole]
+                enc_load = ModuleLoad.total(load[enc] for load in mine)
                 proj_load = ModuleLoad.total(load[f"{enc}_proj"] for load in mine)
+                if len(whole) < len(positions):
+                    shared = _shares_load(out, cost, enc, m, e, [p for p in positions if p not in whole])
+                    enc_load, proj_load = enc_load + shared[0], proj_load + shared[1]
                 if proj_load.sequences:  # one per item
-                    enc_load = ModuleLoad.total(load[enc] for load in mine)
                     _add_module_work(out, plan, cost, enc, ranges, e, m, None, enc_load, proj_load, dim)
                 continue
-            items = _items(out.shapes, [samples[p] for p in positions], cost, enc)
-            runs = sub_runs.get((enc, e, m)) or item_runs(_item_costs(cost, enc, items), len(subs))
+            items = _replica_items(out, cost, enc, m, e, positions)
+            runs = sub_runs.get((enc, e, m)) or item_runs(item_seconds(cost, enc, items), len(subs))
             out.sub_runs[(enc, e, m)] = list(runs)
             for sub, (a, b) in zip(subs, runs):
                 if a < b:
                     enc_load, proj_load = _item_load(cost, enc, items[a:b])
                     _add_module_work(out, plan, cost, enc, ranges, e, m, sub, enc_load, proj_load, dim)
-
-
-def _item_costs(cost: CostModel, encoder: str, items: list) -> np.ndarray:
-    """(n_items,) F + B + W seconds of each item through the encoder and its projector (the cut's
-    weights), from the cost model's additive per-sample terms."""
-    spec, col = cost.mllm.encoders[encoder], {m: j for j, m in enumerate(cost.modules)}
-    tokens = np.zeros((len(items), len(cost.modules)))
-    pairs = np.zeros_like(tokens)
-    for i, item in enumerate(items):
-        seqs = encoder_sequences(item, spec)
-        tokens[i, col[encoder]], pairs[i, col[encoder]] = sum(seqs), sum(n * n for n in seqs)
-        if f"{encoder}_proj" in col:
-            tokens[i, col[f"{encoder}_proj"]] = llm_tokens_of_item(item, spec)
-    per_module = cost.costs_from_loads(tokens, pairs)
-    return per_module[:, col[encoder]] + (per_module[:, col[f"{encoder}_proj"]] if f"{encoder}_proj" in col else 0.0)
 
 
 def chunk_ranges(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, int]]:
@@ -297,7 +342,14 @@ def cost_table(plan: Plan, iw: IterationWork) -> CostTable:
                     works = [w for r in range(layout.dp)
                              if (w := iw.unit(StageKey(module, r, chunk), m, sub)) is not None]
                     entries[(module, chunk, m, sub)] = _slowest(works)
-    return CostTable(entries, shares=_share_costs(plan, iw))
+    return CostTable(entries, shares=_share_costs(plan, iw), replicas=_replica_costs(plan, iw))
+
+
+def _replica_costs(plan: Plan, iw: IterationWork) -> dict:
+    """Each unit's own durations on the encoders whose forwards every rank places by them."""
+    movable = set(movable_encoders(plan.layouts, plan.encoders))
+    return {(key.module, key.replica, key.stage, m, sub): PhaseCost(w.times.F, w.times.B, w.times.W)
+            for (key, m, sub), w in iw.work.items() if key.module in movable}
 
 
 def _share_costs(plan: Plan, iw: IterationWork) -> dict:

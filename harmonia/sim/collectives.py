@@ -10,14 +10,17 @@ count a collective differently.
   (Megatron-LM's column/row split: one after attention, one after the MLP) and two in the backward;
 - CP: an all-gather of K and V per block, ``(c-1)/c * 2 tokens kv_dim bytes / tp / bw``;
 - FSDP: an all-gather of the chunk's weights over its ``dp`` group, ``(dp-1)/dp * weight bytes /
-  tp / bw``; harmonia's runtime gathers every FSDP chunk of a rank once, at the start of the step,
-  before its first action (`rank_gathers_s`); a chunk that reshards per microbatch (``fsdp
-  reshard``, or every FSDP chunk priced ``fsdp_per_microbatch``, as published runs gather) before
-  every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
+  tp / bw``; harmonia's runtime issues the gathers of every FSDP chunk of a rank once, at the start
+  of the step, on the communication stream, in module then chunk order (`step_gathers`), and each
+  block's first forward waits for its own (`first_forward_gather`); a chunk that reshards per
+  microbatch (``fsdp reshard``, or every FSDP chunk priced ``fsdp_per_microbatch``, as published
+  runs gather) before every forward and backward instead (`harmonia.sim.tasks.collective_extra`);
 - DP gradient reduction: a ring all-reduce of the chunk's fp32 trainable gradients (its projector's
   on an encoder's last chunk) over ``dp``, as the runtime reduces them; under FSDP a ring
   reduce-scatter of the fp32 accumulated gradients, ``(dp-1)/dp * trainable * 4 / tp / bw + (dp-1) *
-  latency``; resharding per microbatch, that reduce-scatter runs in every backward
+  latency``; an LLM chunk gathered once per step whose last backward is fused reduce-scatters each
+  block's inside that backward and the root group's (front end, head) after it
+  (`reduce_exposed_s`); resharding per microbatch, that reduce-scatter runs in every backward
   (`backward_reduce_s`), overlapped with its blocks, and only the last block's follows the chunk's
   last backward (`grad_reduce_s`);
 - P2P: ``latency + bytes / bw`` between two ranks, nothing on the same rank.
@@ -155,11 +158,17 @@ def _trainable(cost: CostModel, plan: Plan, module: str, chunk: int) -> int:
 
 
 def rank_gathers_s(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[int, float]:
-    """Seconds each rank spends gathering its FSDP chunks' weights at the start of the step, before
-    any action (harmonia's runtime: `harmonia.runtime.grads.start_fsdp_backward`); chunks that
-    reshard per microbatch gather before every forward and backward instead."""
-    out: dict[int, float] = {}
-    for module, layout in plan.layouts.items():
+    """Seconds of FSDP gathers each rank issues at the start of the step (`step_gathers`, summed)."""
+    return {rank: sum(seconds for _, _, seconds in gathers)
+            for rank, gathers in step_gathers(cost, cluster, plan).items()}
+
+
+def step_gathers(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[int, list[tuple[str, int, float]]]:
+    """Per rank, the FSDP gathers harmonia's runtime issues at the start of the step, in its order
+    (modules by name, then chunks: `harmonia.runtime.grads.start_fsdp_backward`): (module, chunk,
+    seconds); chunks that reshard per microbatch gather before every forward and backward instead."""
+    out: dict[int, list[tuple[str, int, float]]] = {}
+    for module, layout in sorted(plan.layouts.items()):
         if not layout.sharded or cost.reshards(layout):
             continue
         for chunk in range(layout.n_stages):
@@ -167,5 +176,44 @@ def rank_gathers_s(cost: CostModel, cluster: ClusterSpec, plan: Plan) -> dict[in
                 for tp in range(layout.tp):  # one DP group: its ranks gather alike
                     seconds = fsdp_gather_s(cost, cluster, plan, module, chunk, 0, cp, tp)
                     for rank in stage_group(layout, chunk, "dp", 0, cp, tp):
-                        out[rank] = out.get(rank, 0.0) + seconds
+                        out.setdefault(rank, []).append((module, chunk, seconds))
     return out
+
+
+def first_forward_gather(gather: float, forward: float, blocks: int, slowdown: float) -> tuple[float, float]:
+    """(seconds the gather adds to the chunk's first forward, delay of that forward's start after
+    the gather's end): FSDP2 waits for each block's gather in the block's pre-forward, so the forward
+    computes beside the gathers still in flight, ``1 + slowdown`` times slower for as long as they
+    overlap (at most the gather, at most the slowed forward): ``min(g, F (1 + s)) s / (1 + s)``; and
+    its last group (a block, or the root of a chunk without blocks) computes after the last gather
+    ends: the forward ends at least ``F / (blocks + 1)`` after it (the root counts as a group)."""
+    extra = min(gather, forward * (1 + slowdown)) * slowdown / (1 + slowdown)
+    return extra, forward / (blocks + 1) - (forward + extra)
+
+
+def reduces_in_backward(cost: CostModel, plan: Plan, module: str) -> bool:
+    """Whether a module's FSDP chunks reduce-scatter inside their last fused backward (the LLM's,
+    gathered once per step: `harmonia.runtime.grads.reduce_in_last_backward`)."""
+    layout = plan.layouts[module]
+    return module == "llm" and layout.sharded and not cost.reshards(layout)
+
+
+def reduce_exposed_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str, chunk: int,
+                     backward: float | None = None, cp: int = 0, tp: int = 0) -> float:
+    """Seconds a chunk's reduction inside its last backward (`reduces_in_backward`) runs past that
+    backward's end, ``backward`` seconds long (None: the least over every length, the bounds').
+
+    The blocks' reduce-scatters ``r_b`` (over ``L`` blocks) start as each block's backward ends, one
+    after another on the communication stream, and the root group's ``r_0`` after the backward:
+    past its end run at least the last block's share and the root's, ``r_b / L + r_0``, and at least
+    what the stream cannot fit beside the backward after its first block, ``r - B (L - 1) / L``."""
+    total = grad_reduce_s(cost, cluster, plan, module, chunk, cp, tp)
+    blocks = chunk_blocks(cost, plan.layouts[module], module, chunk)
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    trainable = cost.param_count(module, start, stop)[1]
+    block_share = cost.param_count(module, max(start, 1), min(stop, len(cost.layers[module]) - 1))[1] / trainable \
+        if trainable and blocks else 0.0
+    least = total * (1 - block_share) + total * block_share / max(blocks, 1)
+    if backward is None:
+        return least
+    return max(least, total - backward * (blocks - 1) / blocks if blocks else total)

@@ -14,7 +14,7 @@ schedule deadlocks; the error lists what each rank waits for.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -84,10 +84,12 @@ class Timeline:
     def utilisation(self) -> dict[int, float]:
         return {r: (b / self.iteration_s if self.iteration_s else 0.0) for r, b in self.busy_s.items()}
 
-    def mfu(self, peak_flops: float) -> float:
-        """Useful FLOPs per second over the whole cluster's peak."""
+    def mfu(self, peak_flops: float, devices: int | None = None) -> float:
+        """Useful FLOPs per second over the peak of ``devices`` (default: a device per rank; where
+        ranks share cores, the cores: `ClusterSpec.compute_units`)."""
         flops = sum(t.flops for t in self.tasks)
-        return flops / (self.iteration_s * peak_flops * len(self.ranks)) if self.iteration_s else 0.0
+        n = devices if devices is not None else len(self.ranks)
+        return flops / (self.iteration_s * peak_flops * n) if self.iteration_s else 0.0
 
     def module_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -97,24 +99,21 @@ class Timeline:
         return out
 
 
-def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int, list[int]] | None = None) -> Timeline:
+def replay(tasks: list[Task], order: dict[int, list[int]],
+           comm_order: Mapping[Hashable, list[int]] | None = None) -> Timeline:
     """Replay tasks in the given per-rank order.
 
     Args:
         tasks: all tasks.
         order: rank -> indices of its compute tasks, in execution order.
-        comm_order: rank -> indices of its communication-stream tasks (collectives), in order.
+        comm_order: rank -> indices of its communication-stream tasks (collectives), in order; any
+            other key: a queue of its own (a barrier that couples ranks, `harmonia.sim.tasks`).
 
     Raises:
         ScheduleError: on a deadlock (naming each rank's blocked task) or a task in no queue.
     """
     n = len(tasks)
-    queues = {("c", r): list(q) for r, q in order.items()}
-    for r, q in (comm_order or {}).items():
-        queues[("m", r)] = list(q)
-    queued = sum(len(q) for q in queues.values())
-    if queued != n:
-        raise ScheduleError(f"{n} tasks but {queued} are queued on ranks; every task must be on exactly one queue")
+    queues = queues_of(tasks, order, comm_order)
     # plain lists: the sweep touches one element at a time, where numpy scalars cost several times more
     remaining = [len(t.deps) for t in tasks]
     ready_at = [0.0] * n
@@ -155,23 +154,46 @@ def replay(tasks: list[Task], order: dict[int, list[int]], comm_order: dict[int,
                         stack.append(ck)
         head[key], free[key] = at, now
     if done < n:
-        blocked = []
-        for key, q in queues.items():
-            if head[key] < len(q):
-                i = q[head[key]]
-                waits = [tasks[d].name for d, _ in tasks[i].deps if math.isnan(end[d])]
-                blocked.append(f"rank {key[1]} at {tasks[i].name} waits for {', '.join(waits[:3])}")
-        raise ScheduleError("schedule deadlocks: " + "; ".join(blocked))
+        raise deadlock(tasks, queues, head, end)
     start, end = np.asarray(start), np.asarray(end)
     ranks = sorted({t.rank for t in tasks} | set(order))
     busy = {r: 0.0 for r in ranks}
     for t in tasks:
         if t.kind != "C":
             busy[t.rank] += t.duration
-    return Timeline(tasks, start, end, ranks, float(end.max()) if n else 0.0, busy, _peak_memory(tasks, end, ranks))
+    return Timeline(tasks, start, end, ranks, float(end.max()) if n else 0.0, busy, peak_memory(tasks, end, ranks))
 
 
-def _peak_memory(tasks: list[Task], end: np.ndarray, ranks: list[int]) -> dict[int, float]:
+def queues_of(tasks: list[Task], order: dict[int, list[int]],
+              comm_order: Mapping[Hashable, list[int]] | None) -> dict[tuple, list[int]]:
+    """Every queue a replay runs: ``("c", rank)`` compute, ``("m", key)`` communication and barriers.
+
+    Raises:
+        ScheduleError: when a task is on no queue or on several.
+    """
+    queues = {("c", r): list(q) for r, q in order.items()}
+    for r, q in (comm_order or {}).items():
+        queues[("m", r)] = list(q)
+    queued = sum(len(q) for q in queues.values())
+    if queued != len(tasks):
+        raise ScheduleError(f"{len(tasks)} tasks but {queued} are queued on ranks; every task must be on exactly "
+                            "one queue")
+    return queues
+
+
+def deadlock(tasks: list[Task], queues: dict[tuple, list[int]], head: dict[tuple, int],
+             end: list[float]) -> ScheduleError:
+    """The error naming what each queue's blocked task waits for."""
+    blocked = []
+    for key, q in queues.items():
+        if head[key] < len(q):
+            i = q[head[key]]
+            waits = [tasks[d].name for d, _ in tasks[i].deps if math.isnan(end[d])]
+            blocked.append(f"rank {key[1]} at {tasks[i].name} waits for {', '.join(waits[:3])}")
+    return ScheduleError("schedule deadlocks: " + "; ".join(blocked))
+
+
+def peak_memory(tasks: list[Task], end: np.ndarray, ranks: list[int]) -> dict[int, float]:
     """Peak over time of the running sum of ``mem_delta`` per rank (allocations before frees at ties),
     each task's ``transient`` counted on top of the level it runs at (before its own delta)."""
     peak = {r: 0.0 for r in ranks}

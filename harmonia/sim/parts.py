@@ -2,19 +2,23 @@
 
 The simulator couples ranks only by messages (`harmonia.sim.tasks`): stage messages inside one
 replica of a module, and boundary transfers between an encoder replica and the LLM replicas whose
-samples it encodes. A DP gradient reduction, an FSDP gather and the TP/CP collectives are priced
-into a rank's own tasks and wait for no other rank. So the ranks fall into parts: each LLM replica
-joined with the encoder replicas that feed it, joined again wherever a rank holds stages of several
-replicas (a colocated encoder). Parts replay independently: the iteration lasts as long as its
+samples it encodes, and the lockstep of a chunk that gathers its weights per microbatch (``fsdp
+reshard``): its DP group runs each gathered phase together; and of an LLM stage chunk's TP x CP
+group whose ranks hold different encoder replicas (inside one LLM replica). A DP gradient
+reduction, a step's FSDP gather and the other TP/CP collectives are priced into a rank's own tasks
+and wait for no other rank. So the ranks fall into parts: each LLM replica joined with the encoder replicas that feed
+it, joined again wherever a rank holds stages of several replicas (a colocated encoder) and across
+the replicas of a resharded chunk. Parts replay independently: the iteration lasts as long as its
 longest part, and any part's time is a lower bound on it. The planner simulates a candidate's
 busiest part first and drops the candidate once a part exceeds the best score
 (`harmonia.plan.search`), at a fraction of a whole simulation.
 
 Before its busiest part, it simulates that part's busiest column (`busiest_column`: one LLM rank
 per pipeline rank at the same ``dp``/``cp``/``tp`` coordinates, with the encoder copies those ranks
-hold), each message from a rank outside the column taken as arrived at the start. Every rank runs
-its list in order and a task waits only for its rank's previous task and its messages, so dropping
-waits only moves starts earlier: every task of the column starts no later than in the whole
+hold), each message from a rank outside the column taken as arrived at the start and no lockstep
+with the ranks outside it. Every rank runs its list in order and a task waits only for its
+rank's previous task, its messages and its lockstep barriers, so dropping waits only moves starts
+earlier: every task of the column starts no later than in the whole
 simulation, and the column's time is a lower bound on the part's, at the cost of its few ranks.
 """
 
@@ -26,13 +30,14 @@ from harmonia.schedule.graph import LLM, IterationSchedule
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import IterationWork, stage_ranks
-from harmonia.sim.engine import Timeline, replay
-from harmonia.sim.tasks import build_tasks
+from harmonia.sim.engine import Timeline
+from harmonia.sim.tasks import build_tasks, replay_on
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
 
-def independent_parts(plan: Plan, iw: IterationWork, busy: Mapping[int, float] | None = None) -> list[tuple[int, ...]]:
+def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork,
+                      busy: Mapping[int, float] | None = None) -> list[tuple[int, ...]]:
     """The iteration's parts (see the module docstring), each its ranks in order; the parts ordered
     by their busiest rank's seconds in ``busy``, most first (default: by their first rank)."""
     parent: dict[int, int] = {}
@@ -52,6 +57,9 @@ def independent_parts(plan: Plan, iw: IterationWork, busy: Mapping[int, float] |
     for module, layout in plan.layouts.items():
         for d in range(layout.dp):
             join(r for c in range(layout.n_stages) for r in stage_ranks(plan, module, d, c))
+        if cost.reshards(layout):  # its DP groups run each gathered phase in lockstep
+            for c in range(layout.n_stages):
+                join(r for d in range(layout.dp) for r in stage_ranks(plan, module, d, c))
     for enc, e, d in {(enc, e, d) for enc, e, d, _ in iw.boundary_bytes}:  # every microbatch alike
         last = plan.layouts[enc].n_stages - 1
         join((stage_ranks(plan, enc, e, last)[0], stage_ranks(plan, LLM, d, 0)[0]))
@@ -95,4 +103,4 @@ def simulate_part(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: Iterati
     ``closed=False``: ``ranks`` are some of a part's (`busiest_column`), their messages from other
     ranks taken as arrived at the start; every task starts no later than in the whole simulation."""
     actions = plan_rank_actions(plan.layouts, schedule, ranks)
-    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed))
+    return replay_on(cluster, cost, *build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed))

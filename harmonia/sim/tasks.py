@@ -9,13 +9,21 @@ rank's tasks are exactly its actions, in its order:
   block and pass, CP an all-gather of K and V per block; a recomputed module's backward runs its
   blocks' forward again, collectives included. Every price is one function of
   `harmonia.sim.collectives`;
-- FSDP, as harmonia's runtime runs it, gathers every FSDP chunk of a rank once, before the rank's
-  first action: one task at the head of its compute stream (`rank_gathers_s`). A chunk that
+- FSDP, as harmonia's runtime runs it, gathers every FSDP chunk of a rank once per step: the
+  gathers are issued at the start on the rank's communication stream (`step_gathers`, one task per
+  chunk) and the chunk's first forward with data computes beside them, slowed while they run, and
+  ends no earlier than its last block after the last gather (`first_forward_gather`). A chunk that
   reshards per microbatch (``fsdp reshard``; every FSDP chunk under a cost model priced
   ``fsdp_per_microbatch``) gathers its weights before every forward and backward instead, and
   reduce-scatters its gradients in every backward, overlapped with compute: the compute runs
   slower while they do (`DeviceSpec.overlap_slowdown`) and the part longer than it adds time
-  (`overlapped_extra`);
+  (`overlapped_extra`). Those gathers are collectives of the chunk's DP group: a block's gather
+  completes only once every replica has issued it, so the group runs each such phase in lockstep
+  (`_lockstep`): the replicas' phases of one microbatch start together, once each has finished
+  what it ran before, and whatever follows them waits until the slowest has ended. The TP
+  all-reduces and CP all-gathers inside an LLM phase couple its TP x CP group the same way where
+  the group's ranks hold different encoder replicas and so run different work between its phases
+  (elsewhere they run the same work and keep in step by themselves);
 - a send takes no time on the stream (sends are asynchronous);
 - a receive holds the stream until its message has arrived: the matching send's end plus the
   transfer (``latency + bytes / bandwidth``), within a module from the peer the action names, at a
@@ -23,7 +31,9 @@ rank's tasks are exactly its actions, in its order:
   replica's samples forward, the LLM replicas packing the encoder replica's samples backward);
 - a ``REDUCE`` runs the chunk's gradient all-reduce (an FSDP chunk's reduce-scatter) over ``dp``
   on the rank's communication stream, after the compute action before it (the chunk's last
-  backward).
+  backward); an LLM FSDP chunk's last fused backward reduce-scatters its blocks as it goes
+  (`reduce_exposed_s`): the reduction then starts inside that backward, which it slows while they
+  overlap, and runs past its end only as far as the blocks' order allows.
 
 A W on a stage without B (nothing trainable upstream) still backpropagates through its own interior
 for its weight gradients: that work runs inside its W. Activations are kept from F and freed by the
@@ -33,16 +43,20 @@ peak from its order alone).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Hashable
 
 from harmonia.schedule.actions import Action, Kind, StageRef
+from harmonia.schedule.encoder_slots import llm_group
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
+from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
-from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, fsdp_gather_s, grad_reduce_s, p2p_s,
-                                      rank_gathers_s)
+from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, first_forward_gather, fsdp_gather_s,
+                                      grad_reduce_s, p2p_s, reduce_exposed_s, reduces_in_backward, step_gathers)
 from harmonia.sim.engine import Task, Timeline, replay
+from harmonia.sim.shared import replay_shared
 from harmonia.sim.memory import phase, unit_memory
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -142,6 +156,8 @@ class _Builder:
         self.first_rank: dict[tuple[str, int, int], int] = {}  # a replica's stage chunk -> its first rank
         self.phases: dict[tuple[str, int, Kind], tuple[str, bool, bool]] = {}
         self.units: dict[tuple, tuple[str, float, float, float, float]] = {}  # one phase of a unit, timed
+        self.gathering: dict[tuple[int, str, int], int] = {}  # (rank, module, chunk) -> its gather's task
+        self.in_backward: dict[str, bool] = {}  # module -> whether it reduces inside its last backward
 
     def replica(self, module: str, rank: int) -> int:
         key = (module, rank)
@@ -159,15 +175,20 @@ class _Builder:
     def add(self, rank: int, a: Action) -> int:
         i = len(self.tasks)
         if a.kind in _COMPUTE:
-            self.tasks.append(self._compute(rank, a))
+            task = self._compute(rank, a)
+            self.tasks.append(task)
             self.last_compute[rank] = i
+            if self.gathering and task.duration > 0 and (rank, a.module, a.stage) in self.gathering:
+                self._wait_for_gather(task, self.gathering.pop((rank, a.module, a.stage)))
         elif a.kind is Kind.REDUCE:  # after the chunk's last backward, the compute action before it
             me = self.plan.layouts[a.module].coords(rank)
             group = (a.module, a.stage, me["cp"], me["tp"])
             if group not in self.reductions:
                 self.reductions[group] = grad_reduce_s(self.cost, self.cluster, self.plan, *group)
             seconds = self.reductions[group]
-            self.tasks.append(Task(str(a), rank, seconds, [(self.last_compute[rank], 0.0)], a.module, "C", action=a))
+            last = self.tasks[self.last_compute[rank]]
+            delay = self._overlapped_reduce(last, a, seconds, me) if seconds > 0 else 0.0
+            self.tasks.append(Task(str(a), rank, seconds, [(self.last_compute[rank], delay)], a.module, "C", action=a))
         else:
             self.tasks.append(Task(str(a), rank, 0.0, [], a.module, a.kind.value, action=a))
             if a.kind.is_send:
@@ -175,6 +196,38 @@ class _Builder:
             else:
                 self.recvs.append((i, rank, a))
         return i
+
+    def gather(self, rank: int, module: str, chunk: int, seconds: float) -> int:
+        """A chunk's FSDP gather, issued at the step's start on the rank's communication stream; its
+        first forward with data waits for it (`_wait_for_gather`)."""
+        self.gathering[(rank, module, chunk)] = len(self.tasks)
+        self.tasks.append(Task(f"fsdp gather {module}.s{chunk}", rank, seconds, [], module, "C"))
+        return len(self.tasks) - 1
+
+    def _wait_for_gather(self, task: Task, gather: int) -> None:
+        """The chunk's first compute with data computes beside its gather (`first_forward_gather`)."""
+        layout = self.plan.layouts[task.action.module]
+        blocks = chunk_blocks(self.cost, layout, task.action.module, task.action.stage)
+        extra, delay = first_forward_gather(self.tasks[gather].duration, task.duration, blocks,
+                                            self.cluster.device.overlap_slowdown)
+        task.duration += extra
+        task.deps.append((gather, delay))
+
+    def _overlapped_reduce(self, last: Task, a: Action, seconds: float, me: dict[str, int]) -> float:
+        """Where the chunk reduces inside its last backward (a fused BW just before; `reduces_in_backward`):
+        slow that backward by the share of the reduction beside it and return the reduction's start
+        relative to its end (negative); else 0."""
+        if a.module not in self.in_backward:
+            self.in_backward[a.module] = reduces_in_backward(self.cost, self.plan, a.module)
+        action = last.action
+        if not self.in_backward[a.module] or action is None or action.kind is not Kind.BW \
+                or (action.module, action.stage) != (a.module, a.stage):
+            return 0.0
+        exposed = reduce_exposed_s(self.cost, self.cluster, self.plan, a.module, a.stage, last.duration,
+                                   me["cp"], me["tp"])
+        slowdown = self.cluster.device.overlap_slowdown
+        last.duration += (seconds - exposed) * slowdown / (1 + slowdown)
+        return exposed - seconds
 
     def _phase(self, a: Action) -> tuple[str, bool, bool]:
         """(kind, W-only stage's W, stage has W) of a compute action, once per stage and kind."""
@@ -237,8 +290,9 @@ class _Builder:
 
 def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[int, list[Action]],
                 graph: StageGraph, cluster: ClusterSpec,
-                closed: bool = True) -> tuple[list[Task], dict[int, list[int]], dict[int, list[int]]]:
-    """Tasks, per-rank compute queues and per-rank communication queues for `harmonia.sim.engine.replay`.
+                closed: bool = True) -> tuple[list[Task], dict[int, list[int]], dict[Hashable, list[int]]]:
+    """Tasks, per-rank compute queues and communication queues (per rank, and one per lockstep
+    barrier: `_lockstep`) for `harmonia.sim.engine.replay`.
 
     Args:
         plan: the layouts the actions were placed with.
@@ -253,17 +307,89 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[in
     """
     b = _Builder(plan, cost, iw, graph, cluster)
     queue: dict[int, list[int]] = {}
-    comm: dict[int, list[int]] = {}
-    gathers = rank_gathers_s(cost, cluster, plan)
+    comm: dict[Hashable, list[int]] = {}
+    gathers = step_gathers(cost, cluster, plan)
     for rank, acts in actions.items():
         queue[rank], comm[rank] = [], []
-        if gathers.get(rank, 0.0) > 0:  # the step's FSDP gathers hold the compute stream first
-            queue[rank].append(len(b.tasks))
-            b.tasks.append(Task("fsdp gather", rank, gathers[rank], [], "", "C"))
+        for module, chunk, seconds in gathers.get(rank, ()):  # issued first, on the communication stream
+            if seconds > 0:
+                comm[rank].append(b.gather(rank, module, chunk, seconds))
         for a in acts:
             (comm if a.kind is Kind.REDUCE else queue)[rank].append(b.add(rank, a))
     b.link_receives(closed)
+    _lockstep(b, queue, comm)
     return b.tasks, queue, comm
+
+
+_GATHERED = frozenset((Kind.F, Kind.B, Kind.BW))
+"""The phases a chunk that reshards per microbatch gathers its weights for, and the phases whose TP
+all-reduces and CP K/V all-gathers run inside."""
+
+
+def _lockstep(b: _Builder, queue: dict[int, list[int]], comm: dict) -> None:
+    """Couple the ranks that meet in one phase's collectives (module docstring): the DP group of
+    every resharded chunk's phase, per (chunk, microbatch, sub-microbatch, phase, cp, tp), and the
+    TP x CP group of an LLM phase where the group's ranks hold different encoder replicas (so run
+    different work between its phases; `_uneven_groups`). Per group with more than one member among
+    the built ranks: a start barrier after each member's previous task, which every member waits
+    for, and an end barrier after every member, which each member's next task waits for. The
+    barriers take no time and run on queues of their own (keys ``("sync", i)`` of ``comm``); a
+    member's compute stays its own, so the wait shows as idle time."""
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}  # group -> (rank, position in its queue, task)
+    reshards: dict[str, bool] = {}
+    uneven = _uneven_groups(b.plan)
+    for rank, q in queue.items():
+        for at, i in enumerate(q):
+            a = b.tasks[i].action
+            if a is None or a.kind not in _GATHERED:
+                continue
+            if a.module not in reshards:
+                reshards[a.module] = b.cost.reshards(b.plan.layouts[a.module])
+            if reshards[a.module] or (a.module == LLM and rank in uneven):
+                me = b.plan.layouts[a.module].coords(rank)
+            if reshards[a.module]:
+                groups.setdefault(("dp", a.module, a.stage, a.microbatch, a.sub, a.kind, me["cp"], me["tp"]),
+                                  []).append((rank, at, i))
+            if a.module == LLM and rank in uneven:
+                groups.setdefault(("tp x cp", a.module, a.stage, a.microbatch, a.sub, a.kind, me["dp"]),
+                                  []).append((rank, at, i))
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        module, rank0 = key[1], members[0][0]
+        name = f"{key[0]} sync {module}.s{key[2]}.{key[5].value}{key[3]}" + ("" if key[4] is None else f".{key[4]}")
+        start = len(b.tasks)
+        b.tasks.append(Task(name, rank0, 0.0, [(queue[r][at - 1], 0.0) for r, at, _ in members if at], module, "C"))
+        end = len(b.tasks)
+        b.tasks.append(Task(f"{name} done", rank0, 0.0, [(i, 0.0) for _, _, i in members], module, "C"))
+        comm[("sync", start)], comm[("sync", end)] = [start], [end]
+        for r, at, i in members:
+            b.tasks[i].deps.append((start, 0.0))
+            if at + 1 < len(queue[r]):
+                b.tasks[queue[r][at + 1]].deps.append((end, 0.0))
+
+
+def _uneven_groups(plan: Plan) -> frozenset[int]:
+    """LLM ranks whose TP x CP group (one replica's stage chunk) holds different encoder replicas:
+    their encoder work between two LLM phases differs, and the phase's collectives wait for the
+    last of them."""
+    return _uneven(tuple(plan.layouts.items()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _uneven(layouts: tuple[tuple[str, Layout], ...]) -> frozenset[int]:
+    """`_uneven_groups` of a plan's layouts (kept: every simulation of a plan asks again)."""
+    llm = dict(layouts)[LLM]
+    if llm.tp * llm.cp == 1:
+        return frozenset()
+    out: set[int] = set()
+    for d in range(llm.dp):
+        for p in range(llm.pp):
+            group = llm_group(llm, d, p)
+            held = {tuple((m, lay.coords(r)["dp"]) for m, lay in layouts if m != LLM and lay.holds(r)) for r in group}
+            if len(held) > 1:
+                out.update(group)
+    return frozenset(out)
 
 
 def simulate_schedule(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork,
@@ -271,7 +397,18 @@ def simulate_schedule(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: Ite
     """One iteration of ``schedule`` as the executor runs it: every rank's action list
     (`plan_rank_actions`), timed with the stage work ``iw`` on the cluster model."""
     actions = plan_rank_actions(plan.layouts, schedule)
-    return replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster))
+    return replay_on(cluster, cost, *build_tasks(plan, cost, iw, actions, schedule.graph, cluster))
+
+
+def replay_on(cluster: ClusterSpec, cost: CostModel, tasks: list[Task], queue: dict[int, list[int]],
+              comm: dict[Hashable, list[int]]) -> Timeline:
+    """`build_tasks`' output replayed on ``cluster``: its ranks sharing its cores where they
+    outnumber them (`harmonia.sim.shared`), with the CPU the calibration measured their processes
+    spending beside their compute; each on a device of its own otherwise."""
+    if cluster.shares_cores:
+        host = cost.calibration.host_cpu_s if cost.calibration is not None else {}
+        return replay_shared(tasks, queue, comm, cluster.node_of, cluster.cores, host)
+    return replay(tasks, queue, comm)
 
 
 def simulated_step(plan: Plan, cost: CostModel, cluster: ClusterSpec) -> Callable[[IterationWork, IterationSchedule], float]:

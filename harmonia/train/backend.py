@@ -1,9 +1,13 @@
-"""Per-process facts every part of a job agrees on: the process-group backend, the hang timeout and
-the per-batch schedule search's evaluations."""
+"""Per-process facts every part of a job agrees on: the process-group backend, the cluster its
+simulation models, the hang timeout and the per-batch schedule search's evaluations."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 from harmonia.config import Config
+from harmonia.workload.devices import ClusterSpec, cluster_from_string
 
 
 def backend_of(config: Config) -> str:
@@ -13,6 +17,17 @@ def backend_of(config: Config) -> str:
     if config.parallel.backend != "auto":
         return config.parallel.backend
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def job_cluster(config: Config) -> ClusterSpec:
+    """The cluster the job's simulated steps run on: ``parallel.cluster``; for a CPU job (gloo on CPU
+    devices) whose ranks outnumber the cores this machine gives the process, and that names no
+    ``@cores`` of its own, those cores (its processes share them: `harmonia.sim.shared`)."""
+    cluster = cluster_from_string(config.parallel.cluster)
+    if cluster.cores is not None or cluster.device.name != "cpu" or backend_of(config) != "gloo":
+        return cluster
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return replace(cluster, cores=cores)
 
 
 def hang_timeout(config: Config) -> float:

@@ -9,8 +9,14 @@ and then each encoder's sub-microbatch split (by cost, DIP-style) that minimise 
 (the replayed one for the order, the simulated one on the cluster model for the split, with the
 shared cost model; a fixed number of evaluations, so every rank gets the same schedule), and the rank's own
 tensors are cut from the batch, encoder items in the sub-microbatch runs the schedule was priced
-with. Under ``train.assignment=sequential`` the batch is instead cut in data order into contiguous
-DP shards and fixed-size microbatches (the Megatron-LM recipe's `assign_sequential`), run in that
+with. Where the step's predicted peak on some rank (states plus the activations its action list holds at
+once) would exceed the device, its LLM replicas take twice as many, smaller microbatches, again
+while it would (`IterationBuilder._assign_within_memory`; the per-batch search's pick is kept only
+within the device too): the planner checked its plan's memory on the batches it profiled, and a
+batch drawn later can be heavier. Where no count fits, the step's heaviest sample is a bad record
+(``over device memory``), skipped or fatal by the data policy like a sample that fails to decode.
+Under ``train.assignment=sequential`` the batch is instead cut in data order into contiguous DP
+shards and fixed-size microbatches (the Megatron-LM recipe's `assign_sequential`), run in that
 order with no encoder split. A rank decodes only the samples whose tensors it trains
 (`harmonia.train.rank_data`), in the decoder's worker processes. Every rank runs its own action list
 of that schedule (`harmonia.schedule.rank_actions`); rank 0 also simulates the step on the cluster
@@ -37,16 +43,19 @@ from harmonia.data.loader import Failed, MultimodalDataset
 from harmonia.data.samples import LoadedSample
 from harmonia.errors import ConfigError, HarmoniaError, SampleError
 from harmonia.model.spec import MLLMSpec
+from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.assign import assign_sequential
+from harmonia.schedule.item_cuts import cut_encoder_items
 from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, balancer_costs,
                                         feeding_replicas)
 from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
+from harmonia.sim.memory import activation_peaks
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.calibration import Calibration
@@ -175,6 +184,7 @@ class IterationBuilder:
         self.agree = agree or (lambda failed: agree_failures(failed, None))
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
         self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
+        self.states = state_bytes_per_rank(cost, plan)  # weights, gradients, optimizer states per rank
         self.bad: set[int] = set()  # samples every rank agreed failed, dropped before balancing
         self._settled: int | None = None  # the newest step agreed on
         self._closed = False
@@ -238,21 +248,8 @@ class IterationBuilder:
         the step is returned unbuilt, to be prepared again after `settle`."""
         t0 = time.perf_counter()
         wanted = self.order.batch(step)
-        ids = [i for i in wanted if i not in bad]
         plan, llm = self.plan, self.plan.layouts[LLM]
-        if len(ids) < llm.dp * plan.n_microbatches:
-            raise SampleError(f"step {step}: only {len(ids)} of {len(wanted)} samples decoded, fewer than "
-                              f"llm dp x n_microbatches = {llm.dp * plan.n_microbatches}; fix the data")
-        shapes = [self.shapes[i] for i in ids]
-        costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
-        encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
-        if self.assignment == "sequential":  # contiguous DP shards, then contiguous microbatches
-            per_replica = assign_sequential(np.arange(len(ids)), llm.dp, plan.n_microbatches)
-            assignment = assemble_iteration([per_replica[d] for d in range(llm.dp)], costs, columns, encoder_dp,
-                                            feeds=self.feeds)
-        else:
-            assignment = assign_iteration(costs, columns, llm.dp, encoder_dp, plan.n_microbatches, tokens=tokens,
-                                          seed=step, feeds=self.feeds)
+        ids, shapes, tokens, assignment = self._assign(step, wanted, bad)
         mine = rank_positions(plan.layouts, self.rank, assignment, shapes, self.spec)
         todo = [p for p in mine if ids[p] not in decoded]
         for p, r in zip(todo, self.decoder.decode([ids[p] for p in todo])):
@@ -269,18 +266,93 @@ class IterationBuilder:
             llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=self.spec.llm.body)
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
-                                 iw.n_sub, iw.sub_runs, llm_cp=llm_cp)
+                                 iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
         return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,
                                  n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders}, decoded=decoded)
+
+    def _assign(self, step: int, wanted: list[int], bad: set[int]) -> tuple[list[int], list[SampleShape],
+                                                                          np.ndarray, IterationAssignment]:
+        """The step's usable samples (``wanted`` not in ``bad``), their shapes and LLM tokens, and their
+        assignment; a sample no microbatch count fits on the device (`_assign_within_memory`) is
+        reported to the data policy and joins ``bad``, and the step is balanced again without it."""
+        plan, llm = self.plan, self.plan.layouts[LLM]
+        while True:
+            ids = [i for i in wanted if i not in bad]
+            if len(ids) < llm.dp * plan.n_microbatches:
+                raise SampleError(f"step {step}: only {len(ids)} of {len(wanted)} samples usable (the rest failed to "
+                                  f"decode or exceed the device), fewer than llm dp x n_microbatches = "
+                                  f"{llm.dp * plan.n_microbatches}; fix the data")
+            shapes = [self.shapes[i] for i in ids]
+            costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
+            if self.assignment == "sequential":  # contiguous DP shards, then contiguous microbatches
+                per_replica = assign_sequential(np.arange(len(ids)), llm.dp, plan.n_microbatches)
+                encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
+                return ids, shapes, tokens, assemble_iteration([per_replica[d] for d in range(llm.dp)], costs,
+                                                               columns, encoder_dp, feeds=self.feeds)
+            found = self._assign_within_memory(step, shapes, costs, columns, tokens)
+            if isinstance(found, IterationAssignment):
+                return ids, shapes, tokens, found
+            heaviest, message = found
+            index = ids[heaviest]
+            self.dataset.report(Failed(index, "over device memory", message, self.dataset.records[index].where))
+            bad.add(index)
+            with self._cond:
+                self.bad.add(index)
+
+    def _assign_within_memory(self, step: int, shapes: list[SampleShape], costs: np.ndarray, columns: list[str],
+                              tokens: np.ndarray) -> IterationAssignment | tuple[int, str]:
+        """The balancer's assignment with the plan's microbatches per LLM replica, or, where the step's
+        predicted peak on some rank (its states plus the activations its action list holds at once:
+        what the planner checked its plan with, on the batches it profiled) exceeds the device, with
+        twice as many, again while it does: smaller microbatches hold fewer activations at once.
+        Every rank computes the same, so all agree on the count. Where no count fits, the position of
+        the step's heaviest sample (the largest share of the batch's work, summed over modules) and
+        why, for the data policy to drop it before any rank runs out of memory."""
+        plan, llm = self.plan, self.plan.layouts[LLM]
+        encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
+        n = plan.n_microbatches
+        while True:
+            assignment = cut_encoder_items(assign_iteration(costs, columns, llm.dp, encoder_dp, n, tokens=tokens,
+                                                            seed=step, feeds=self.feeds), plan, self.cost, shapes)
+            rank, peak = self._peak(shapes, assignment)
+            if peak <= self.cluster.device.mem_bytes:
+                return assignment
+            if llm.dp * 2 * n > len(shapes) or (plan.schedule == "interleaved" and (2 * n) % llm.pp):
+                share = costs / np.maximum(costs.sum(axis=0), 1e-30)
+                heaviest = int(np.argmax(share.sum(axis=1)))
+                return heaviest, (
+                    f"step {step}: rank {rank} would hold {peak / 2**30:.1f} GiB, over the device's "
+                    f"{self.cluster.device.mem_bytes / 2**30:.0f} GiB, even with {n} microbatches per LLM replica; "
+                    f"its heaviest sample ({int(tokens[heaviest])} LLM tokens) is left out; recompute more "
+                    "activations or choose a plan with more memory to spare to keep such samples")
+            n *= 2
+
+    def _peak(self, shapes: list[SampleShape], assignment: IterationAssignment,
+              iw: IterationWork | None = None, schedule: IterationSchedule | None = None) -> tuple[int, float]:
+        """(rank, bytes) of the largest predicted peak of a step: states plus activation peak, under
+        ``schedule`` (default: the balancer's order, unsplit) of its stage work."""
+        plan = self.plan
+        iw = iw or self._work(shapes, assignment)
+        schedule = schedule or build_schedule(self.graph, assignment.n_microbatches, plan.schedule,
+                                              costs=cost_table(plan, iw))
+        peaks = activation_peaks(plan, iw, schedule)
+        return max(((r, self.states.get(r, 0.0) + b) for r, b in peaks.items()), key=lambda x: x[1], default=(0, 0.0))
+
+    def _work(self, shapes: list[SampleShape], assignment: IterationAssignment) -> IterationWork:
+        """The step's stage work, unsplit, priced by the balancing cost model once per assignment (the
+        memory check and the schedule's search share it; kept on the assignment's memo)."""
+        if "step work" not in assignment.memo:
+            assignment.memo["step work"] = plan_iteration_work(shapes, self.plan, self.cost, assignment)
+        return assignment.memo["step work"]
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
                   sim_cost: CostModel) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
         """The searched microbatch order and encoder sub-microbatches' schedule, its stage work, and
         (rank 0) the simulated timeline of exactly the action lists every rank runs from it."""
         plan, n = self.plan, assignment.n_microbatches
-        iw = plan_iteration_work(shapes, plan, self.cost, assignment)
+        iw = unsplit = self._work(shapes, assignment)
         order = list(range(n))
         searched = self.search_evaluations if self.assignment == "balanced" else 0
         if searched and n > 1:  # the pick replaces the balancer's order only where it simulates faster too
@@ -294,6 +366,10 @@ class IterationBuilder:
                                         score=simulated_step(plan, self.cost, self.cluster)).work
         schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=cost_table(plan, iw),
                                   n_sub=iw.n_sub or None)
+        if searched and self._peak(shapes, assignment, iw, schedule)[1] > self.cluster.device.mem_bytes:
+            # the pick holds more at once than the device does (the balancer's order was checked): not taken
+            iw = unsplit
+            schedule = build_schedule(self.graph, n, plan.schedule, costs=cost_table(plan, iw))
         predicted = None
         if self.simulate:
             sim_iw = iw if sim_cost is self.cost else plan_iteration_work(shapes, plan, sim_cost, assignment,

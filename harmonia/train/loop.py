@@ -37,7 +37,8 @@ from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_pare
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
-from harmonia.train.backend import backend_of, schedule_search
+from harmonia.train.backend import backend_of, job_cluster, schedule_search
+from harmonia.train.calibrate import MeasuredAction, fit_calibration
 from harmonia.train.planning import PRECISION_MIXED, model_spec
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines
@@ -88,7 +89,7 @@ class StepTimes:
 
 def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTimes:
     times = StepTimes(step_s, {m: 0.0 for m in modules})
-    for a, start, end in model.executor.action_times or []:
+    for a, start, end, _ in model.executor.action_times or []:
         times.module_s[a.module] += end - start
         times.busy_s += end - start
     return times
@@ -130,7 +131,6 @@ class Trainer:
         from harmonia.train.rank_data import agree_failures
         from harmonia.train.preflight import run_fingerprint
         from harmonia.workload.cost import CostModel
-        from harmonia.workload.devices import cluster_from_string
 
         self.config, self.plan, self.rank = config, plan, rank
         self.spec = model_spec(config)
@@ -143,7 +143,7 @@ class Trainer:
         self.dataset, shapes = open_training_data(config, self.spec, rank)
         self.order = DataOrder(list(shapes), tc.global_batch, tc.seed)
         self.data_group = dist.new_group(backend="gloo")  # the ranks agree on samples that failed to decode
-        cluster = cluster_from_string(config.parallel.cluster)
+        cluster = job_cluster(config)
         if PRECISION_MIXED[tc.precision] is not None:
             cluster = cluster.with_device(mixed_precision=PRECISION_MIXED[tc.precision])
         cost = CostModel(self.spec, cluster.device)
@@ -199,7 +199,7 @@ class Trainer:
         """
         from harmonia.schedule.prefetch import SchedulePrefetcher
 
-        tc, ck = self.config.train, self.config.checkpoint
+        tc = self.config.train
         # step start+1 (warm) fits the simulation's cost model; start+4, prepared after that (the
         # prefetcher works a step ahead), is drawn measured beside simulated
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
@@ -220,17 +220,17 @@ class Trainer:
             it = self.builder.settle(prefetch.get(step))  # collective: failed samples dropped alike
             self._set_lr(step)
             self.model.executor.action_times = []
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
             result = self._step(step, it, batch)
-            step_s = time.perf_counter() - t0
+            step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             self.losses.append(result.loss)
             times = _step_times(self.model, step_s, self.modules)
             module_s, bubble, rss = _reduce_times(times, self.modules)
             if step in (calibration_step, timeline_step):
-                actions = self._gather_actions(t0)
+                actions, process_cpu = self._gather_actions(t0, step_cpu)
                 if step == calibration_step and self.rank == 0 and it.predicted is not None:
-                    best_effort("calibration.json", self._calibrate, actions, it)
+                    best_effort("calibration.json", self._calibrate, actions, process_cpu, it)
                 if step == timeline_step and self.rank == 0:
                     best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
                                 it.predicted, step_s, calibrated=it.calibrated)
@@ -315,23 +315,26 @@ class Trainer:
             "simulated_calibrated": it.calibrated,
             "schedule_prepare_s": it.prepare_s, "schedule_hidden_frac": stats.hidden_frac,
             "sub_microbatches": it.n_sub,
+            "microbatches": it.assignment.n_microbatches,  # per LLM replica: the plan's, or more for a heavy step
             "data_wait_s": next((w for k, _, w in reversed(stats.per_step) if k == step), 0.0) + it.settle_s,
             "peak_memory_bytes": peak, "skipped": it.skipped, **self.dataset.stats.metrics(),
             "epoch": self.order.epoch_of(step + 1),
         }
 
-    def _gather_actions(self, t0: float) -> dict[int, list]:
-        """Every rank's measured actions of this step, on rank 0 (rank -> (name, module, kind, start, end))."""
-        mine = [(str(a), a.module, a.kind.value, s - t0, e - t0) for a, s, e in self.model.executor.action_times or []]
+    def _gather_actions(self, t0: float, step_cpu: float) -> tuple[dict[int, list[MeasuredAction]], dict[int, float]]:
+        """Every rank's measured compute actions of this step, and its process's CPU seconds over the
+        step (all its threads), on every rank."""
+        mine = [MeasuredAction(str(a), a.module, a.kind.value, s - t0, e - t0, cpu)
+                for a, s, e, cpu in self.model.executor.action_times or []]
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (self.rank, mine))
-        return dict(gathered)
+        dist.all_gather_object(gathered, (self.rank, mine, step_cpu))
+        return {r: acts for r, acts, _ in gathered}, {r: cpu for r, _, cpu in gathered}
 
-    def _calibrate(self, actions: dict[int, list], it: PreparedIteration) -> None:
+    def _calibrate(self, actions: dict[int, list[MeasuredAction]], process_cpu: dict[int, float],
+                   it: PreparedIteration) -> None:
         """Fit the simulation's cost model to this measured step (rank 0)."""
-        from harmonia.train.calibrate import fit_calibration
-
-        calibration = fit_calibration(self.builder.cost, actions, it.predicted)
+        calibration = fit_calibration(self.builder.cost, actions, it.predicted,
+                                      cpu_time=self.builder.cluster.shares_cores, process_cpu_s=process_cpu)
         if calibration is not None:
             self.builder.calibrate(calibration)
             calibration.save(Path(self.config.log.dir) / "calibration.json")

@@ -24,6 +24,7 @@ from rich.table import Table
 from harmonia.config import Config
 from harmonia.metrics import MetricsWriter
 from harmonia.sim.engine import Task, Timeline
+from harmonia.train.calibrate import MeasuredAction
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 log = logging.getLogger(__name__)
@@ -69,12 +70,12 @@ class ProgressReporter:
                              tps=record["tokens_per_s"])
 
 
-def measured_timeline(actions: dict[int, list[tuple[str, str, str, float, float]]]) -> Timeline:
-    """A `Timeline` of measured actions: rank -> (name, module, kind, start s, end s) from the step's start."""
+def measured_timeline(actions: dict[int, list[MeasuredAction]]) -> Timeline:
+    """A `Timeline` of every rank's measured compute actions."""
     tasks, start, end = [], [], []
     busy = {r: 0.0 for r in sorted(actions)}
     for r in sorted(actions):
-        for name, module, kind, s, e in actions[r]:
+        for name, module, kind, s, e, _ in actions[r]:
             tasks.append(Task(name, r, e - s, module=module, kind=kind))
             start.append(s)
             end.append(e)

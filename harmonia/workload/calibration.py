@@ -21,11 +21,15 @@ class Calibration:
         device: device name the numbers were measured on.
         flops_efficiency: phase -> achieved fraction of peak.
         measurements: raw rows (layer, tokens, phase, seconds, flops) for reference.
+        host_cpu_s: rank -> CPU seconds per step its process spends outside compute (preparing the
+            next step, the optimizer, communication), measured where ranks share cores; the
+            simulator runs it beside their compute on those cores (`harmonia.sim.shared`).
     """
 
     device: str
     flops_efficiency: dict[str, float]
     measurements: list[dict] = field(default_factory=list)
+    host_cpu_s: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.flops_efficiency.items() if k not in PHASES or not 0 < v <= 1.5}
@@ -38,14 +42,15 @@ class Calibration:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(
             {"device": self.device, "flops_efficiency": self.flops_efficiency,
-             "measurements": self.measurements}, indent=1))
+             "measurements": self.measurements, "host_cpu_s": self.host_cpu_s}, indent=1))
 
     @staticmethod
     def load(path: str | Path) -> Calibration:
         try:
             raw = json.loads(Path(path).read_text())
-            return Calibration(raw["device"], dict(raw["flops_efficiency"]), list(raw.get("measurements", [])))
-        except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
+            return Calibration(raw["device"], dict(raw["flops_efficiency"]), list(raw.get("measurements", [])),
+                               {int(r): float(s) for r, s in raw.get("host_cpu_s", {}).items()})
+        except (OSError, KeyError, TypeError, ValueError, json.JSONDecodeError) as err:
             raise ConfigError(
                 f"calibration file {path}: {err}; expected JSON written by `harmonia profile`"
             ) from None

@@ -37,6 +37,7 @@ A100 and the CPU keep one efficiency for matmuls and attention.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from harmonia.errors import ConfigError
@@ -118,11 +119,18 @@ def device_preset(name: str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Homogeneous nodes of one device kind; ranks fill node 0 first."""
+    """Homogeneous nodes of one device kind; ranks fill node 0 first.
+
+    ``cores``: where a node's ranks share fewer compute units than they are (a CPU job's processes
+    on one machine's cores), how many; the simulator then runs the compute a node's ranks do at once
+    at ``min(1, cores / running)`` of its rate each (processor sharing: `harmonia.sim.shared`). None:
+    every rank computes on a device of its own.
+    """
 
     device: DeviceSpec
     n_nodes: int = 1
     gpus_per_node: int | None = None
+    cores: int | None = None
     _bandwidths: dict = field(init=False, repr=False, compare=False, default_factory=dict)  # group -> bytes/s
 
     def __post_init__(self) -> None:
@@ -132,6 +140,26 @@ class ClusterSpec:
             object.__setattr__(self, "gpus_per_node", self.device.gpus_per_node)
         if self.gpus_per_node < 1:
             raise ConfigError(f"cluster gpus_per_node={self.gpus_per_node} must be >= 1")
+        if self.cores is not None and self.cores < 1:
+            raise ConfigError(f"cluster cores={self.cores} must be >= 1")
+
+    @property
+    def compute_units(self) -> int:
+        """What computes at once: every rank, or where a node's ranks share fewer cores, the cores."""
+        return self.units_of(range(self.world_size))
+
+    def units_of(self, ranks: Iterable[int]) -> int:
+        """What ``ranks`` compute on at once: a device each, or on each node at most its `cores`."""
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[self.node_of(r)] = per_node.get(self.node_of(r), 0) + 1
+        cap = self.cores if self.shares_cores else self.gpus_per_node
+        return sum(min(cap, n) for n in per_node.values())
+
+    @property
+    def shares_cores(self) -> bool:
+        """Whether a node's ranks outnumber its compute units (`cores`)."""
+        return self.cores is not None and self.cores < self.gpus_per_node
 
     @property
     def world_size(self) -> int:
@@ -173,9 +201,20 @@ class ClusterSpec:
     def with_device(self, **changes) -> ClusterSpec:
         return replace(self, device=replace(self.device, **changes))
 
+    def describe(self) -> str:
+        """The form `cluster_from_string` reads: ``h100:4x8``, ``cpu:1x4@2``."""
+        shared = f"@{self.cores}" if self.cores is not None else ""
+        return f"{self.device.name}:{self.n_nodes}x{self.gpus_per_node}{shared}"
+
 
 def cluster_from_string(spec: str) -> ClusterSpec:
-    """Parse ``h100x8`` (one node of 8), ``h100:4x8`` (4 nodes of 8) or ``cpu:1x4``."""
+    """Parse ``h100x8`` (one node of 8), ``h100:4x8`` (4 nodes of 8), ``cpu:1x4``, or any of them
+    followed by ``@C``: a node's ranks share ``C`` cores (``cpu:1x4@2``: 4 processes on 2 cores)."""
+    spec, at, cores = spec.partition("@")
+    if at:
+        if not cores.isdigit() or int(cores) < 1:
+            raise ConfigError(f"cluster {spec}@{cores}: after '@' give the cores a node's ranks share, e.g. cpu:1x4@2")
+        return replace(cluster_from_string(spec), cores=int(cores))
     name, sep, shape = spec.replace(":", "x", 1).partition("x") if ":" in spec else spec.partition("x")
     device = device_preset(name)
     try:

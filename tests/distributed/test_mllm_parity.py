@@ -21,7 +21,7 @@ import itertools
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -29,6 +29,7 @@ import torch
 from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
 from harmonia.model.mllm import build_mllm_model
 from harmonia.model.presets import mllm_preset
+from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.layout import Layout
 from tests.distributed._spawn import check_timeout, run_workers
 
@@ -64,6 +65,9 @@ class Case:
     balanced: bool = False  # LLM replicas and microbatches from the balancer (`balance_dp`)
     recompute: tuple[str, ...] = ()  # modules whose blocks recompute in backward ("llm:0.5": the first half)
     bf16: bool = False  # mixed precision (autocast; FSDP's bf16 parameters): compared at BF16_RTOL
+    placed: bool = False  # encoder replicas' own costs uneven: ranks move encoder work (`encoder_slots`)
+    tiles: int = 1  # tiles of every image; with more than 1, an image per microbatch is cut over two
+    # vision replicas (`harmonia.schedule.item_cuts`), its tiles encoded apart
 
     def layouts(self) -> dict[str, Layout]:
         if self.training == "llava":
@@ -84,6 +88,9 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp2 -> llm pp2 zb, bf16", L(dp=2), L(dp=2), L(pp=2), "zb", bf16=True),
         Case("co all tp2, llm recompute", L(tp=2), L(tp=2), L(tp=2), training="vision-frozen", recompute=("llm",)),
         Case("co enc dp2 -> llm cp2", L(dp=2), L(dp=2), L(cp=2)),
+        Case("co enc dp2 -> llm cp2, encoder work placed by replica", L(dp=2), L(dp=2), L(cp=2), n_microbatches=4,
+             placed=True),
+        Case("co enc dp2 -> llm cp2, images cut over vision replicas", L(dp=2), L(dp=2), L(cp=2), tiles=3),
         Case("llava clip+qwen3: vision tp2 -> llm cp2 tp1", L(tp=2), L(), L(cp=2), training="llava"),
     ],
     4: [
@@ -111,6 +118,10 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp4 (dp3 idle) -> llm cp2 dp2 fsdp", L(dp=4), L(dp=4), L(dp=2, cp=2, fsdp=True),
              idle=("audio",)),
         Case("co enc dp4 -> llm cp4", L(dp=4), L(dp=4), L(cp=4), cp_block=3),
+        Case("co enc dp4 -> llm cp2 dp2 fsdp, vision subs, encoder work placed by replica", L(dp=4), L(dp=4),
+             L(dp=2, cp=2, fsdp=True), n_microbatches=4, n_sub={"vision": 2}, placed=True),
+        Case("co vision tp2 dp2 fsdp, audio dp4 -> llm dp2 tp2, images cut, vision subs", L(tp=2, dp=2, fsdp=True),
+             L(dp=4), L(dp=2, tp=2), n_sub={"vision": 2}, tiles=2),
         Case("dis vision tp2, audio dp2 -> llm cp2", L(tp=2), L(dp=2), L(cp=2, rank_offset=2)),
         Case("co vision dp4, frozen audio dp4 fsdp -> llm pp2 dp2 fsdp, bf16", L(dp=4), L(dp=4, fsdp=True),
              L(pp=2, dp=2, fsdp=True), bf16=True),
@@ -163,9 +174,9 @@ def base_training(training: str) -> str:
     return "llava" if training == "llava" else "audio-frozen"
 
 
-def samples(step: int, training: str = "audio-frozen") -> list[TokenizedSample]:
-    """The step's global batch: text of 3..12 tokens, 0-2 image tiles, an audio clip of 1-2 chunks
-    (no audio for the LLaVA architecture)."""
+def samples(step: int, training: str = "audio-frozen", tiles: int = 1) -> list[TokenizedSample]:
+    """The step's global batch: text of 3..12 tokens, 0-2 images of ``tiles`` tiles, an audio clip of
+    1-2 chunks (no audio for the LLaVA architecture)."""
     s = spec(base_training(training))
     vit, aud = s.encoders["vision"], s.encoders.get("audio")
     img_tokens = vit.llm_tokens_per_tile()
@@ -175,8 +186,8 @@ def samples(step: int, training: str = "audio-frozen") -> list[TokenizedSample]:
     for i in range(N_SAMPLES):
         items, segments = [], [("text", rng.randint(1, 4))]
         for _ in range(rng.randint(0, 2)):
-            items.append(ItemInputs("vision", torch.randn(1, 3, 16, 16, generator=g)))
-            segments.append(("item", img_tokens))
+            items.append(ItemInputs("vision", torch.randn(tiles, 3, 16, 16, generator=g)))
+            segments.append(("item", img_tokens * tiles))
         if aud is not None and rng.random() < 0.5:  # 1-2 fixed-length chunks (2 s, 100 mel frames each)
             chunks = rng.randint(1, 2)
             items.append(ItemInputs("audio", torch.randn(chunks, aud.n_mels, 100, generator=g)))
@@ -193,7 +204,7 @@ def samples(step: int, training: str = "audio-frozen") -> list[TokenizedSample]:
 
 def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list, dict]:
     """Global microbatches of variable size; LLM replicas take contiguous runs, encoders deal theirs."""
-    batch = samples(step, case.training)
+    batch = samples(step, case.training, case.tiles)
     rng = random.Random(step)
     n, dp = case.n_microbatches, case.llm.dp
     if case.balanced:
@@ -217,6 +228,30 @@ def placement(step: int, case: Case) -> tuple[list[list[TokenizedSample]], list,
                 split[0], split[-1] = sorted(split[0] + split[-1]), []
             enc_split[e].append(split)
     return micro, llm_split, enc_split
+
+
+def image_cuts(micro: list[list[TokenizedSample]], enc_split: dict, case: Case) -> dict | None:
+    """Per microbatch, the first image of some sample cut after its first tile: the replica holding
+    the sample keeps the items before and that tile, the next replica the rest (None: no cut)."""
+    if case.tiles == 1:
+        return None
+    per_tile = spec(case.training).encoders["vision"].llm_tokens_per_tile()
+    cuts = []
+    for m, mb in enumerate(micro):
+        shares = {}
+        split = enc_split["vision"][m]
+        for p, sample in enumerate(mb):
+            lengths = [n for kind, n in sample.segments if kind == "item"]
+            rows = [n for item, n in zip(sample.items, lengths) if item.module == "vision"]
+            if rows:
+                r = next(r for r, held in enumerate(split) if p in held)
+                other = (r + 1) % len(split)
+                shares[(r, p)] = ((0, 0), (0, 1), per_tile)
+                shares[(other, p)] = ((0, 1), (len(rows), 0), sum(rows) - per_tile)
+                split[other] = sorted(split[other] + [p])
+                break
+        cuts.append(shares)
+    return {"vision": cuts}
 
 
 def balanced_placement(batch: list[TokenizedSample], n: int, dp: int) -> tuple[list, list]:
@@ -256,7 +291,7 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.2, momentum=0.9)
 
 
-def reference(training: str) -> dict:
+def reference(training: str, tiles: int = 1) -> dict:
     """Losses, gradient norms and final parameters of one process on whole batches."""
     model = build_mllm_model(spec(training))
     model.load_state_dict(initial_state(training))
@@ -264,7 +299,7 @@ def reference(training: str) -> dict:
     opt = optimizer(params)
     losses, norms = [], []
     for step in range(STEPS):
-        batch = pack_samples(samples(step, training))
+        batch = pack_samples(samples(step, training, tiles))
         opt.zero_grad()
         loss = model.loss(batch, batch.n_targets)
         loss.backward()
@@ -320,25 +355,44 @@ def run_case(case: Case, rank: int) -> dict:
         flags[e] = tuple(s.training_of(e).trains or (c == n - 1 and s.training_of(f"{e}_proj").trains)
                          for c in range(n))
     graph = StageGraph.from_layouts(layouts, flags, replica=0)
-    schedule = lower(build_schedule(graph, case.n_microbatches, case.family, n_sub=case.n_sub or None))
+    costs = CostTable(replicas=uneven_replica_costs(case)) if case.placed else None
+    schedule = lower(build_schedule(graph, case.n_microbatches, case.family, n_sub=case.n_sub or None, costs=costs))
+    kept = replace(schedule, costs=replace(costs, replicas={}), chunk_actions=None, placements=None) if costs else schedule
+    unplaced = plan_rank_actions(layouts, kept, [rank])[rank]  # the schedule's own order
     n_sub = {e: schedule.n_sub[e] for e in schedule.n_sub}
     losses, norms = [], []
     for step in range(STEPS):
         micro, llm_split, enc_split = placement(step, case)
         batch = build_rank_batch(layouts, rank, micro, llm_split, enc_split, n_sub,
-                                 llm_cp=cp_assignment(micro, llm_split, case))
+                                 llm_cp=cp_assignment(micro, llm_split, case),
+                                 encoder_cuts=image_cuts(micro, enc_split, case))
         result = executor.step(schedule, batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         # the step ran exactly this rank's list, the one the simulator times (tests/unit/test_rank_actions.py)
         assert executor.executed == plan_rank_actions(layouts, schedule, [rank])[rank], f"rank {rank} order"
+    moved = executor.executed != unplaced
     from torch.distributed.tensor import DTensor
 
     params = {}
     for name, p in named.items():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         params[name] = full.detach().clone()
-    return {"losses": losses, "norms": norms, "params": params}
+    return {"losses": losses, "norms": norms, "params": params, "moved": moved}
+
+
+def uneven_replica_costs(case: Case) -> dict:
+    """Each encoder replica's own durations, heavy on alternate microbatches per replica: every
+    replica of a group idles while another encodes, and fills the slack with its next forward."""
+    out = {}
+    for e in ("vision", "audio"):
+        layout = getattr(case, e)
+        for replica in range(layout.dp):
+            for m in range(case.n_microbatches):
+                heavy = (replica + m) % 2 == 0
+                for sub in ([None] if case.n_sub.get(e, 1) == 1 else range(case.n_sub[e])):
+                    out[(e, replica, 0, m, sub)] = PhaseCost(4.0 if heavy else 0.5, 1.0, 2.0 if heavy else 0.5)
+    return out
 
 
 def worker(rank: int, world: int, cases: list[Case]) -> dict:
@@ -384,7 +438,7 @@ def test_cp_cases_use_balanced_non_contiguous_shards() -> None:
         assert max(runs) > case.llm.cp, f"{case.name}: some CP rank must hold several separate token runs"
 
 
-_REFERENCES: dict[str, dict] = {}
+_REFERENCES: dict[tuple[str, int], dict] = {}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -395,11 +449,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_layout_matches_one_process(results, world: int, case: Case) -> None:
     got = [r[case.name] for r in results(world)]
-    if case.training not in _REFERENCES:
-        _REFERENCES[case.training] = reference(case.training)
-    ref = _REFERENCES[case.training]
+    key = (case.training, case.tiles)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(*key)
+    ref = _REFERENCES[key]
     assert ref["norms"][0] > MAX_NORM, "clipping must bind for the check to cover the global norm"
     rtol = BF16_RTOL if case.bf16 else RTOL
+    assert any(g["moved"] for g in got) == case.placed, "placed cases move encoder work, no other does"
     for r, g in enumerate(got):
         assert g["losses"] == pytest.approx(ref["losses"], rel=rtol), f"rank {r} losses"
         assert g["norms"] == pytest.approx(ref["norms"], rel=rtol), f"rank {r} gradient norms"

@@ -8,7 +8,8 @@ from harmonia.model.presets import mllm_preset
 from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
 from harmonia.plan.recipes import Candidate
 from harmonia.plan.scenario import Scenario, ScenarioRun
-from harmonia.train.calibrate import fit_calibration
+from harmonia.train.calibrate import MeasuredAction, fit_calibration
+from harmonia.workload.calibration import Calibration
 from harmonia.workload.cost import PARAM_BYTES, CostModel
 from harmonia.workload.devices import cluster_from_string, device_preset
 from harmonia.workload.kernels import elementwise_elems, replicated_activation_elems
@@ -86,7 +87,7 @@ def test_ring_collectives_drive_one_nic_per_rank_of_a_node() -> None:
     assert cluster.group_bandwidth([0, 1, 8]) == pytest.approx(50 * gb)  # the node holding fewest sets it
 
 
-def test_a_fitted_calibration_reproduces_the_measured_compute() -> None:
+def test_a_fitted_calibration_reproduces_the_measured_compute(tmp_path) -> None:
     scenario = Scenario("fit", "tiny-vlm", "h100:1x4", "synthetic:image=0.7,text=0.3", 16, iterations=1, search_batches=1)
     run = ScenarioRun(scenario)
     plan = plan_from_layouts(run.mllm, "tiny-vlm", parse_layouts("vision dp4; llm tp1 pp2 dp2"), 4, 16, 2)
@@ -95,10 +96,20 @@ def test_a_fitted_calibration_reproduces_the_measured_compute() -> None:
     measured = {}
     for task, start, end in zip(timeline.tasks, timeline.start, timeline.end):
         if task.kind in compute:  # a device 40x slower than the model
-            measured.setdefault(task.rank, []).append((task.name, task.module, task.kind, start,
-                                                       start + 40 * (end - start)))
+            measured.setdefault(task.rank, []).append(MeasuredAction(task.name, task.module, task.kind, start,
+                                                                     start + 40 * (end - start), 0.0))
     calibration = fit_calibration(run.cost, measured, timeline)
     run.cost = CostModel(run.mllm, run.cluster.device, calibration)
     again = run.timeline(Candidate("harmonia", plan), 0, 0.0)
     simulated = sum(t.duration for t in again.tasks if t.kind in compute)
-    assert simulated == pytest.approx(sum(e - s for acts in measured.values() for *_, s, e in acts), rel=1e-6)
+    assert simulated == pytest.approx(sum(a.end - a.start for acts in measured.values() for a in acts), rel=1e-6)
+    # ranks sharing cores: the fit is to the actions' CPU seconds, what each takes on a core of its own
+    on_cores = {r: [a._replace(cpu_s=0.5 * (a.end - a.start)) for a in acts] for r, acts in measured.items()}
+    by_cpu = fit_calibration(run.cost, on_cores, timeline, cpu_time=True)
+    assert by_cpu.flops_efficiency["F"] == pytest.approx(2 * calibration.flops_efficiency["F"])
+    cpu = {r: sum(a.cpu_s for a in acts) + 0.25 for r, acts in on_cores.items()}
+    with_host = fit_calibration(run.cost, on_cores, timeline, cpu_time=True, process_cpu_s=cpu)
+    assert with_host.host_cpu_s == pytest.approx({r: 0.25 for r in on_cores})
+    with_host.save(tmp_path / "calibration.json")
+    assert Calibration.load(tmp_path / "calibration.json") == with_host
+

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harmonia.runtime.grads import start_fsdp_backward, start_fsdp_resharding
+from harmonia.runtime.grads import start_fsdp_backward, start_fsdp_resharding, wait_fsdp_gathers
 from harmonia.runtime.parallelize import apply_fsdp
 from harmonia.workload.cost import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
 
@@ -62,7 +62,7 @@ def test_fsdp_step_holds_whole_bf16_weights_and_fp32_gradients(fake_dp_mesh) -> 
     model = _Blocks()
     n = sum(p.numel() for p in model.parameters())
     apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
-    start_fsdp_backward(model)  # the step's one gather, before any microbatch
+    wait_fsdp_gathers(start_fsdp_backward(model))  # the step's one gather, before any microbatch
     assert _held(model) == {"whole": PARAM_BYTES * n, "shard": MASTER_BYTES * n // DP, "grads": 0,
                             "grad_shards": 0}
     for _ in range(3):  # microbatches gather nothing more and accumulate whole fp32 gradients
@@ -113,7 +113,7 @@ def test_frozen_weights_are_held_in_bf16_and_sharded_as_bf16(fake_dp_mesh) -> No
     assert hold_frozen_in(model, torch.bfloat16) == 6
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
-    start_fsdp_backward(model)
+    wait_fsdp_gathers(start_fsdp_backward(model))
     assert _held(model) == {"whole": PARAM_BYTES * n, "shard": PARAM_BYTES * n // DP, "grads": 0, "grad_shards": 0}
     x = torch.randn(4, 32, requires_grad=True)
     model(x).float().sum().backward()
@@ -135,3 +135,36 @@ def test_holding_frozen_linears_in_bf16_changes_nothing_autocast_computes() -> N
         after = trained(frozen(x))
     assert frozen.weight.dtype == torch.bfloat16 and trained.weight.dtype == torch.float32
     assert torch.equal(before, after)
+
+
+def test_the_gathers_overlap_the_first_forward_and_the_last_backward_reduces_block_by_block(fake_dp_mesh) -> None:
+    """The step's gathers are issued up front and each block waits for its own in its first forward;
+    the chunk's last backward reduce-scatters each block's accumulated gradient as soon as that
+    block's backward is done (the later blocks' are shards before the first block's backward runs),
+    then frees the whole weights; every microbatch before it accumulated whole gradients."""
+    from harmonia.runtime.grads import reduce_in_last_backward
+
+    torch.manual_seed(0)
+    model = _Blocks()
+    n = sum(p.numel() for p in model.parameters())
+    apply_fsdp(model, fake_dp_mesh, mixed_precision=True)
+    handles = start_fsdp_backward(model)
+    assert len(handles) == 4, "one gather per block and one for the root, in flight"
+    for _ in range(2):
+        model(torch.randn(4, 32)).float().sum().backward()
+    assert _held(model)["grads"] == GRAD_BYTES * n and _held(model)["grad_shards"] == 0
+    seen = {}
+
+    def first_block_backward(*_) -> None:  # block 0's backward runs last
+        from torch.distributed.tensor import DTensor
+
+        blocks = [model.layers[i] for i in "012"]  # sharded weights registered: resharded after their reduction
+        seen["sharded"] = [isinstance(b.weight, DTensor) and isinstance(b.weight.grad, DTensor) for b in blocks]
+
+    model.layers["0"].register_full_backward_pre_hook(first_block_backward)
+    reduce_in_last_backward(model)
+    model(torch.randn(4, 32, requires_grad=True)).float().sum().backward()
+    wait_fsdp_gathers(handles)
+    assert seen["sharded"] == [False, True, True], "blocks 2 and 1 reduce-scattered before block 0's backward"
+    assert _held(model) == {"whole": 0, "shard": MASTER_BYTES * n // DP, "grads": 0,
+                            "grad_shards": GRAD_BYTES * n // DP}

@@ -23,6 +23,7 @@ from harmonia.data.token_cache import token_cache_path
 from harmonia.model.presets import mllm_preset
 from harmonia.runtime.mllm_inputs import build_rank_batch, cp_token_ranks
 from harmonia.schedule.graph import LLM
+from harmonia.schedule.item_cuts import cut_encoder_items
 from harmonia.schedule.iteration import assign_iteration, balancer_costs
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
@@ -69,6 +70,7 @@ def _whole_batch(builder: IterationBuilder, step: int):
     costs, columns, tokens = balancer_costs(builder.cost, shapes, plan.encoders)
     assignment = assign_iteration(costs, columns, llm.dp, {e: plan.layouts[e].dp for e in plan.encoders},
                                   plan.n_microbatches, tokens=tokens, seed=step, feeds=builder.feeds)
+    assignment = cut_encoder_items(assignment, plan, builder.cost, shapes)
     _, iw, _ = builder._schedule(shapes, assignment, builder.cost)
     micro = [[samples[i].tokens for i in mb] for mb in assignment.microbatches]
     llm_cp = None
@@ -76,12 +78,13 @@ def _whole_batch(builder: IterationBuilder, step: int):
         llm_cp = [[cp_token_ranks([mb[i] for i in replica], llm.cp, body=SPEC.llm.body) for replica in split]
                   for mb, split in zip(micro, assignment.llm_split)]
     batch = build_rank_batch(plan.layouts, builder.rank, micro, assignment.llm_split, assignment.encoder_split,
-                             iw.n_sub, iw.sub_runs, llm_cp=llm_cp)
+                             iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
     return [s.index for s in samples], assignment, batch
 
 
 def assert_identical(a, b, where: str = "batch") -> None:
-    """Equal structure, and tensors equal bit for bit (same dtype, shape and values)."""
+    """Equal structure, and tensors equal bit for bit (same dtype, shape and values); caches (fields
+    left out of comparison) aside."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{where}: tensors differ"
@@ -89,6 +92,8 @@ def assert_identical(a, b, where: str = "batch") -> None:
         assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}: arrays differ"
     elif dataclasses.is_dataclass(a):
         for f in dataclasses.fields(a):
+            if not f.compare:  # a cache of what the fields derive (an assignment's memo)
+                continue
             assert_identical(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where}: keys {a.keys()} vs {b.keys()}"

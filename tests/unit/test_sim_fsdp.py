@@ -1,6 +1,7 @@
 """FSDP as harmonia's runtime runs it, in the cost model, simulator and bounds: every FSDP chunk of
-a rank is gathered once before its first action, weights and fp32 gradients stay whole through the
-step, the last backward reduce-scatters; and as ZeRO-3 (``fsdp_per_microbatch``) for published runs."""
+a rank is gathered once per step, beside its first forward, weights and fp32 gradients stay whole
+through the step, the LLM's last backward reduce-scatters as it goes; and as ZeRO-3
+(``fsdp_per_microbatch``) for published runs."""
 
 from dataclasses import replace
 
@@ -9,7 +10,8 @@ import pytest
 from harmonia.plan.bounds import work_bound, work_bound_busy
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.sim.collectives import fsdp_gather_s, grad_reduce_s, rank_gathers_s, ring_reduce_scatter_s, stage_group
+from harmonia.sim.collectives import (chunk_blocks, fsdp_gather_s, grad_reduce_s, rank_gathers_s, reduce_exposed_s,
+                                      ring_reduce_scatter_s, stage_group)
 from harmonia.sim.engine import replay
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string, device_preset
@@ -43,30 +45,51 @@ def test_fsdp_states_keep_weights_and_fp32_gradients_whole_and_shard_the_optimiz
         assert zero3 < runtime < cost.state_bytes("llm", 0, 10, tp)
 
 
-def test_each_rank_gathers_its_fsdp_chunks_once_before_its_first_action(setup) -> None:
+def test_each_rank_gathers_its_fsdp_chunks_once_beside_its_first_forward_and_reduces_in_its_last_backward(setup) -> None:
     cost, samples, _ = setup
     cluster = cluster_from_string("h100:2x8")
+    slowdown = cluster.device.overlap_slowdown
     plain, fsdp = _plan(False), _plan(True)
     timelines = {}
     for plan in (plain, fsdp):
         tasks, queue, comm = _tasks(cost, plan, _work(cost, samples, plan), cluster)
-        timelines[plan.layouts["llm"].fsdp] = (tasks, queue, replay(tasks, queue, comm))
-    tasks, queue, timeline = timelines[True]
+        timelines[plan.layouts["llm"].fsdp] = (tasks, queue, comm, replay(tasks, queue, comm))
+    tasks, queue, comm, timeline = timelines[True]
+    plain_tasks = {t.name: t.duration for t in timelines[False][0] if t.kind in ("F", "B", "W", "BW")}
     gathers = rank_gathers_s(cost, cluster, fsdp)
     llm = fsdp.layouts["llm"]
     assert sorted(gathers) == list(llm.rank_list())
+    changed = set()
     for rank in llm.rank_list():
         me = llm.coords(rank)
         chunk = me["pp"]
-        assert gathers[rank] == pytest.approx(fsdp_gather_s(cost, cluster, fsdp, "llm", chunk, 0, me["cp"], me["tp"]))
-        head = tasks[queue[rank][0]]
-        assert (head.name, head.kind, head.duration) == ("fsdp gather", "C", gathers[rank])
-        assert all(timeline.start[i] >= timeline.end[queue[rank][0]] for i in queue[rank][1:])
-        assert not any(tasks[i].name == "fsdp gather" for i in queue[rank][1:])
-    # the compute tasks themselves cost what they cost without FSDP: the gather is not repeated
-    plain_tasks = {t.name: t.duration for t in timelines[False][0] if t.kind in ("F", "B", "W", "BW")}
-    assert all(t.duration == pytest.approx(plain_tasks[t.name]) for t in tasks if t.kind in ("F", "B", "W", "BW"))
-    assert not any(t.name == "fsdp gather" for t in tasks if t.rank in fsdp.layouts["vision"].rank_list())
+        g = fsdp_gather_s(cost, cluster, fsdp, "llm", chunk, 0, me["cp"], me["tp"])
+        assert gathers[rank] == pytest.approx(g)
+        gather = comm[rank][0]  # issued first, on the communication stream, at the start
+        assert (tasks[gather].name, tasks[gather].kind, tasks[gather].duration) == (f"fsdp gather llm.s{chunk}", "C", g)
+        assert timeline.start[gather] == 0.0
+        assert not any(tasks[i].name.startswith("fsdp gather") for i in queue[rank] + comm[rank][1:])
+        # the first forward computes beside the gather, slowed, and ends after its last block's share
+        first = next(i for i in queue[rank] if tasks[i].kind == "F")
+        f = plain_tasks[tasks[first].name]
+        blocks = chunk_blocks(cost, llm, "llm", chunk)
+        assert tasks[first].duration == pytest.approx(f + min(g, f * (1 + slowdown)) * slowdown / (1 + slowdown))
+        assert timeline.end[first] >= timeline.end[gather] + f / (blocks + 1) - 1e-12
+        # the last fused backward reduce-scatters its blocks inside: the reduction starts before it ends
+        # and runs past it at least the last block's and the root group's share
+        reduce = next(i for i in comm[rank] if tasks[i].kind == "C" and tasks[i].action is not None)
+        last = max(i for i in queue[rank] if tasks[i].kind == "BW")
+        assert tasks[reduce].duration == pytest.approx(grad_reduce_s(cost, cluster, fsdp, "llm", chunk, me["cp"], me["tp"]))
+        assert timeline.start[reduce] < timeline.end[last]
+        exposed = reduce_exposed_s(cost, cluster, fsdp, "llm", chunk)
+        assert 0 < exposed < tasks[reduce].duration
+        assert timeline.end[reduce] >= timeline.end[last] + exposed - 1e-12
+        assert tasks[last].duration > plain_tasks[tasks[last].name]
+        changed |= {tasks[first].name, tasks[last].name}
+    # every other compute task costs what it costs without FSDP: the gather is not repeated
+    assert all(t.duration == pytest.approx(plain_tasks[t.name]) for t in tasks
+               if t.kind in ("F", "B", "W", "BW") and t.name not in changed)
+    assert not any(t.name.startswith("fsdp gather") for t in tasks if t.rank in fsdp.layouts["vision"].rank_list())
     # the reduction is a reduce-scatter of fp32 gradients
     for chunk in range(llm.pp):
         trainable = cost.param_count("llm", *_range(cost, fsdp, chunk))[1]
@@ -89,7 +112,7 @@ def test_zero3_pricing_gathers_before_every_forward_and_backward(setup) -> None:
     assert rank_gathers_s(cost3, cluster, fsdp) == {}
     plain = {t.name: t.duration for t in _tasks(cost3, _plan(False), _work(cost3, samples, _plan(False)), cluster)[0]}
     tasks = _tasks(cost3, fsdp, _work(cost3, samples, fsdp), cluster)[0]
-    assert not any(t.name == "fsdp gather" for t in tasks)
+    assert not any(t.name.startswith("fsdp gather") for t in tasks)
     gather = fsdp_gather_s(cost3, cluster, fsdp, "llm", 0)
     phases = [t for t in tasks if t.module == "llm" and t.kind in ("F", "B", "BW") and ".s0." in t.name]
     assert len(phases) == 2 * fsdp.n_microbatches * fsdp.layouts["llm"].dp * fsdp.layouts["llm"].tp
@@ -108,12 +131,11 @@ def test_the_work_bound_counts_the_gathers_and_stays_below_the_simulation(setup)
             simulated = replay(tasks, queue, comm).iteration_s
             bound = work_bound(plan, c, cluster, iw)
             assert bound <= simulated * (1 + 1e-9)
-            if not c.fsdp_per_microbatch:  # every LLM rank's busy time counts its gathers once
+            if not c.fsdp_per_microbatch:  # the gathers run beside compute: no rank's busy time counts them
                 unfsdp = replace(plan, layouts={**plan.layouts, "llm": replace(plan.layouts["llm"], fsdp=False)})
                 busy = work_bound_busy(plan, c, cluster, iw)[1]
                 plain = work_bound_busy(unfsdp, c, cluster, _work(c, samples, unfsdp))[1]
-                gathers = rank_gathers_s(c, cluster, plan)
-                assert gathers and all(busy[r] == pytest.approx(plain[r] + gathers.get(r, 0.0)) for r in busy)
+                assert rank_gathers_s(c, cluster, plan) and all(busy[r] == pytest.approx(plain[r]) for r in busy)
 
 
 def test_fitting_adds_fsdp_everywhere_where_it_needs_less_recompute() -> None:
@@ -217,6 +239,54 @@ def test_an_llm_laid_out_fsdp_reshard_is_priced_as_zero3_on_its_own(setup) -> No
     assert all(t.duration >= floor * (1 - 1e-12) for t in tasks if t.kind == "BW" and t.name.startswith("llm.s0."))
     iw = _work(cost, samples, plan)
     assert work_bound(plan, cost, cluster, iw) <= mine * (1 + 1e-9)
+
+
+def test_a_resharded_chunks_dp_group_runs_each_gathered_phase_in_lockstep(setup) -> None:
+    """Each block's gather completes once every replica of the DP group has issued it: with one
+    replica's microbatches heavier than the other's, the two replicas' phases of a microbatch start
+    together and what follows either starts after both end; the light replica waits (idle, not
+    busy). Without resharding, and within a column simulated alone, nothing couples the replicas."""
+    from harmonia.schedule.rank_actions import plan_rank_actions
+    from harmonia.schedule.stagework import iteration_schedule
+    from harmonia.sim.tasks import build_tasks
+    from harmonia.workload.traces import synthesize_trace
+
+    cost, _, _ = setup
+    mixed = synthesize_trace(64, {"image": 1.0}, seed=3)
+    heavy = sorted(mixed, key=lambda x: -x.text_tokens)
+    samples = heavy[:8] + heavy[-8:]  # replica 0 the longest texts, replica 1 the shortest
+    cluster = cluster_from_string("h100:2x8")
+    plan = _resharded(_plan(True))
+    tasks, queue, comm = _tasks(cost, plan, _work(cost, samples, plan), cluster)
+    timeline = replay(tasks, queue, comm)
+    llm = plan.layouts["llm"]
+    members: dict[tuple, list[int]] = {}
+    for rank in llm.rank_list():
+        me = llm.coords(rank)
+        for at, i in enumerate(queue[rank]):
+            a = tasks[i].action
+            if a is not None and a.module == "llm" and a.kind.value in ("F", "BW"):
+                members.setdefault((a.stage, a.microbatch, a.kind, me["cp"], me["tp"]), []).append((rank, at, i))
+    assert members and all(len(group) == llm.dp for group in members.values())
+    waited = 0
+    for group in members.values():
+        starts = {timeline.start[i] for _, _, i in group}
+        assert max(starts) - min(starts) < 1e-12  # together
+        last = max(timeline.end[i] for _, _, i in group)
+        for rank, at, i in group:
+            if at + 1 < len(queue[rank]):
+                assert timeline.start[queue[rank][at + 1]] >= last - 1e-12
+        waited += last > min(timeline.end[i] for _, _, i in group) + 1e-6
+    assert waited  # the replicas' work differs, so one of them waits
+    assert sum(t.duration for t in tasks if t.kind == "C" and t.name.startswith("dp sync")) == 0.0
+    assert timeline.bubble_frac > 0
+    plain = _plan(True)  # FSDP gathered once per step: no lockstep
+    assert not any(t.name.startswith("dp sync") for t in _tasks(cost, plain, _work(cost, samples, plain), cluster)[0])
+    schedule = iteration_schedule(plan, cost, _work(cost, samples, plan))
+    column = {r: acts for r, acts in plan_rank_actions(plan.layouts, schedule).items()
+              if r in llm.rank_list() and llm.coords(r)["dp"] == 0}
+    alone = build_tasks(plan, cost, _work(cost, samples, plan), column, schedule.graph, cluster, closed=False)[0]
+    assert not any(t.name.startswith("dp sync") for t in alone)
 
 
 def test_resharding_is_a_variant_the_planner_tries_where_it_needs_less_recompute() -> None:

@@ -8,7 +8,8 @@ encoder replica feeding several LLM replicas, encoders fused into the LLM's firs
 each rank's activation peak found from its action order alone (`harmonia.sim.memory`, what the
 search rejects plans by before timing them) is exactly the simulation's. A part's busiest column,
 simulated with its messages from other ranks free, starts every task no later than the whole
-simulation does (the bound the search drops candidates by before simulating their busiest part).
+simulation does (the bound the search drops candidates by before simulating their busiest part);
+parts that the lockstep of a resharded chunk joins replay exactly too.
 """
 
 from harmonia.plan.bounds import work_bound_busy
@@ -21,14 +22,19 @@ from tests.unit.test_plan_bounds import _describe, _scenario, _spread
 
 
 def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
+    from dataclasses import replace
+
+    from harmonia.plan.recipes import resharded
+
     run = ScenarioRun(_scenario("llava-siglip-8b trainable, 16 GPUs", shared_traces))
     picked = _spread(run, per_family=1)
-    several, shared_encoder, columns = 0, 0, 0
-    for cand in picked:
+    twins = [replace(c, plan=twin) for c in picked if (twin := resharded(run.cost, c.plan)) is not None]
+    several, shared_encoder, columns, locked = 0, 0, 0, 0
+    for cand in picked + twins:  # the twins' LLM reshards per microbatch: its replicas run in lockstep
         plan = cand.plan
         iw = run.iteration_work(cand, 1)
         whole = simulate_work(cand, iw, run.cost, run.cluster, 0.0)
-        parts = independent_parts(plan, iw, work_bound_busy(plan, run.cost, run.cluster, iw)[1])
+        parts = independent_parts(plan, run.cost, iw, work_bound_busy(plan, run.cost, run.cluster, iw)[1])
         ranks = [r for p in parts for r in p]
         assert sorted(ranks) == sorted({r for lay in plan.layouts.values() for r in lay.rank_list()}), _describe(cand)
         schedule = candidate_schedule(cand, run.cost, iw)
@@ -39,10 +45,11 @@ def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
         assert activation_peaks(plan, iw, schedule) == whole.peak_mem, _describe(cand)
         assert activation_peaks(plan, iw, schedule, parts[0]) == timelines[0].peak_mem, _describe(cand)
         columns += _column_starts_no_later(cand, iw, schedule, parts[0], run, whole)
+        locked += any(t.name.startswith("dp sync") for t in whole.tasks)
         several += len(parts) > 1
         llm = plan.layouts[LLM]
         shared_encoder += len(parts) < llm.dp  # some part joins LLM replicas through an encoder replica
-    assert several and shared_encoder and columns, (several, shared_encoder, columns)
+    assert several and shared_encoder and columns and locked, (several, shared_encoder, columns, locked)
 
 
 def _column_starts_no_later(cand, iw, schedule, part, run, whole) -> int:
