@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-random install clean
+.PHONY: demo test test-random install clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,13 @@ test: install
 # The property tests with fresh random seeds (CI runs them derandomized).
 test-random: install
 	HYPOTHESIS_PROFILE=random $(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+# On a machine with a GPU (and its own torch: it may have no network): attention kernels' parity and one
+# training step of a 2B LLaVA beside transformers', saved under benchmarks/results/ (fails fast, 8 minutes
+# at most). `benchmarks/gpu_check.py --tiny` is the CPU smoke run the test suite makes.
+GPU_PY = $(if $(wildcard $(PY)),$(abspath $(PY)),python3)
+gpu-check:
+	cd benchmarks && timeout 480 $(GPU_PY) gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -29,9 +29,8 @@ from harmonia.plan.compare import MFU_NOTE, RecipeResult, averages, run_recipe
 from harmonia.plan.recipes import RECIPES, search_microbatch_order
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
-from harmonia.schedule.graph import StageGraph
 from harmonia.schedule.order_search import ReplayRate, search_order, search_submicrobatches
-from harmonia.schedule.stagework import cost_table, iteration_schedule, stage_trainable
+from harmonia.schedule.stagework import cost_table, iteration_schedule, plan_graph
 from harmonia.sim.tasks import simulate_schedule, simulated_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +95,7 @@ def sub_microbatch_gain(run: ScenarioRun, result) -> dict:
     never split: mean iteration seconds, and in how many iterations some encoder was split."""
     cand, with_s, without_s, split = result.candidate, [], [], 0
     plan, cost = cand.plan, run.cost
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    graph = plan_graph(plan, cost)
     for k in range(run.scenario.iterations):
         iw = run.iteration_work(cand, k)
         order = search_order(graph, cost_table(plan, iw), iw.n_microbatches, (plan.schedule,), budget_s=float("inf"),

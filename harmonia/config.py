@@ -77,12 +77,14 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = _f("runs/data/synthetic", "dataset: a file or directory (harmonia manifest, LLaVA JSON/JSONL, "
-                   "messages JSONL, webdataset shards, a mixture YAML/JSON), or where to synthesize one")
+                   "messages JSONL, webdataset shards, a mixture YAML/JSON), or with `synthesize`, where to write a "
+                   "synthetic set")
     format: str = _f("auto", "record format: auto (detected per record), harmonia, llava, messages or webdataset")
     chat_template: str = _f("", "a Jinja chat template file replacing the tokenizer's own")
     media_root: str = _f("", "directory media paths are relative to (default: the dataset file's directory)")
     allow_outside_root: bool = _f(False, "allow media paths that resolve outside the media root")
-    synthesize: int = _f(480, "samples to synthesize when `path` does not exist or is empty (0 = fail instead)")
+    synthesize: int = _f(0, "write a synthetic learnable set of this many training samples at `path` (which must "
+                         "not exist yet, or hold one harmonia wrote from the same request); 0 = train on `path`")
     heldout: int = _f(96, "held-out samples synthesized beside the training set")
     trace: str = _f("", "size mix of synthesized samples: a trace CSV path, or empty for the default mix")
     max_tokens: int = _f(512, "longest sample in LLM tokens; longer samples are skipped by policy")
@@ -151,6 +153,9 @@ class TrainConfig:
     max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
     seed: int = _f(0, "seed of weights, data order and schedules")
     precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
+    attention: str = _f("auto", "the LLM's attention kernel: auto (FlashAttention varlen on GPUs where every token "
+                        "attends causally, compiled flex attention where items attend their whole item, the exact "
+                        "per-segment kernel on CPU), segments, varlen or flex")
     on_nonfinite: str = _f("stop", "a step whose loss or gradient norm is not finite: stop (before the weights "
                            "change) or skip its update (the job still stops after 3 such steps in a row)")
     assignment: str = _f("balanced", "how each step's batch becomes microbatches: balanced (every module's work "
@@ -162,6 +167,8 @@ class TrainConfig:
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
         _require(self.precision in ("auto", "fp32", "bf16"), "train.precision", self.precision,
                  "auto, fp32 or bf16")
+        _require(self.attention in ("auto", "segments", "varlen", "flex"), "train.attention", self.attention,
+                 "auto, segments, varlen or flex")
         _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
         _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
         _require(_finite(self.lr) and self.lr > 0, "train.lr", self.lr, "a finite positive number")

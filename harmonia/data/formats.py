@@ -12,8 +12,10 @@
 Every assistant turn is learned unless the turn says otherwise (``"loss": false`` as in ms-swift,
 ``"weight": 0`` as in axolotl's ShareGPT).
 
-``auto`` detects the schema from the record's keys. A record of no known schema is a bad record
-``unknown_schema``; malformed turns are ``bad_turns``; tags that do not match the media given are
+``auto`` detects the schema that explains every key of the record (`SCHEMA_KEYS`; metadata such as
+``id`` aside): a key no schema reads is never dropped silently. A record of no known schema is a
+bad record ``unknown_schema`` (and a source whose first records all are stops the job,
+`harmonia.data.sources.read_conversations`); malformed turns are ``bad_turns``; tags that do not match the media given are
 ``placeholder_mismatch``; a media path outside the media root is ``outside_root``.
 """
 
@@ -29,17 +31,54 @@ _COLUMNS = {"image": ("images", "image"), "video": ("videos", "video"), "audio":
 _DECLARED = ("height", "width", "seconds")
 
 
+METADATA_KEYS = frozenset({"id", "task", "source", "dataset", "meta", "metadata"})
+"""Keys any record may carry that hold no content to learn from."""
+_MEDIA_KEYS = frozenset({"image", "images", "video", "videos", "audio", "audios"})
+SCHEMA_KEYS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "llava": (frozenset({"conversations"}), frozenset({"conversations", "system"}) | _MEDIA_KEYS),
+    "messages": (frozenset({"messages"}), frozenset({"messages", "system"}) | _MEDIA_KEYS),
+    "harmonia": (frozenset({"prompt", "answer"}), frozenset({"prompt", "answer", "media"})),
+}
+"""Per schema: the keys a record must have, and every key the schema reads."""
+
+
+def explains(schema: str, data: dict) -> bool:
+    """Whether ``schema`` reads every key of ``data`` (metadata aside) and finds the ones it needs."""
+    needed, read = SCHEMA_KEYS[schema]
+    return needed <= data.keys() and data.keys() <= read | METADATA_KEYS
+
+
 def detect_schema(data: object) -> str | None:
-    """``harmonia``, ``llava`` or ``messages`` from a record's keys; None when none fits."""
+    """The schema of `SCHEMAS` that fully explains a record's keys; None when none does (a record
+    with a key no schema reads, such as ``question`` or ``image`` beside ``prompt``, is never guessed)."""
     if not isinstance(data, dict):
         return None
-    if "conversations" in data:
-        return "llava"
-    if "messages" in data:
-        return "messages"
-    if "prompt" in data or "answer" in data or "media" in data:
-        return "harmonia"
-    return None
+    return next((s for s in SCHEMAS if explains(s, data)), None)
+
+
+def known_formats() -> str:
+    """The schemas and their keys, for messages about records that match none."""
+    def one(schema: str) -> str:
+        needed, read = SCHEMA_KEYS[schema]
+        return f"{schema} ({' + '.join(map(repr, sorted(needed)))}, with {', '.join(sorted(read - needed))})"
+
+    return "; ".join(one(s) for s in SCHEMAS) + f"; any of them may carry {', '.join(sorted(METADATA_KEYS))}"
+
+
+def _unknown_schema(raw: RawRecord, schema: str) -> DataError:
+    if not isinstance(raw.data, dict):
+        return DataError("unknown_schema", raw.where, f"record is a JSON {type(raw.data).__name__}, not an object")
+    keys = set(raw.data)
+    candidates = [schema] if schema != "auto" else [s for s in SCHEMAS if SCHEMA_KEYS[s][0] & keys] or list(SCHEMAS)
+    reasons = []
+    for s in candidates:
+        needed, read = SCHEMA_KEYS[s]
+        missing, extra = sorted(needed - keys), sorted(keys - read - METADATA_KEYS)
+        parts = ([f"lacks {missing}"] if missing else []) + ([f"has {extra}, which it does not read"] if extra else [])
+        reasons.append(f"as {s} it {' and '.join(parts)}")
+    return DataError("unknown_schema", raw.where, f"record has keys {sorted(keys)}: {'; '.join(reasons)}. Known "
+                     f"formats: {known_formats()}. Convert the records, or choose the format that matches "
+                     "(data.format=...)")
 
 
 def to_conversation(raw: RawRecord, schema: str = "auto") -> Conversation:
@@ -53,12 +92,8 @@ def to_conversation(raw: RawRecord, schema: str = "auto") -> Conversation:
     if raw.caption is not None and (raw.data is None or (found is None and schema == "auto")):
         return _caption(raw)
     want = found if schema == "auto" else schema
-    if want is None or (schema != "auto" and found != schema):
-        shape = f"keys {sorted(raw.data)}" if isinstance(raw.data, dict) else f"a JSON {type(raw.data).__name__}"
-        expected = "'conversations' (llava), 'messages' or 'prompt'/'answer' (harmonia)" if schema == "auto" \
-            else {"harmonia": "'prompt'/'answer'", "llava": "'conversations'", "messages": "'messages'"}[schema]
-        raise DataError("unknown_schema", raw.where, f"record has {shape}, expected {expected}; "
-                        "convert it or choose the format that matches (format=...)")
+    if want is None or not isinstance(raw.data, dict) or not explains(want, raw.data):
+        raise _unknown_schema(raw, schema)
     data = raw.data
     if want == "harmonia":
         turns = _harmonia_turns(raw)

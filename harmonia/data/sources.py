@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harmonia.data.conversation import Conversation
-from harmonia.data.formats import FORMATS, SCHEMAS, to_conversation
+from harmonia.data.formats import FORMATS, SCHEMAS, known_formats, to_conversation
 from harmonia.data.mixture import SourceSpec, is_mixture, read_mixture, select
 from harmonia.data.records import DataError, DirSource, RawRecord, read_json, read_jsonl, read_shard
 from harmonia.errors import ConfigError
@@ -30,8 +30,9 @@ ANNOTATION_SUFFIXES = (".jsonl", ".json", ".tar", ".yaml", ".yml")
 def is_dataset(path: str | Path) -> bool:
     """Whether ``path`` holds a user's data: an existing file, or a directory with anything in it.
 
-    The training job synthesizes data only where this is False (the path is missing or an empty
-    directory), so a user's dataset, in any format, is never written into.
+    The training job refuses a path where this is False (`harmonia.train.data.check_data_path`),
+    and writes a synthetic set only into a directory it creates, so a user's dataset, in any
+    format, is never written into.
     """
     path = Path(path)
     if path.is_dir():
@@ -101,6 +102,34 @@ def _read_raw(spec: SourceSpec, allow_outside_root: bool) -> tuple[list[RawRecor
     return (read_jsonl if path.suffix == ".jsonl" else read_json)(path, source)
 
 
+HEAD_RECORDS = 16
+"""A source whose first this many records (or all, where it has fewer) match no format stops the job."""
+
+
+def _check_head(spec: SourceSpec, raw: list[RawRecord], schema: str) -> None:
+    """Raise one error where a source's first records all match no format: a dataset in a format
+    harmonia does not read, not a few bad records to count."""
+    head = raw[:HEAD_RECORDS]
+    unknown = []
+    for r in head:
+        try:
+            to_conversation(r, schema)
+        except DataError as e:
+            if e.kind != "unknown_schema":
+                return
+            unknown.append(r)
+        else:
+            return
+    if not unknown:
+        return
+    keys = sorted({k for r in unknown if isinstance(r.data, dict) for k in r.data})
+    matched = f"do not match data.format={schema}" if schema != "auto" else "match no format"
+    raise ConfigError(f"{spec.name or spec.path}: its first {len(unknown)} records {matched}: keys found {keys}. "
+                      f"Known formats: {known_formats()}. Convert the records (e.g. to messages JSONL: "
+                      "{\"messages\": [{\"role\", \"content\"}], \"images\": [...]}), or set data.format. "
+                      f"The first: {unknown[0].where}")
+
+
 def read_conversations(path: str | Path, format: str = "auto", media_root: str | Path | None = None,
                        allow_outside_root: bool = False, seed: int = 0
                        ) -> tuple[list[Conversation], list[DataError], list[SourceSpec]]:
@@ -126,6 +155,7 @@ def read_conversations(path: str | Path, format: str = "auto", media_root: str |
         raw, errs = _read_raw(spec, allow_outside_root)
         errors += errs
         schema = spec.format if spec.format in SCHEMAS else "auto"
+        _check_head(spec, raw, schema)
         normalised: dict[int, Conversation | None] = {}
         for i in select(len(raw), spec, seed):
             if i not in normalised:

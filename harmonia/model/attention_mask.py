@@ -142,33 +142,3 @@ def count_pairs(q: TokenLayout, k: TokenLayout | None = None, block: int = 1024,
     return sum(
         int(multimodal_mask(q.select(slice(i, i + block)), k, window).sum()) for i in range(0, len(q), block)
     )
-
-
-def flex_block_mask(layout: TokenLayout, block: int = 128, window: int | None = None):
-    """A ``flex_attention`` BlockMask with the same rule, where flex attention is available.
-
-    Args:
-        layout: the packed sequence.
-        block: tile size of the block mask.
-        window: sliding window of the layer (`multimodal_mask`); None = none.
-
-    Returns:
-        a ``torch.nn.attention.flex_attention.BlockMask`` over ``(1, 1, T, T)``.
-    """
-    from torch.nn.attention.flex_attention import and_masks, create_block_mask
-
-    sample, segment, is_item, position = layout.sample, layout.segment, layout.is_item, layout.position
-
-    def mask_mod(b, h, qi, ki):
-        causal = position[ki] <= position[qi]
-        own_item = is_item[qi] & (segment[qi] == segment[ki])
-        return (sample[qi] == sample[ki]) & (causal | own_item)
-
-    def near_mod(b, h, qi, ki):
-        return position[qi] - position[ki] < window
-
-    if window is not None:
-        mask_mod = and_masks(mask_mod, near_mod)
-
-    T = len(layout)
-    return create_block_mask(mask_mod, 1, 1, T, T, device=str(layout.sample.device), BLOCK_SIZE=block)

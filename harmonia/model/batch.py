@@ -2,7 +2,7 @@
 
 A sample arrives as a `TokenizedSample`: its LLM token ids with placeholder ids where items go, its
 labels, its ``(kind, length)`` segments, and one `ItemInputs` per item. `pack_samples` concatenates
-samples into one sequence (``B = 1``), builds the `TokenLayout` the attention mask is made from, and
+samples into one sequence (``B = 1``), builds the `TokenLayout` its attention is made from (`PackedBatch.attention`), and
 groups items by encoder so each encoder runs once over all its sequences (tiles, frames, chunks).
 """
 
@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.attention_mask import TokenLayout, flex_block_mask, multimodal_mask
+from harmonia.model.attention import PackedAttention, choose_backend
+from harmonia.model.attention_mask import TokenLayout, multimodal_mask
 
 
 @dataclass
@@ -158,9 +159,19 @@ class PackedBatch:
         """Tokens that carry a loss (the normaliser's share of this microbatch)."""
         return int((self.labels != -100).sum())
 
-    def mask(self, flex: bool = False):
-        """Boolean ``(T, T)`` multimodal attention mask, or a flex_attention ``BlockMask`` with ``flex``."""
-        return flex_block_mask(self.layout) if flex else multimodal_mask(self.layout)
+    def attention(self, backend: str = "auto") -> PackedAttention:
+        """The microbatch's attention, built once and shared by every LLM layer (no ``(T, T)`` tensor).
+
+        Args:
+            backend: a kernel of `harmonia.model.attention.BACKENDS`, chosen for the batch's device
+                and mask kind (`choose_backend`).
+        """
+        bidirectional = bool(self.layout.is_item.any())
+        return PackedAttention(self.layout, backend=choose_backend(backend, self.input_ids.device, bidirectional))
+
+    def mask(self) -> torch.Tensor:
+        """Boolean ``(T, T)`` multimodal attention mask: the dense reference tests compare against."""
+        return multimodal_mask(self.layout)
 
     def positions(self) -> torch.Tensor:
         """``(1, T)`` rotary positions."""

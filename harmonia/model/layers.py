@@ -9,14 +9,13 @@ heads) runs unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from harmonia.errors import ConfigError
+from harmonia.model.attention import LayerAttention, PackedAttention
 from harmonia.model.attention_mask import window_mask
 from harmonia.model.spec import RopeScaling, TransformerSpec
 
@@ -96,66 +95,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype)) + (_rotate_half(x) * sin.to(x.dtype))
 
 
-@dataclass(frozen=True)
-class ShardedKeys:
-    """Attention of one context-parallel shard: this rank's queries against the keys of every CP rank.
-
-    Passed in place of the mask. Each CP rank holds any subset of the sequence's tokens; attention
-    projects and rotates its own tokens, gathers every rank's keys and values, and applies ``mask``.
-
-    Attributes:
-        mask: boolean ``(t, T)``: local query ``i`` may attend key ``j``, keys in gathered order.
-        gather: ``(t, *F) -> (T, *F)``, every CP rank's rows along dim 0 in gathered order;
-            differentiable (backward returns this rank's rows of the gradient summed over ranks).
-        key_positions: ``(T,)`` positions of the gathered keys within their samples; needed by
-            sliding-window layers (`restrict_to_window`).
-    """
-
-    mask: torch.Tensor
-    gather: Callable[[torch.Tensor], torch.Tensor]
-    key_positions: torch.Tensor | None = None
-
-    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local ``(B, nkv, t, hd)`` keys and values -> ``(B, nkv, T, hd)`` of every rank (one collective)."""
-        kv = torch.cat((k, v), dim=1).permute(2, 0, 1, 3).contiguous()  # (t, B, 2 nkv, hd)
-        kv = self.gather(kv).permute(1, 2, 0, 3)  # (B, 2 nkv, T, hd)
-        k, v = kv.chunk(2, dim=1)
-        return k, v
-
-
 def restrict_to_window(mask, positions: torch.Tensor, window: int):
-    """A mask of any kind `Attention` takes, further limited to keys less than ``window`` positions back.
+    """What a layer with sliding window ``window`` attends with, given what the stage attends with.
 
     Args:
-        mask: boolean ``(T, T)`` / ``(B, 1, T, T)``, a flex_attention ``BlockMask`` over one
-            sequence, `ShardedKeys` (with ``key_positions``), or None (no other limit).
-        positions: ``(T,)`` or ``(B, T)`` positions of the queries (for a dense or block mask, also
-            of the keys).
+        mask: a `PackedAttention` (the runtime's: the window travels with it, nothing is built), a
+            dense boolean ``(T, T)`` / ``(B, 1, T, T)`` reference mask, or None (no other limit).
+        positions: ``(T,)`` or ``(B, T)`` positions of the tokens (dense masks only).
         window: keys a query attends lie at ``query - key < window`` (`window_mask`).
 
-    Returns ``mask`` itself when no two positions lie ``window`` apart (the window hides nothing).
+    Returns a dense ``mask`` itself when no two positions lie ``window`` apart (the window hides nothing).
     """
-    if isinstance(mask, ShardedKeys):
-        if mask.key_positions is None:
-            raise ConfigError("sliding-window attention of a context-parallel shard needs the gathered "
-                              "keys' positions; build ShardedKeys with key_positions")
-        if int(positions.max()) - int(mask.key_positions.min()) < window:
-            return mask
-        near = window_mask(positions.reshape(-1), mask.key_positions, window)  # (t, T)
-        return replace(mask, mask=mask.mask & near)
+    if isinstance(mask, PackedAttention):
+        return mask.for_window(window)
     if mask is not None and int(positions.max()) - int(positions.min()) < window:
         return mask
-    if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
-        from torch.nn.attention.flex_attention import and_masks, create_block_mask
-
-        pos = positions.reshape(-1)
-
-        def near_mod(b, h, qi, ki):
-            return pos[qi] - pos[ki] < window
-
-        q_len, kv_len = mask.seq_lengths
-        return create_block_mask(and_masks(mask.mask_mod, near_mod), 1, 1, q_len, kv_len,
-                                 device=str(pos.device), BLOCK_SIZE=mask.BLOCK_SIZE)
     near = window_mask(positions, positions, window)  # (T, T) or (B, T, T)
     if near.dim() == 3:
         near = near[:, None]  # (B, 1, T, T)
@@ -165,7 +119,7 @@ def restrict_to_window(mask, positions: torch.Tensor, window: int):
 class Attention(nn.Module):
     """Multi-head self-attention with grouped key/value heads, optional qk-norm and rotary embedding.
 
-    A sliding window is not the block's business: it arrives already applied to the mask
+    A sliding window is not the block's business: it arrives with what the block attends with
     (`restrict_to_window`), so one attention serves windowed and full layers alike.
     """
 
@@ -195,9 +149,9 @@ class Attention(nn.Module):
 
         Args:
             x: ``(B, T, h)``.
-            mask: boolean ``(T, T)`` or ``(B, 1, T, T)``, True where a query may attend a key (SDPA),
-                a flex_attention ``BlockMask`` (`flex_block_mask`), or `ShardedKeys` (``x`` is one
-                context-parallel shard); None attends everything (an encoder sequence).
+            mask: a `LayerAttention` (one packed microbatch, any kernel, ``x`` possibly one
+                context-parallel shard: `harmonia.model.attention`), a dense boolean ``(T, T)`` or
+                ``(B, 1, T, T)`` reference mask (tests), or None: attend everything (an encoder sequence).
             rope: ``(cos, sin)`` tables from `rope_cos_sin`, or None for no rotary embedding.
         """
         B, T, _ = x.shape
@@ -212,14 +166,9 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if isinstance(mask, ShardedKeys):
-            k, v = mask.gather_kv(k, v)  # (B, nkv, T, hd): every CP rank's tokens
-            mask = mask.mask  # (t, T)
         gqa = q.shape[1] != k.shape[1]
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a flex_attention BlockMask
-            from torch.nn.attention.flex_attention import flex_attention
-
-            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        if isinstance(mask, LayerAttention):
+            y = mask.attend(q, k, v)  # (B, nh, T, hd)
         else:
             if mask is not None and mask.dim() == 2:
                 mask = mask[None, None]  # (1, 1, T, T)
@@ -295,8 +244,6 @@ class Block(nn.Module):
 
 def layer_range(n_layers: int, layers: tuple[int, int] | None, owner: str) -> range:
     """Global indices of the blocks a (stage) module holds; ``None`` means all."""
-    from harmonia.errors import ConfigError
-
     if layers is None:
         return range(n_layers)
     start, stop = layers

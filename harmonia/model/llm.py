@@ -10,8 +10,9 @@ own copy under the same name (``embed.weight``, used only as the head), so it lo
 model's state dict; the runtime sums the two copies' gradients (Megatron-LM's embedding group,
 `harmonia.runtime.grads.sum_tied_grads`), which keeps them equal.
 
-Sliding-window blocks (``TransformerSpec.sliding_window``) get the stage's mask restricted to their
-window (`harmonia.model.layers.restrict_to_window`), built once per forward for each distinct window.
+Sliding-window blocks (``TransformerSpec.sliding_window``) attend with the stage's attention
+restricted to their window (`harmonia.model.layers.restrict_to_window`): a `PackedAttention` takes
+the window as an argument of its kernel; a dense reference mask is built once per distinct window.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import (
     build_blocks,
     build_norm,
@@ -103,10 +105,11 @@ class DecoderLM(nn.Module):
         Args:
             x: ``(B, T)`` token ids on the first stage, ``(B, T, h)`` hidden states otherwise.
             positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE).
-            mask: boolean ``(T, T)`` / ``(B, 1, T, T)`` from `multimodal_mask` (without a window:
-                sliding-window blocks restrict it themselves), a flex_attention ``BlockMask``, or
-                `harmonia.model.layers.ShardedKeys` when ``x`` is one context-parallel shard of the
-                sequence (``T`` its tokens, ``positions`` theirs).
+            mask: the microbatch's `harmonia.model.attention.PackedAttention` (any kernel; under
+                context parallelism ``x`` is this rank's shard, ``T`` its tokens, ``positions``
+                theirs), or a dense boolean ``(T, T)`` / ``(B, 1, T, T)`` reference mask from
+                `multimodal_mask` (tests); without a window either way: sliding-window blocks
+                restrict it themselves.
             item_embeds: first stage only, see `embed_inputs`.
             item_index: first stage only, see `embed_inputs`.
 
@@ -117,7 +120,7 @@ class DecoderLM(nn.Module):
             x = self.embed_inputs(x, item_embeds, item_index)
         body = self.spec.body
         rope = rope_cos_sin(positions, body.dim_head, self.spec.rope_theta, self.spec.rope_scaling)
-        masks = {None: mask}  # window -> this stage's mask restricted to it
+        masks = {None: mask.for_window(None) if isinstance(mask, PackedAttention) else mask}  # window -> attention
         for i, block in self.layers.items():
             window = body.window_of(int(i))
             if window not in masks:

@@ -98,8 +98,8 @@ class MLLM(nn.Module):
 
     Args:
         spec: the MLLM.
-        flex_attention: the LLM attends with a flex_attention block mask instead of a dense SDPA mask
-            (compile the model for speed; eager flex attention is a slow reference).
+        attention: the LLM's attention kernel (`harmonia.model.attention.BACKENDS`; ``dense`` is the
+            reference the tests compare against).
 
     Attributes:
         encoders: encoder name -> encoder.
@@ -107,10 +107,10 @@ class MLLM(nn.Module):
         llm: the decoder LLM.
     """
 
-    def __init__(self, spec: MLLMSpec, flex_attention: bool = False) -> None:
+    def __init__(self, spec: MLLMSpec, attention: str = "auto") -> None:
         super().__init__()
         self.spec = spec
-        self.flex_attention = flex_attention
+        self.attention = attention
         self.encoders = nn.ModuleDict({name: build_module(spec, name) for name in spec.encoders})
         self.projectors = nn.ModuleDict({name: build_module(spec, name) for name in spec.projectors})
         self.llm = build_llm(spec.llm)
@@ -136,7 +136,7 @@ class MLLM(nn.Module):
             index.append(media.index)
         item_embeds = torch.cat(embeds) if embeds else None
         item_index = torch.cat(index) if index else None
-        return self.llm(batch.input_ids, batch.positions(), batch.mask(self.flex_attention), item_embeds, item_index)
+        return self.llm(batch.input_ids, batch.positions(), batch.attention(self.attention), item_embeds, item_index)
 
     def loss(self, batch: PackedBatch, normalizer: float | None = None) -> torch.Tensor:
         """Summed token loss of the batch divided by ``normalizer`` (global target count)."""

@@ -76,7 +76,7 @@ from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import Kind, StageRef
 from harmonia.schedule.layout import Placement
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, StageKey, stage_layer_range, stage_trainable
+from harmonia.schedule.stagework import IterationWork, StageKey, plan_graph, stage_layer_range
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
                                       reduce_exposed_s, reduces_in_backward, stage_group, step_gathers,
                                       tp_allreduce_s)
@@ -194,7 +194,7 @@ def plan_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, profile: Batch
                batches: list[int] | None = None) -> PlanBound:
     """Lower bound and estimate of a plan's iteration seconds on the profiled ``batches``."""
     loads = _mean_loads(profile, batches)
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    graph = plan_graph(plan, cost)
     world = cluster.world_size
     busy = np.zeros(world)
     compute = np.zeros(world)
@@ -257,7 +257,7 @@ def work_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationW
 def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
                     iw: IterationWork) -> tuple[float, dict[int, float]]:
     """`work_bound`, and every rank's busy seconds (the sum of its tasks) it is taken from."""
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    graph = plan_graph(plan, cost)
     split = plan.schedule == "zb"
     kinds = {ref: graph.backward_kinds(ref, split) for ref in graph.stages()}
     backwards = {(ref.module, ref.stage): [(k.value, k.value == "W" and len(ks) == 1) for k in ks]

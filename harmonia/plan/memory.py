@@ -35,7 +35,7 @@ from harmonia.schedule import StageGraph
 from harmonia.schedule.actions import StageRef
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, stage_layer_range, stage_trainable
+from harmonia.schedule.stagework import IterationWork, plan_graph, stage_layer_range
 from harmonia.workload.cost import CostModel
 
 LLM = "llm"
@@ -145,7 +145,7 @@ def _states(cost: CostModel, plan: Plan) -> np.ndarray:
 
 def plan_peak_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, fused: bool = False) -> dict[int, float]:
     """Per rank, states plus the activations its stage chunks keep in flight (module docstring)."""
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    graph = plan_graph(plan, cost)
     total, transient = _states(cost, plan), np.zeros(plan.world_size)
     used = np.zeros(plan.world_size, dtype=bool)
     for module, layout in plan.layouts.items():
@@ -178,7 +178,7 @@ def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options:
         for share in distinct:
             key = (module, plan.layouts[module], share, *fixed)
             if key not in cache:
-                graph = graph or StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+                graph = graph or plan_graph(plan, cost)
                 cache[key] = _module_activations(cost, plan, profile, graph, module, share, fused)
             rows.append(cache[key])
         which = np.searchsorted(distinct, shares)  # (options,) each option's row

@@ -48,7 +48,7 @@ from harmonia.plan.memory import recompute_peaks
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.assign import assign_reordered, assign_sequential
 from harmonia.schedule.families import fuse_encoders
-from harmonia.schedule.graph import IterationSchedule, StageGraph
+from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.item_cuts import cut_encoder_items
 from harmonia.schedule.iteration import (IterationAssignment, assemble_iteration, assign_iteration, feeding_replicas,
                                         module_columns)
@@ -56,7 +56,7 @@ from harmonia.schedule.layout import Layout, Placement
 from harmonia.schedule.order_search import (SUB_OPTIONS, OrderStep, ReplayRate, SearchResult, search_batch_order,
                                             search_submicrobatches)
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, iteration_schedule, plan_iteration_work, stage_trainable
+from harmonia.schedule.stagework import IterationWork, iteration_schedule, plan_graph, plan_iteration_work
 from harmonia.sim.engine import Timeline
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.workload.cost import CostModel
@@ -484,7 +484,7 @@ def simulate_work(candidate: Candidate, iw: IterationWork, cost: CostModel, clus
     steps = SimulatedOrders(plan, cost, cluster, iw, schedule_of)  # the search's pick only where faster here
     order = search_microbatch_order(plan, cost, iw, search_budget_s, step=steps).order
     if len(sub_options) > 1 and plan.encoders:
-        graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+        graph = plan_graph(plan, cost)
         iw = search_submicrobatches(graph, plan, cost, iw, order, sub_options,
                                     score=simulated_step(plan, cost, cluster)).work
     if iw is steps.work:

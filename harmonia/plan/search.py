@@ -69,11 +69,10 @@ from harmonia.plan.memory import work_peak_floor
 from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.scenario import Scenario, ScenarioRun
-from harmonia.schedule import StageGraph
 from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, plan_iteration_work, stage_trainable
+from harmonia.schedule.stagework import IterationWork, plan_graph, plan_iteration_work
 from harmonia.sim.memory import activation_peaks
 from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from harmonia.workload.cost import CostModel
@@ -454,7 +453,7 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
     plan = cand.plan
     schedule = plan.schedule
     if schedule == "zb":
-        graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+        graph = plan_graph(plan, cost)
         if not any(graph.needs_b(ref) and graph.needs_w(ref) for ref in graph.stages()):
             schedule = "1f1b"
     return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches, _layouts_key(plan, cost),

@@ -5,13 +5,13 @@ Each CP rank of an LLM stage holds some tokens of every microbatch: the balancer
 MLPs, the head and the loss are token-wise and run on the rank's own tokens; rotary embedding uses
 each token's own position. Attention computes queries, keys and values of the local tokens, then
 all-gathers keys and values over the ``cp`` group (`gather_tokens`; backward: reduce-scatter, the
-gradient of every rank's keys summed back onto the rank that owns them) and applies the multimodal
-mask of the local queries against every key (`harmonia.model.attention_mask.multimodal_mask`,
-written with positions, so it holds for any subset of queries and any order of keys).
+gradient of every rank's keys summed back onto the rank that owns them) and attends the local
+queries against them with the microbatch's kernel (`harmonia.model.attention.PackedAttention`:
+the multimodal rule per query block and its key range, never a ``(t, T)`` mask).
 
-Keys are gathered in rank order, each rank's tokens ascending (the "gathered order"); the mask's
-columns follow that order, so no permutation is needed. Ranks may hold different token counts:
-the gather pads to the largest count (gloo takes no uneven all-gather) and trims.
+Keys are gathered in rank order, each rank's tokens ascending (the "gathered order"), and put back
+in sequence order by one row gather (``key_order``). Ranks may hold different token counts: the
+gather pads to the largest count (gloo takes no uneven all-gather) and trims.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import SampleError
-from harmonia.model.attention_mask import multimodal_mask
+from harmonia.model.attention import PackedAttention, choose_backend
 from harmonia.model.batch import PackedBatch
-from harmonia.model.layers import ShardedKeys
 
 # The newer names where torch has them (the older ones are deprecated there); same arguments.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -80,14 +79,14 @@ class CPShard:
     Attributes:
         tokens: ``(t,)`` positions in the packed sequence this rank holds, ascending.
         positions: ``(1, t)`` rotary positions of those tokens.
-        attention: the mask of local queries vs every key and the key/value gather.
+        attention: the local queries' attention against every key, with the key/value gather.
         local_of: ``(T,)`` index of each token among this rank's tokens (-1: another rank's).
         token_ranks: ``(T,)`` CP rank of each token.
     """
 
     tokens: torch.Tensor
     positions: torch.Tensor
-    attention: ShardedKeys
+    attention: PackedAttention
     local_of: torch.Tensor
     token_ranks: torch.Tensor
 
@@ -103,7 +102,7 @@ class CPShard:
 
 
 def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group: dist.ProcessGroup,
-                   cp: int) -> CPShard:
+                   cp: int, backend: str = "auto") -> CPShard:
     """The shard of microbatch ``mb`` that CP rank ``rank`` holds under the assignment ``token_ranks``.
 
     Args:
@@ -112,6 +111,7 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
         rank: this rank's ``cp`` coordinate.
         group: the ``cp`` group.
         cp: CP ranks.
+        backend: the attention kernel (`harmonia.model.attention.choose_backend`).
 
     Raises:
         SampleError: the assignment does not cover the sequence or leaves a CP rank without tokens.
@@ -128,7 +128,7 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     order = torch.argsort(token_ranks, stable=True)  # (T,) gathered key order: rank by rank, ascending
     local_of = torch.full((mb.n_tokens,), -1, dtype=torch.long, device=tokens.device)
     local_of[tokens] = torch.arange(tokens.numel(), device=tokens.device)
-    mask = multimodal_mask(mb.layout.select(tokens), mb.layout.select(order))  # (t, T)
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
-    return CPShard(tokens, mb.layout.position[tokens][None], ShardedKeys(mask, gather, mb.layout.position[order]),
-                   local_of, token_ranks)
+    kernel = choose_backend(backend, tokens.device, bool(mb.layout.is_item.any()))
+    attention = PackedAttention(mb.layout, query_index=tokens, backend=kernel, gather=gather, key_order=order)
+    return CPShard(tokens, mb.layout.position[tokens][None], attention, local_of, token_ranks)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harmonia.errors import LayoutError, ScheduleError
-from harmonia.model.layers import ShardedKeys
+from harmonia.model.attention import PackedAttention
 from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import project_items
 from harmonia.runtime.boundary_link import BoundaryLink
@@ -104,14 +104,17 @@ class MLLMExecutor:
         autocast: compute dtype of every forward (``torch.bfloat16`` for mixed precision on GPUs:
             matmuls in bf16, reductions and the loss in fp32, parameters and their gradients
             stay fp32); None = the parameters' dtype.
+        attention: the LLM's attention kernel (`harmonia.model.attention.choose_backend`: ``auto``
+            picks by device and each microbatch's mask kind).
     """
 
     def __init__(self, meshes: ModuleMeshes, chunks: dict[str, dict[int, nn.Module]], hidden: int,
                  projectors: dict[str, nn.Module] | None = None, optimizer: OptimizerFactory | None = None,
                  max_norm: float | None = 1.0, norm_group: dist.ProcessGroup | None = None,
-                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+                 attention: str = "auto") -> None:
         projectors = projectors or {}
-        self.autocast = autocast
+        self.autocast, self.attention = autocast, attention
         self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
         self.hidden = hidden
         self.runners: dict[str, ModuleRunner] = {}
@@ -244,7 +247,7 @@ class _MLLMIteration:
         self.loss_sum = torch.zeros(())
         self.enc_sizes: dict[tuple[str, int], list[int]] = {}
         self.pending_g: dict[Key, torch.Tensor | None] = {}
-        self.masks: dict[int, tuple[torch.Tensor, torch.Tensor | ShardedKeys, CPShard | None]] = {}
+        self.masks: dict[int, tuple[torch.Tensor, PackedAttention, CPShard | None]] = {}
         self.links: dict[str, BoundaryLink] = {}
         for e in self.graph.encoders:
             plans = batch.plans.get(e, [])
@@ -401,19 +404,20 @@ class _MLLMIteration:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.ex.device).type, dtype=dtype)
 
-    def _attention_inputs(self, m: int) -> tuple[torch.Tensor, torch.Tensor | ShardedKeys, CPShard | None]:
-        """Rotary positions, mask and CP shard of LLM microbatch ``m`` on this rank (once per microbatch)."""
+    def _attention_inputs(self, m: int) -> tuple[torch.Tensor, PackedAttention, CPShard | None]:
+        """Rotary positions, attention and CP shard of LLM microbatch ``m`` on this rank (once per
+        microbatch, shared by every layer of every chunk)."""
         if m not in self.masks:
             mb, mesh = self.batch.llm[m], self.ex.runners[LLM].mesh
             if mesh.layout.cp == 1:
-                self.masks[m] = (mb.positions(), mb.mask(), None)  # (1, T), (T, T)
+                self.masks[m] = (mb.positions(), mb.attention(self.ex.attention), None)  # (1, T)
             else:
                 if m >= len(self.batch.llm_cp):
                     raise ScheduleError(f"LLM microbatch {m}: cp={mesh.layout.cp} but the batch has no CP "
                                         "assignment for it; build it with build_rank_batch from the same layouts")
                 shard = build_cp_shard(mb, self.batch.llm_cp[m], mesh.coords["cp"], mesh.group_of("cp"),
-                                       mesh.layout.cp)
-                self.masks[m] = (shard.positions, shard.attention, shard)  # (1, t), (t, T) vs all keys
+                                       mesh.layout.cp, self.ex.attention)
+                self.masks[m] = (shard.positions, shard.attention, shard)  # (1, t), local queries vs all keys
         return self.masks[m]
 
     def _llm_forward(self, a: Action) -> None:
@@ -507,6 +511,7 @@ class _MLLMIteration:
             self._route(a, inputs, [])
             return
         if self.graph.needs_w(a.stage_ref):
+            _check_splittable(self.ex.runners[a.module].chunks[a.stage], a)
             weights = self.ex.runners[a.module].weights(a.stage)
             grads, self.w_groups[key] = stage_backward_input([y], None if g is None else [g], inputs, weights)
         else:
@@ -527,6 +532,15 @@ class _MLLMIteration:
         _inputs, y = self.saved.pop(key)
         g = self.pending_g.pop(key) if key in self.pending_g else self._grad_output(a)
         torch.autograd.backward(y, g)
+
+
+def _check_splittable(chunk: nn.Module, a: Action) -> None:
+    """Refuse a B/W split of a chunk holding both uses of a tied embedding (`fused_backward` fuses it)."""
+    spec = getattr(chunk, "spec", None)
+    if getattr(spec, "tie_embeddings", False) and getattr(chunk, "is_first", False) and getattr(chunk, "is_last", False):
+        raise ScheduleError(f"{a}: this LLM chunk holds both uses of its tied embeddings, so its backward cannot be "
+                            "split into B and W; build the stage graph with fused_backward (as "
+                            "harmonia.train.rank.schedule_graph does)")
 
 
 def _reducing_backwards(runners: dict[str, ModuleRunner], actions: list[Action]) -> frozenset[Action]:

@@ -50,12 +50,15 @@ class ModuleStages:
         trainable: whether each stage chunk has trainable parameters.
         holders: per stage chunk, every rank running a share of its work (the primary rank
             first); None = each chunk on its own rank only.
+        fused: per stage chunk, whether its backward stays one BW even where the schedule splits
+            B and W (`fused_backward`); None = none.
     """
 
     name: str
     ranks: tuple[int, ...]
     trainable: tuple[bool, ...]
     holders: tuple[tuple[int, ...], ...] | None = None
+    fused: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
@@ -63,6 +66,10 @@ class ModuleStages:
         holders = self.holders or tuple((r,) for r in self.ranks)
         holders = tuple(tuple(dict.fromkeys(int(r) for r in hs)) for hs in holders)
         object.__setattr__(self, "holders", holders)
+        object.__setattr__(self, "fused", tuple(bool(f) for f in self.fused or (False,) * len(self.ranks)))
+        if len(self.fused) != len(self.ranks):
+            raise ScheduleError(f"module {self.name!r}: {len(self.ranks)} stage ranks but {len(self.fused)} fused "
+                                "flags; give one flag per stage")
         if len(holders) != len(self.ranks) or any(not hs or hs[0] != r for hs, r in zip(holders, self.ranks)):
             raise ScheduleError(
                 f"module {self.name!r}: holders {holders} must give, for each of the {len(self.ranks)} "
@@ -187,7 +194,7 @@ class StageGraph:
         """The backward actions of one stage and microbatch, in order (empty when frozen)."""
         b, w = self.needs_b(ref), self.needs_w(ref)
         if b and w:
-            return (Kind.B, Kind.W) if split else (Kind.BW,)
+            return (Kind.B, Kind.W) if split and not self.module(ref.module).fused[ref.stage] else (Kind.BW,)
         return (Kind.B,) if b else (Kind.W,) if w else ()
 
     # -- data dependencies ----------------------------------------------------------------------
@@ -221,7 +228,7 @@ class StageGraph:
     # -- constructors ---------------------------------------------------------------------------
     @staticmethod
     def from_layouts(layouts: Mapping[str, Layout], trainable: Mapping[str, bool | tuple[bool, ...]],
-                     replica: int = 0) -> StageGraph:
+                     replica: int = 0, fused: Mapping[str, tuple[bool, ...]] | None = None) -> StageGraph:
         """The graph of one LLM replica from per-module layouts.
 
         Stage chunk ``c`` of a module sits on pipeline rank ``c % pp`` (round-robin, as interleaved
@@ -234,6 +241,7 @@ class StageGraph:
             layouts: module -> layout; must include ``llm``.
             trainable: module -> one flag for all its stages, or one flag per stage chunk.
             replica: the LLM DP replica to describe.
+            fused: module -> per stage chunk, whether its backward is never split (`fused_backward`).
         """
         modules = []
         for name, layout in layouts.items():
@@ -245,8 +253,23 @@ class StageGraph:
             flags = trainable.get(name, True)
             if isinstance(flags, bool):
                 flags = (flags,) * layout.n_stages
-            modules.append(ModuleStages(name, tuple(hs[0] for hs in holders), tuple(flags), holders))
+            modules.append(ModuleStages(name, tuple(hs[0] for hs in holders), tuple(flags), holders,
+                                        (fused or {}).get(name)))
         return StageGraph(tuple(modules))
+
+
+def fused_backward(layouts: Mapping[str, Layout], tie_embeddings: bool) -> dict[str, tuple[bool, ...]]:
+    """Per module, the stage chunks whose backward is one BW under every schedule, split or not.
+
+    The one owner of this rule, read by the runtime's graph and the planner's alike: an LLM chunk
+    holding both uses of tied embeddings (the input embedding and the head: the whole LLM on one
+    chunk) reaches the one matrix through two paths, the head's and, through every block, the
+    embedding's. A weight-only backward started from the head's saved gradient would run the whole
+    chunk's backward again to reach the embedding, so such a chunk computes its weight gradients in
+    its backward pass (priced B + W there, W nothing).
+    """
+    llm = layouts[LLM]
+    return {LLM: (tie_embeddings and llm.n_stages == 1,) * llm.n_stages}
 
 
 @dataclass

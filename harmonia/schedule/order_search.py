@@ -43,7 +43,7 @@ from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import IterationSchedule, StageGraph
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.replay import makespan
-from harmonia.schedule.stagework import IterationWork, cost_table, stage_trainable, with_submicrobatches
+from harmonia.schedule.stagework import IterationWork, cost_table, plan_graph, with_submicrobatches
 from harmonia.workload.cost import CostModel
 
 
@@ -252,7 +252,7 @@ def search_batch_order(plan: Plan, cost: CostModel, iw: IterationWork, budget_s:
     ``step`` as in `search_order`."""
     t0 = time.perf_counter()
     with gc_paused():
-        graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+        graph = plan_graph(plan, cost)
         table = cost_table(plan, iw)
     return search_order(graph, table, iw.n_microbatches, (plan.schedule,), budget_s=budget_s, rate=rate,
                         step=step, started=t0)

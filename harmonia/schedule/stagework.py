@@ -28,7 +28,7 @@ from typing import NamedTuple
 from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.encoder_slots import movable_encoders
 from harmonia.schedule.families import build_schedule
-from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders_by_replica
+from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph, colocated_holders_by_replica, fused_backward
 from harmonia.schedule.item_cuts import cut_item, encoder_items, item_seconds, kept_parts
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.layout import Layout
@@ -306,6 +306,13 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)
 
 
+def plan_graph(plan: Plan, cost: CostModel) -> StageGraph:
+    """One LLM replica's stage graph of ``plan`` as the runtime builds it (`harmonia.train.rank.schedule_graph`):
+    trainable chunks from the cost model's spec, fused backwards by `fused_backward`."""
+    return StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost),
+                                   fused=fused_backward(plan.layouts, cost.mllm.llm.tie_embeddings))
+
+
 def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
     """Per module, whether each stage chunk has trainable weights (projectors count on the encoder's
     last chunk)."""
@@ -389,6 +396,6 @@ def iteration_schedule(plan: Plan, cost: CostModel, iw: IterationWork, family: s
                        order: Sequence[int] | None = None) -> IterationSchedule:
     """The schedule an iteration's stage work runs under: the plan's family (or ``family``) on replica
     0's stage graph (trainability from the cost model), ordered with `cost_table`."""
-    graph = StageGraph.from_layouts(plan.layouts, stage_trainable(plan, cost))
+    graph = plan_graph(plan, cost)
     return build_schedule(graph, iw.n_microbatches, family or plan.schedule, order=order, costs=cost_table(plan, iw),
                           n_sub=iw.n_sub or None)

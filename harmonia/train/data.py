@@ -2,7 +2,8 @@
 
 ``data.path`` is any dataset `harmonia.data.sources` reads (harmonia's manifest, LLaVA JSON/JSONL,
 messages JSONL, webdataset shards, a mixture file) or the synthetic layout (``train/`` and
-``heldout/``). Data is synthesized only where ``data.path`` does not exist or is an empty directory:
+``heldout/``). A path that holds no dataset is an error; data is synthesized only where
+``data.synthesize`` asks for it, into a directory harmonia creates (marked by `SYNTHETIC_MARKER`):
 a user's directory is never written into. Samples are rendered with the model's own tokenizer and
 chat template and its processor's media numbers when the model comes from HF checkpoints, and with
 the byte tokenizer for presets.
@@ -15,6 +16,8 @@ shape pass writes them, the ranks and a resumed job read them.
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 from harmonia.config import Config
@@ -101,21 +104,58 @@ def open_training_data(config: Config, spec, rank: int):
     return dataset, shapes
 
 
-def prepare_data(config: Config) -> bool:
-    """Synthesize the learnable dataset at ``data.path`` when nothing is there; returns whether it did.
+SYNTHETIC_MARKER = "synthetic.json"
+"""The file that marks a directory as a synthetic set harmonia wrote, with what it was written from."""
+
+
+def synthetic_request(config: Config) -> dict:
+    """What ``data.synthesize`` asks for, as recorded in the set's `SYNTHETIC_MARKER` (the model it
+    was written for rides along: another model reads the set too, media it has no encoder for
+    counted as bad records)."""
+    d = config.data
+    return {"samples": d.synthesize, "heldout": d.heldout, "seed": config.train.seed, "trace": d.trace}
+
+
+def check_data_path(config: Config) -> None:
+    """Fail before anything is created where ``data.path`` cannot be what the job trains on.
+
+    Without ``data.synthesize`` the path must hold a dataset; with it, the path must not exist yet
+    (harmonia creates it) or hold a synthetic set harmonia wrote from the same request.
 
     Raises:
-        ConfigError: nothing at ``data.path`` and ``data.synthesize`` is 0.
+        ConfigError: naming the path and what to do.
     """
     from harmonia.data.sources import is_dataset
     from harmonia.errors import ConfigError
 
     root = Path(config.data.path)
-    if is_dataset(root):
-        return False
     if not config.data.synthesize:
-        raise ConfigError(f"config data.path={str(root)!r} holds no dataset and data.synthesize=0; point it at a "
-                          "dataset or set data.synthesize to a sample count")
+        if not root.exists():
+            raise ConfigError(f"data.path={str(root)!r} does not exist; point it at a dataset (a file or directory: "
+                              "harmonia manifest, LLaVA JSON/JSONL, messages JSONL, webdataset shards, a mixture), "
+                              "or ask for a synthetic set there with data.synthesize=N")
+        if not is_dataset(root):
+            raise ConfigError(f"data.path={str(root)!r} is an empty directory; point it at a dataset")
+        return
+    if not root.exists():
+        return
+    marker = root / SYNTHETIC_MARKER
+    if not marker.is_file():
+        raise ConfigError(f"data.synthesize={config.data.synthesize} writes a new synthetic set, but "
+                          f"data.path={str(root)!r} already exists and is not one harmonia wrote; give a path that "
+                          "does not exist yet, or drop data.synthesize to train on what is there")
+    written = {k: v for k, v in json.loads(marker.read_text()).items() if k != "model"}
+    if written != synthetic_request(config):
+        raise ConfigError(f"data.path={str(root)!r} holds a synthetic set written from {written}, not from this "
+                          f"job's {synthetic_request(config)}; give another path, or remove that directory")
+
+
+def prepare_data(config: Config) -> bool:
+    """Synthesize the learnable dataset at ``data.path`` where ``data.synthesize`` asks for one and it
+    is not there yet; returns whether it did. Call `check_data_path` first."""
+    root = Path(config.data.path)
+    if not config.data.synthesize or root.exists():
+        return False
     from harmonia.data.synth import DEFAULT_MIX, TASK_MODALITY, write_synthetic_dataset
 
     spec = model_spec(config)
@@ -129,6 +169,11 @@ def prepare_data(config: Config) -> bool:
     encoded = {m for e in spec.encoders.values() for m in e.modalities}
     mix = {t: w for t, w in DEFAULT_MIX.items() if TASK_MODALITY[t] is None or TASK_MODALITY[t] in encoded}
     fmt = "llava" if config.model.from_checkpoint and encoded <= {"image"} else "harmonia"
-    write_synthetic_dataset(root, n, seed=config.train.seed, heldout=config.data.heldout / n, mix=mix, trace=trace,
+    staging = root.with_name(f".{root.name}.partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    write_synthetic_dataset(staging, n, seed=config.train.seed, heldout=config.data.heldout / n, mix=mix, trace=trace,
                             tile=tile, fmt=fmt)
+    (staging / SYNTHETIC_MARKER).write_text(json.dumps({**synthetic_request(config), "model": str(config.model.source)}))
+    staging.rename(root)
     return True

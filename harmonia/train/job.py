@@ -1,7 +1,7 @@
 """`harmonia train`: a whole job from a config, on local processes or under torchrun.
 
 Started plainly, the job does everything that can fail cheaply before any process starts: it
-validates the config, synthesizes the dataset if it is missing, reads every sample's shape (bad
+validates the config and the data path, synthesizes the dataset where `data.synthesize` asks, reads every sample's shape (bad
 samples reported and skipped by policy), and loads or searches the plan (printed). Then it spawns
 ``parallel.world_size`` processes (`harmonia.launch.launch`: a failing rank ends the job with its
 message, never a hang), and finally evaluates held-out answer accuracy of the initial and the
@@ -25,7 +25,7 @@ from harmonia.config import Config
 from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.backend import backend_of, hang_timeout
-from harmonia.train.data import data_cache_dir, open_split, prepare_data
+from harmonia.train.data import check_data_path, data_cache_dir, open_split, prepare_data
 from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,7 @@ def run_training(config: Config, console) -> TrainResult | None:
             return None
         return _finish(out["config"], Plan.from_json(out["plan"]), out, None)
     check_cluster(config)
+    check_data_path(config)
     with preflight(config) as checked:
         config = checked.config
         if checked.finished:
@@ -144,6 +145,7 @@ def prepare_shared(config: Config):
     from harmonia.train.preflight import preflight
     from harmonia.train.report import best_effort, console
 
+    check_data_path(config)
     checked = preflight(config)
     try:
         prepare_data(checked.config)

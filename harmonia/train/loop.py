@@ -139,7 +139,8 @@ class Trainer:
         tc = config.train
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
                                       tc.max_norm or None, self.device, tc.precision,
-                                      source=config.model.source if config.model.from_checkpoint else None)
+                                      source=config.model.source if config.model.from_checkpoint else None,
+                                      attention=tc.attention)
         self.dataset, shapes = open_training_data(config, self.spec, rank)
         self.order = DataOrder(list(shapes), tc.global_batch, tc.seed)
         self.data_group = dist.new_group(backend="gloo")  # the ranks agree on samples that failed to decode

@@ -61,11 +61,18 @@ kind's default, which ``auto`` runs: `harmonia.train.rank.build_rank_model`)."""
 
 
 def check_cluster(config: Config) -> None:
-    """The planner's cluster must have exactly ``parallel.world_size`` devices."""
+    """The planner's cluster must have exactly ``parallel.world_size`` devices, and the attention
+    kernel asked for must run the model's mask on the job's devices."""
     cluster = cluster_from_string(config.parallel.cluster)
     if cluster.world_size != config.parallel.world_size:
         raise ConfigError(f"config parallel.cluster={config.parallel.cluster!r} has {cluster.world_size} devices "
                           f"but parallel.world_size={config.parallel.world_size}; make them agree")
+    from harmonia.model.attention import choose_backend
+    from harmonia.train.backend import backend_of
+
+    device = "cuda" if backend_of(config) == "nccl" else "cpu"
+    spec = model_spec(config)
+    choose_backend(config.train.attention, device, spec.item_attention != "causal" and bool(spec.encoders))
 
 
 def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:

@@ -21,7 +21,7 @@ from harmonia.model.spec import MLLMSpec
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_executor import MLLMExecutor
-from harmonia.schedule.graph import LLM, StageGraph
+from harmonia.schedule.graph import LLM, StageGraph, fused_backward
 
 
 def prefix_of(module: str) -> str:
@@ -67,7 +67,9 @@ def stage_flags(spec: MLLMSpec, plan: Plan) -> dict[str, tuple[bool, ...] | bool
 
 
 def schedule_graph(spec: MLLMSpec, plan: Plan) -> StageGraph:
-    return StageGraph.from_layouts(plan.layouts, stage_flags(spec, plan), replica=0)
+    """One LLM replica's stage graph: trainable chunks from the spec, fused backwards by `fused_backward`."""
+    return StageGraph.from_layouts(plan.layouts, stage_flags(spec, plan), replica=0,
+                                   fused=fused_backward(plan.layouts, spec.llm.tie_embeddings))
 
 
 def rank_device(backend: str) -> torch.device:
@@ -96,7 +98,7 @@ def to_device(obj, device: torch.device):
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
                      optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                      max_norm: float | None, device: torch.device = torch.device("cpu"),
-                     precision: str = "auto", source: str | dict | None = None) -> RankModel:
+                     precision: str = "auto", source: str | dict | None = None, attention: str = "auto") -> RankModel:
     """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it).
 
     The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
@@ -104,7 +106,8 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     gathers FSDP parameters in bf16, with fp32 trained weights, gradient reduction and optimizer
     states. With ``source`` (an HF checkpoint
     directory or a composition) each chunk reads its own tensors from the checkpoint
-    (`harmonia.train.weights`); without, the whole model's weights come from ``seed``.
+    (`harmonia.train.weights`); without, the whole model's weights come from ``seed``. ``attention``
+    is the LLM's kernel (`harmonia.model.attention.choose_backend`).
     """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
@@ -151,5 +154,5 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,
-                            autocast=torch.bfloat16 if mixed else None)
+                            autocast=torch.bfloat16 if mixed else None, attention=attention)
     return RankModel(executor, named, owner)

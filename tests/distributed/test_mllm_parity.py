@@ -75,6 +75,14 @@ class Case:
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
 
 
+TIED_CASES = [  # tied embeddings under every schedule family, the LLM whole on each rank and pipelined
+    Case(f"llava tied: vision dp2 -> llm {name}, {family}", L(dp=2), L(), llm, family, training="llava",
+         n_microbatches=4)
+    for family in ("gpipe", "1f1b", "interleaved", "zb")
+    for name, llm in (("dp2", L(dp=2, virtual_stages=2 if family == "interleaved" else 1)),
+                      ("pp2", L(pp=2, virtual_stages=2 if family == "interleaved" else 1)))
+]
+
 CASES: dict[int, list[Case]] = {
     1: [
         Case("one process, zb, vision and audio subs", L(), L(), L(), "zb", n_sub={"vision": 2, "audio": 2}),
@@ -92,6 +100,7 @@ CASES: dict[int, list[Case]] = {
              placed=True),
         Case("co enc dp2 -> llm cp2, images cut over vision replicas", L(dp=2), L(dp=2), L(cp=2), tiles=3),
         Case("llava clip+qwen3: vision tp2 -> llm cp2 tp1", L(tp=2), L(), L(cp=2), training="llava"),
+        *TIED_CASES,
     ],
     4: [
         Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
@@ -322,6 +331,7 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.runtime.mllm_inputs import build_rank_batch
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
     from harmonia.schedule import StageGraph, build_schedule, lower
+    from harmonia.schedule.graph import fused_backward
     from harmonia.schedule.rank_actions import plan_rank_actions
 
     from harmonia.schedule.plan import parse_recompute
@@ -354,7 +364,7 @@ def run_case(case: Case, rank: int) -> dict:
         n = layouts[e].n_stages
         flags[e] = tuple(s.training_of(e).trains or (c == n - 1 and s.training_of(f"{e}_proj").trains)
                          for c in range(n))
-    graph = StageGraph.from_layouts(layouts, flags, replica=0)
+    graph = StageGraph.from_layouts(layouts, flags, replica=0, fused=fused_backward(layouts, s.llm.tie_embeddings))
     costs = CostTable(replicas=uneven_replica_costs(case)) if case.placed else None
     schedule = lower(build_schedule(graph, case.n_microbatches, case.family, n_sub=case.n_sub or None, costs=costs))
     kept = replace(schedule, costs=replace(costs, replicas={}), chunk_actions=None, placements=None) if costs else schedule

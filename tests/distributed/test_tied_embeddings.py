@@ -142,7 +142,8 @@ def test_tied_embedding_matches_one_process(results, case: str) -> None:
         assert g["losses"] == pytest.approx(ref["losses"], rel=RTOL), f"rank {r} losses"
         assert g["norms"] == pytest.approx(ref["norms"], rel=RTOL), f"rank {r} gradient norms"
         for name, grad in g["grads"].items():  # the first iteration: the copies carry the whole gradient
-            torch.testing.assert_close(grad, ref["grads"][name], rtol=RTOL, atol=1e-8, msg=f"rank {r} {name}")
+            # elementwise: an absolute floor of 1e-7 for near-zero entries (a few ulps of a 0.06-scale tensor)
+            torch.testing.assert_close(grad, ref["grads"][name], rtol=RTOL, atol=1e-7, msg=f"rank {r} {name}")
     copies = [t for g in got for key, t in g["params"].items() if key.endswith(".embed.weight")]
     assert len(copies) == {"dp2-two-chunks-per-rank": 4, "tp2": 2}.get(case, 2)
     for t in copies:  # every copy, first stage's and last stage's, equals the one-process embedding

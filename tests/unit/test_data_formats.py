@@ -190,9 +190,9 @@ def test_planted_bad_records_are_counted_by_kind_and_skipped(tmp_path):
 
 def test_format_override_and_errors(formats, tmp_path):
     root, _ = formats
-    ds = open_dataset(root / "llava.json", SPEC, format="messages")
-    assert len(ds) == 0 and dict(ds.stats.skipped) == {"unknown_schema": 3}
-    assert "'messages'" in ds.stats.examples["unknown_schema"][0]
+    with pytest.raises(ConfigError, match=r"first 3 records do not match data.format=messages: keys found "
+                       r"\['conversations', 'id', 'image'\]"):
+        open_dataset(root / "llava.json", SPEC, format="messages")
     assert len(open_dataset(root / "shard-0.tar", SPEC, format="llava")) == 3
     with pytest.raises(ConfigError, match="webdataset"):
         open_dataset(root / "llava.json", SPEC, format="webdataset")
@@ -326,3 +326,49 @@ def test_empty_assistant_turns_are_bad_records(tmp_path):
     ds = open_dataset(tmp_path / "d.jsonl", SPEC)
     assert len(ds) == 1 and dict(ds.stats.skipped) == {"bad_turns": 2}
     assert "empty" in ds.stats.examples["bad_turns"][0]
+
+
+@pytest.mark.parametrize("record, unread", [
+    ({"question": "What is this?", "answer": "a cat", "image": "img/a.png"}, "'image', 'question'"),
+    ({"prompt": "<image> what?", "answer": "a cat", "image": "img/a.png"}, "'image'"),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}], "tools": "[]"},
+     "'tools'"),
+    ({"answer": "7"}, None),
+])
+def test_a_record_is_read_only_by_a_format_that_explains_every_key(tmp_path, record, unread):
+    """An image beside ``prompt`` or ``question`` was read as harmonia's manifest without its image."""
+    from harmonia.data.formats import detect_schema, to_conversation
+    from harmonia.data.records import DirSource, RawRecord
+
+    assert detect_schema(record) is None
+    raw = RawRecord(record, "d.jsonl:1", DirSource(tmp_path))
+    with pytest.raises(DataError, match="unknown_schema|record has keys") as err:
+        to_conversation(raw)
+    assert err.value.kind == "unknown_schema"
+    if unread:
+        assert f"has [{unread}], which it does not read" in str(err.value)
+    assert detect_schema({"prompt": "p", "answer": "a", "media": [], "id": "x", "task": "t"}) == "harmonia"
+    assert detect_schema({"messages": [], "images": [], "id": "x"}) == "messages"
+
+
+@pytest.mark.parametrize("rows, keys", [
+    ([{"instruction": "Add", "input": "3+4", "output": "7"}] * 20, "['input', 'instruction', 'output']"),
+    ([{"query": "hi", "response": "yo"}] * 5, "['query', 'response']"),
+    ([{"question": "what?", "answer": "a cat", "image": "a.png"}] * 3, "['answer', 'image', 'question']"),
+])
+def test_a_source_whose_first_records_match_no_format_stops_with_one_message(tmp_path, rows, keys):
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as err:
+        open_dataset(tmp_path / "d.jsonl", SPEC)
+    message = str(err.value)
+    assert f"records match no format: keys found {keys}" in message
+    assert "llava ('conversations'" in message and "messages ('messages'" in message
+    assert f"first {min(len(rows), 16)} records" in message
+
+
+def test_a_few_unknown_records_among_known_ones_are_counted(tmp_path):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    rows = [{"query": "hi"}] * 3 + [good] * 4
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = open_dataset(tmp_path / "d.jsonl", SPEC)
+    assert len(ds) == 4 and dict(ds.stats.skipped) == {"unknown_schema": 3}

@@ -92,10 +92,10 @@ def test_block_kinds_agree_with_dense_mask():
 
 
 def test_flex_block_mask_matches_dense():
-    from harmonia.model.attention_mask import flex_block_mask
+    from harmonia.model.attention import flex_mask
 
     layout = TokenLayout.from_segments([[("text", 70), ("item", 90)], [("item", 40), ("text", 56)]])
-    bm = flex_block_mask(layout, block=128)
+    bm = flex_mask(layout, layout, None, block=128)
     dense = bm.to_dense()[0, 0]  # (n_q_blocks, n_kv_blocks) non-empty blocks
     kinds = block_mask_kinds(layout, block=128)
     assert torch.equal(dense.bool(), kinds != EMPTY)

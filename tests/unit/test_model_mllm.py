@@ -189,17 +189,16 @@ def test_video_temporal_merge_averages_frame_groups():
         assert model(batch).shape == (1, n + 3, spec.llm.vocab_size)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_flex_attention_path_matches_sdpa(model):
+def test_the_packed_kernel_matches_the_dense_reference(model):
     batch = pack_samples([sample(6, audio=True), sample(7)])
     with torch.no_grad():
-        dense = model(batch)
-        model.flex_attention = True
+        packed = model(batch)
+        model.attention = "dense"
         try:
-            flex = model(batch)
+            dense = model(batch)
         finally:
-            model.flex_attention = False
-    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+            model.attention = "auto"
+    torch.testing.assert_close(packed, dense, atol=1e-5, rtol=1e-5)
 
 
 def test_audio_token_merge_must_divide_chunk_tokens():

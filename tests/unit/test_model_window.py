@@ -1,4 +1,5 @@
-"""Sliding-window attention: one rule for the dense mask, CP shards, flex block masks and the cost model."""
+"""Sliding-window attention: one rule for the dense mask, the packed kernel, CP shards, flex block masks and the
+cost model."""
 
 import dataclasses
 import random
@@ -6,9 +7,9 @@ import random
 import pytest
 import torch
 
-from harmonia.errors import ConfigError
-from harmonia.model.attention_mask import TokenLayout, count_pairs, flex_block_mask, multimodal_mask
-from harmonia.model.layers import ShardedKeys, restrict_to_window
+from harmonia.model.attention import PackedAttention, flex_mask
+from harmonia.model.attention_mask import TokenLayout, count_pairs, multimodal_mask
+from harmonia.model.layers import restrict_to_window
 from harmonia.model.llm import build_llm
 from harmonia.model.presets import mllm_preset
 from harmonia.model.spec import LLMSpec, TransformerSpec
@@ -59,14 +60,17 @@ def test_windowed_mask_matches_brute_force_and_closed_form():
 def test_window_restricts_a_cp_shard_by_key_positions():
     rng = random.Random(1)
     layout = TokenLayout.from_segments(random_pack(rng, 3))
-    tokens = torch.tensor(sorted(rng.sample(range(len(layout)), len(layout) // 2)))
-    order = torch.randperm(len(layout), generator=torch.Generator().manual_seed(0))
-    q, k = layout.select(tokens), layout.select(order)
-    shard = ShardedKeys(multimodal_mask(q, k), lambda t: t, k.position)
-    got = restrict_to_window(shard, q.position[None], 4)
-    assert torch.equal(got.mask, multimodal_mask(q, k, window=4)) and got.gather is shard.gather
-    with pytest.raises(ConfigError, match="key_positions"):
-        restrict_to_window(ShardedKeys(shard.mask, shard.gather), q.position[None], 4)
+    T = len(layout)
+    tokens = torch.tensor(sorted(rng.sample(range(T), T // 2)))
+    order = torch.cat([tokens, torch.tensor([i for i in range(T) if i not in set(tokens.tolist())], dtype=torch.long)])
+    q, k, v = torch.randn(3, 1, 2, T, 8).unbind(0)
+    kv = torch.cat((k, v), dim=1).permute(2, 0, 1, 3)[order]  # (T, 1, 4, 8): every rank's rows, gathered order
+    shard = PackedAttention(layout, query_index=tokens, gather=lambda local: kv, key_order=order)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, tokens], k, v, attn_mask=multimodal_mask(layout.select(tokens), layout, window=4)[None, None])
+    layer = restrict_to_window(shard, layout.position[tokens][None], 4)
+    assert layer.window == 4 and layer.packed is shard
+    torch.testing.assert_close(layer.attend(q[:, :, tokens], k[:, :, tokens], v[:, :, tokens]), want)
 
 
 def _windowed_llm(window: int = 6, layers=(1, 2)) -> LLMSpec:
@@ -75,35 +79,35 @@ def _windowed_llm(window: int = 6, layers=(1, 2)) -> LLMSpec:
     return LLMSpec("windowed", body, vocab_size=64)
 
 
-def test_model_windows_are_the_same_through_a_cp_shard_and_flex_attention():
+def test_model_windows_are_the_same_through_the_packed_kernel_and_a_cp_shard():
     torch.manual_seed(0)
     model = build_llm(_windowed_llm()).eval()
     layout = TokenLayout.from_segments([[("text", 9), ("item", 5), ("text", 12)], [("text", 14)]])
     ids = torch.randint(0, 64, (1, len(layout)))
     with torch.no_grad():
         dense = model(ids, layout.position[None], multimodal_mask(layout))
-        # one CP rank holding every token in a shuffled order: keys gathered in that order
+        torch.testing.assert_close(model(ids, layout.position[None], PackedAttention(layout)), dense)
+        # one CP rank holding every token, its keys gathered in a shuffled order and put back
         perm = torch.randperm(len(layout), generator=torch.Generator().manual_seed(1))
-        part = layout.select(perm)
-        shard = ShardedKeys(multimodal_mask(part, part), lambda t: t, part.position)
-        torch.testing.assert_close(model(ids[:, perm], part.position[None], shard), dense[:, perm])
-        flex = model(ids, layout.position[None], flex_block_mask(layout))
-        torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+        shard = PackedAttention(layout, query_index=torch.arange(len(layout)), gather=lambda rows: rows[perm],
+                                key_order=perm)
+        torch.testing.assert_close(model(ids, layout.position[None], shard), dense)
         plain = build_llm(dataclasses.replace(model.spec, body=dataclasses.replace(
             model.spec.body, sliding_window=None, window_layers=None))).eval()
         plain.load_state_dict(model.state_dict())
         assert (plain(ids, layout.position[None], multimodal_mask(layout)) - dense).abs().max() > 1e-4
 
 
-def test_flex_block_mask_with_a_window_equals_the_dense_rule():
+def test_flex_mask_with_a_window_equals_the_dense_rule():
     from torch.nn.attention.flex_attention import flex_attention
 
     layout = TokenLayout.from_segments([[("text", 70), ("item", 90)], [("item", 40), ("text", 56)]])
     q, k, v = torch.randn(3, 1, 2, len(layout), 8).unbind(0)
-    dense = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=multimodal_mask(layout, window=50)[None, None])
-    for bm in (flex_block_mask(layout, window=50), restrict_to_window(flex_block_mask(layout), layout.position, 50)):
-        torch.testing.assert_close(flex_attention(q, k, v, block_mask=bm), dense, atol=1e-5, rtol=1e-5)
+    for window in (None, 50):
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=multimodal_mask(layout, window=window)[None, None])
+        got = flex_attention(q, k, v, block_mask=flex_mask(layout, layout, window))
+        torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
 
 
 def _windowed_mllm(window: int | None, layers=None):

@@ -1,0 +1,290 @@
+"""The GPU check (`make gpu-check`): attention kernels and one training step of a LLaVA-shaped model.
+
+1. Kernel parity: every attention kernel that runs on this device (`harmonia.model.attention`:
+   ``varlen``, ``flex``, ``segments``) against dense SDPA with the ``(T, T)`` mask computed in fp32,
+   outputs and input gradients, in bf16 on a GPU (relative error of the whole tensor <= 2e-2) and in
+   fp32 on CPU (<= 1e-5): causal packed documents (HF's LLaVA: image tokens causal), with a sliding
+   window, and bidirectional items inside causal text; GQA throughout.
+2. One training step (forward, backward, AdamW; the vision tower frozen, as LLaVA's instruction
+   tuning runs) of a LLaVA of about 2B parameters (SigLIP-so400m-shaped tower, Qwen2-1.5B-shaped
+   LLM, random weights from a config made here) on one GPU, bf16 autocast: harmonia's model on one
+   packed microbatch (attention ``auto``) beside transformers' own (``attn_implementation="sdpa"``)
+   on the same samples padded as an HF Trainer feeds them. Measured: step seconds (best of 3 after
+   a warm-up), tokens/s (real tokens), MFU (useful FLOPs of the cost model over the device's bf16
+   peak), peak memory; beside them the cost model's predicted step (the simulator's single-GPU,
+   single-microbatch time: every module's F, B and W) and the planner's peak-memory estimate for
+   the same plan and batch.
+
+``--tiny`` runs both parts on CPU with tiny widths (CI runs it, so the script never rots); on a GPU
+the table is saved under ``benchmarks/results/gpu-check-DATE.txt``. The script fails fast: a kernel
+out of tolerance exits 1 after the table.
+
+    python benchmarks/gpu_check.py [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+from saved import save_table
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from harmonia.errors import ConfigError  # noqa: E402
+from harmonia.model.attention import PackedAttention, choose_backend  # noqa: E402
+from harmonia.model.attention_mask import TokenLayout, multimodal_mask  # noqa: E402
+
+IMAGE_TOKEN = 151646
+
+
+def kernel_cases(n_tokens: int, seed: int = 0) -> list[tuple[str, TokenLayout, int | None]]:
+    """(name, layout, window): packed documents of 1/16 to 1/4 of the microbatch each."""
+    g = torch.Generator().manual_seed(seed)
+    samples, total = [], 0
+    while total < n_tokens:
+        n = min(int(torch.randint(n_tokens // 16, n_tokens // 4 + 1, (1,), generator=g)), n_tokens - total)
+        image = n // 3
+        samples.append([("text", n // 6), ("item", image), ("text", n - n // 6 - image)])
+        total += n
+    causal = TokenLayout.from_segments(samples, causal_items=True)
+    return [("causal documents", causal, None), ("causal documents, window 256", causal, 256),
+            ("bidirectional items", TokenLayout.from_segments(samples), None)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def kernel_parity(device: torch.device, dtype: torch.dtype, n_tokens: int, tol: float) -> tuple[Table, bool]:
+    table = Table(title=f"attention kernels vs dense SDPA (fp32 reference), {n_tokens} packed tokens, "
+                        f"{str(dtype).removeprefix('torch.')} on {device.type}")
+    for col in ("mask", "kernel", "output rel. error", "grad rel. error (q, k, v)", "ms fwd+bwd", "verdict"):
+        table.add_column(col, justify="left" if col in ("mask", "kernel", "verdict") else "right")
+    ok = True
+    for name, layout, window in kernel_cases(n_tokens):
+        layout = TokenLayout(*(t.to(device) for t in (layout.sample, layout.segment, layout.is_item, layout.position)))
+        torch.manual_seed(0)
+        q = torch.randn(1, 8, len(layout), 64, device=device)
+        k, v = torch.randn(2, 1, 2, len(layout), 64, device=device).unbind(0)
+        g = torch.randn_like(q)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        want = F.scaled_dot_product_attention(*ref_in, attn_mask=multimodal_mask(layout, window=window)[None, None],
+                                              enable_gqa=True)
+        want_grads = torch.autograd.grad(want, ref_in, g)
+        bidirectional = bool(layout.is_item.any())
+        for kernel in ("varlen", "flex", "segments"):
+            try:
+                choose_backend(kernel, device, bidirectional)
+            except ConfigError as e:
+                table.add_row(name, kernel, "", "", "", f"not run: {e}".split(";")[0])
+                continue
+            inputs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+            packed = PackedAttention(layout, backend=kernel)
+            y = packed.attend(*inputs, window)  # warm-up (compiles flex)
+            torch.autograd.grad(y, inputs, g.to(dtype))
+            _sync(device)
+            t0 = time.perf_counter()
+            y = packed.attend(*inputs, window)
+            grads = torch.autograd.grad(y, inputs, g.to(dtype))
+            _sync(device)
+            ms = (time.perf_counter() - t0) * 1e3
+            errors = [_rel(y, want)] + [_rel(a, b) for a, b in zip(grads, want_grads)]
+            passed = max(errors) <= tol
+            ok &= passed
+            table.add_row(name, kernel, f"{errors[0]:.1e}", ", ".join(f"{e:.1e}" for e in errors[1:]), f"{ms:.1f}",
+                          "ok" if passed else f"FAIL (> {tol:.0e})")
+    return table, ok
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def llava_config(tiny: bool):
+    import transformers
+
+    if tiny:
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, image_size=28, patch_size=14)
+        text = transformers.Qwen2Config(vocab_size=IMAGE_TOKEN + 2, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=True)
+    else:  # SigLIP-so400m/14 at 384 px (729 tokens per image), Qwen2-1.5B
+        vision = transformers.SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                 num_attention_heads=16, image_size=384, patch_size=14)
+        text = transformers.Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                        tie_word_embeddings=True, rope_theta=1e6)
+    return transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                                    vision_feature_layer=-1, vision_feature_select_strategy="full")
+
+
+def make_samples(config, n: int, text_range: tuple[int, int], seed: int = 0):
+    """``n`` samples of one image and a text of random length: ids (image tokens in place), labels, pixels."""
+    g = torch.Generator().manual_seed(seed)
+    per_image = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    out = []
+    for _ in range(n):
+        n_text = int(torch.randint(*text_range, (1,), generator=g))
+        text = torch.randint(10, 1000, (n_text,), generator=g)
+        ids = torch.cat([text[:8], torch.full((per_image,), IMAGE_TOKEN), text[8:]])
+        labels = ids.clone()
+        labels[:8 + per_image + n_text // 2] = -100  # the answer: the second half of the text
+        pixels = torch.randn(1, 3, config.vision_config.image_size, config.vision_config.image_size, generator=g)
+        out.append((ids, labels, pixels))
+    return out
+
+
+def harmonia_step(config, samples, device, dtype):
+    from harmonia.model.batch import pack_samples
+    from harmonia.model.hf.llava import llava_spec_from_hf, tokenized_sample
+    from harmonia.model.mllm import build_mllm_model
+
+    spec = llava_spec_from_hf(config.to_dict()).with_training(vision="frozen")
+    model = build_mllm_model(spec).to(device)
+    batch = pack_samples([tokenized_sample(spec, ids, px, labels, i) for i, (ids, labels, px) in enumerate(samples)])
+    batch = batch.to(device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model.loss(batch, batch.n_targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return spec, timed(step, device), batch.n_tokens
+
+
+def transformers_step(config, samples, device, dtype):
+    import transformers
+
+    model = transformers.LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").to(device)
+    model.model.vision_tower.requires_grad_(False)
+    width = max(ids.numel() for ids, _, _ in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for i, (x, y, _) in enumerate(samples):  # right padding, as the Trainer's collators pad
+        ids[i, :x.numel()], labels[i, :x.numel()], mask[i, :x.numel()] = x, y, 1
+    pixels = torch.cat([px for _, _, px in samples])
+    inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
+              "pixel_values": pixels.to(device)}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            loss = model(**inputs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return timed(step, device), ids.numel()
+
+
+def timed(step, device) -> dict:
+    """Best of 3 steps after one warm-up; peak memory over the steps."""
+    step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    best = float("inf")
+    for _ in range(3):
+        _sync(device)
+        t0 = time.perf_counter()
+        loss = step()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else float("nan")
+    return {"s": best, "peak": peak, "loss": loss}
+
+
+def shapes_of(config, samples):
+    from harmonia.workload.shapes import ModalityItem, SampleShape
+
+    per_image = (config.vision_config.image_size // config.vision_config.patch_size) ** 2
+    return [SampleShape(ids.numel() - per_image, (ModalityItem("image", tiles=1),), sample_id=i)
+            for i, (ids, _, _) in enumerate(samples)]
+
+
+def predicted(spec, shapes, device_name: str) -> tuple[float, float, float]:
+    """The cost model's single-GPU step (F + B + W of every module), useful FLOPs, the planner's peak bytes."""
+    from harmonia.plan.memory import plan_peak_bytes
+    from harmonia.plan.profiling import profile_batches
+    from harmonia.schedule.layout import Layout, Placement
+    from harmonia.schedule.plan import Plan
+    from harmonia.workload.cost import CostModel
+    from harmonia.workload.devices import device_preset
+
+    cost = CostModel(spec, device_preset(device_name))
+    step = float(cost.sample_costs(shapes).sum())
+    plan = Plan(spec.name, {"vision": Layout(), "llm": Layout()}, Placement.COLOCATED, "1f1b", 1,
+                global_batch=len(shapes), training={"vision": "frozen"})
+    peak = plan_peak_bytes(cost, plan, profile_batches(shapes, cost, len(shapes), n_batches=1))[0]
+    return step, cost.model_flops(shapes), peak
+
+
+def training_table(tiny: bool, device: torch.device) -> Table:
+    dtype = torch.float32 if tiny else torch.bfloat16
+    config = llava_config(tiny)
+    samples = make_samples(config, 4 if tiny else 16, (16, 64) if tiny else (64, 1024))
+    spec, ours, packed_tokens = harmonia_step(config, samples, device, dtype)
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    theirs, padded_tokens = transformers_step(config, samples, device, dtype)
+    device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
+    step_s, flops, peak_bytes = predicted(spec, shapes_of(config, samples), device_name)
+    peak_flops = _peak(device_name)
+    n_params = sum(spec.n_params().values())
+    table = Table(title=f"one training step, LLaVA {n_params / 1e9:.2f}B (vision frozen), {len(samples)} samples, "
+                        f"{packed_tokens} tokens ({padded_tokens} padded), {str(dtype).removeprefix('torch.')} on "
+                        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    for col in ("", "step s", "tokens/s", "MFU", "peak GiB", "loss (own random weights)"):
+        table.add_column(col, justify="left" if not col else "right")
+
+    def row(name, secs, peak, loss):
+        mfu = f"{flops / secs / peak_flops:.1%}" if peak_flops else "-"
+        table.add_row(name, f"{secs:.3f}", f"{packed_tokens / secs:,.0f}", mfu,
+                      "-" if peak != peak else f"{peak / 2**30:.1f}", "-" if loss is None else f"{loss:.3f}")
+
+    row("harmonia (packed, attention auto)", ours["s"], ours["peak"], ours["loss"])
+    row("transformers (padded, sdpa)", theirs["s"], theirs["peak"], theirs["loss"])
+    row("cost model's prediction (simulator, planner memory)", step_s, peak_bytes, None)
+    return table
+
+
+def _peak(device_name: str) -> float:
+    from harmonia.workload.devices import device_preset
+
+    return device_preset(device_name).peak_flops
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on CPU (CI)")
+    args = parser.parse_args()
+    console = Console(record=True, width=170)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        console.print("no GPU here: run with --tiny for the CPU smoke run")
+        return 2
+    dtype, tol = (torch.float32, 1e-5) if device.type == "cpu" else (torch.bfloat16, 2e-2)
+    parity, ok = kernel_parity(device, dtype, 512 if args.tiny else 8192, tol)
+    console.print(parity)
+    console.print(training_table(args.tiny, device))
+    if device.type == "cuda":
+        save_table(console, "gpu-check")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,407 @@
+"""One attention entry for packed sequences: kernels by device and mask kind, no ``(T, T)`` tensor.
+
+A microbatch's attention is described once (`PackedAttention`: the queries' and keys' token layouts,
+and under context parallelism how the gathered keys map to sequence order) and shared by every
+layer; each layer calls `PackedAttention.attend` with its queries, keys, values and sliding window.
+The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
+
+- ``segments`` (any device; the CPU's): the queries in blocks of at most `QUERY_BLOCK` tokens that
+  never straddle a packed sample (short samples share a block), each block against the one key range
+  its queries may reach (from its sample's start, or the window's, to its last query or the end of
+  the last item it attends), with that block's ``(bq, lk)`` mask: on CPU through FlashAttention's CPU
+  kernel forward and backward (`_SegmentAttention`), elsewhere through SDPA. Work is the kept pairs
+  plus at most a block's width per query; memory is linear in the tokens plus one block's mask.
+- ``varlen`` (CUDA): FlashAttention over ``cu_seqlens`` (`torch.nn.attention.varlen.varlen_attn`)
+  where every token attends causally within its sample (text, and items of models whose items attend
+  causally, as HF's LLaVA does), sliding windows and GQA included: each contiguous run of queries of
+  one sample against its causal key range, aligned bottom-right.
+- ``flex`` (CUDA): compiled ``flex_attention`` with a block mask built once per microbatch and
+  window, for masks varlen cannot express (bidirectional items inside causal text).
+- ``dense``: the ``(Tq, Tk)`` boolean mask through SDPA; the reference tests compare against, never
+  chosen by ``auto``.
+
+`choose_backend` picks by device and mask kind, and refuses a backend that cannot run the mask on
+the device, naming both.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from harmonia.errors import ConfigError
+from harmonia.model.attention_mask import TokenLayout, multimodal_mask
+
+BACKENDS = ("auto", "segments", "varlen", "flex", "dense")
+QUERY_BLOCK = 256
+"""Queries per block of the ``segments`` kernel: the waste past the kept pairs is at most this many
+keys per query; the transient mask is this many rows."""
+
+
+def choose_backend(requested: str, device: torch.device | str, bidirectional: bool) -> str:
+    """The kernel for a mask on a device.
+
+    Args:
+        requested: one of `BACKENDS`; ``auto`` = ``varlen`` on CUDA where every token attends
+            causally, ``flex`` on CUDA otherwise, ``segments`` elsewhere.
+        device: where attention runs.
+        bidirectional: some item's tokens attend their whole item (a mask varlen cannot express).
+
+    Raises:
+        ConfigError: ``requested`` cannot run this mask on this device.
+    """
+    kind = torch.device(device).type
+    mask_kind = "bidirectional items in causal text" if bidirectional else "causal packed documents"
+    if requested not in BACKENDS:
+        raise ConfigError(f"attention backend {requested!r} is not one of {BACKENDS}")
+    if requested == "auto":
+        if kind == "cuda":
+            return "flex" if bidirectional else "varlen"
+        return "segments"
+    if requested in ("varlen", "flex") and kind != "cuda":
+        raise ConfigError(f"attention backend {requested!r} runs on CUDA only, not on {kind} ({mask_kind}); "
+                          "use 'segments' or 'auto'")
+    if requested == "varlen" and bidirectional:
+        raise ConfigError(f"attention backend 'varlen' cannot express {mask_kind} on {kind}; use 'flex' or 'auto'")
+    return requested
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Local queries ``[q0, q1)`` against keys ``[k0, k1)`` in sequence order."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+
+@dataclass(eq=False)
+class PackedAttention:
+    """One microbatch's attention, shared by every layer of the LLM (or of an encoder).
+
+    Attributes:
+        keys: layout of every key token, in sequence order ``(T,)``.
+        query_index: ``(t,)`` ascending sequence index of each local query; None = every token.
+        backend: a kernel of `BACKENDS` other than ``auto`` (`choose_backend`).
+        gather: under context parallelism, ``(t, *F) -> (T, *F)`` every CP rank's rows in
+            gathered order (differentiable); None without.
+        key_order: ``(T,)`` sequence index of each gathered row; None without CP.
+    """
+
+    keys: TokenLayout
+    query_index: torch.Tensor | None = None
+    backend: str = "segments"
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    key_order: torch.Tensor | None = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        T = len(self.keys)
+        starts = _sample_starts(self.keys.sample)  # (T,)
+        expected = torch.arange(T, device=starts.device) - starts
+        if not torch.equal(self.keys.position.to(expected.device), expected):
+            raise ConfigError("packed attention needs each sample's tokens in order with positions 0, 1, ... "
+                              "(as TokenLayout.from_segments packs them)")
+        self._starts = starts
+        self._item_end = _item_ends(self.keys)  # (T,) last key + 1 each token may attend
+        # (T,) the group a token's query blocks start from: its sample for text, its item for an item's
+        # tokens (a block never holds text queries before an item and that item's own tokens)
+        self._groups = torch.where(self.keys.is_item, _run_starts(self.keys.segment), starts)
+        if self.key_order is not None:
+            self._to_sequence = torch.argsort(self.key_order)  # gathered row of each sequence index
+
+    def for_window(self, window: int | None) -> LayerAttention:
+        """What a layer with sliding window ``window`` (None = none) attends with."""
+        return LayerAttention(self, window)
+
+    @property
+    def queries(self) -> TokenLayout:
+        """Layout of the local queries."""
+        return self.keys if self.query_index is None else self.keys.select(self.query_index)
+
+    @property
+    def bidirectional(self) -> bool:
+        return bool(self.keys.is_item.any())
+
+    # -- the plan, once per microbatch and window -----------------------------------------------------
+    def blocks(self, window: int | None = None) -> list[QueryBlock]:
+        """The ``segments`` kernel's query blocks (cached per window)."""
+        key = ("blocks", window)
+        if key not in self._cache:
+            self._cache[key] = plan_query_blocks(self._local(self._groups), self._local(self._first_key(window)),
+                                                 self._local(self._item_end), QUERY_BLOCK)
+        return self._cache[key]
+
+    def computed_pairs(self, window: int | None = None) -> int:
+        """(query, key) pairs the ``segments`` kernel computes, masked ones included."""
+        return sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in self.blocks(window))
+
+    def _first_key(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self._starts
+        return torch.maximum(self._starts, torch.arange(len(self.keys), device=self._starts.device) - window + 1)
+
+    def _local(self, per_token: torch.Tensor) -> list[int]:
+        chosen = per_token if self.query_index is None else per_token[self.query_index]
+        return chosen.tolist()
+
+    # -- running it ---------------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Attention of the local queries.
+
+        Args:
+            q: ``(B, nh, t, hd)`` local queries (rotated).
+            k: ``(B, nkv, t, hd)`` local keys: under CP this rank's, gathered here.
+            v: ``(B, nkv, t, hd)`` local values.
+            window: the layer's sliding window (transformers' ``sliding_window``); None = none.
+
+        Returns:
+            ``(B, nh, t, hd)``.
+        """
+        if self.gather is not None:
+            k, v = self._gathered(k, v)  # (B, nkv, T, hd) in sequence order
+        gqa = q.shape[1] != k.shape[1]
+        if self.backend == "segments":
+            return self._segments(q, k, v, window, gqa)
+        if self.backend == "varlen":
+            return self._varlen(q, k, v, window, gqa)
+        if self.backend == "flex":
+            return self._flex(q, k, v, window, gqa)
+        mask = multimodal_mask(self.queries, self.keys, window)  # (t, T): the reference only
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=gqa)
+
+    def _gathered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every CP rank's keys and values, put in sequence order (one collective, one row gather)."""
+        kv = torch.cat((k, v), dim=1).permute(2, 0, 1, 3).contiguous()  # (t, B, 2 nkv, hd)
+        kv = self.gather(kv)[self._to_sequence]  # (T, B, 2 nkv, hd) in sequence order
+        k, v = kv.permute(1, 2, 0, 3).chunk(2, dim=1)  # (B, nkv, T, hd) each
+        return k, v
+
+    def _segments(self, q, k, v, window, gqa) -> torch.Tensor:
+        if q.device.type == "cpu":
+            return _SegmentAttention.apply(q, k, v, self, window)
+        queries, out = self.queries, []  # another device: SDPA per block, its autograd keeping each block's mask
+        for b in self.blocks(window):
+            mask = multimodal_mask(queries.select(slice(b.q0, b.q1)), self.keys.select(slice(b.k0, b.k1)),
+                                   window)  # (bq, lk)
+            out.append(F.scaled_dot_product_attention(q[:, :, b.q0:b.q1], k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1],
+                                                      attn_mask=mask[None, None], enable_gqa=gqa))
+        return torch.cat(out, dim=2)  # (B, nh, t, hd)
+
+    def block_bias(self, b: QueryBlock, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(1, 1, bq, lk)`` additive mask of one block: 0 where kept, -inf elsewhere."""
+        kept = multimodal_mask(self.queries.select(slice(b.q0, b.q1)), self.keys.select(slice(b.k0, b.k1)), window)
+        bias = torch.zeros(kept.shape, dtype=dtype, device=kept.device)
+        return bias.masked_fill_(~kept, float("-inf"))[None, None]
+
+    def _varlen(self, q, k, v, window, gqa) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        runs = self._cache.get(("runs", window))
+        if runs is None:
+            runs = self._cache[("runs", window)] = causal_runs(self._local(self._starts),
+                                                              self._local(self._first_key(window)),
+                                                              self._local(self._item_end), q.device)
+        k_index, cu_q, cu_k, max_q, max_k = runs
+        out = []
+        for i in range(q.shape[0]):
+            qi = q[i].transpose(0, 1)  # (t, nh, hd)
+            ki, vi = k[i].transpose(0, 1)[k_index], v[i].transpose(0, 1)[k_index]  # (sum lk, nkv, hd)
+            y = varlen_attn(qi, ki, vi, cu_q, cu_k, max_q, max_k,
+                            window_size=(-1 if window is None else window - 1, 0), enable_gqa=gqa)
+            out.append(y.transpose(0, 1))  # (nh, t, hd)
+        return torch.stack(out)
+
+    def _flex(self, q, k, v, window, gqa) -> torch.Tensor:
+        mask = self._cache.get(("flex", window))
+        if mask is None:
+            mask = self._cache[("flex", window)] = flex_mask(self.queries, self.keys, window)
+        return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """`PackedAttention` as one layer runs it: with that layer's sliding window (None = none)."""
+
+    packed: PackedAttention
+    window: int | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``(B, nh, t, hd)`` queries, ``(B, nkv, t, hd)`` local keys and values -> ``(B, nh, t, hd)``."""
+        return self.packed.attend(q, k, v, self.window)
+
+
+class _SegmentAttention(torch.autograd.Function):
+    """The ``segments`` kernel on CPU: FlashAttention's CPU kernel per query block, forward and backward.
+
+    Only the queries, keys, values, output and log-sum-exp are kept for backward (linear in the
+    tokens); each block's mask is built again in backward rather than kept (SDPA's own autograd
+    would keep every block's mask: memory growing with the pairs). Grouped key/value heads are
+    repeated per block and their gradients summed back.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, packed: PackedAttention, window: int | None):
+        blocks = packed.blocks(window)
+        out, lse = [], []
+        for b in blocks:
+            o, l = _flash_cpu(*_block_inputs(q, k, v, b), packed.block_bias(b, window, q.dtype))
+            out.append(o)
+            lse.append(l)
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # (B, nh, t, hd), (B, nh, t)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.packed, ctx.window = packed, window
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        packed, window = ctx.packed, ctx.window
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        group = q.shape[1] // k.shape[1]
+        for b in packed.blocks(window):
+            qb, kb, vb = _block_inputs(q, k, v, b)
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad[:, :, b.q0:b.q1].contiguous(), qb, kb, vb, out[:, :, b.q0:b.q1].contiguous(),
+                lse[:, :, b.q0:b.q1].contiguous(), 0.0, False, attn_mask=packed.block_bias(b, window, q.dtype))
+            if group > 1:  # (B, nh, lk, hd) -> (B, nkv, lk, hd): each key head's queries summed
+                gk = gk.unflatten(1, (k.shape[1], group)).sum(2)
+                gv = gv.unflatten(1, (k.shape[1], group)).sum(2)
+            dq[:, :, b.q0:b.q1] = gq
+            dk[:, :, b.k0:b.k1] += gk
+            dv[:, :, b.k0:b.k1] += gv
+        return dq, dk, dv, None, None
+
+
+def _block_inputs(q, k, v, b: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's ``(B, nh, bq, hd)`` queries and ``(B, nh, lk, hd)`` keys and values (GQA repeated)."""
+    group = q.shape[1] // k.shape[1]
+    kb, vb = k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1]
+    if group > 1:
+        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
+    return q[:, :, b.q0:b.q1].contiguous(), kb.contiguous(), vb.contiguous()
+
+
+def _flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's CPU kernel: ``(B, nh, bq, hd)`` output and ``(B, nh, bq)`` log-sum-exp."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+
+
+def _run_starts(ids: torch.Tensor) -> torch.Tensor:
+    """``(T,)`` index of the first token of each token's run of equal ``ids`` (runs contiguous)."""
+    T = ids.numel()
+    index = torch.arange(T, device=ids.device)
+    new = torch.ones(T, dtype=torch.bool, device=ids.device)
+    new[1:] = ids[1:] != ids[:-1]
+    return torch.cummax(torch.where(new, index, torch.zeros_like(index)), 0).values
+
+
+def _sample_starts(sample: torch.Tensor) -> torch.Tensor:
+    """``(T,)`` index of the first token of each token's sample (samples contiguous)."""
+    return _run_starts(sample)
+
+
+def _item_ends(layout: TokenLayout) -> torch.Tensor:
+    """``(T,)`` one past the last key each token may attend: its own index, or its item's end."""
+    T = len(layout)
+    index = torch.arange(T, device=layout.sample.device)
+    last = torch.ones(T, dtype=torch.bool, device=index.device)
+    last[:-1] = layout.segment[1:] != layout.segment[:-1]
+    seg_end = torch.flip(torch.cummin(torch.flip(torch.where(last, index, torch.full_like(index, T)), [0]), 0).values,
+                         [0]) + 1  # (T,) one past the segment's last token
+    return torch.where(layout.is_item, seg_end, index + 1)
+
+
+def plan_query_blocks(group_of: list[int], first: list[int], ends: list[int], width: int) -> list[QueryBlock]:
+    """Blocks of at most ``width`` consecutive local queries and their key ranges.
+
+    Queries come in groups (a sample's text, an item's tokens): a block never straddles two groups,
+    except short ones, which join one block while its queries and its key range both stay within
+    ``width``; a longer group is cut every ``width`` queries. A text query attends from its sample's
+    start (or window) to itself, an item's token to its item's end, so a block's key range exceeds
+    what each of its queries attends by at most ``width`` keys.
+
+    Args:
+        group_of: per local query, the id of its group (consecutive queries of one id form one).
+        first: per local query, the first key it may attend.
+        ends: per local query, one past the last key it may attend.
+        width: most queries per block.
+    """
+    groups: list[tuple[int, int]] = []  # local [a, b): one group's queries each
+    for i, s in enumerate(group_of):
+        if groups and group_of[groups[-1][0]] == s and groups[-1][1] == i:
+            groups[-1] = (groups[-1][0], i + 1)
+        else:
+            groups.append((i, i + 1))
+    blocks: list[QueryBlock] = []
+    short: QueryBlock | None = None  # whole short samples gathered so far
+    for a, b in groups:
+        k0, k1 = min(first[a:b]), max(ends[a:b])
+        if short is not None and b - short.q0 <= width and max(k1, short.k1) - min(k0, short.k0) <= width:
+            short = QueryBlock(short.q0, b, min(k0, short.k0), max(k1, short.k1))
+            continue
+        if short is not None:
+            blocks.append(short)
+            short = None
+        if b - a <= width and k1 - k0 <= width:
+            short = QueryBlock(a, b, k0, k1)
+            continue
+        for c in range(a, b, width):
+            d = min(c + width, b)
+            blocks.append(QueryBlock(c, d, min(first[c:d]), max(ends[c:d])))
+    return blocks + ([short] if short is not None else [])
+
+
+def causal_runs(starts: list[int], first: list[int], ends: list[int], device) -> tuple:
+    """``varlen``'s sequences: each run of local queries contiguous in one sample against its causal
+    key range ``[first key of the run's first query, its last query + 1)``, aligned bottom-right
+    (FlashAttention's causal rule where a sequence has more keys than queries).
+
+    Returns:
+        ``(k_index, cu_q, cu_k, max_q, max_k)``: the keys of every run one after another, int32
+        cumulative query and key lengths, the longest run and key range.
+    """
+    runs: list[tuple[int, int]] = []
+    for i in range(len(starts)):
+        if runs and starts[i] == starts[runs[-1][0]] and ends[i] == ends[i - 1] + 1:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    k_parts, cu_q, cu_k = [], [0], [0]
+    for a, b in runs:
+        k0, k1 = first[a], ends[b - 1]
+        k_parts.append(torch.arange(k0, k1))
+        cu_q.append(cu_q[-1] + b - a)
+        cu_k.append(cu_k[-1] + k1 - k0)
+    as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+    return (torch.cat(k_parts).to(device), as_int(cu_q), as_int(cu_k), max(b - a for a, b in runs),
+            max(cu_k[i + 1] - cu_k[i] for i in range(len(runs))))
+
+
+def flex_mask(queries: TokenLayout, keys: TokenLayout, window: int | None, block: int = 128):
+    """A flex_attention ``BlockMask`` of the rule between local queries and keys in sequence order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    qs, ks = queries, keys
+
+    def mask_mod(b, h, qi, ki):
+        causal = ks.position[ki] <= qs.position[qi]
+        own_item = qs.is_item[qi] & (qs.segment[qi] == ks.segment[ki])
+        kept = (qs.sample[qi] == ks.sample[ki]) & (causal | own_item)
+        if window is not None:
+            kept = kept & (qs.position[qi] - ks.position[ki] < window)
+        return kept
+
+    return create_block_mask(mask_mod, 1, 1, len(qs), len(ks), device=str(ks.sample.device), BLOCK_SIZE=block)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)

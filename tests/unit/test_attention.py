@@ -1,0 +1,196 @@
+"""The packed attention entry: every kernel that runs on CPU equals the dense reference (outputs and
+gradients, fp32), under context-parallel shards too; the kernel choice by device and mask kind;
+work about the kept pairs; memory linear in the tokens."""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import harmonia.model.attention as attention
+from harmonia.errors import ConfigError
+from harmonia.model.attention import PackedAttention, choose_backend, plan_query_blocks
+from harmonia.model.attention_mask import TokenLayout, count_pairs, multimodal_mask
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def random_layout(rng: random.Random, n_samples: int, longest: int = 40) -> TokenLayout:
+    samples = [[(rng.choice(["text", "item"]), rng.randint(1, longest)) for _ in range(rng.randint(1, 4))]
+               for _ in range(n_samples)]
+    return TokenLayout.from_segments(samples, causal_items=rng.random() < 0.3)
+
+
+def dense(q, k, v, queries, keys, window):
+    mask = multimodal_mask(queries, keys, window)[None, None]  # (1, 1, t, T): the reference
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _grads(y, inputs, g):
+    return torch.autograd.grad(y, inputs, g)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_segments_equal_the_dense_reference_outputs_and_gradients(seed, monkeypatch) -> None:
+    rng = random.Random(seed)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", rng.choice([4, 16, 64, 256]))
+    layout = random_layout(rng, rng.randint(1, 6))
+    T, nh, nkv = len(layout), 4, rng.choice([4, 2, 1])  # GQA and MQA included
+    window = rng.choice([None, 1, 5, 30])
+    torch.manual_seed(seed)
+    q = torch.randn(1, nh, T, 8, requires_grad=True)
+    k, v = (torch.randn(1, nkv, T, 8, requires_grad=True) for _ in range(2))
+    want = dense(q, k, v, layout, layout, window)
+    got = PackedAttention(layout).attend(q, k, v, window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(want)
+    for a, b in zip(_grads(got, (q, k, v), g), _grads(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_shard_attends_its_queries_against_every_key_in_sequence_order(cp) -> None:
+    """One CP rank's queries; the other ranks' keys and values arrive in gathered (rank) order."""
+    rng = random.Random(cp)
+    layout = random_layout(rng, 5)
+    T = len(layout)
+    ranks = torch.tensor([(i // 3) % cp for i in range(T)])  # blocks of 3 tokens dealt round the ranks
+    mine = (ranks == 1).nonzero().flatten()
+    order = torch.argsort(ranks, stable=True)  # gathered order: rank by rank, each ascending
+    torch.manual_seed(cp)
+    q = torch.randn(1, 4, T, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, T, 8, requires_grad=True) for _ in range(2))
+    others = torch.cat((k, v), dim=1).permute(2, 0, 1, 3)[order].detach()  # (T, 1, 4, 8) gathered
+
+    def gather(local):  # this rank's rows placed among the others' (its gradient flows to them)
+        at = (ranks[order] == 1).nonzero().flatten()
+        return others.index_copy(0, at, local)
+
+    shard = PackedAttention(layout, query_index=mine, gather=gather, key_order=order)
+    for window in (None, 4):
+        want = dense(q[:, :, mine], k, v, layout.select(mine), layout, window)
+        ql, kl, vl = q[:, :, mine], k[:, :, mine], v[:, :, mine]
+        got = shard.attend(ql, kl, vl, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        g = torch.randn_like(want)
+        gq, gk, gv = _grads(got, (q, k, v), g)
+        wq, wk, wv = _grads(want, (q, k, v), g)
+        torch.testing.assert_close(gq, wq, rtol=1e-5, atol=1e-5)
+        # this rank's keys and values: the gradient of its own queries' attention (the collective
+        # sums the other ranks' shares onto them)
+        torch.testing.assert_close(gk[:, :, mine], wk[:, :, mine], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv[:, :, mine], wv[:, :, mine], rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_cover_every_query_once_and_compute_about_the_kept_pairs() -> None:
+    rng = random.Random(7)
+    for _ in range(30):
+        layout = random_layout(rng, rng.randint(1, 12), longest=400)
+        packed = PackedAttention(layout)
+        for window in (None, 64):
+            blocks = packed.blocks(window)
+            covered = [i for b in blocks for i in range(b.q0, b.q1)]
+            assert covered == list(range(len(layout)))
+            assert all(b.q1 - b.q0 <= attention.QUERY_BLOCK for b in blocks)
+            kept = count_pairs(layout, window=window)
+            assert kept <= packed.computed_pairs(window) <= kept + attention.QUERY_BLOCK * len(layout)
+
+
+def test_short_samples_share_a_block_and_long_ones_are_cut() -> None:
+    starts = [0] * 3 + [3] * 2 + [5] * 10  # samples of 3, 2 and 10 queries
+    first, ends = starts, [i + 1 for i in range(15)]
+    blocks = plan_query_blocks(starts, first, ends, width=6)
+    assert [(b.q0, b.q1, b.k0, b.k1) for b in blocks] == [(0, 5, 0, 5), (5, 11, 5, 11), (11, 15, 5, 15)]
+
+
+def test_the_kernel_is_chosen_by_device_and_mask_kind() -> None:
+    assert choose_backend("auto", "cpu", bidirectional=True) == "segments"
+    assert choose_backend("auto", "cuda", bidirectional=False) == "varlen"
+    assert choose_backend("auto", "cuda", bidirectional=True) == "flex"
+    assert choose_backend("segments", "cuda", bidirectional=True) == "segments"
+    with pytest.raises(ConfigError, match="'varlen' runs on CUDA only, not on cpu \\(causal packed documents\\)"):
+        choose_backend("varlen", "cpu", bidirectional=False)
+    with pytest.raises(ConfigError, match="'flex' runs on CUDA only, not on cpu \\(bidirectional items"):
+        choose_backend("flex", "cpu", bidirectional=True)
+    with pytest.raises(ConfigError, match="'varlen' cannot express bidirectional items in causal text on cuda"):
+        choose_backend("varlen", "cuda", bidirectional=True)
+    with pytest.raises(ConfigError, match="not one of"):
+        choose_backend("math", "cpu", bidirectional=False)
+
+
+def test_a_layout_out_of_order_is_refused() -> None:
+    layout = TokenLayout.from_segments([[("text", 4)], [("text", 3)]])
+    with pytest.raises(ConfigError, match="positions 0, 1"):
+        PackedAttention(layout.select(torch.tensor([1, 0, 2, 3, 4, 5, 6])))
+
+
+def test_a_cpu_job_asking_for_a_cuda_kernel_stops_before_it_starts(tmp_path) -> None:
+    from harmonia.config import load_config
+    from harmonia.train.planning import check_cluster
+
+    config = load_config(None, ["--model.preset=tiny-omni", "--train.attention=varlen", "--parallel.backend=gloo"])
+    with pytest.raises(ConfigError, match="'varlen' runs on CUDA only, not on cpu"):
+        check_cluster(config)
+
+
+_PEAK = """
+import resource, sys, torch
+from harmonia.model.attention import PackedAttention
+from harmonia.model.attention_mask import TokenLayout
+T = int(sys.argv[1])
+layout = TokenLayout.from_segments([[("text", T // 2), ("item", T // 4), ("text", T - T // 2 - T // 4)]])
+q, k, v = (torch.randn(1, 2, T, 8, requires_grad=True) for _ in range(3))
+packed = PackedAttention(layout)
+packed.blocks()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+packed.attend(q, k, v).sum().backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)
+"""
+
+
+@pytest.mark.slow
+def test_attention_memory_grows_linearly_in_the_tokens() -> None:
+    """One 8k / 16k / 32k-token sample (text, a bidirectional item, text), forward and backward.
+    The dense kernel would hold a 1 GiB mask and 8 GiB of scores at 32k; the allocator's returned
+    memory is measured (a fixed mmap threshold, so peak RSS is what was live at once)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    peaks = [float(subprocess.run([sys.executable, "-c", _PEAK, str(T)], env=env, capture_output=True, text=True,
+                                  check=True, timeout=600).stdout) for T in (8192, 16384, 32768)]
+    growth = (peaks[2] - peaks[1]) / (peaks[1] - peaks[0])  # linear: 2; quadratic: 4
+    assert growth < 3 and peaks[2] < 400, peaks
+
+
+@pytest.mark.slow
+def test_a_packed_microbatch_of_32k_tokens_trains_on_cpu() -> None:
+    import dataclasses
+
+    from harmonia.model.llm import build_llm, lm_loss
+    from harmonia.model.presets import mllm_preset
+
+    spec = mllm_preset("tiny-omni").llm
+    spec = dataclasses.replace(spec, body=dataclasses.replace(spec.body, n_layers=2))
+    torch.manual_seed(0)
+    model = build_llm(spec)
+    rng = random.Random(0)
+    samples, total = [], 0
+    while total < 32768 - 600:
+        n = rng.randint(300, 3000)
+        samples.append([("text", n // 2), ("item", n // 4), ("text", n - n // 2 - n // 4)])
+        total += n
+    samples.append([("text", 32768 - total)])
+    layout = TokenLayout.from_segments(samples)
+    ids = torch.randint(0, spec.vocab_size, (1, len(layout)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(2):
+        loss = lm_loss(model(ids, layout.position[None], PackedAttention(layout)), torch.roll(ids, -1, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    assert len(layout) == 32768 and losses[1] < losses[0]

@@ -1,0 +1,26 @@
+"""`make gpu-check`'s script in its CPU mode (``--tiny``), so it runs the day a GPU is lent: every
+kernel that runs here matches the dense reference, and the training-step table is printed."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_on_cpu_in_its_tiny_mode() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    results = sorted((ROOT / "benchmarks" / "results").iterdir())
+    run = subprocess.run([sys.executable, "gpu_check.py", "--tiny"], cwd=ROOT / "benchmarks", env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    assert out.count(" ok ") + out.count("│ ok") >= 3 and "FAIL" not in out  # segments, on every mask
+    assert "not run: attention backend 'varlen' runs on CUDA only" in out
+    for row in ("harmonia (packed, attention auto)", "transformers (padded, sdpa)", "cost model's prediction"):
+        assert row in out
+    assert sorted((ROOT / "benchmarks" / "results").iterdir()) == results  # a table is saved from a GPU run only
