@@ -7,7 +7,8 @@ the process's baseline (a fixed mmap threshold, so peak RSS is what was live at 
 the mask keeps (what the cost model counts) and those the per-segment kernel computes. The dense
 kernel (SDPA with the ``(T, T)`` mask, the reference of the tests) runs where its mask and scores
 fit this machine (T <= 8192). The last table fits the per-segment time to the computed pairs
-(least squares, one rate and one overhead per call) and shows how far each row is from the fit.
+(non-negative least squares: one rate per pair and one overhead per kernel call) and shows how far
+each row is from the fit.
 
     python benchmarks/attention.py [--quick]
 """
@@ -91,7 +92,9 @@ def main() -> int:
     pairs = np.array([r[2]["computed"] for r in rows], dtype=float)
     calls = np.array([r[2]["calls"] for r in rows], dtype=float)
     secs = np.array([r[2]["s"] for r in rows])
-    (rate, per_call), *_ = np.linalg.lstsq(np.stack([pairs, calls], 1), secs, rcond=None)
+    from scipy.optimize import nnls
+
+    (rate, per_call), _ = nnls(np.stack([pairs, calls], 1), secs)  # neither term negative
     fit = Table(title=f"segments time = computed pairs x {rate * 1e9:.3f} ns + calls x {per_call * 1e6:.0f} us")
     for col in ("tokens", "docs", "measured s", "fitted s", "error"):
         fit.add_column(col, justify="right")

@@ -149,13 +149,15 @@ class TrainConfig:
     n_microbatches: int = _f(4, "microbatches per LLM replica (the planner may change it)")
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    warmup: int = _f(4, "linear warm-up steps")
+    warmup: int = _f(-1, "linear warm-up steps; -1 = 3% of train.steps, at least 1")
     max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
     seed: int = _f(0, "seed of weights, data order and schedules")
     precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
     attention: str = _f("auto", "the LLM's attention kernel: auto (FlashAttention varlen on GPUs where every token "
                         "attends causally, compiled flex attention where items attend their whole item, the exact "
                         "per-segment kernel on CPU), segments, varlen or flex")
+    compile: str = _f("auto", "torch.compile each transformer block (dynamic shapes, no recompilation as "
+                      "microbatch lengths change): auto (on GPUs), on or off")
     on_nonfinite: str = _f("stop", "a step whose loss or gradient norm is not finite: stop (before the weights "
                            "change) or skip its update (the job still stops after 3 such steps in a row)")
     assignment: str = _f("balanced", "how each step's batch becomes microbatches: balanced (every module's work "
@@ -169,6 +171,7 @@ class TrainConfig:
                  "auto, fp32 or bf16")
         _require(self.attention in ("auto", "segments", "varlen", "flex"), "train.attention", self.attention,
                  "auto, segments, varlen or flex")
+        _require(self.compile in ("auto", "on", "off"), "train.compile", self.compile, "auto, on or off")
         _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
         _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
         _require(_finite(self.lr) and self.lr > 0, "train.lr", self.lr, "a finite positive number")
@@ -179,7 +182,13 @@ class TrainConfig:
         _require(self.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", self.on_nonfinite, "'stop' or 'skip'")
         _require(self.assignment in ("balanced", "sequential"), "train.assignment", self.assignment,
                  "'balanced' or 'sequential'")
-        _require(0 <= self.warmup <= self.steps, "train.warmup", self.warmup, f"0..train.steps ({self.steps})")
+        _require(self.warmup == -1 or 0 <= self.warmup <= self.steps, "train.warmup", self.warmup,
+                 f"-1 (3% of the steps) or 0..train.steps ({self.steps})")
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warm-up in steps: ``warmup``, or for -1 3% of ``steps`` rounded up (4 of 120)."""
+        return self.warmup if self.warmup >= 0 else max(1, math.ceil(0.03 * self.steps))
 
 
 @dataclass(frozen=True)

@@ -185,19 +185,34 @@ class PackedAttention:
     def _segments(self, q, k, v, window, gqa) -> torch.Tensor:
         if q.device.type == "cpu":
             return _SegmentAttention.apply(q, k, v, self, window)
-        queries, out = self.queries, []  # another device: SDPA per block, its autograd keeping each block's mask
+        out = []  # another device: SDPA per block, its autograd keeping each block's mask
         for b in self.blocks(window):
-            mask = multimodal_mask(queries.select(slice(b.q0, b.q1)), self.keys.select(slice(b.k0, b.k1)),
-                                   window)  # (bq, lk)
             out.append(F.scaled_dot_product_attention(q[:, :, b.q0:b.q1], k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1],
-                                                      attn_mask=mask[None, None], enable_gqa=gqa))
+                                                      attn_mask=self.block_bias(b, window, q.dtype), enable_gqa=gqa))
         return torch.cat(out, dim=2)  # (B, nh, t, hd)
+
+    def bounds(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(t,)`` first key and ``(t,)`` one past the last key of each local query (sequence order).
+
+        The multimodal rule keeps exactly this interval of keys for every query: a text token
+        attends its sample's earlier tokens (items' included) up to itself, an item's token also its
+        item's later tokens, and a window only moves the interval's start (module docstring of
+        `harmonia.model.attention_mask`; the tests compare with the dense rule)."""
+        key = ("bounds", window)
+        if key not in self._cache:
+            first, ends = self._first_key(window), self._item_end
+            if self.query_index is not None:
+                first, ends = first[self.query_index], ends[self.query_index]
+            self._cache[key] = (first, ends)
+        return self._cache[key]
 
     def block_bias(self, b: QueryBlock, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """``(1, 1, bq, lk)`` additive mask of one block: 0 where kept, -inf elsewhere."""
-        kept = multimodal_mask(self.queries.select(slice(b.q0, b.q1)), self.keys.select(slice(b.k0, b.k1)), window)
-        bias = torch.zeros(kept.shape, dtype=dtype, device=kept.device)
-        return bias.masked_fill_(~kept, float("-inf"))[None, None]
+        first, ends = self.bounds(window)
+        keys = torch.arange(b.k0, b.k1, device=first.device)  # (lk,)
+        dropped = (keys < first[b.q0:b.q1, None]) | (keys >= ends[b.q0:b.q1, None])  # (bq, lk)
+        bias = torch.zeros(dropped.shape, dtype=dtype, device=dropped.device)
+        return bias.masked_fill_(dropped, float("-inf"))[None, None]
 
     def _varlen(self, q, k, v, window, gqa) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
@@ -231,8 +246,13 @@ class LayerAttention:
     packed: PackedAttention
     window: int | None = None
 
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``(B, nh, t, hd)`` queries, ``(B, nkv, t, hd)`` local keys and values -> ``(B, nh, t, hd)``."""
+        """``(B, nh, t, hd)`` queries, ``(B, nkv, t, hd)`` local keys and values -> ``(B, nh, t, hd)``.
+
+        Outside compiled regions (`harmonia.runtime.parallelize.apply_compile` compiles the rest of
+        each block): the kernel's plan is data of each microbatch, which must not become guards that
+        recompile the block every step (flex attention compiles itself)."""
         return self.packed.attend(q, k, v, self.window)
 
 
@@ -241,15 +261,14 @@ class _SegmentAttention(torch.autograd.Function):
 
     Only the queries, keys, values, output and log-sum-exp are kept for backward (linear in the
     tokens); each block's mask is built again in backward rather than kept (SDPA's own autograd
-    would keep every block's mask: memory growing with the pairs). Grouped key/value heads are
-    repeated per block and their gradients summed back.
+    would keep every block's mask: memory growing with the pairs). The kernel takes grouped
+    key/value heads as they are, and strided blocks without copies.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, packed: PackedAttention, window: int | None):
-        blocks = packed.blocks(window)
         out, lse = [], []
-        for b in blocks:
+        for b in packed.blocks(window):
             o, l = _flash_cpu(*_block_inputs(q, k, v, b), packed.block_bias(b, window, q.dtype))
             out.append(o)
             lse.append(l)
@@ -263,15 +282,10 @@ class _SegmentAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         packed, window = ctx.packed, ctx.window
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        group = q.shape[1] // k.shape[1]
         for b in packed.blocks(window):
-            qb, kb, vb = _block_inputs(q, k, v, b)
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad[:, :, b.q0:b.q1].contiguous(), qb, kb, vb, out[:, :, b.q0:b.q1].contiguous(),
-                lse[:, :, b.q0:b.q1].contiguous(), 0.0, False, attn_mask=packed.block_bias(b, window, q.dtype))
-            if group > 1:  # (B, nh, lk, hd) -> (B, nkv, lk, hd): each key head's queries summed
-                gk = gk.unflatten(1, (k.shape[1], group)).sum(2)
-                gv = gv.unflatten(1, (k.shape[1], group)).sum(2)
+                grad[:, :, b.q0:b.q1], *_block_inputs(q, k, v, b), out[:, :, b.q0:b.q1], lse[:, :, b.q0:b.q1],
+                0.0, False, attn_mask=packed.block_bias(b, window, q.dtype))
             dq[:, :, b.q0:b.q1] = gq
             dk[:, :, b.k0:b.k1] += gk
             dv[:, :, b.k0:b.k1] += gv
@@ -279,12 +293,8 @@ class _SegmentAttention(torch.autograd.Function):
 
 
 def _block_inputs(q, k, v, b: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's ``(B, nh, bq, hd)`` queries and ``(B, nh, lk, hd)`` keys and values (GQA repeated)."""
-    group = q.shape[1] // k.shape[1]
-    kb, vb = k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1]
-    if group > 1:
-        kb, vb = kb.repeat_interleave(group, dim=1), vb.repeat_interleave(group, dim=1)
-    return q[:, :, b.q0:b.q1].contiguous(), kb.contiguous(), vb.contiguous()
+    """One block's ``(B, nh, bq, hd)`` queries and ``(B, nkv, lk, hd)`` keys and values (views)."""
+    return q[:, :, b.q0:b.q1], k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1]
 
 
 def _flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ weights into it, then `parallelize_stage`:
 
 1. `apply_tp`   — DTensor `parallelize_module` with the model's own TP plan (`plan_tp`) on the
    stage's ``tp`` mesh;
-2. `apply_fsdp` — FSDP2 `fully_shard` per block, then the chunk, on the stage's ``dp`` mesh (only when
+2. `apply_recompute` — activation checkpointing of the plan's share of the blocks;
+3. `apply_compile` — ``torch.compile`` per block where the job compiles (``train.compile``);
+4. `apply_fsdp` — FSDP2 `fully_shard` per block, then the chunk, on the stage's ``dp`` mesh (only when
    the layout says ``fsdp``; otherwise the executor all-reduces gradients over ``dp``).
 
 Meshes come from `harmonia.runtime.meshes.build_module_meshes`: per module one `DeviceMesh`
@@ -109,6 +111,19 @@ def apply_recompute(module: nn.Module, share: float = 1.0) -> int:
     return len(chosen)
 
 
+def apply_compile(module: nn.Module) -> int:
+    """Compile each transformer block of a stage module (torchtitan's per-block ``torch.compile``),
+    with dynamic shapes: microbatches differ in length every step and must not recompile. The
+    attention kernel stays outside the compiled graphs (`harmonia.model.attention.LayerAttention`).
+    Returns how many blocks."""
+    from harmonia.model.layers import Block
+
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
 def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
     """Hold ``module``'s frozen parameters in ``dtype`` (bf16 under mixed precision: what autocast
     computes with, 2 B instead of fp32's 4; `harmonia.workload.cost`), as Megatron-LM's
@@ -121,9 +136,9 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
 
 
 def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: float = 0.0,
-                      mixed_precision: bool = False) -> nn.Module:
-    """Frozen weights in bf16 under mixed precision, then TP, activation checkpointing and FSDP, as
-    the plan says for the module. Returns the (same) module, changed in place.
+                      mixed_precision: bool = False, compile: bool = False) -> nn.Module:
+    """Frozen weights in bf16 under mixed precision, then TP, activation checkpointing, compilation
+    and FSDP, as the plan and the job say for the module. Returns the (same) module, changed in place.
 
     Args:
         recompute: the share of the blocks that recompute their activations in backward
@@ -131,6 +146,7 @@ def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: float = 0.
         mixed_precision: frozen parameters held in bf16 (`hold_frozen_in`); with FSDP, gather
             parameters and compute in bf16, reduce gradients in fp32 (FSDP2's
             `MixedPrecisionPolicy`); without FSDP the executor's autocast does it.
+        compile: compile each block (`apply_compile`).
     """
     layout = mesh.layout
     if mixed_precision:
@@ -139,6 +155,8 @@ def parallelize_stage(module: nn.Module, mesh: ModuleMesh, recompute: float = 0.
         apply_tp(module, mesh.submesh("tp"))
     if recompute:
         apply_recompute(module, float(recompute))
+    if compile:
+        apply_compile(module)
     if layout.fsdp and layout.dp > 1:
         apply_fsdp(module, mesh.submesh("dp"), mixed_precision)  # TP DTensors on the root mesh become 2-D
     return module

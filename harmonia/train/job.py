@@ -126,6 +126,9 @@ def run_training(config: Config, console) -> TrainResult | None:
         config = checked.config
         if checked.finished:
             return TrainResult(None, [], [], checked.start_step)
+        if checked.start_step:
+            console.print(f"resumed from step-{checked.start_step} in {config.checkpoint.dir} (train.steps="
+                          f"{config.train.steps}; the learning-rate schedule runs to that step)", markup=False)
         t0 = time.perf_counter()
         if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "

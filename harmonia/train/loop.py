@@ -61,8 +61,8 @@ class TrainingError(HarmoniaError):
 
 
 def learning_rate(config: Config, step: int) -> float:
-    """Linear warm-up over ``train.warmup`` steps, then cosine decay to 10% of the peak."""
-    peak, warm, total = config.train.lr, config.train.warmup, config.train.steps
+    """Linear warm-up over ``train.warmup_steps``, then cosine decay to 10% of the peak."""
+    peak, warm, total = config.train.lr, config.train.warmup_steps, config.train.steps
     if step < warm:
         return peak * (step + 1) / warm
     progress = (step - warm) / max(1, total - warm)
@@ -140,7 +140,7 @@ class Trainer:
         self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
                                       tc.max_norm or None, self.device, tc.precision,
                                       source=config.model.source if config.model.from_checkpoint else None,
-                                      attention=tc.attention)
+                                      attention=tc.attention, compile=tc.compile)
         self.dataset, shapes = open_training_data(config, self.spec, rank)
         self.order = DataOrder(list(shapes), tc.global_batch, tc.seed)
         self.data_group = dist.new_group(backend="gloo")  # the ranks agree on samples that failed to decode

@@ -98,7 +98,8 @@ def to_device(obj, device: torch.device):
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
                      optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                      max_norm: float | None, device: torch.device = torch.device("cpu"),
-                     precision: str = "auto", source: str | dict | None = None, attention: str = "auto") -> RankModel:
+                     precision: str = "auto", source: str | dict | None = None, attention: str = "auto",
+                     compile: str = "auto") -> RankModel:
     """Build this rank's chunks, projectors and executor on ``device`` (collective: every rank calls it).
 
     The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
@@ -107,7 +108,8 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     states. With ``source`` (an HF checkpoint
     directory or a composition) each chunk reads its own tensors from the checkpoint
     (`harmonia.train.weights`); without, the whole model's weights come from ``seed``. ``attention``
-    is the LLM's kernel (`harmonia.model.attention.choose_backend`).
+    is the LLM's kernel (`harmonia.model.attention.choose_backend`); ``compile`` ``on`` (``auto``: on
+    GPUs) compiles every block (`harmonia.runtime.parallelize.apply_compile`).
     """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
@@ -127,6 +129,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     named: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     mixed = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    compiled = compile == "on" or (compile == "auto" and device.type == "cuda")
 
     def keep(module: nn.Module, prefix: str, owned_by: str) -> None:
         for n, t in [*module.named_parameters(), *module.named_buffers()]:
@@ -142,7 +145,8 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             apply_training(module, spec.training_of(name))
             fill(module, name, layers_of[c])
             module.to(device)
-            parallelize_stage(module, mesh, recompute=plan.recompute_share(name), mixed_precision=mixed)
+            parallelize_stage(module, mesh, recompute=plan.recompute_share(name), mixed_precision=mixed,
+                              compile=compiled)
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
             proj = build_module(spec, f"{name}_proj")

@@ -204,6 +204,7 @@ def test_faults_inside_a_job_and_what_a_restart_finds(tmp, capsys) -> None:
     code, out = _train(args)
     assert code == 0, out[-3000:]
     assert "removed step-4.tmp left by an interrupted save" in out
+    assert f"resumed from step-2 in {ck} (train.steps=4;" in out
     assert "could not write the timelines" in out and "could not write calibration.json" in out
     assert _steps(ck) == ["step-2", "step-4"] and _all_finite(ck / "step-4")
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]

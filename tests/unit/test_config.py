@@ -52,3 +52,15 @@ def test_schedule_search_auto_is_off_on_cpu_and_on_with_gpus() -> None:
     assert backend.schedule_search(load_config(None, ["--parallel.schedule_search=5"])) == 5
     assert backend.schedule_search(load_config(None, ["--parallel.backend=gloo"])) == 0
     assert backend.schedule_search(load_config(None, ["--parallel.backend=nccl"])) == backend.SCHEDULE_SEARCH_GPU
+
+
+def test_the_default_warmup_fits_any_number_of_steps() -> None:
+    from harmonia.train.loop import learning_rate
+
+    short = load_config(None, ["--train.steps=3"])
+    assert short.train.warmup_steps == 1
+    assert [round(learning_rate(short, s) / short.train.lr, 3) for s in range(3)] == [1.0, 1.0, 0.55]
+    assert load_config(None, []).train.warmup_steps == 4  # 3% of 120 steps, rounded up
+    assert load_config(None, ["--train.warmup=0"]).train.warmup_steps == 0
+    with pytest.raises(ConfigError, match="train.warmup"):
+        load_config(None, ["--train.steps=3", "--train.warmup=4"])
