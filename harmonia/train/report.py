@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,22 @@ def best_effort(what: str, fn: Callable[..., Any], *args, **kwargs) -> Any:
 
 
 class ProgressReporter:
-    """Rank 0's progress bar and metrics; a no-op elsewhere. Use as a context manager."""
+    """Rank 0's progress bar and metrics; a no-op elsewhere. Use as a context manager.
+
+    Where stdout is not a terminal (nohup, Slurm, a pipe) a bar cannot redraw, so rank 0 prints one
+    plain line every ``log.every`` steps instead (`progress_line`)."""
 
     def __init__(self, config: Config, start_step: int, enabled: bool) -> None:
         self.config, self.enabled = config, enabled
+        self.lines = enabled and not console.is_terminal
+        self.start_step, self.started = start_step, time.perf_counter()
         self.records: list[dict] = []
         self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard,
                                     start_step=start_step)
         self.progress = Progress(TextColumn("[bold]train[/] step {task.completed}/{task.total}"), BarColumn(),
                                  TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 console=console, disable=not enabled, transient=False)
+                                 console=console, disable=not enabled or self.lines, transient=False)
         self.task = self.progress.add_task("train", total=config.train.steps, completed=start_step,
                                            loss=float("nan"), tps=0.0)
 
@@ -64,10 +70,28 @@ class ProgressReporter:
 
     def step(self, record: dict) -> None:
         self.records.append(record)
-        if record["step"] % self.config.log.every == 0 or record["step"] == self.config.train.steps - 1:
+        logged = record["step"] % self.config.log.every == 0 or record["step"] == self.config.train.steps - 1
+        if logged:
             self.writer.log(record["step"], record)
+        if logged and self.lines:
+            done = record["step"] + 1
+            console.print(progress_line(done, self.config.train.steps, record, time.perf_counter() - self.started,
+                                        done - self.start_step), markup=False, highlight=False)
         self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
                              tps=record["tokens_per_s"])
+
+
+def progress_line(done: int, total: int, record: dict, elapsed: float, ran: int) -> str:
+    """``step 5/120  loss 4.1234  7,088 tok/s  elapsed 0:00:12  ETA 0:02:41``: ``done`` steps of
+    ``total``, ``ran`` of them in ``elapsed`` seconds by this job (the ETA extrapolates them)."""
+    eta = elapsed / max(ran, 1) * (total - done)
+    return (f"step {done}/{total}  loss {record['loss']:.4f}  {record['tokens_per_s']:,.0f} tok/s  "
+            f"elapsed {_clock(elapsed)}  ETA {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def measured_timeline(actions: dict[int, list[MeasuredAction]]) -> Timeline:
