@@ -110,10 +110,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    world_size: int = _f(4, "processes; spawned locally when not started by torchrun")
+    world_size: int = _f(0, "processes; spawned locally when not started by torchrun (0 = the cluster's "
+                         "devices, 4 when neither is given)")
     plan: str = _f("auto", "plan JSON written by `harmonia plan`, or auto to search at start-up")
-    cluster: str = _f("cpu:1x4", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8 (cpu:1x4@2: "
-                      "4 ranks sharing 2 cores; a CPU job simulates its ranks on the cores it is given)")
+    cluster: str = _f("", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8 (cpu:1x4@2: "
+                      "4 ranks sharing 2 cores; a CPU job simulates its ranks on the cores it is given); empty = "
+                      "cpu:1xN for world_size N (a GPU job names its cluster)")
     schedule: str = _f("auto", "pipeline schedule family the plan search must use: auto (the search decides), "
                        "gpipe, 1f1b, interleaved or zb")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
@@ -127,7 +129,14 @@ class ParallelConfig:
                               "where every rank's search takes its time from the ranks' own compute)")
 
     def __post_init__(self) -> None:
-        _require(self.world_size >= 1, "parallel.world_size", self.world_size, "an integer >= 1")
+        _require(self.world_size >= 0, "parallel.world_size", self.world_size, "an integer >= 1 (0 = the cluster's)")
+        if not self.cluster:  # a CPU job of world_size processes
+            object.__setattr__(self, "world_size", self.world_size or 4)
+            object.__setattr__(self, "cluster", f"cpu:1x{self.world_size}")
+        elif not self.world_size:
+            from harmonia.workload.devices import cluster_from_string
+
+            object.__setattr__(self, "world_size", cluster_from_string(self.cluster).world_size)
         _require(self.schedule in ("auto", "gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
                  "auto, gpipe, 1f1b, interleaved or zb")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")

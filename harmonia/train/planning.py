@@ -71,6 +71,9 @@ def check_cluster(config: Config) -> None:
     from harmonia.train.backend import backend_of
 
     device = "cuda" if backend_of(config) == "nccl" else "cpu"
+    if device == "cuda" and cluster.device.name == "cpu":
+        raise ConfigError(f"parallel.cluster={config.parallel.cluster!r} models CPUs but this job runs on GPUs "
+                          f"(nccl); name its cluster, e.g. --parallel.cluster=h100:1x{config.parallel.world_size}")
     spec = model_spec(config)
     choose_backend(config.train.attention, device, spec.item_attention != "causal" and bool(spec.encoders))
 

@@ -124,7 +124,7 @@ def test_demo_config_file_is_the_embedded_default() -> None:
 
 @pytest.mark.parametrize("argv, field", [
     (["--train.steps=0"], "train.steps"),
-    (["--parallel.world_size=3"], "parallel.world_size"),
+    (["--parallel.world_size=3", "--parallel.cluster=cpu:1x4"], "parallel.world_size"),
     (["--model.frozen=eyes"], "model.frozen"),
     (["--train.nonsense=1"], "train.nonsense"),
     (["--parallel.schedule=fast"], "parallel.schedule"),

@@ -64,3 +64,22 @@ def test_the_default_warmup_fits_any_number_of_steps() -> None:
     assert load_config(None, ["--train.warmup=0"]).train.warmup_steps == 0
     with pytest.raises(ConfigError, match="train.warmup"):
         load_config(None, ["--train.steps=3", "--train.warmup=4"])
+
+
+def test_the_world_size_and_the_cluster_follow_each_other() -> None:
+    def parallel(*args):
+        p = load_config(None, list(args)).parallel
+        return p.world_size, p.cluster
+
+    assert parallel() == (4, "cpu:1x4")
+    assert parallel("--parallel.world_size=2") == (2, "cpu:1x2")
+    assert parallel("--parallel.cluster=h100:2x8") == (16, "h100:2x8")
+    assert parallel("--parallel.world_size=3", "--parallel.cluster=cpu:1x4") == (3, "cpu:1x4")  # refused at start
+
+
+def test_a_gpu_job_on_a_cpu_cluster_is_refused(monkeypatch) -> None:
+    from harmonia.train.planning import check_cluster
+
+    config = load_config(None, ["--parallel.world_size=8", "--parallel.backend=nccl"])
+    with pytest.raises(ConfigError, match="models CPUs but this job runs on GPUs .* --parallel.cluster=h100:1x8"):
+        check_cluster(config)
