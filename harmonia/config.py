@@ -111,7 +111,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     world_size: int = _f(0, "processes; spawned locally when not started by torchrun (0 = the cluster's "
-                         "devices, 4 when neither is given)")
+                         "devices when a cluster is given, else 4)")
     plan: str = _f("auto", "plan JSON written by `harmonia plan`, or auto to search at start-up")
     cluster: str = _f("", "device kind and shape the planner models, e.g. cpu:1x4 or h100:4x8 (cpu:1x4@2: "
                       "4 ranks sharing 2 cores; a CPU job simulates its ranks on the cores it is given); empty = "
@@ -130,13 +130,9 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _require(self.world_size >= 0, "parallel.world_size", self.world_size, "an integer >= 1 (0 = the cluster's)")
-        if not self.cluster:  # a CPU job of world_size processes
-            object.__setattr__(self, "world_size", self.world_size or 4)
+        if not self.cluster:  # a CPU job of world_size processes (a given cluster sets world_size 0 at
+            object.__setattr__(self, "world_size", self.world_size or 4)  # start: `with_world_size`)
             object.__setattr__(self, "cluster", f"cpu:1x{self.world_size}")
-        elif not self.world_size:
-            from harmonia.workload.devices import cluster_from_string
-
-            object.__setattr__(self, "world_size", cluster_from_string(self.cluster).world_size)
         _require(self.schedule in ("auto", "gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
                  "auto, gpipe, 1f1b, interleaved or zb")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")

@@ -223,9 +223,12 @@ class PackedAttention:
                                                               self._local(self._first_key(window)),
                                                               self._local(self._item_end), q.device)
         k_index, cu_q, cu_k, max_q, max_k = runs
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"attention backend 'varlen' runs in bf16 or fp16, not {q.dtype} (train.precision="
+                              "bf16 runs it); use train.attention=flex or segments")
         out = []
         for i in range(q.shape[0]):
-            qi = q[i].transpose(0, 1)  # (t, nh, hd)
+            qi = q[i].transpose(0, 1).contiguous()  # (t, nh, hd)
             ki, vi = k[i].transpose(0, 1)[k_index], v[i].transpose(0, 1)[k_index]  # (sum lk, nkv, hd)
             y = varlen_attn(qi, ki, vi, cu_q, cu_k, max_q, max_k,
                             window_size=(-1 if window is None else window - 1, 0), enable_gqa=gqa)

@@ -26,7 +26,8 @@ from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.backend import backend_of, hang_timeout
 from harmonia.train.data import check_data_path, data_cache_dir, open_split, prepare_data
-from harmonia.train.planning import check_cluster, load_training_plan, model_spec, search_training_plan
+from harmonia.train.planning import (check_cluster, load_training_plan, model_spec, search_training_plan,
+                                     with_world_size)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def run_training(config: Config, console) -> TrainResult | None:
     from harmonia.train.report import best_effort
     from harmonia.train.worker import train_worker
 
+    config = with_world_size(config)
     if under_torchrun():
         out = train_worker(config, None, prepare_shared)
         if out is None:

@@ -60,6 +60,14 @@ PRECISION_MIXED = {"auto": None, "bf16": True, "fp32": False}
 kind's default, which ``auto`` runs: `harmonia.train.rank.build_rank_model`)."""
 
 
+def with_world_size(config: Config) -> Config:
+    """The job with ``parallel.world_size`` 0 taken from its cluster's devices (``h100:2x8``: 16)."""
+    if config.parallel.world_size:
+        return config
+    n = cluster_from_string(config.parallel.cluster).world_size
+    return replace(config, parallel=replace(config.parallel, world_size=n))
+
+
 def check_cluster(config: Config) -> None:
     """The planner's cluster must have exactly ``parallel.world_size`` devices, and the attention
     kernel asked for must run the model's mask on the job's devices."""

@@ -67,8 +67,10 @@ def test_the_default_warmup_fits_any_number_of_steps() -> None:
 
 
 def test_the_world_size_and_the_cluster_follow_each_other() -> None:
+    from harmonia.train.planning import with_world_size
+
     def parallel(*args):
-        p = load_config(None, list(args)).parallel
+        p = with_world_size(load_config(None, list(args))).parallel
         return p.world_size, p.cluster
 
     assert parallel() == (4, "cpu:1x4")
