@@ -6,9 +6,10 @@ layer; each layer calls `PackedAttention.attend` with its queries, keys, values 
 The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
 
 - ``segments`` (any device; the CPU's): the queries in blocks of at most `QUERY_BLOCK` tokens that
-  never straddle a packed sample (short samples share a block), each block against the one key range
-  its queries may reach (from its sample's start, or the window's, to its last query or the end of
-  the last item it attends), with that block's ``(bq, lk)`` mask: on CPU through FlashAttention's CPU
+  never straddle a packed sample or an item's start (short samples share a block), each block against
+  the one key range its queries may reach (from its sample's start, or the window's, to its last query
+  or the end of the last item it attends). The rule keeps an interval of keys per query
+  (`PackedAttention.bounds`), so a block's ``(bq, lk)`` mask is two comparisons: on CPU through FlashAttention's CPU
   kernel forward and backward (`_SegmentAttention`), elsewhere through SDPA. Work is the kept pairs
   plus at most a block's width per query; memory is linear in the tokens plus one block's mask.
 - ``varlen`` (CUDA): FlashAttention over ``cu_seqlens`` (`torch.nn.attention.varlen.varlen_attn`)
