@@ -103,7 +103,7 @@ class PackedAttention:
 
     def __post_init__(self) -> None:
         T = len(self.keys)
-        starts = _sample_starts(self.keys.sample)  # (T,)
+        starts = _run_starts(self.keys.sample)  # (T,) first token of each token's sample
         expected = torch.arange(T, device=starts.device) - starts
         if not torch.equal(self.keys.position.to(expected.device), expected):
             raise ConfigError("packed attention needs each sample's tokens in order with positions 0, 1, ... "
@@ -125,17 +125,14 @@ class PackedAttention:
         """Layout of the local queries."""
         return self.keys if self.query_index is None else self.keys.select(self.query_index)
 
-    @property
-    def bidirectional(self) -> bool:
-        return bool(self.keys.is_item.any())
-
     # -- the plan, once per microbatch and window -----------------------------------------------------
     def blocks(self, window: int | None = None) -> list[QueryBlock]:
         """The ``segments`` kernel's query blocks (cached per window)."""
         key = ("blocks", window)
         if key not in self._cache:
-            self._cache[key] = plan_query_blocks(self._local(self._groups), self._local(self._first_key(window)),
-                                                 self._local(self._item_end), QUERY_BLOCK)
+            first, ends = self.bounds(window)
+            self._cache[key] = plan_query_blocks(self._local(self._groups), first.tolist(), ends.tolist(),
+                                                 QUERY_BLOCK)
         return self._cache[key]
 
     def computed_pairs(self, window: int | None = None) -> int:
@@ -220,9 +217,9 @@ class PackedAttention:
 
         runs = self._cache.get(("runs", window))
         if runs is None:
-            runs = self._cache[("runs", window)] = causal_runs(self._local(self._starts),
-                                                              self._local(self._first_key(window)),
-                                                              self._local(self._item_end), q.device)
+            first, ends = self.bounds(window)
+            runs = self._cache[("runs", window)] = causal_runs(self._local(self._starts), first.tolist(),
+                                                              ends.tolist(), q.device)
         k_index, cu_q, cu_k, max_q, max_k = runs
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"attention backend 'varlen' runs in bf16 or fp16, not {q.dtype} (train.precision="
@@ -314,10 +311,6 @@ def _run_starts(ids: torch.Tensor) -> torch.Tensor:
     new[1:] = ids[1:] != ids[:-1]
     return torch.cummax(torch.where(new, index, torch.zeros_like(index)), 0).values
 
-
-def _sample_starts(sample: torch.Tensor) -> torch.Tensor:
-    """``(T,)`` index of the first token of each token's sample (samples contiguous)."""
-    return _run_starts(sample)
 
 
 def _item_ends(layout: TokenLayout) -> torch.Tensor:
