@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harmonia.errors import ConfigError  # noqa: E402
-from harmonia.model.attention import PackedAttention, choose_backend  # noqa: E402
+from harmonia.model.attention import PackedAttention, choose_backend, mask_kind  # noqa: E402
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask  # noqa: E402
 
 IMAGE_TOKEN = 151646
@@ -55,8 +55,10 @@ def kernel_cases(n_tokens: int, seed: int = 0) -> list[tuple[str, TokenLayout, i
         samples.append([("text", n // 6), ("item", image), ("text", n - n // 6 - image)])
         total += n
     causal = TokenLayout.from_segments(samples, causal_items=True)
+    images = [[("item", n)] for _, (_, n), _ in samples]  # an encoder's images of different sizes
     return [("causal documents", causal, None), ("causal documents, window 256", causal, 256),
-            ("bidirectional items", TokenLayout.from_segments(samples), None)]
+            ("bidirectional items", TokenLayout.from_segments(samples), None),
+            ("encoder sequences", TokenLayout.from_segments(images), None)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -79,10 +81,9 @@ def kernel_parity(device: torch.device, dtype: torch.dtype, n_tokens: int, tol: 
         want = F.scaled_dot_product_attention(*ref_in, attn_mask=multimodal_mask(layout, window=window)[None, None],
                                               enable_gqa=True)
         want_grads = torch.autograd.grad(want, ref_in, g)
-        bidirectional = bool(layout.is_item.any())
         for kernel in ("varlen", "flex", "segments"):
             try:
-                choose_backend(kernel, device, bidirectional)
+                choose_backend(kernel, device, mask_kind(layout))
             except ConfigError as e:
                 table.add_row(name, kernel, "", "", "", f"not run: {e}".split(";")[0])
                 continue

@@ -15,14 +15,16 @@ The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
 - ``varlen`` (CUDA): FlashAttention over ``cu_seqlens`` (`torch.nn.attention.varlen.varlen_attn`)
   where every token attends causally within its sample (text, and items of models whose items attend
   causally, as HF's LLaVA does), sliding windows and GQA included: each contiguous run of queries of
-  one sample against its causal key range, aligned bottom-right.
+  one sample against its causal key range, aligned bottom-right; and for packed encoder sequences
+  (`PackedAttention.sequences`: images or frames of different sizes in one call, each attending
+  its whole self), each sequence against itself with no causal limit.
 - ``flex`` (CUDA): compiled ``flex_attention`` with a block mask built once per microbatch and
   window, for masks varlen cannot express (bidirectional items inside causal text).
 - ``dense``: the ``(Tq, Tk)`` boolean mask through SDPA; the reference tests compare against, never
   chosen by ``auto``.
 
-`choose_backend` picks by device and mask kind, and refuses a backend that cannot run the mask on
-the device, naming both.
+`choose_backend` picks by device and mask kind (`mask_kind`: `CAUSAL`, `SEQUENCES`, `MIXED`), and
+refuses a backend that cannot run the mask on the device, naming both.
 """
 
 from __future__ import annotations
@@ -43,31 +45,48 @@ QUERY_BLOCK = 256
 keys per query; the transient mask is this many rows."""
 
 
-def choose_backend(requested: str, device: torch.device | str, bidirectional: bool) -> str:
+CAUSAL = "causal packed documents"
+SEQUENCES = "bidirectional packed sequences"
+MIXED = "bidirectional items in causal text"
+MASK_KINDS = (CAUSAL, SEQUENCES, MIXED)
+
+
+def mask_kind(layout: TokenLayout) -> str:
+    """`CAUSAL` where no token attends ahead (text, causal items), `SEQUENCES` where every sample is
+    one item attending its whole self (an encoder's packed sequences), `MIXED` otherwise."""
+    if not bool(layout.is_item.any()):
+        return CAUSAL
+    if bool(layout.is_item.all()) and torch.equal(layout.sample, layout.segment - layout.segment[0]):
+        return SEQUENCES
+    return MIXED
+
+
+def choose_backend(requested: str, device: torch.device | str, kind: str) -> str:
     """The kernel for a mask on a device.
 
     Args:
-        requested: one of `BACKENDS`; ``auto`` = ``varlen`` on CUDA where every token attends
-            causally, ``flex`` on CUDA otherwise, ``segments`` elsewhere.
+        requested: one of `BACKENDS`; ``auto`` = ``varlen`` on CUDA for `CAUSAL` and `SEQUENCES`
+            masks, ``flex`` on CUDA for `MIXED` ones, ``segments`` elsewhere.
         device: where attention runs.
-        bidirectional: some item's tokens attend their whole item (a mask varlen cannot express).
+        kind: the mask's kind, one of `MASK_KINDS` (`mask_kind`).
 
     Raises:
         ConfigError: ``requested`` cannot run this mask on this device.
     """
-    kind = torch.device(device).type
-    mask_kind = "bidirectional items in causal text" if bidirectional else "causal packed documents"
+    device_type = torch.device(device).type
     if requested not in BACKENDS:
         raise ConfigError(f"attention backend {requested!r} is not one of {BACKENDS}")
+    if kind not in MASK_KINDS:
+        raise ConfigError(f"attention mask kind {kind!r} is not one of {MASK_KINDS}")
     if requested == "auto":
-        if kind == "cuda":
-            return "flex" if bidirectional else "varlen"
+        if device_type == "cuda":
+            return "flex" if kind == MIXED else "varlen"
         return "segments"
-    if requested in ("varlen", "flex") and kind != "cuda":
-        raise ConfigError(f"attention backend {requested!r} runs on CUDA only, not on {kind} ({mask_kind}); "
+    if requested in ("varlen", "flex") and device_type != "cuda":
+        raise ConfigError(f"attention backend {requested!r} runs on CUDA only, not on {device_type} ({kind}); "
                           "use 'segments' or 'auto'")
-    if requested == "varlen" and bidirectional:
-        raise ConfigError(f"attention backend 'varlen' cannot express {mask_kind} on {kind}; use 'flex' or 'auto'")
+    if requested == "varlen" and kind == MIXED:
+        raise ConfigError(f"attention backend 'varlen' cannot express {kind} on {device_type}; use 'flex' or 'auto'")
     return requested
 
 
@@ -115,6 +134,24 @@ class PackedAttention:
         self._groups = torch.where(self.keys.is_item, _run_starts(self.keys.segment), starts)
         if self.key_order is not None:
             self._to_sequence = torch.argsort(self.key_order)  # gathered row of each sequence index
+        self.kind = mask_kind(self.keys)
+
+    @classmethod
+    def sequences(cls, lengths: list[int], requested: str = "auto",
+                  device: torch.device | str = "cpu") -> PackedAttention:
+        """Packed encoder sequences (images or frames of different sizes in one call): the tokens of
+        ``lengths[i]`` follow those of ``lengths[i - 1]``, and each attends its whole sequence.
+
+        Args:
+            lengths: tokens of each sequence, in packing order (all positive).
+            requested: a kernel of `BACKENDS` (`choose_backend` with the `SEQUENCES` kind).
+            device: where the tokens are.
+        """
+        if not lengths or min(lengths) <= 0:
+            raise ConfigError(f"packed sequences need positive lengths, got {list(lengths)}")
+        layout = TokenLayout.from_segments([[("item", n)] for n in lengths])
+        layout = TokenLayout(*(t.to(device) for t in (layout.sample, layout.segment, layout.is_item, layout.position)))
+        return cls(layout, backend=choose_backend(requested, device, SEQUENCES))
 
     def for_window(self, window: int | None) -> LayerAttention:
         """What a layer with sliding window ``window`` (None = none) attends with."""
@@ -212,24 +249,40 @@ class PackedAttention:
         bias = torch.zeros(dropped.shape, dtype=dtype, device=dropped.device)
         return bias.masked_fill_(dropped, float("-inf"))[None, None]
 
+    def varlen_runs(self, window: int | None = None) -> tuple:
+        """``varlen``'s sequences and window: `causal_runs` of the queries, or for `SEQUENCES` each
+        packed sequence against itself, unmasked (``k_index`` None: the keys as they are)."""
+        key = ("runs", window)
+        if key not in self._cache:
+            if self.kind == SEQUENCES:
+                if window is not None or self.query_index is not None:
+                    raise ConfigError("packed encoder sequences attend their whole sequence: no sliding window "
+                                      "and no context-parallel shard under the 'varlen' kernel")
+                lengths = torch.bincount(self.keys.sample)  # (n,) tokens per sequence
+                cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+                longest = int(lengths.max())
+                self._cache[key] = ((None, cu, cu, longest, longest), (-1, -1))
+            else:
+                first, ends = self.bounds(window)
+                runs = causal_runs(self._local(self._starts), first.tolist(), ends.tolist(), first.device)
+                self._cache[key] = (runs, (-1 if window is None else window - 1, 0))
+        return self._cache[key]
+
     def _varlen(self, q, k, v, window, gqa) -> torch.Tensor:
         from torch.nn.attention.varlen import varlen_attn
 
-        runs = self._cache.get(("runs", window))
-        if runs is None:
-            first, ends = self.bounds(window)
-            runs = self._cache[("runs", window)] = causal_runs(self._local(self._starts), first.tolist(),
-                                                              ends.tolist(), q.device)
-        k_index, cu_q, cu_k, max_q, max_k = runs
+        (k_index, cu_q, cu_k, max_q, max_k), window_size = self.varlen_runs(window)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"attention backend 'varlen' runs in bf16 or fp16, not {q.dtype} (train.precision="
                               "bf16 runs it); use train.attention=flex or segments")
         out = []
         for i in range(q.shape[0]):
             qi = q[i].transpose(0, 1).contiguous()  # (t, nh, hd)
-            ki, vi = k[i].transpose(0, 1)[k_index], v[i].transpose(0, 1)[k_index]  # (sum lk, nkv, hd)
-            y = varlen_attn(qi, ki, vi, cu_q, cu_k, max_q, max_k,
-                            window_size=(-1 if window is None else window - 1, 0), enable_gqa=gqa)
+            ki, vi = k[i].transpose(0, 1), v[i].transpose(0, 1)  # (T, nkv, hd)
+            if k_index is not None:
+                ki, vi = ki[k_index], vi[k_index]  # (sum lk, nkv, hd): each run's key range
+            y = varlen_attn(qi, ki.contiguous(), vi.contiguous(), cu_q.to(q.device), cu_k.to(q.device), max_q, max_k,
+                            window_size=window_size, enable_gqa=gqa)
             out.append(y.transpose(0, 1))  # (nh, t, hd)
         return torch.stack(out)
 

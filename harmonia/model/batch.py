@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.attention import PackedAttention, choose_backend
+from harmonia.model.attention import PackedAttention, choose_backend, mask_kind
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask
 
 
@@ -166,8 +166,8 @@ class PackedBatch:
             backend: a kernel of `harmonia.model.attention.BACKENDS`, chosen for the batch's device
                 and mask kind (`choose_backend`).
         """
-        bidirectional = bool(self.layout.is_item.any())
-        return PackedAttention(self.layout, backend=choose_backend(backend, self.input_ids.device, bidirectional))
+        kernel = choose_backend(backend, self.input_ids.device, mask_kind(self.layout))
+        return PackedAttention(self.layout, backend=kernel)
 
     def mask(self) -> torch.Tensor:
         """Boolean ``(T, T)`` multimodal attention mask: the dense reference tests compare against."""

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import SampleError
-from harmonia.model.attention import PackedAttention, choose_backend
+from harmonia.model.attention import PackedAttention, choose_backend, mask_kind
 from harmonia.model.batch import PackedBatch
 
 # The newer names where torch has them (the older ones are deprecated there); same arguments.
@@ -129,6 +129,6 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     local_of = torch.full((mb.n_tokens,), -1, dtype=torch.long, device=tokens.device)
     local_of[tokens] = torch.arange(tokens.numel(), device=tokens.device)
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
-    kernel = choose_backend(backend, tokens.device, bool(mb.layout.is_item.any()))
+    kernel = choose_backend(backend, tokens.device, mask_kind(mb.layout))
     attention = PackedAttention(mb.layout, query_index=tokens, backend=kernel, gather=gather, key_order=order)
     return CPShard(tokens, mb.layout.position[tokens][None], attention, local_of, token_ranks)

@@ -75,7 +75,7 @@ def check_cluster(config: Config) -> None:
     if cluster.world_size != config.parallel.world_size:
         raise ConfigError(f"config parallel.cluster={config.parallel.cluster!r} has {cluster.world_size} devices "
                           f"but parallel.world_size={config.parallel.world_size}; make them agree")
-    from harmonia.model.attention import choose_backend
+    from harmonia.model.attention import CAUSAL, MIXED, choose_backend
     from harmonia.train.backend import backend_of
 
     device = "cuda" if backend_of(config) == "nccl" else "cpu"
@@ -83,7 +83,7 @@ def check_cluster(config: Config) -> None:
         raise ConfigError(f"parallel.cluster={config.parallel.cluster!r} models CPUs but this job runs on GPUs "
                           f"(nccl); name its cluster, e.g. --parallel.cluster=h100:1x{config.parallel.world_size}")
     spec = model_spec(config)
-    choose_backend(config.train.attention, device, spec.item_attention != "causal" and bool(spec.encoders))
+    choose_backend(config.train.attention, device, MIXED if spec.item_attention != "causal" and spec.encoders else CAUSAL)
 
 
 def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:

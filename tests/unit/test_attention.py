@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 import harmonia.model.attention as attention
 from harmonia.errors import ConfigError
-from harmonia.model.attention import PackedAttention, choose_backend, plan_query_blocks
+from harmonia.model.attention import (CAUSAL, MIXED, SEQUENCES, PackedAttention, choose_backend, mask_kind,
+                                      plan_query_blocks)
 from harmonia.model.attention_mask import TokenLayout, count_pairs, multimodal_mask
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,18 +110,71 @@ def test_short_samples_share_a_block_and_long_ones_are_cut() -> None:
 
 
 def test_the_kernel_is_chosen_by_device_and_mask_kind() -> None:
-    assert choose_backend("auto", "cpu", bidirectional=True) == "segments"
-    assert choose_backend("auto", "cuda", bidirectional=False) == "varlen"
-    assert choose_backend("auto", "cuda", bidirectional=True) == "flex"
-    assert choose_backend("segments", "cuda", bidirectional=True) == "segments"
+    assert choose_backend("auto", "cpu", MIXED) == "segments"
+    assert choose_backend("auto", "cuda", CAUSAL) == "varlen"
+    assert choose_backend("auto", "cuda", SEQUENCES) == "varlen"
+    assert choose_backend("auto", "cuda", MIXED) == "flex"
+    assert choose_backend("segments", "cuda", MIXED) == "segments"
     with pytest.raises(ConfigError, match="'varlen' runs on CUDA only, not on cpu \\(causal packed documents\\)"):
-        choose_backend("varlen", "cpu", bidirectional=False)
+        choose_backend("varlen", "cpu", CAUSAL)
     with pytest.raises(ConfigError, match="'flex' runs on CUDA only, not on cpu \\(bidirectional items"):
-        choose_backend("flex", "cpu", bidirectional=True)
+        choose_backend("flex", "cpu", MIXED)
     with pytest.raises(ConfigError, match="'varlen' cannot express bidirectional items in causal text on cuda"):
-        choose_backend("varlen", "cuda", bidirectional=True)
+        choose_backend("varlen", "cuda", MIXED)
     with pytest.raises(ConfigError, match="not one of"):
-        choose_backend("math", "cpu", bidirectional=False)
+        choose_backend("math", "cpu", CAUSAL)
+
+
+def test_the_mask_kind_is_read_from_the_layout() -> None:
+    assert mask_kind(TokenLayout.from_segments([[("text", 3), ("item", 2)]], causal_items=True)) == CAUSAL
+    assert mask_kind(TokenLayout.from_segments([[("text", 3), ("item", 2)]])) == MIXED
+    assert mask_kind(TokenLayout.from_segments([[("item", 3), ("item", 2)]])) == MIXED  # two items, one sample
+    assert mask_kind(TokenLayout.from_segments([[("item", 3)], [("item", 2)]])) == SEQUENCES
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_packed_encoder_sequences_equal_each_sequence_attended_alone(seed, monkeypatch) -> None:
+    """Images of different sizes in one call: each sequence attends its whole self, nothing else."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", rng.choice([8, 64, 256]))
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 5))]
+    nh, nkv = 4, rng.choice([4, 2])
+    torch.manual_seed(seed)
+    q = torch.randn(1, nh, sum(lengths), 8, requires_grad=True)
+    k, v = (torch.randn(1, nkv, sum(lengths), 8, requires_grad=True) for _ in range(2))
+    packed = PackedAttention.sequences(lengths)
+    assert packed.kind == SEQUENCES and packed.backend == "segments"
+    got = packed.attend(q, k, v)
+    alone = [F.scaled_dot_product_attention(*(t[:, :, a:b] for t in (q, k, v)), enable_gqa=nh != nkv)
+             for a, b in zip(_offsets(lengths), _offsets(lengths)[1:])]
+    want = torch.cat(alone, dim=2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(want)
+    for a, b in zip(_grads(got, (q, k, v), g), _grads(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    pairs = sum(n * n for n in lengths)
+    assert pairs <= packed.computed_pairs() <= pairs + attention.QUERY_BLOCK * sum(lengths)
+
+
+def test_varlen_runs_of_packed_sequences_are_the_sequences_unmasked() -> None:
+    packed = PackedAttention.sequences([5, 300, 17])
+    (k_index, cu_q, cu_k, max_q, max_k), window = packed.varlen_runs()
+    assert k_index is None and window == (-1, -1) and (max_q, max_k) == (300, 300)
+    assert cu_q.tolist() == cu_k.tolist() == [0, 5, 305, 322] and cu_q.dtype == torch.int32
+    causal = PackedAttention(TokenLayout.from_segments([[("text", 4)], [("text", 3)]]))
+    (_, cu_q, cu_k, _, _), window = causal.varlen_runs(2)
+    assert window == (1, 0) and cu_q.tolist() == [0, 4, 7]
+    with pytest.raises(ConfigError, match="no sliding window"):
+        packed.varlen_runs(8)
+    with pytest.raises(ConfigError, match="positive lengths"):
+        PackedAttention.sequences([3, 0])
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
 
 
 def test_a_layout_out_of_order_is_refused() -> None:
