@@ -37,6 +37,8 @@ class AudioEncoder(nn.Module):
         layers: ``(a, b)`` global block range of this stage; None = all blocks.
     """
 
+    param_init = {"pos_embed": ("normal", 0.02)}  # `harmonia.model.init`
+
     def __init__(self, spec: EncoderSpec, layers: tuple[int, int] | None = None) -> None:
         super().__init__()
         if not spec.is_audio:

@@ -210,6 +210,8 @@ class Block(nn.Module):
             (activation checkpointing, non-reentrant); set by `harmonia.runtime.parallelize`.
     """
 
+    param_init = {"attn_scale": ("ones", 1.0), "mlp_scale": ("ones", 1.0)}  # `harmonia.model.init`
+
     def __init__(self, spec: TransformerSpec) -> None:
         super().__init__()
         self.recompute = False

@@ -32,6 +32,8 @@ class Projector(nn.Module):
     (`harmonia.model.batch.MediaInputs.order`), returns the items' LLM tokens in that order instead.
     """
 
+    param_init = {"image_newline": ("normal", lambda shape: shape[-1] ** -0.5)}  # `harmonia.model.init`
+
     def __init__(self, spec: ProjectorSpec) -> None:
         super().__init__()
         self.spec = spec

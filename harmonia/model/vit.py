@@ -50,6 +50,8 @@ class VisionEncoder(nn.Module):
         layers: ``(a, b)`` global block range of this stage; None = all blocks.
     """
 
+    param_init = {"cls_token": ("normal", 0.02), "pos_embed": ("normal", 0.02)}  # `harmonia.model.init`
+
     def __init__(self, spec: EncoderSpec, layers: tuple[int, int] | None = None) -> None:
         super().__init__()
         if not spec.is_vision:

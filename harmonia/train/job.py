@@ -72,7 +72,8 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     if ds is None:
         return {}
     samples = ds.load(list(range(len(ds))))
-    model = initial_model(config, spec)
+    source = config.model.source if config.model.from_checkpoint else None
+    model = initial_model(spec, config.train.seed, source)
     before = answer_accuracy(model, samples, ds.tokenizer)
     if checkpoint_step is None:
         return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}

@@ -1,8 +1,10 @@
 """One rank's share of the MLLM: its stage chunks of every module, projectors, executor, named state.
 
-Every rank builds the whole model's initial weights from the job's seed (so every layout starts
-from the same parameters as one process would), keeps the stage chunks its layouts give it, applies
-training modes (frozen, LoRA), then TP / FSDP as the plan says. Parameters keep their whole-model
+Every rank builds the stage chunks its layouts give it on the ``meta`` device, applies training
+modes (frozen, LoRA), then TP / FSDP as the plan says, and only then allocates and fills its own
+shards (`harmonia.runtime.materialize`), each tensor's value from the job's seed or the checkpoint
+(`harmonia.train.weights.chunk_values`): every layout starts from the same parameters as one process
+would, and no rank ever holds more than its shards plus one whole tensor. Parameters keep their whole-model
 names (``llm.layers.3.attn.q.weight``), which is what checkpoints are keyed by: a checkpoint written
 under one plan loads under another.
 """
@@ -31,11 +33,6 @@ def prefix_of(module: str) -> str:
     if module.endswith("_proj"):
         return f"projectors.{module}."
     return f"encoders.{module}."
-
-
-def _load(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> None:
-    own = module.state_dict()
-    module.load_state_dict({k: state[prefix + k] for k in own})
 
 
 @dataclass
@@ -105,24 +102,18 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     The plan's ``recompute`` modules checkpoint their blocks' activations; ``precision`` ``bf16``
     (``auto``: on GPUs) runs every forward under bf16 autocast, holds frozen weights in bf16 and
     gathers FSDP parameters in bf16, with fp32 trained weights, gradient reduction and optimizer
-    states. With ``source`` (an HF checkpoint
-    directory or a composition) each chunk reads its own tensors from the checkpoint
-    (`harmonia.train.weights`); without, the whole model's weights come from ``seed``. ``attention``
+    states. Chunks are built on ``meta`` and sharded before any memory is allocated; each rank then
+    fills only its shards, from ``source`` (an HF checkpoint directory or a composition: each tensor
+    read alone) or from ``seed`` (`harmonia.train.weights.chunk_values`). ``attention``
     is the LLM's kernel (`harmonia.model.attention.choose_backend`); ``compile`` ``on`` (``auto``: on
     GPUs) compiles every block (`harmonia.runtime.parallelize.apply_compile`).
     """
     from harmonia.model.lora import apply_training
     from harmonia.model.mllm import build_module
-    from harmonia.runtime.parallelize import build_stage_modules, hold_frozen_in, parallelize_stage, stage_layers
-    from harmonia.train.weights import initial_state, load_checkpoint_chunk
+    from harmonia.runtime.materialize import materialize
+    from harmonia.runtime.parallelize import hold_frozen_in, parallelize_stage, stage_layers
+    from harmonia.train.weights import chunk_values
 
-    state = initial_state(spec, seed) if source is None else None
-
-    def fill(module: nn.Module, name: str, layers: tuple[int, int] | None) -> None:
-        if state is None:
-            load_checkpoint_chunk(module, spec, source, name, layers, prefix_of(name), seed)
-        else:
-            _load(module, state, prefix_of(name))
     rank = meshes.rank
     chunks: dict[str, dict[int, nn.Module]] = {}
     projectors: dict[str, nn.Module] = {}
@@ -136,25 +127,34 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             named[prefix + n] = t
         owner.update({prefix + n: owned_by for n, p in module.named_parameters() if p.requires_grad})
 
+    def on_meta(name: str, layers: tuple[int, int] | None) -> nn.Module:
+        with torch.device("meta"):
+            module = build_module(spec, name, layers)
+        apply_training(module, spec.training_of(name))
+        return module
+
     for name in meshes.modules():
         layout, mesh, prefix = plan.layouts[name], meshes.module_mesh(name), prefix_of(name)
-        chunks[name] = build_stage_modules(spec, name, layout, rank)
         body = spec.llm.body if name == LLM else spec.encoders[name].body
         layers_of = stage_layers(layout, body.n_layers)
-        for c, module in chunks[name].items():
-            apply_training(module, spec.training_of(name))
-            fill(module, name, layers_of[c])
-            module.to(device)
+        pp = layout.coords(rank)["pp"]
+        chunks[name] = {}
+        for c in range(len(layers_of)):
+            if c % layout.pp != pp:
+                continue
+            module = on_meta(name, layers_of[c])
+            values = chunk_values(module, spec, name, seed, source)  # checks the checkpoint first
             parallelize_stage(module, mesh, recompute=plan.recompute_share(name), mixed_precision=mixed,
                               compile=compiled)
+            materialize(module, device, values)
+            chunks[name][c] = module
             keep(module, prefix, name)
         if name != LLM and layout.n_stages - 1 in chunks[name]:
-            proj = build_module(spec, f"{name}_proj")
-            apply_training(proj, spec.training_of(f"{name}_proj"))
-            fill(proj, f"{name}_proj", None)
-            proj.to(device)
+            proj = on_meta(f"{name}_proj", None)
+            values = chunk_values(proj, spec, f"{name}_proj", seed, source)
             if mixed:
                 hold_frozen_in(proj, torch.bfloat16)
+            materialize(proj, device, values)
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,

@@ -1,103 +1,60 @@
-"""Where a rank's initial weights come from: the job's seed, or HF checkpoints.
+"""Where a rank's initial weights come from: the job's seed, or HF checkpoints, one tensor at a time.
 
-From a preset, every rank builds the whole model's initial weights from the seed (small models,
-identical everywhere) and keeps its chunks' (`initial_state`). From HF
-checkpoints, each rank reads only the tensors of its own stage chunks and projectors
-(`harmonia.model.hf.stages.load_module_state`, safetensors slices); tensors no checkpoint holds
-(fresh projectors of a composition, LoRA adapters) are initialised per submodule from a seed derived
-from the job's seed and the submodule's whole-model name, so every rank that holds a chunk, under
-any layout, starts from the same values.
+A rank's chunks are built on ``meta`` and sharded there; `chunk_values` then gives each parameter's
+whole value for `harmonia.runtime.materialize.materialize`, which keeps only the rank's shard. From
+a preset, every value comes from a generator seeded by the job's seed and the tensor's whole-model
+name (`harmonia.model.init.initial_value`), so every layout starts from the same parameters and no
+rank builds anything it does not hold. From HF checkpoints, each value is read alone from the
+safetensors file that holds it (`harmonia.model.hf.stages.ModuleReader`); tensors no checkpoint holds
+(fresh projectors of a composition, LoRA adapters) come from the seed the same way.
 """
 
 from __future__ import annotations
 
-import hashlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from harmonia.errors import ConfigError
-from harmonia.model.lora import LoRALinear
+from harmonia.model.init import initial_value
 from harmonia.model.spec import MLLMSpec
 
 
-def initial_state(spec: MLLMSpec, seed: int) -> dict[str, torch.Tensor]:
-    """The whole model's initial weights from the seed (LoRA adapters included), identical on every rank."""
-    from harmonia.model.mllm import build_mllm_model
-
-    torch.manual_seed(seed)
-    return build_mllm_model(spec).state_dict()
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from the job's seed and a whole-model submodule name (stable across runs)."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-def _reset(sub: nn.Module, parent: nn.Module | None, name: str) -> None:
-    if isinstance(parent, LoRALinear) and sub is parent.lora_b:
-        nn.init.zeros_(sub.weight)  # a fresh adapter changes nothing
-    elif hasattr(sub, "reset_parameters"):
-        sub.reset_parameters()
-    elif type(sub).__name__ == "RMSNorm":
-        nn.init.ones_(sub.weight)
-    else:
-        raise ConfigError(f"{name}: no checkpoint tensor and no initialiser for a {type(sub).__name__}; "
-                          "give a checkpoint that holds it")
-
-
-@torch.no_grad()
-def init_missing(module: nn.Module, prefix: str, loaded: set[str], seed: int) -> list[str]:
-    """Initialise, in place, every submodule with a parameter that no checkpoint provided.
+def chunk_values(module: nn.Module, spec: MLLMSpec, name: str, seed: int,
+                 source: str | dict | None = None) -> Callable[[str], torch.Tensor]:
+    """``(module-local tensor name, box)`` -> that box of its initial value (None: the whole value), for a
+    chunk of module ``name`` (`harmonia.runtime.materialize.materialize`).
 
     Args:
-        module: a stage chunk or projector, with its training mode applied.
-        prefix: the module's whole-model name prefix (``projectors.vision_proj.``).
-        loaded: module-local names of the tensors read from a checkpoint.
+        module: the chunk (or projector), built on ``meta`` with its training mode applied.
+        spec: the MLLM.
+        name: ``llm``, an encoder or a projector.
         seed: the job's seed.
+        source: the HF model source; None = every value from the seed.
 
-    Returns:
-        module-local names of the parameters initialised here.
+    Raises:
+        ConfigError: the checkpoint lacks a tensor of the chunk (before anything is allocated).
     """
-    parents = {id(child): mod for mod in module.modules() for child in mod.children()}
-    fresh = []
-    for name, sub in module.named_modules():
-        own = [f"{name}.{n}" if name else n for n, _ in sub.named_parameters(recurse=False)]
-        missing = [n for n in own if n not in loaded]
-        if not missing:
-            continue
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(name_seed(seed, prefix + name))
-            _reset(sub, parents.get(id(sub)), prefix + name)
-        fresh += missing
-    return fresh
+    from harmonia.model.hf.stages import ModuleReader
+    from harmonia.model.mllm import state_prefix
 
+    prefix = state_prefix(spec, name)
+    tensors = dict([*module.named_parameters(), *module.named_buffers()])
+    reader = None if source is None else ModuleReader(source, spec, name)
+    if reader is not None and not reader.fresh:
+        lacking = reader.lacking(unwrapped(k) for k in tensors if not is_adapter(k))
+        if lacking:
+            raise ConfigError(f"checkpoint lacks {len(lacking)} tensors of {name}, e.g. {lacking[:3]}; "
+                              "check that config.json matches the weights")
 
-def load_checkpoint_chunk(module: nn.Module, spec: MLLMSpec, source: str | dict, name: str,
-                          layers: tuple[int, int] | None, prefix: str, seed: int) -> list[str]:
-    """Fill a chunk of module ``name`` (blocks ``layers``) from the checkpoint, the rest from the seed.
+    def value_of(key: str, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+        if reader is None or reader.fresh or is_adapter(key):
+            whole = initial_value(module, key, seed, prefix + key)  # the generator makes it whole
+            return whole if box is None else whole[box]
+        return reader.read(unwrapped(key), tensors[key].shape, tensors[key].dtype, box)
 
-    Returns:
-        the module-local names of the parameters that did not come from a checkpoint.
-    """
-    from harmonia.model.hf.stages import load_module_state
-
-    own = module.state_dict()
-    base = {k: v for k, v in own.items() if not is_adapter(k)}
-    state = load_module_state(source, spec, name, layers, set(unwrapped(k) for k in base))
-    rewrapped = {k: state[unwrapped(k)] for k in base if unwrapped(k) in state}
-    for key, t in rewrapped.items():
-        if t.shape != own[key].shape:
-            raise ConfigError(f"{prefix}{key} has shape {tuple(t.shape)} in the checkpoint, "
-                              f"{tuple(own[key].shape)} in the model built from its config.json")
-    module.load_state_dict(rewrapped, strict=False)
-    fresh_projector = name.endswith("_proj") and not rewrapped  # a composition's projector starts fresh
-    lacking = [k for k in base if k not in rewrapped]
-    if lacking and not fresh_projector:
-        raise ConfigError(f"checkpoint lacks {len(lacking)} tensors of {name}, e.g. {lacking[:3]}; "
-                          "check that config.json matches the weights")
-    return init_missing(module, prefix, set(rewrapped), seed)
+    return value_of
 
 
 def unwrapped(key: str) -> str:
@@ -110,16 +67,20 @@ def is_adapter(key: str) -> bool:
     return ".lora_a." in key or ".lora_b." in key
 
 
-def initial_model(config, spec: MLLMSpec) -> nn.Module:
-    """The whole MLLM with the job's initial weights, in one process (held-out evaluation, export):
-    the seed's for presets, the checkpoints' (fresh tensors from the seed) for HF sources."""
-    from harmonia.model.mllm import build_mllm_model, state_prefix
+def initial_model(spec: MLLMSpec, seed: int, source: str | dict | None = None) -> nn.Module:
+    """The whole MLLM with the job's initial weights, in one process (held-out evaluation, export,
+    the tests' reference): the same values as every layout's ranks start from."""
+    from harmonia.model.mllm import build_mllm_model
+    from harmonia.runtime.materialize import materialize
 
-    model = build_mllm_model(spec)
-    if not config.model.from_checkpoint:
-        model.load_state_dict(initial_state(spec, config.train.seed))
-        return model
+    with torch.device("meta"):
+        model = build_mllm_model(spec)
     for name in spec.module_names:
-        load_checkpoint_chunk(model.module(name), spec, config.model.source, name, None, state_prefix(spec, name),
-                              config.train.seed)
+        module = model.module(name)
+        materialize(module, torch.device("cpu"), chunk_values(module, spec, name, seed, source))
     return model
+
+
+def initial_state(spec: MLLMSpec, seed: int) -> dict[str, torch.Tensor]:
+    """The whole model's initial weights from the seed (LoRA adapters included): `initial_model`'s."""
+    return initial_model(spec, seed).state_dict()

@@ -48,6 +48,16 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}
 
 
+def _keys(file: Path) -> list[str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{file}: not a readable safetensors file ({e}); it is truncated or corrupt") from e
+
+
 class CheckpointFiles:
     """The tensors of a checkpoint directory, read one by one: headers first, data only when asked.
 
@@ -68,8 +78,7 @@ class CheckpointFiles:
             self.file_of = {}
             files = [path.name] if path.is_file() else sorted(p.name for p in self.path.glob("*.safetensors"))
             for file in files:
-                with safe_open(str(self.path / file), framework="pt") as f:
-                    self.file_of.update({k: file for k in f.keys()})
+                self.file_of.update({k: file for k in _keys(self.path / file)})
         if not self.file_of:
             raise ConfigError(f"no *.safetensors in {self.path}: convert .bin checkpoints to safetensors first")
 
@@ -103,6 +112,36 @@ class CheckpointFiles:
             with safe_open(str(self.path / file), framework="pt", device="cpu") as f:
                 out.update({k: f.get_tensor(k) for k in names})
         return out
+
+
+    def read_part(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``key``, or only its box ``index`` (one slice per dim), on CPU; only that part is read.
+
+        Raises:
+            ConfigError: no such tensor, or its file cannot be read (truncated, corrupt), naming both.
+        """
+        from safetensors import SafetensorError, safe_open
+
+        if key not in self.file_of:
+            raise ConfigError(f"{self.path} has no tensor {key!r}; check that config.json matches the weights")
+        file = self.path / self.file_of[key]
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{file}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from e
+
+    def header(self, key: str) -> tuple[tuple[int, ...], str]:
+        """The stored shape and safetensors dtype (``BF16``, ``F32``, ...) of tensor ``key``."""
+        from safetensors import SafetensorError, safe_open
+
+        file = self.path / self.file_of[key]
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                sl = f.get_slice(key)
+                return tuple(sl.get_shape()), sl.get_dtype()
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{file}: cannot read the header of {key!r} ({e}); the file is truncated or corrupt") from e
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -66,3 +66,54 @@ def load_module_state(source, spec: MLLMSpec, module: str, layers: tuple[int, in
     dtype = next(iter(read.values())).dtype if read else torch.float32
     out.update({k: torch.zeros(shapes[k], dtype=dtype) for k in zeros})
     return out
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+
+
+class ModuleReader:
+    """One module's checkpoint tensors, read one at a time (a rank reads only those it holds).
+
+    Args:
+        source: the model source `mllm_spec_from_hf` read ``spec`` from.
+        spec: the MLLM spec.
+        module: ``llm``, an encoder name or a projector name.
+
+    Attributes:
+        fresh: the module has no checkpoint (a composition's projector without a projector file).
+    """
+
+    def __init__(self, source, spec: MLLMSpec, module: str) -> None:
+        self.module = module
+        self.located = module_names(parse_source(source), spec, module)
+        self.fresh = self.located is None
+        self.files = None if self.fresh else CheckpointFiles(self.located.path)
+
+    def holds(self, key: str) -> bool:
+        """Whether the checkpoint gives module-local tensor ``key`` (zero by construction included)."""
+        return not self.fresh and (key in self.located.names or self.located.is_zero(key))
+
+    def lacking(self, keys) -> list[str]:
+        """The names of ``keys`` the checkpoint does not give, sorted."""
+        return sorted(k for k in keys if not self.holds(k))
+
+    def read(self, key: str, shape: torch.Size, dtype: torch.dtype,
+             index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """Tensor ``key`` as ``shape`` in ``dtype`` on the CPU, or only its box ``index`` (a rank's shard:
+        one slice per dim); only that part is read from disk.
+
+        Raises:
+            ConfigError: the checkpoint's tensor has another shape (naming the file and the tensor).
+        """
+        if key not in self.located.names:
+            return torch.zeros(shape, dtype=dtype)[index if index is not None else ...]
+        name = self.located.names[key]
+        where = self.located.path / self.files.file_of[name] if self.located.path.is_dir() else self.located.path
+        stored, kind = self.files.header(name)
+        if kind not in FLOAT_DTYPES:
+            raise ConfigError(f"{where}: tensor {name!r} ({self.module}.{key}) is stored as {kind}; harmonia trains "
+                              f"from {', '.join(FLOAT_DTYPES)} weights (dequantize the checkpoint first)")
+        if index is not None and stored == tuple(shape):
+            return self.files.read_part(name, index).to(dtype)
+        t = fit(self.files.read_part(name), shape, f"{where}: tensor {name!r} ({self.module}.{key})").to(dtype)
+        return t if index is None else t[index]
