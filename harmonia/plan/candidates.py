@@ -40,6 +40,12 @@ def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[
             if body.n_heads % t == 0 and body.kv_heads % t == 0 and t <= limit]
 
 
+def heads_split(body: TransformerSpec, tp: int) -> int:
+    """The largest divisor of ``tp`` that divides the module's query and KV heads: the TP degree a
+    module can run inside a group of ``tp`` ranks (its other ranks then hold more replicas)."""
+    return max(t for t in _divisors(tp) if body.n_heads % t == 0 and body.kv_heads % t == 0)
+
+
 def llm_layouts(cost: CostModel, cluster: ClusterSpec, n_ranks: int, rank_offset: int, global_batch: int,
                 n_microbatches: int | None = None, max_cp: int = 4) -> Iterator[Layout]:
     """Every valid LLM factorisation of ``n_ranks`` ranks starting at ``rank_offset``.

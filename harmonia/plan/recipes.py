@@ -42,7 +42,7 @@ from itertools import product
 import numpy as np
 
 from harmonia.errors import ConfigError
-from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts,
+from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, heads_split,
                                       llm_layouts, tp_options)
 from harmonia.plan.memory import recompute_peaks
 from harmonia.plan.profiling import BatchProfile
@@ -315,6 +315,8 @@ def _recipe_candidates(recipe: str, cost: CostModel, cluster: ClusterSpec, profi
 
     if recipe == "megatron":
         for base, n_mb in _llm_options(cost, cluster, world, 0, global_batch, profile, False, rejected):
+            if any(heads_split(cost.mllm.encoders[e].body, base.tp) != base.tp for e in encoders):
+                continue  # Megatron-LM splits every encoder over the LLM's TP group, by whole heads
             first = tuple(base.rank_at(pp=0, dp=d, tp=t) for d in range(base.dp) for t in range(base.tp))
             layouts = {e: Layout(tp=base.tp, dp=base.dp, ranks=first) for e in encoders}
             for llm, schedule in _schedules(cost, base, n_mb, ("1f1b", "interleaved")):
@@ -382,7 +384,7 @@ def _encoder_stage_layouts(cost: CostModel, cluster: ClusterSpec, profile: Batch
                 for llm, n_mb in _llm_options(cost, cluster, llm_ranks, offset, global_batch, profile, True, rejected):
                     if llm.tp != tp or llm.dp != dp:
                         continue
-                    layouts = {e: Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group)
+                    layouts = {e: _split_by_heads(cost, e, Layout(tp=tp, dp=dp, pp=enc_pp, rank_offset=i * enc_pp * group))
                                for i, e in enumerate(encoders)}
                     yield {**layouts, "llm": llm}, n_mb
 
@@ -403,11 +405,21 @@ def _homogeneous(cost: CostModel, cluster: ClusterSpec, profile: BatchProfile, g
     for base, n_mb in _llm_options(cost, cluster, cluster.world_size, 0, global_batch, profile, True, rejected):
         first = tuple(base.rank_at(pp=0, dp=d, cp=c, tp=t) for d in range(base.dp) for c in range(base.cp)
                       for t in range(base.tp))
-        layouts = {e: Layout(tp=base.tp, dp=base.dp * base.cp, ranks=first) for e in encoders}
+        layouts = {e: _split_by_heads(cost, e, Layout(tp=base.tp, dp=base.dp * base.cp, ranks=first)) for e in encoders}
         load = _microbatch_load(profile, global_batch, base.dp, n_mb)
         for llm, schedule in _schedules(cost, base, n_mb, ("1f1b", "zb", "interleaved"), load):
             yield Candidate("harmonia", Plan(model, {**layouts, "llm": llm}, Placement.COLOCATED, schedule, n_mb,
                                              global_batch, training))
+
+
+def _split_by_heads(cost: CostModel, encoder: str, layout: Layout) -> Layout:
+    """``layout`` with the encoder's TP degree lowered to what its heads allow (`heads_split`), the
+    same ranks holding more data-parallel replicas (rank order: tp fastest, so each replica's ranks
+    stay within one of the LLM's TP groups)."""
+    tp = heads_split(cost.mllm.encoders[encoder].body, layout.tp)
+    if tp == layout.tp:
+        return layout
+    return replace(layout, tp=tp, dp=layout.dp * layout.tp // tp)
 
 
 def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:

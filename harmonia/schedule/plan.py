@@ -170,6 +170,10 @@ class Plan:
                     f"{module}: {layout.n_stages} stage chunks for {n_layers} layers; lower pp or virtual_stages"
                 )
             layout.stage_split(n_layers)
+            body = mllm.llm.body if module == "llm" else mllm.encoders[module].body
+            if body.n_heads % layout.tp or body.kv_heads % layout.tp:
+                raise LayoutError(f"{module}: tp={layout.tp} does not divide its {body.n_heads} query and "
+                                  f"{body.kv_heads} key/value heads; pick a tp that divides both")
 
     @staticmethod
     def _n_layers(mllm: MLLMSpec, module: str) -> int:

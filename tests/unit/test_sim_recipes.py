@@ -91,3 +91,20 @@ def test_harmonia_candidates_contain_each_baselines_layouts(run) -> None:
                                                                64, "internvl-8b")
              for m, x in c.plan.layouts.items() if m != "llm"}
     assert megatron <= fused
+
+
+def test_no_recipe_splits_an_encoder_across_more_ranks_than_its_heads(shared_traces) -> None:
+    """A LLaVA whose CLIP has 2 heads: encoders beside a tp4 LLM get tp2 (or are left out by
+    Megatron-LM's rule), never tp4, which the runtime cannot run."""
+    run = ScenarioRun(Scenario("small", "internvl-8b", "h100:1x8", str(shared_traces / "ai2d.csv"), 64,
+                               training={"vision": "frozen"}, iterations=1, search_batches=1))
+    vision = run.cost.mllm.encoders["vision"]
+    two_heads = replace(vision, body=replace(vision.body, n_heads=2, n_kv_heads=2))
+    run.cost.mllm = replace(run.cost.mllm, encoders={"vision": two_heads})
+    seen = 0
+    for recipe in (*BASELINES, "harmonia"):
+        for c in candidates(recipe, run.cost, run.cluster, run.profile, 64, "internvl-8b"):
+            c.plan.validate(run.cost.mllm)
+            assert c.plan.layouts["vision"].tp <= 2, (recipe, c.plan.layouts)
+            seen += c.plan.layouts["llm"].tp == 4
+    assert seen, "no tp4 LLM among the candidates: the case is not exercised"
