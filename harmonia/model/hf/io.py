@@ -67,10 +67,9 @@ class CheckpointFiles:
     """
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
         path = Path(path)
         self.path = path.parent if path.is_file() else path
+        self._handles: dict[Path, object] = {}
         index = self.path / "model.safetensors.index.json"
         if path.is_dir() and index.is_file():
             self.file_of = dict(json.loads(index.read_text())["weight_map"])
@@ -120,26 +119,33 @@ class CheckpointFiles:
         Raises:
             ConfigError: no such tensor, or its file cannot be read (truncated, corrupt), naming both.
         """
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         if key not in self.file_of:
             raise ConfigError(f"{self.path} has no tensor {key!r}; check that config.json matches the weights")
         file = self.path / self.file_of[key]
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                return f.get_tensor(key) if index is None else f.get_slice(key)[index]
+            f = self._open(file)
+            return f.get_tensor(key) if index is None else f.get_slice(key)[index]
         except (SafetensorError, OSError) as e:
             raise ConfigError(f"{file}: cannot read tensor {key!r} ({e}); the file is truncated or corrupt") from e
 
+    def _open(self, file: Path):
+        """The file's reader, opened once (its header parsed once) for all the tensors read from it."""
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
     def header(self, key: str) -> tuple[tuple[int, ...], str]:
         """The stored shape and safetensors dtype (``BF16``, ``F32``, ...) of tensor ``key``."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         file = self.path / self.file_of[key]
         try:
-            with safe_open(str(file), framework="pt") as f:
-                sl = f.get_slice(key)
-                return tuple(sl.get_shape()), sl.get_dtype()
+            sl = self._open(file).get_slice(key)
+            return tuple(sl.get_shape()), sl.get_dtype()
         except (SafetensorError, OSError) as e:
             raise ConfigError(f"{file}: cannot read the header of {key!r} ({e}); the file is truncated or corrupt") from e
 

@@ -1,0 +1,243 @@
+"""Building a model on 4 CPU processes: each rank's peak memory and time, meta build vs whole-stage build.
+
+For LLM-only checkpoints of about 0.5B, 1B and 2B parameters (Qwen2-shaped ``config.json`` and bf16
+safetensors shards written here, random weights), 4 gloo processes build their rank of the model as
+`harmonia.train.rank.build_rank_model` does: chunks on ``meta``, sharded there, then only the rank's
+shards allocated and read (each tensor alone, a shard's box only where it is one). Beside it, the
+build every rank did before: its whole stage chunk built in fp32 on the CPU, filled from the
+checkpoint, then sharded (``whole stage``; run only where 4 such ranks fit this machine).
+
+Per row: the largest rank's resident high-water mark during the build over its resident memory
+before it (``/proc/self/clear_refs``; glibc's mmap threshold fixed so freed memory leaves), the
+largest rank's resident memory after the build, the planner's estimate of a rank's weights (what
+the plan holds before the optimizer's first step: trained fp32, frozen in their held dtype) and of
+its whole step (`harmonia.plan.candidates.state_bytes_per_rank`: weights, gradients, Adam), the
+slowest rank's build seconds and the seconds to read every safetensors file once (page cache warm,
+as for every build here).
+
+    python benchmarks/build_memory.py [--quick] [--dir DIR]
+
+``--dir``: where the checkpoints go (default a temporary directory, removed at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+from saved import save_table
+
+from harmonia.model.hf.io import CheckpointFiles
+
+SIZES = {  # name -> (hidden, layers, ffn, heads, kv heads, vocab)
+    "0.5B": (1024, 20, 4096, 16, 4, 32768),
+    "1B": (1536, 24, 5632, 16, 4, 32768),
+    "2B": (2048, 28, 7168, 16, 4, 32768),
+}
+LAYOUTS = {  # name -> llm layout kwargs
+    "dp4": dict(dp=4),
+    "fsdp4": dict(dp=4, fsdp=True),
+    "fsdp4 reshard": dict(dp=4, fsdp=True, reshard=True),
+    "tp2 dp2": dict(tp=2, dp=2),
+    "pp2 dp2": dict(pp=2, dp=2),
+}
+HOST_BUDGET = 20 * 2**30  # what 4 ranks may hold together on this 24 GiB machine
+
+
+def write_checkpoint(path: Path, size: str) -> int:
+    """A Qwen2-shaped LLM directory in bf16 shards; returns its parameter count."""
+    import transformers
+
+    from harmonia.model.hf.io import write_shards
+
+    h, n, f, heads, kv, vocab = SIZES[size]
+    config = transformers.Qwen2Config(hidden_size=h, num_hidden_layers=n, intermediate_size=f,
+                                      num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                                      tie_word_embeddings=False, dtype="bfloat16")
+    config.architectures = ["Qwen2ForCausalLM"]
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    d = h // heads
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(n):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.q_proj.bias": (heads * d,),
+                       p + "self_attn.k_proj.weight": (kv * d, h), p + "self_attn.k_proj.bias": (kv * d,),
+                       p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.v_proj.bias": (kv * d,),
+                       p + "self_attn.o_proj.weight": (h, heads * d), p + "mlp.gate_proj.weight": (f, h),
+                       p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f)})
+    g = torch.Generator().manual_seed(0)
+
+    def load(keys):
+        return {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in keys}
+
+    sizes = {k: 2 * int(torch.Size(s).numel()) for k, s in shapes.items()}
+    write_shards(path, sizes, load, max_shard_bytes=2 * 2**30)
+    return sum(int(torch.Size(s).numel()) for s in shapes.values())
+
+
+def _hwm_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def whole_stage_build(spec, plan, meshes, source) -> None:
+    """The build before meta: each chunk whole in fp32 on the CPU, filled from the checkpoint, then sharded."""
+    from harmonia.model.hf.stages import load_module_state
+    from harmonia.model.lora import apply_training
+    from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage, stage_layers
+
+    layout, mesh = plan.layouts["llm"], meshes.module_mesh("llm")
+    layers_of = stage_layers(layout, spec.llm.body.n_layers)
+    for c, module in build_stage_modules(spec, "llm", layout, meshes.rank).items():
+        apply_training(module, spec.training_of("llm"))
+        keys = set(module.state_dict())
+        module.load_state_dict(load_module_state(source, spec, "llm", layers_of[c], keys))
+        parallelize_stage(module, mesh)
+
+
+def rank_build(rank: int, world: int, port: int, source: str, layout_kw: dict, how: str, out) -> None:
+    import torch.distributed as dist
+
+    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.runtime.meshes import build_module_meshes
+    from harmonia.schedule.layout import Layout
+    from harmonia.schedule.plan import Plan
+    from harmonia.train.rank import build_rank_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    spec = mllm_spec_from_hf(source)
+    plan = Plan(model=source, layouts={"llm": Layout(**layout_kw)}, n_microbatches=2, global_batch=8)
+    meshes = build_module_meshes(plan)
+    dist.barrier()
+    before = _status("VmRSS")
+    _hwm_reset()
+    t0 = time.perf_counter()
+    if how == "meta":
+        build_rank_model(spec, plan, meshes, 0, lambda ps: torch.optim.AdamW(ps), None, source=source)
+    else:
+        whole_stage_build(spec, plan, meshes, source)
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    out.put((rank, _status("VmHWM") - before, _status("VmRSS") - before, seconds))
+    dist.destroy_process_group()
+
+
+def measure(source: str, layout_kw: dict, how: str) -> tuple[int, int, float]:
+    """(largest rank's build peak over its start, largest resident after, slowest rank's seconds)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the process
+    procs = [ctx.Process(target=rank_build, args=(r, 4, port, source, layout_kw, how, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    return max(r[1] for r in results), max(r[2] for r in results), max(r[3] for r in results)
+
+
+def estimates(source: str, layout_kw: dict) -> tuple[float, float]:
+    """Planner's largest rank: (weights before the first step, whole step's states)."""
+    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.plan.candidates import state_bytes_per_rank
+    from harmonia.schedule.layout import Layout
+    from harmonia.schedule.plan import Plan
+    from harmonia.workload.cost import MASTER_BYTES, CostModel
+    from harmonia.workload.devices import cluster_from_string
+
+    spec = mllm_spec_from_hf(source)
+    cost = CostModel(spec, cluster_from_string("cpu:1x4").device)
+    layout = Layout(**layout_kw)
+    plan = Plan(model=source, layouts={"llm": layout}, n_microbatches=2, global_batch=8)
+    total, _ = cost.param_count("llm")
+    weights = total * MASTER_BYTES / layout.tp / (layout.dp if layout.fsdp else 1)
+    if layout.pp > 1:
+        per_stage = [cost.param_count("llm", a, b)[0] for a, b in _stage_ranges(cost, plan)]
+        weights = max(per_stage) * MASTER_BYTES / layout.tp / (layout.dp if layout.fsdp else 1)
+    return weights, max(state_bytes_per_rank(cost, plan).values())
+
+
+def _stage_ranges(cost, plan):
+    from harmonia.schedule.stagework import stage_layer_range
+
+    return [stage_layer_range(cost, plan, "llm", c) for c in range(plan.layouts["llm"].n_stages)]
+
+
+def read_once_s(path: Path) -> float:
+    t0 = time.perf_counter()
+    for f in sorted(path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while fh.read(64 * 2**20):
+                pass
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the 0.5B model only")
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (kept)")
+    args = parser.parse_args()
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="harmonia-build-memory-"))
+    console = Console(record=True, width=160)
+    table = Table(title="building one rank of an LLM on 4 CPU processes (gloo): peak and resident memory per rank, "
+                        "GiB; seconds")
+    for col in ("model", "params", "layout", "build", "peak (largest rank)", "resident after", "planner: weights",
+                "planner: step states", "build s", "read files once s"):
+        table.add_column(col, justify="left" if col in ("model", "layout", "build") else "right")
+    gib = 2**30
+    try:
+        for size in (["0.5B"] if args.quick else list(SIZES)):
+            path = root / size
+            if not (path / "config.json").is_file():
+                write_checkpoint(path, size)
+            params = sum(int(t.numel()) for t in CheckpointFiles(path).meta().values())
+            read_s = read_once_s(path)
+            for name, kw in LAYOUTS.items():
+                weights, states = estimates(str(path), kw)
+                for how in ("meta", "whole stage"):
+                    whole = params * 4 / kw.get("pp", 1)  # fp32, every rank its whole stage
+                    held = weights if how == "meta" else whole
+                    if 4 * held > HOST_BUDGET:
+                        table.add_row(size, f"{params / 1e9:.2f}B", name, how,
+                                      f"not run: 4 x {held / gib:.1f} GiB", "", f"{weights / gib:.2f}",
+                                      f"{states / gib:.2f}", "", f"{read_s:.1f}")
+                        continue
+                    peak, resident, secs = measure(str(path), kw, "meta" if how == "meta" else "whole")
+                    table.add_row(size, f"{params / 1e9:.2f}B", name, how, f"{peak / gib:.2f}", f"{resident / gib:.2f}",
+                                  f"{weights / gib:.2f}", f"{states / gib:.2f}", f"{secs:.1f}", f"{read_s:.1f}")
+                    console.print(f"{size} {name} {how}: peak {peak / gib:.2f} GiB, {secs:.1f} s", highlight=False)
+    finally:
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    console.print(table)
+    save_table(console, "build-memory")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
