@@ -1,11 +1,12 @@
 """`harmonia export`: a training checkpoint back to an HF directory that transformers loads.
 
 Every checkpoint's ``trainer.json`` carries the run's fingerprint (`harmonia.train.preflight`): the
-model source with absolute paths, how each module trains, the LoRA rank. Export rebuilds the model
-from it, gathers the whole model's weights from the distributed checkpoint in one process (they
-are keyed by whole-model names, whatever the layout that wrote them), and writes the source's HF
-format (`harmonia.model.hf.export.export_hf`): config, safetensors shards with their index, tokenizer
-and processor files copied, LoRA merged.
+model source with absolute paths, how each module trains, the LoRA rank. Export reads the
+distributed checkpoint's tensors (keyed by whole-model names, whatever the layout that wrote them)
+one output shard at a time (`checkpoint_state`, a `harmonia.model.hf.lazy.LazyTensors`), frozen
+weights from the source itself (`with_source_frozen`), and writes the source's HF format
+(`harmonia.model.hf.export.export_hf`): config, safetensors shards with their index, tokenizer and
+processor files copied, LoRA merged. Its peak memory is about one output shard, whatever the model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import warnings
 from pathlib import Path
 
 from harmonia.errors import ConfigError
+from harmonia.model.hf.lazy import LazyTensors
 
 DTYPES = ("source", "float32", "bfloat16", "float16")
 
@@ -42,23 +44,23 @@ def _source_dtype(source: str | dict):
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.float32
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "source") -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "source",
+                      max_shard_bytes: int = 5 * 2**30) -> Path:
     """Export a training checkpoint (a job's ``checkpoint.dir``: its newest step; or a ``step-N``).
 
     Args:
         checkpoint: the checkpoint directory or one step of it.
         out: a new or empty directory.
         dtype: ``source`` (the source checkpoint's dtype) or a torch dtype name.
+        max_shard_bytes: the largest safetensors file written (about the export's peak memory).
 
     Raises:
         ConfigError: no checkpoint, a checkpoint of a preset model (no HF source), or an ``out`` that
             is not a new or empty directory.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from harmonia.model.hf.export import export_hf
-    from harmonia.model.mllm import build_mllm_model
     from harmonia.model.resolve import is_checkpoint_dir, resolve_mllm
 
     if dtype not in DTYPES:
@@ -74,35 +76,68 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
         raise ConfigError(f"{out} exists and is not an empty directory; pass a new directory to export to")
     lora = {m: t for m, t in fingerprint["training"].items() if t != "full"}
     spec = resolve_mllm(source, training=lora, lora_rank=fingerprint.get("lora_rank") or None)
-    model = build_mllm_model(spec)
-    state = {"model": dict(model.state_dict())}
-    with warnings.catch_warnings():  # loading in one process is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(step), no_dist=True)
-    frozen_from_source(state["model"], spec, source, [m for m, t in fingerprint["training"].items() if t != "full"])
-    export_hf(state["model"], spec, source, out, _source_dtype(source) if dtype == "source" else getattr(torch, dtype))
+    state = checkpoint_state(step, spec)
+    state = with_source_frozen(state, spec, source, [m for m, t in fingerprint["training"].items() if t != "full"])
+    export_hf(state, spec, source, out, _source_dtype(source) if dtype == "source" else getattr(torch, dtype),
+              max_shard_bytes)
     return out
 
 
-def frozen_from_source(state: dict, spec, source: str | dict, frozen: list[str]) -> int:
-    """Put the source checkpoint's own tensors of the ``frozen`` modules (frozen, or LoRA-trained:
-    everything but their adapters) into ``state`` (a whole model's, as `MLLM.state_dict` names
-    them, LoRA wrappers included); returns how many. Training never changes a frozen weight, but
-    mixed precision holds it in bf16 (`harmonia.runtime.parallelize.hold_frozen_in`), so the
-    training checkpoint has it rounded: the export writes (and merges adapters into) what the
-    source had."""
-    import torch
+def checkpoint_state(step: Path, spec) -> LazyTensors:
+    """A training checkpoint's whole-model tensors, read from the distributed checkpoint a batch at a
+    time (`torch.distributed.checkpoint` reads each tensor's pieces from every rank's file).
 
-    from harmonia.model.hf.stages import load_module_state
+    Raises:
+        ConfigError: the checkpoint's tensors are not the model's (names as ``build_mllm_model(spec)``).
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from harmonia.model.mllm import build_mllm_model
+
+    stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    meta = {k.removeprefix("model."): m for k, m in stored.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with torch.device("meta"):
+        want = build_mllm_model(spec).state_dict()
+    differ = sorted(set(want) ^ set(meta))
+    if differ:
+        raise ConfigError(f"{step} holds other tensors than the model it was trained as (e.g. {differ[:3]}); "
+                          "export the checkpoint with the code version that wrote it")
+
+    def load(keys: list[str]) -> dict:
+        state = {"model": {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}}
+        with warnings.catch_warnings():  # reading in one process is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(step), no_dist=True)
+        return state["model"]
+
+    return LazyTensors(meta, load, {k: m.properties.dtype for k, m in meta.items()}, {k: m.size for k, m in meta.items()})
+
+
+def with_source_frozen(state: LazyTensors, spec, source: str | dict, frozen: list[str]) -> LazyTensors:
+    """``state`` with the tensors of the ``frozen`` modules (frozen, or LoRA-trained: everything but
+    their adapters) read from the source checkpoint instead. Training never changes a frozen
+    weight, but mixed precision holds it in bf16 (`harmonia.runtime.parallelize.hold_frozen_in`),
+    so the training checkpoint has it rounded: the export writes (and merges adapters into) what the
+    source had."""
+    from harmonia.model.hf.stages import ModuleReader
     from harmonia.model.mllm import state_prefix
     from harmonia.train.weights import is_adapter, unwrapped
 
-    count = 0
-    for name in frozen:
-        prefix = state_prefix(spec, name)
-        ours = {unwrapped(k[len(prefix):]): k for k in state if k.startswith(prefix) and not is_adapter(k)}
-        with torch.no_grad():
-            for key, t in load_module_state(source, spec, name, None, set(ours)).items():
-                state[ours[key]].copy_(t)
-                count += 1
-    return count
+    readers = {state_prefix(spec, m): ModuleReader(source, spec, m) for m in frozen}
+
+    def reader_of(key: str):
+        hit = [(p, r) for p, r in readers.items() if key.startswith(p)]
+        return None if not hit or is_adapter(key) or hit[0][1].fresh else hit[0]
+
+    def load(keys: list[str]) -> dict:
+        out = state.load([k for k in keys if reader_of(k) is None])
+        for key in keys:
+            if key not in out:
+                prefix, reader = reader_of(key)
+                out[key] = reader.read(unwrapped(key[len(prefix):]), state.shapes[key], state.dtypes[key])
+        return out
+
+    return LazyTensors(state, load, state.dtypes, state.shapes)

@@ -118,3 +118,30 @@ def test_training_lowered_the_transformers_loss(job) -> None:
             losses[name] = sum(float(model(**_inputs(processor, row, tmp / "data" / "train")).loss)
                                for row in _conversations(tmp, 24)) / 24
     assert losses["export"] < losses["base"], losses
+
+
+def test_export_reads_the_checkpoint_one_output_shard_at_a_time(job, monkeypatch) -> None:
+    """Peak memory of an export is about one output file: the checkpoint is read a shard's tensors
+    at a time, and the result equals the export written with one big file."""
+    import torch.distributed.checkpoint as dcp
+
+    from harmonia.model.hf.io import read_state_dict
+    from harmonia.train.export import export_checkpoint
+
+    tmp, config, _ = job
+    shard = 200_000
+    requested = []
+    load = dcp.load
+
+    def spy(state, **kw):
+        requested.append(sum(t.numel() * t.element_size() for t in state["model"].values()))
+        return load(state, **kw)
+
+    monkeypatch.setattr(dcp, "load", spy)
+    export_checkpoint(config.checkpoint.dir, tmp / "export-small", max_shard_bytes=shard)
+    files = list((tmp / "export-small").glob("*.safetensors"))
+    assert len(files) > 3 and len(requested) > 3
+    largest = max(t.numel() * 4 for t in read_state_dict(tmp / "export").values())
+    assert max(requested) <= 2 * shard + largest, requested  # the checkpoint may hold wider dtypes than written
+    small, big = read_state_dict(tmp / "export-small"), read_state_dict(tmp / "export")
+    assert small.keys() == big.keys() and all(torch.equal(small[k], big[k]) for k in big)

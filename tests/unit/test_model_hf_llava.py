@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from harmonia.errors import ConfigError, SampleError
 from harmonia.model.batch import pack_samples
+from harmonia.model.hf.lazy import LazyTensors
 from harmonia.model.hf.llava import export_hf, load_module_state, mllm_spec_from_hf, tokenized_sample
 from harmonia.model.hf.siglip import load_hf_siglip
 from harmonia.model.lora import apply_lora
@@ -394,11 +395,16 @@ def test_cost_model_counts_the_causal_mask_of_llava(tmp_path):
     assert load.tokens == len(ids) and load.pairs == count_pairs(batch.layout)
 
 
+def as_lazy(state: dict) -> LazyTensors:
+    return LazyTensors(state, lambda keys: {k: state[k] for k in keys}, {k: t.dtype for k, t in state.items()},
+                       {k: t.shape for k, t in state.items()})
+
+
 def test_export_writes_a_frozen_module_as_the_source_had_it(tmp_path) -> None:
     """A mixed-precision run holds a frozen encoder in bf16, so its training checkpoint has it
     rounded; the export takes the frozen module's tensors from the source instead."""
     from harmonia.model.mllm import build_mllm_model, state_prefix
-    from harmonia.train.export import frozen_from_source
+    from harmonia.train.export import with_source_frozen
     from harmonia.train.tiny_llava import write_tiny_llava
 
     base = write_tiny_llava(tmp_path / "base")
@@ -412,9 +418,9 @@ def test_export_writes_a_frozen_module_as_the_source_had_it(tmp_path) -> None:
                 t.copy_(source[key].to(torch.bfloat16) if key.startswith("encoders.") else source[key] + 1)
     vision = [k for k in state if k.startswith(state_prefix(spec, "vision"))]
     assert any(not torch.equal(state[k], source[k].float()) for k in vision), "bf16 must round some weights"
-    assert frozen_from_source(state, spec, base, ["vision"]) == len(vision)
-    assert all(torch.equal(state[k], source[k].float()) for k in vision)
-    assert all(torch.equal(state[k], source[k] + 1) for k in source if k.startswith("llm."))
+    view = with_source_frozen(as_lazy(state), spec, base, ["vision"])
+    assert all(torch.equal(view[k], source[k].float()) for k in vision)
+    assert all(torch.equal(view[k], source[k] + 1) for k in source if k.startswith("llm."))
 
 
 def test_export_writes_a_lora_modules_frozen_base_as_the_source_had_it(tmp_path) -> None:
@@ -422,7 +428,7 @@ def test_export_writes_a_lora_modules_frozen_base_as_the_source_had_it(tmp_path)
     restores them from the source and keeps the trained adapters."""
     from harmonia.model.mllm import build_mllm_model, state_prefix
     from harmonia.model.resolve import resolve_mllm
-    from harmonia.train.export import frozen_from_source
+    from harmonia.train.export import with_source_frozen
     from harmonia.train.tiny_llava import write_tiny_llava
 
     base = write_tiny_llava(tmp_path / "base")
@@ -438,9 +444,9 @@ def test_export_writes_a_lora_modules_frozen_base_as_the_source_had_it(tmp_path)
             if key.startswith(prefix) and plain in source:
                 t.copy_(source[plain].to(torch.bfloat16))
     assert not torch.equal(state[prefix + "layers.0.attn.q_proj.base.weight"], source["layers.0.attn.q_proj.weight"])
-    assert frozen_from_source(state, spec, base, ["llm"]) == len(source)
-    for key, t in state.items():
+    view = with_source_frozen(as_lazy(state), spec, base, ["llm"])
+    for key in state:
         plain = key[len(prefix):].replace(".base.", ".")
         if key.startswith(prefix) and plain in source:
-            assert torch.equal(t, source[plain].float()), key
-    assert all(torch.equal(state[k], t) for k, t in adapters.items())
+            assert torch.equal(view[key], source[plain].float()), key
+    assert all(torch.equal(view[k], t) for k, t in adapters.items())

@@ -1,7 +1,8 @@
 """Export a trained MLLM as HF checkpoints in its source's format.
 
-`export_hf` takes the whole model's state dict (names as `harmonia.model.mllm.MLLM` has them, LoRA
-adapters allowed), merges LoRA (`harmonia.model.lora.merge_lora`), renames every tensor to the
+`export_hf` takes the whole model's state (names as `harmonia.model.mllm.MLLM` has them, LoRA
+adapters allowed; a dict or a lazy `harmonia.model.hf.lazy.LazyTensors`), merges LoRA
+(``W + scale * B A``, as `harmonia.model.lora.LoRALinear.merged_weight`), renames every tensor to the
 name the source checkpoint gives it (`harmonia.model.hf.names`, the same map loading uses) and
 writes a copy of the source: its ``config.json`` with the written dtype, every tensor the source
 has (trained ones replaced, the rest, such as a vision tower's unused last block or Whisper's
@@ -19,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from harmonia.errors import ConfigError
 from harmonia.model.hf.io import CheckpointFiles, read_config, write_shards
+from harmonia.model.hf.lazy import LazyTensors, dtypes_of, load_many
 from harmonia.model.hf.names import fit, module_names
 from harmonia.model.hf.source import COMPOSITION_FILE, PROJECTORS_FILE, HFSource, parse_source
 from harmonia.model.spec import MLLMSpec
@@ -49,14 +52,15 @@ def _set_dtype(config: dict, dtype: torch.dtype) -> dict:
     return out
 
 
-def write_like_source(source: str | Path, out_dir: str | Path, tensors: dict[str, torch.Tensor],
+def write_like_source(source: str | Path, out_dir: str | Path, tensors: Mapping[str, torch.Tensor],
                       dtype: torch.dtype, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write a copy of checkpoint directory ``source`` with some tensors replaced.
 
     Args:
         source: the checkpoint directory whose format, config and other files are copied.
         out_dir: output directory (not ``source``).
-        tensors: checkpoint name -> new value; every other tensor of ``source`` is copied.
+        tensors: checkpoint name -> new value (read one output shard at a time); every other tensor of
+            ``source`` is copied.
         dtype: dtype of every floating tensor written, and the config's ``dtype``.
         max_shard_bytes: shard size.
 
@@ -71,14 +75,14 @@ def write_like_source(source: str | Path, out_dir: str | Path, tensors: dict[str
     unknown = sorted(set(tensors) - set(meta))
     if unknown:
         raise ConfigError(f"{source} has no tensors {unknown[:3]}: the export does not match the source's format")
-    new = {k: fit(t, meta[k].shape, k) for k, t in tensors.items()}
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
 
-    def load(keys: list[str]) -> dict[str, torch.Tensor]:
-        copied = files.read([k for k in keys if k not in new])
-        return {k: cast(new[k] if k in new else copied[k]) for k in keys}
+    def load(keys: list[str]) -> dict[str, torch.Tensor]:  # one output shard's tensors, and only those
+        new = load_many(tensors, [k for k in keys if k in tensors])
+        copied = files.read([k for k in keys if k not in tensors])
+        return {k: cast(fit(new[k], meta[k].shape, k) if k in new else copied[k]) for k in keys}
 
     out.mkdir(parents=True, exist_ok=True)
     sizes = {k: t.numel() * (dtype if t.is_floating_point() else t.dtype).itemsize for k, t in meta.items()}
@@ -92,53 +96,83 @@ def write_like_source(source: str | Path, out_dir: str | Path, tensors: dict[str
     return out
 
 
-def merged_state(state: dict[str, torch.Tensor], spec: MLLMSpec) -> dict[str, torch.Tensor]:
-    """The whole model's state with LoRA adapters folded into their base weights (the input is not changed).
+def merged_state(state: Mapping[str, torch.Tensor], spec: MLLMSpec) -> LazyTensors:
+    """The whole model's tensors with LoRA adapters folded into their base weights, computed as asked
+    for (``W + scale * B A`` per adapted linear; the input is not changed).
 
     A tied LM head that a pipeline stage held as its own copy must equal the embedding; it is dropped.
     """
-    from harmonia.model.lora import apply_training, merge_lora
-    from harmonia.model.mllm import build_module, state_prefix
+    from harmonia.model.mllm import state_prefix
 
-    state = dict(state)
+    keys = list(state)
     if spec.llm.tie_embeddings and "llm.head.weight" in state:
-        head = state.pop("llm.head.weight")
-        if not torch.equal(head, state.get("llm.embed.weight", head)):
+        keys.remove("llm.head.weight")
+        pair = load_many(state, ["llm.head.weight", "llm.embed.weight"] if "llm.embed.weight" in state
+                         else ["llm.head.weight"])
+        if not torch.equal(pair["llm.head.weight"], pair.get("llm.embed.weight", pair["llm.head.weight"])):
             raise ConfigError("the LLM ties its head to its embedding but the state holds two different matrices; "
                               "export the state the training kept tied")
-    out = {}
+    prefixes = tuple(state_prefix(spec, m) for m in spec.module_names)
+    unknown = sorted(k for k in keys if not k.startswith(prefixes))
+    if unknown:
+        raise ConfigError(f"state has tensors of no module of {spec.name!r}: {unknown[:3]}")
+    scales: dict[str, float] = {}  # merged weight name -> its adapter's scale
     for module in spec.module_names:
         prefix = state_prefix(spec, module)
-        own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        own = [k[len(prefix):] for k in keys if k.startswith(prefix)]
         if not own:
             raise ConfigError(f"state has no tensors of module {module!r} (prefix {prefix!r}); pass the whole model")
         if any(".lora_" in k for k in own):
-            with torch.device("meta"):
-                built = build_module(spec, module)
-            apply_training(built, spec.training_of(module))
-            want = built.state_dict()
-            wrong = sorted(set(want) ^ set(own)) or sorted(k for k in own if own[k].shape != want[k].shape)
-            if wrong:
-                raise ConfigError(f"module {module!r}: the state's LoRA adapters do not match its training mode "
-                                  f"{spec.training_of(module)} (e.g. {wrong[:3]}); pass the spec it trained with")
-            own = {k: v.detach().clone() if k.endswith(".base.weight") else v.detach() for k, v in own.items()}
-            built.load_state_dict(own, strict=True, assign=True)
-            merge_lora(built)
-            own = built.state_dict()
-        out.update({prefix + k: v for k, v in own.items()})
-    prefixes = tuple(state_prefix(spec, m) for m in spec.module_names)
-    unknown = sorted(k for k in state if not k.startswith(prefixes))
-    if unknown:
-        raise ConfigError(f"state has tensors of no module of {spec.name!r}: {unknown[:3]}")
-    return out
+            scales.update({prefix + k: s for k, s in _adapter_scales(spec, module, own).items()})
+    parts = {}  # merged name -> the state's names it is computed from
+    for key in keys:
+        if ".lora_" in key:
+            continue
+        merged = key.replace(".base.", ".")
+        if merged in scales:
+            linear = key[: -len(".base.weight")]
+            parts[merged] = [key, f"{linear}.lora_a.weight", f"{linear}.lora_b.weight"]
+        else:
+            parts[merged] = [key]
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        raw = load_many(state, [k for n in names for k in parts[n]])
+        out = {}
+        for n in names:
+            if n in scales:
+                base, a, b = (raw[k] for k in parts[n])
+                out[n] = (base.float() + scales[n] * (b.float() @ a.float())).to(base.dtype)
+            else:
+                out[n] = raw[parts[n][0]]
+        return out
+
+    dtypes = dtypes_of(state)
+    merged_dtypes = None if dtypes is None else {n: dtypes[p[0]] for n, p in parts.items()}
+    return LazyTensors(parts, load, merged_dtypes)
 
 
-def checkpoint_tensors(state: dict[str, torch.Tensor], src: HFSource, spec: MLLMSpec,
-                       modules: list[str]) -> dict[str, torch.Tensor]:
+def _adapter_scales(spec: MLLMSpec, module: str, own: list[str]) -> dict[str, float]:
+    """Module-local merged weight name -> scale of each LoRA adapter, checking the state's names
+    against the module's training mode."""
+    from harmonia.model.lora import LoRALinear, apply_training
+    from harmonia.model.mllm import build_module
+
+    with torch.device("meta"):
+        built = build_module(spec, module)
+    apply_training(built, spec.training_of(module))
+    wrong = sorted(set(built.state_dict()) ^ set(own))
+    if wrong:
+        raise ConfigError(f"module {module!r}: the state's LoRA adapters do not match its training mode "
+                          f"{spec.training_of(module)} (e.g. {wrong[:3]}); pass the spec it trained with")
+    return {f"{name}.weight": sub.scale for name, sub in built.named_modules() if isinstance(sub, LoRALinear)}
+
+
+def checkpoint_tensors(state: Mapping[str, torch.Tensor], src: HFSource, spec: MLLMSpec,
+                       modules: list[str]) -> LazyTensors:
     """Merged whole-model tensors of ``modules`` under their names in the source checkpoint."""
     from harmonia.model.mllm import state_prefix
 
-    out: dict[str, torch.Tensor] = {}
+    ours_of: dict[str, list[str]] = {}  # checkpoint name -> our names (tied tensors: several)
     for module in modules:
         located, prefix = module_names(src, spec, module), state_prefix(spec, module)
         for key in [k for k in state if k.startswith(prefix)]:
@@ -147,27 +181,41 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], src: HFSource, spec: MLLM
                 if located.is_zero(ours):
                     continue  # Whisper's key bias: no such tensor, no effect on outputs
                 raise ConfigError(f"{key} has no tensor in {located.path} to go to")
-            name = located.names[ours]
-            if name in out and not torch.equal(out[name], state[key]):
-                raise ConfigError(f"{key} and another tensor both map to {name} in {located.path} but differ")
-            out[name] = state[key]
-    return out
+            ours_of.setdefault(located.names[ours], []).append(key)
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        raw = load_many(state, [k for n in names for k in ours_of[n]])
+        out = {}
+        for n in names:
+            first, *others = ours_of[n]
+            for other in others:
+                if not torch.equal(raw[first], raw[other]):
+                    raise ConfigError(f"{first} and {other} both map to {n} but differ")
+            out[n] = raw[first]
+        return out
+
+    dtypes = dtypes_of(state)
+    return LazyTensors(ours_of, load, None if dtypes is None else {n: dtypes[k[0]] for n, k in ours_of.items()})
 
 
-def _state_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
-    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
-    if len(dtypes) != 1:
-        raise ConfigError(f"the state mixes dtypes {sorted(map(str, dtypes))}; pass export_hf a dtype")
-    return dtypes.pop()
+def _state_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    dtypes = dtypes_of(state)
+    if dtypes is None:
+        raise ConfigError("the state's dtypes are not known before reading it; pass export_hf a dtype")
+    floating = {d for d in dtypes.values() if d.is_floating_point}
+    if len(floating) != 1:
+        raise ConfigError(f"the state mixes dtypes {sorted(map(str, floating))}; pass export_hf a dtype")
+    return floating.pop()
 
 
-def export_hf(state: dict[str, torch.Tensor], spec: MLLMSpec, source, out_dir: str | Path,
+def export_hf(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source, out_dir: str | Path,
               dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write a trained MLLM as HF checkpoints in its source's format.
 
     Args:
         state: the whole model's tensors, keyed as `MLLM.state_dict` (``llm.``, ``encoders.<name>.``,
-            ``projectors.<name>_proj.``), LoRA adapters included or merged.
+            ``projectors.<name>_proj.``), LoRA adapters included or merged: a dict, or a
+            `LazyTensors` read one output shard at a time (then peak memory is about one shard).
         spec: the spec `mllm_spec_from_hf` read from ``source``.
         source: the model source training started from.
         out_dir: the output directory: the HF checkpoint of a whole multimodal source, or a
@@ -203,7 +251,7 @@ def _write_projectors(state: dict[str, torch.Tensor], spec: MLLMSpec, path: Path
     tensors = {}
     for name in spec.projectors:
         prefix = state_prefix(spec, name)
-        tensors.update({f"{name}.{k[len(prefix):]}": v.detach().to(dtype).contiguous().cpu()
-                        for k, v in state.items() if k.startswith(prefix)})
+        own = load_many(state, [k for k in state if k.startswith(prefix)])
+        tensors.update({f"{name}.{k[len(prefix):]}": v.detach().to(dtype).contiguous().cpu() for k, v in own.items()})
     specs = {name: dataclasses.asdict(p) for name, p in spec.projectors.items()}
     save_file(tensors, str(path), metadata={"format": "pt", "harmonia.projectors": json.dumps(specs)})
