@@ -220,6 +220,9 @@ class LogConfig:
     dir: str = _f("runs/demo", "metrics.jsonl, TensorBoard events, timelines and the summary go here")
     every: int = _f(1, "log every N steps")
     tensorboard: bool = _f(True, "also write TensorBoard events")
+    memory: bool = _f(False, "on CPU, count each step's tensor bytes per rank (every operator pays a Python call) "
+                             "and record them beside the planner's prediction; GPUs always record their "
+                             "allocator's peak")
 
     def __post_init__(self) -> None:
         _require(self.every >= 1, "log.every", self.every, "an integer >= 1")

@@ -36,7 +36,7 @@ import functools
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import stage_layer_range
-from harmonia.workload.cost import GRAD_BYTES, PARAM_BYTES, CostModel
+from harmonia.workload.cost import GRAD_BYTES, CostModel
 from harmonia.workload.devices import ClusterSpec
 
 
@@ -114,7 +114,7 @@ def fsdp_gather_s(cost: CostModel, cluster: ClusterSpec, plan: Plan, module: str
     if not layout.fsdp or layout.dp <= 1:
         return 0.0
     start, stop = stage_layer_range(cost, plan, module, chunk)
-    weights = cost.param_count(module, start, stop)[0] * PARAM_BYTES / layout.tp
+    weights = cost.param_count(module, start, stop)[0] * cost.weight_bytes / layout.tp
     group = stage_group(layout, chunk, "dp", dp, cp, tp)
     return (layout.dp - 1) / layout.dp * weights / cluster.group_bandwidth(group)
 

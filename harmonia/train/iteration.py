@@ -117,6 +117,8 @@ class PreparedIteration:
         failed: this rank's decoding failures (not yet agreed; `IterationBuilder.settle` clears them).
         decoded: dataset index -> what this rank decoded for the step.
         settle_s: seconds the training thread spent agreeing on failures (and preparing again).
+        predicted_peak: this rank's bytes at the step's peak as the planner prices them: its states
+            (weights, gradients, optimizer states) plus the activations its action list holds at once.
     """
 
     step: int
@@ -133,6 +135,7 @@ class PreparedIteration:
     failed: list[Failed] = field(default_factory=list)
     decoded: dict[int, LoadedSample | Failed] = field(default_factory=dict, repr=False)
     settle_s: float = 0.0
+    predicted_peak: float = 0.0
 
 
 class BuilderClosed(HarmoniaError):
@@ -267,10 +270,12 @@ class IterationBuilder:
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
+        peak = self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule).get(self.rank, 0.0)
         return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,
-                                 n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders}, decoded=decoded)
+                                 n_sub={e: max(iw.n_sub.get(e, (1,))) for e in plan.encoders}, decoded=decoded,
+                                 predicted_peak=peak)
 
     def _assign(self, step: int, wanted: list[int], bad: set[int]) -> tuple[list[int], list[SampleShape],
                                                                           np.ndarray, IterationAssignment]:

@@ -17,6 +17,8 @@ under torchrun, the other ranks) name a rank that stopped responding.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import math
@@ -95,19 +97,21 @@ def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTime
     return times
 
 
-def _reduce_times(times: StepTimes, modules: list[str]) -> tuple[dict[str, float], float, list[int]]:
+def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, float] = (0.0, 0.0)
+                  ) -> tuple[dict[str, float], float, list[list[int]]]:
     """Per module, the slowest rank's time in it; the bubble fraction over all ranks; every rank's
-    resident memory now (bytes)."""
+    ``[resident memory now, measured step peak, predicted step peak]`` (bytes; ``peaks`` this rank's
+    last two)."""
     t = torch.tensor([times.module_s[m] for m in modules] + [times.busy_s], dtype=torch.float64)
     slowest = t.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     total_busy = t[-1:].clone()
     dist.all_reduce(total_busy)
     world = dist.get_world_size()
-    rss = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(rss, torch.tensor([_current_rss_bytes()], dtype=torch.int64))
+    memory = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(memory, torch.tensor([_current_rss_bytes(), *map(int, peaks)], dtype=torch.int64))
     bubble = 1.0 - float(total_busy) / (world * times.step_s) if times.step_s > 0 else 0.0
-    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [int(r) for r in rss]
+    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [m.tolist() for m in memory]
 
 
 def _worker_exits_with_rank(rank_pid: int) -> None:
@@ -223,11 +227,12 @@ class Trainer:
             self.model.executor.action_times = []
             t0, cpu0 = time.perf_counter(), time.process_time()
             batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-            result = self._step(step, it, batch)
+            with self._peak_count() as measured:
+                result = self._step(step, it, batch)
             step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             self.losses.append(result.loss)
             times = _step_times(self.model, step_s, self.modules)
-            module_s, bubble, rss = _reduce_times(times, self.modules)
+            module_s, bubble, memory = _reduce_times(times, self.modules, (measured.get("peak", 0), it.predicted_peak))
             if step in (calibration_step, timeline_step):
                 actions, process_cpu = self._gather_actions(t0, step_cpu)
                 if step == calibration_step and self.rank == 0 and it.predicted is not None:
@@ -236,12 +241,45 @@ class Trainer:
                     best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
                                 it.predicted, step_s, calibrated=it.calibrated)
             if self.rank == 0:
+                counted = {} if not measured else {"memory_peak_bytes": [m[1] for m in memory],
+                                                   "memory_predicted_bytes": [m[2] for m in memory]}
                 report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
-                        "rss_bytes": rss})
+                        "rss_bytes": [m[0] for m in memory], **counted})
             if progress is not None:
                 progress(step + 1)
             if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
                 self._save(step + 1)
+
+    @contextlib.contextmanager
+    def _peak_count(self):
+        """Count the step's peak tensor bytes into the yielded dict's ``peak``: the CUDA allocator's, or
+        on the CPU with ``log.memory`` `harmonia.runtime.memory_count.TensorBytes` from what the rank
+        holds between steps (weights, gradients, optimizer states); empty otherwise."""
+        out: dict[str, int] = {}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            yield out
+            out["peak"] = torch.cuda.max_memory_allocated(self.device)
+            return
+        if not self.config.log.memory:
+            yield out
+            return
+        from harmonia.runtime.memory_count import TensorBytes
+
+        counter = TensorBytes()
+        counter.begin(self._held())
+        with counter:
+            yield out
+        out["peak"] = counter.peak
+
+    def _held(self) -> list[torch.Tensor]:
+        """Every tensor the rank holds between steps: weights, their gradients, optimizer states."""
+        ex = self.model.executor
+        tensors = list(self.model.named.values())
+        tensors += [p.grad for p in self.model.trainable_named().values() if p.grad is not None]
+        tensors += [v for opt in ex.optimizers.values() for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+        return tensors
 
     def _step(self, step: int, it: PreparedIteration, batch) -> StepOutcome:
         """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite."""

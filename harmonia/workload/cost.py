@@ -75,7 +75,8 @@ from harmonia.workload.shapes import SampleShape
 from harmonia.workload.work import ModuleLoad, load_arrays, sample_loads
 
 PARAM_BYTES = 2
-"""A bf16 weight: what a matmul reads, what FSDP gathers and keeps whole through the step."""
+"""A bf16 weight: what a matmul reads, what FSDP gathers and keeps whole through the step, under mixed
+precision (`CostModel.weight_bytes`; fp32 without)."""
 MASTER_BYTES = 4
 """An fp32 weight: a module without FSDP keeps its trained weights in fp32 (autocast computes in
 bf16), FSDP its shards; frozen weights too where the device trains in fp32."""
@@ -119,7 +120,8 @@ class CostModel:
         mllm: the model spec with training modes.
         device: the device the work runs on.
         calibration: measured per-phase whole-block efficiencies replacing the device's kernel rates.
-        act_bytes: bytes per activation element (2 for bf16, 4 for fp32).
+        act_bytes: bytes per activation element (2 for bf16, 4 for fp32); None = what the device
+            computes in (`weight_bytes`: 2 under mixed precision, 4 otherwise).
         sequence_parallel: TP splits the norms, residual adds and the activations they keep over
             tokens (Megatron-LM's ``--sequence-parallel``); without it they are replicated on every
             TP rank, as harmonia's runtime runs TP.
@@ -130,11 +132,12 @@ class CostModel:
     """
 
     def __init__(self, mllm: MLLMSpec, device: DeviceSpec, calibration: Calibration | None = None,
-                 act_bytes: int = 2, sequence_parallel: bool = False, fsdp_per_microbatch: bool = False) -> None:
+                 act_bytes: int | None = None, sequence_parallel: bool = False,
+                 fsdp_per_microbatch: bool = False) -> None:
         self.mllm = mllm
         self.device = device
         self.calibration = calibration
-        self.act_bytes = act_bytes
+        self.act_bytes = self.weight_bytes if act_bytes is None else act_bytes
         self.sequence_parallel = sequence_parallel
         self.fsdp_per_microbatch = fsdp_per_microbatch
         self.layers: dict[str, list[LayerCost]] = module_layers(mllm)
@@ -420,7 +423,7 @@ class CostModel:
     def _weight_seconds(self, module: str, start: int, stop: int, tp: int) -> float:
         """Reading a TP shard of the layers' bf16 weights once at memory bandwidth."""
         params = self._range(module, start, stop)[1]
-        return params * PARAM_BYTES / tp / (self.device.mem_bw * self.device.bw_efficiency)
+        return params * self.weight_bytes / tp / (self.device.mem_bw * self.device.bw_efficiency)
 
     def module_times(self, module: str, load: ModuleLoad, tp: int = 1, cp: int = 1) -> PhaseTimes:
         return self.stage_times(module, load, 0, None, tp, cp)
@@ -502,13 +505,19 @@ class CostModel:
         sharded = trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) + (total - trainable) * self.frozen_bytes
         if fsdp_shards <= 1 or reshard or self.fsdp_per_microbatch:
             return sharded / tp / fsdp_shards
-        whole = total * PARAM_BYTES + trainable * GRAD_BYTES
+        whole = total * self.weight_bytes + trainable * GRAD_BYTES
         return (whole + sharded / fsdp_shards) / tp
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a weight is computed in (what FSDP gathers, what a frozen weight is held in): bf16
+        under mixed precision, fp32 otherwise."""
+        return PARAM_BYTES if self.device.mixed_precision else MASTER_BYTES
 
     @property
     def frozen_bytes(self) -> int:
         """Bytes a frozen weight is held in: bf16 under mixed precision, fp32 otherwise."""
-        return PARAM_BYTES if self.device.mixed_precision else MASTER_BYTES
+        return self.weight_bytes
 
     def fsdp_pays(self, module: str, dp: int, reshard: bool = False) -> bool:
         """Whether FSDP over ``dp`` replicas (resharding per microbatch with ``reshard``) holds less
@@ -520,7 +529,7 @@ class CostModel:
         [start, stop) runs its backward: its whole bf16 weights and fp32 gradients, and the next
         block's bf16 weights, gathered ahead (FSDP2's prefetch); counted with the largest layer."""
         largest = max(((x.params, x.trainable_params) for x in self.layers[module][start:stop]), default=(0, 0))
-        return (2 * largest[0] * PARAM_BYTES + largest[1] * GRAD_BYTES) / tp
+        return (2 * largest[0] * self.weight_bytes + largest[1] * GRAD_BYTES) / tp
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
