@@ -7,9 +7,10 @@ shards allocated and read (each tensor alone, a shard's box only where it is one
 build every rank did before: its whole stage chunk built in fp32 on the CPU, filled from the
 checkpoint, then sharded (``whole stage``; run only where 4 such ranks fit this machine).
 
-Per row: the largest rank's resident high-water mark during the build over its resident memory
-before it (``/proc/self/clear_refs``; glibc's mmap threshold fixed so freed memory leaves), the
-largest rank's resident memory after the build, the planner's estimate of a rank's weights (what
+Per row: the largest rank's peak of anonymous resident memory during the build over what it held
+before (``RssAnon`` sampled every millisecond by a thread; glibc's mmap threshold fixed so freed
+memory leaves; the checkpoint's pages that safetensors maps are the page cache's, reclaimable, and
+not counted), the largest rank's anonymous memory after the build (the model still held), the planner's estimate of a rank's weights (what
 the plan holds before the optimizer's first step: trained fp32, frozen in their held dtype) and of
 its whole step (`harmonia.plan.candidates.state_bytes_per_rank`: weights, gradients, Adam), the
 slowest rank's build seconds and the seconds to read every safetensors file once (page cache warm,
@@ -87,9 +88,25 @@ def write_checkpoint(path: Path, size: str) -> int:
     return sum(int(torch.Size(s).numel()) for s in shapes.values())
 
 
-def _hwm_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+class AnonPeak:
+    """The largest ``RssAnon`` of this process while running, sampled by a thread every millisecond."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = _status("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _status("RssAnon"))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _status("RssAnon"))
 
 
 def _status(field: str) -> int:
@@ -108,11 +125,13 @@ def whole_stage_build(spec, plan, meshes, source) -> None:
 
     layout, mesh = plan.layouts["llm"], meshes.module_mesh("llm")
     layers_of = stage_layers(layout, spec.llm.body.n_layers)
-    for c, module in build_stage_modules(spec, "llm", layout, meshes.rank).items():
+    chunks = build_stage_modules(spec, "llm", layout, meshes.rank)
+    for c, module in chunks.items():
         apply_training(module, spec.training_of("llm"))
         keys = set(module.state_dict())
         module.load_state_dict(load_module_state(source, spec, "llm", layers_of[c], keys))
         parallelize_stage(module, mesh)
+    return chunks
 
 
 def rank_build(rank: int, world: int, port: int, source: str, layout_kw: dict, how: str, out) -> None:
@@ -130,16 +149,18 @@ def rank_build(rank: int, world: int, port: int, source: str, layout_kw: dict, h
     plan = Plan(model=source, layouts={"llm": Layout(**layout_kw)}, n_microbatches=2, global_batch=8)
     meshes = build_module_meshes(plan)
     dist.barrier()
-    before = _status("VmRSS")
-    _hwm_reset()
+    before = _status("RssAnon")
+    sampler = AnonPeak()
     t0 = time.perf_counter()
     if how == "meta":
-        build_rank_model(spec, plan, meshes, 0, lambda ps: torch.optim.AdamW(ps), None, source=source)
+        model = build_rank_model(spec, plan, meshes, 0, lambda ps: torch.optim.AdamW(ps), None, source=source)
     else:
-        whole_stage_build(spec, plan, meshes, source)
+        model = whole_stage_build(spec, plan, meshes, source)
     seconds = time.perf_counter() - t0
+    peak = sampler.stop()
     dist.barrier()
-    out.put((rank, _status("VmHWM") - before, _status("VmRSS") - before, seconds))
+    out.put((rank, peak - before, _status("RssAnon") - before, seconds))
+    del model
     dist.destroy_process_group()
 
 
@@ -203,9 +224,9 @@ def main() -> int:
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="harmonia-build-memory-"))
     console = Console(record=True, width=160)
-    table = Table(title="building one rank of an LLM on 4 CPU processes (gloo): peak and resident memory per rank, "
-                        "GiB; seconds")
-    for col in ("model", "params", "layout", "build", "peak (largest rank)", "resident after", "planner: weights",
+    table = Table(title="building one rank of an LLM on 4 CPU processes (gloo): anonymous memory per rank, GiB; "
+                        "seconds")
+    for col in ("model", "params", "layout", "build", "peak (largest rank)", "held after", "planner: weights",
                 "planner: step states", "build s", "read files once s"):
         table.add_column(col, justify="left" if col in ("model", "layout", "build") else "right")
     gib = 2**30

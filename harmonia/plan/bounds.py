@@ -153,7 +153,7 @@ def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: Stage
     times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
     last = chunk == layout.n_stages - 1
     if last and module != "llm":
-        times = times + cost.stage_times(f"{module}_proj", proj_load, tp=tp, cp=cp)
+        times = times + cost.stage_times(f"{module}_proj", proj_load, cp=cp)  # whole on every TP rank
     ref = StageRef(module, chunk)
     has_b, has_w = graph.needs_b(ref), graph.needs_w(ref)
     backward = times.B + times.W if (has_b or has_w) else 0.0

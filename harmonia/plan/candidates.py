@@ -180,7 +180,7 @@ def even_split(cost: CostModel, module: str, layout: Layout) -> Layout | None:
 
 def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
     """Weights, gradients and optimizer states each rank holds: every stage chunk placed on it
-    (FSDP shards over ``dp``; a projector lives on its encoder's last chunk), plus, on a rank with
+    (FSDP shards over ``dp``; a projector lives whole on its encoder's last chunk), plus, on a rank with
     chunks that reshard per microbatch, the largest block one of them gathers whole (a rank runs one
     unit at a time: `CostModel.reshard_transient_bytes`)."""
     out: dict[int, float] = {}
@@ -194,7 +194,7 @@ def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
             start, stop = stage_layer_range(cost, plan, module, chunk)
             nbytes = cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
             if module != "llm" and chunk == layout.n_stages - 1:
-                nbytes += cost.state_bytes(f"{module}_proj", tp=layout.tp, fsdp_shards=shards, reshard=reshard)
+                nbytes += cost.state_bytes(f"{module}_proj")  # held whole: no TP, no FSDP
             held = cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else 0.0
             pp_rank = chunk % layout.pp
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:

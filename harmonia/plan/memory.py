@@ -90,7 +90,7 @@ def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfi
     act = cost.activation_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
     if module != LLM and chunk == layout.n_stages - 1:
         proj = f"{module}_proj"
-        act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * share, tp=layout.tp, cp=layout.cp)
+        act += cost.activation_bytes(proj, profile.sample_load(proj).tokens * share, cp=layout.cp)  # whole per TP rank
     return act
 
 

@@ -1,7 +1,8 @@
 """Build one module's pipeline stages on a rank and parallelize them, in torchtitan's order.
 
-For every stage chunk a rank holds: build the chunk (`build_stage_modules`), load the whole model's
-weights into it, then `parallelize_stage`:
+For every stage chunk a rank holds, the runtime builds the chunk on ``meta``, then `parallelize_stage`
+there, then allocates only its shards (`harmonia.runtime.materialize`); `build_stage_modules` builds
+chunks whole from a state dict (the tests' one-process references do, then parallelize):
 
 1. `apply_tp`   — DTensor `parallelize_module` with the model's own TP plan (`plan_tp`) on the
    stage's ``tp`` mesh;

@@ -97,18 +97,18 @@ def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTime
     return times
 
 
-def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, float] = (0.0, 0.0)
+def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...] = (0.0,) * 4
                   ) -> tuple[dict[str, float], float, list[list[int]]]:
     """Per module, the slowest rank's time in it; the bubble fraction over all ranks; every rank's
-    ``[resident memory now, measured step peak, predicted step peak]`` (bytes; ``peaks`` this rank's
-    last two)."""
+    ``[resident memory now, *peaks]`` (bytes; ``peaks``: this rank's measured and predicted states
+    at the step's start, measured and predicted step peak)."""
     t = torch.tensor([times.module_s[m] for m in modules] + [times.busy_s], dtype=torch.float64)
     slowest = t.clone()
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     total_busy = t[-1:].clone()
     dist.all_reduce(total_busy)
     world = dist.get_world_size()
-    memory = [torch.zeros(3, dtype=torch.int64) for _ in range(world)]
+    memory = [torch.zeros(1 + len(peaks), dtype=torch.int64) for _ in range(world)]
     dist.all_gather(memory, torch.tensor([_current_rss_bytes(), *map(int, peaks)], dtype=torch.int64))
     bubble = 1.0 - float(total_busy) / (world * times.step_s) if times.step_s > 0 else 0.0
     return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [m.tolist() for m in memory]
@@ -232,7 +232,9 @@ class Trainer:
             step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             self.losses.append(result.loss)
             times = _step_times(self.model, step_s, self.modules)
-            module_s, bubble, memory = _reduce_times(times, self.modules, (measured.get("peak", 0), it.predicted_peak))
+            peaks = (measured.get("held", 0), self.builder.states.get(self.rank, 0.0), measured.get("peak", 0),
+                     it.predicted_peak)
+            module_s, bubble, memory = _reduce_times(times, self.modules, peaks)
             if step in (calibration_step, timeline_step):
                 actions, process_cpu = self._gather_actions(t0, step_cpu)
                 if step == calibration_step and self.rank == 0 and it.predicted is not None:
@@ -241,8 +243,10 @@ class Trainer:
                     best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
                                 it.predicted, step_s, calibrated=it.calibrated)
             if self.rank == 0:
-                counted = {} if not measured else {"memory_peak_bytes": [m[1] for m in memory],
-                                                   "memory_predicted_bytes": [m[2] for m in memory]}
+                counted = {} if not measured else {
+                    "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],
+                    **({"memory_held_bytes": [m[1] for m in memory],
+                        "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
                 report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
                         "rss_bytes": [m[0] for m in memory], **counted})
             if progress is not None:
@@ -254,7 +258,7 @@ class Trainer:
     def _peak_count(self):
         """Count the step's peak tensor bytes into the yielded dict's ``peak``: the CUDA allocator's, or
         on the CPU with ``log.memory`` `harmonia.runtime.memory_count.TensorBytes` from what the rank
-        holds between steps (weights, gradients, optimizer states); empty otherwise."""
+        holds between steps (weights, gradients, optimizer states: ``held``); empty otherwise."""
         out: dict[str, int] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -268,6 +272,7 @@ class Trainer:
 
         counter = TensorBytes()
         counter.begin(self._held())
+        out["held"] = counter.live
         with counter:
             yield out
         out["peak"] = counter.peak

@@ -282,9 +282,9 @@ class CostModel:
                          if recompute else 0.0)
         if proj_load is not None:
             proj = f"{module}_proj"
-            times = times + self.stage_times(proj, proj_load, tp=tp, cp=cp)
+            times = times + self.stage_times(proj, proj_load, cp=cp)  # whole on every TP rank
             flops += sum(self.phase_flops(proj, proj_load))
-            act += self.activation_bytes(proj, proj_load.tokens, tp=tp, cp=cp)
+            act += self.activation_bytes(proj, proj_load.tokens, cp=cp)
         if len(self._units) >= UNIT_CACHE:
             self._units.clear()
         self._units[key] = (times, flops, act, transient)
@@ -484,29 +484,48 @@ class CostModel:
 
     # ---- memory ------------------------------------------------------------------------------
     def param_count(self, module: str, start: int = 0, stop: int | None = None) -> tuple[int, int]:
-        """(all, trainable) parameters of layers [start, stop) (kept per range: every candidate's
-        memory estimate asks for its stages' counts again)."""
+        """(all, trainable) parameters a stage of layers [start, stop) holds (kept per range: every
+        candidate's memory estimate asks for its stages' counts again). A last LLM stage without the
+        embedding holds its own copy of a tied embedding as its head (`harmonia.model.llm.DecoderLM`)."""
+        return self._counts_of(module, start, stop)[:2]
+
+    def replicated_count(self, module: str, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(all, trainable) parameters of the stage that tensor parallelism keeps whole on every rank."""
+        return self._counts_of(module, start, stop)[2:]
+
+    def _counts_of(self, module: str, start: int, stop: int | None) -> tuple[int, int, int, int]:
         key = (module, start, stop)
         found = self._counts.get(key)
         if found is None:
             layers = self.layers[module][start:stop]
-            found = self._counts[key] = (sum(x.params for x in layers), sum(x.trainable_params for x in layers))
+            found = [sum(x.params for x in layers), sum(x.trainable_params for x in layers),
+                     sum(x.replicated for x in layers), sum(x.trainable_replicated for x in layers)]
+            if module == "llm" and self.mllm.llm.tie_embeddings and start > 0 and \
+                    (stop is None or stop >= len(self.layers[module])):
+                embed = self.layers[module][0]
+                found[0] += embed.params
+                found[1] += embed.trainable_params
+            found = self._counts[key] = tuple(found)
         return found
 
     def state_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
                     fsdp_shards: int = 1, reshard: bool = False) -> float:
         """Weights, gradients and optimizer states of layers [start, stop) on one rank at the
         step's peak (module docstring): fp32 weight, gradient and Adam moments per trainable
-        parameter, `frozen_bytes` per frozen one. With FSDP over ``fsdp_shards`` ranks the bf16
+        parameter, `frozen_bytes` per frozen one; over ``tp`` ranks each holds its share of the split
+        parameters and the replicated ones whole (`replicated_count`). With FSDP over ``fsdp_shards`` ranks the bf16
         weights and fp32 accumulated gradients stay whole through the step and the rest is sharded;
         resharding per microbatch (``reshard`` or ``fsdp_per_microbatch``) everything is sharded.
         """
         total, trainable = self.param_count(module, start, stop)
+        repl, trainable_repl = self.replicated_count(module, start, stop)
+        total = (total - repl) / tp + repl  # what one TP rank holds
+        trainable = (trainable - trainable_repl) / tp + trainable_repl
         sharded = trainable * (MASTER_BYTES + GRAD_BYTES + ADAM_BYTES) + (total - trainable) * self.frozen_bytes
         if fsdp_shards <= 1 or reshard or self.fsdp_per_microbatch:
-            return sharded / tp / fsdp_shards
+            return sharded / fsdp_shards
         whole = total * self.weight_bytes + trainable * GRAD_BYTES
-        return (whole + sharded / fsdp_shards) / tp
+        return whole + sharded / fsdp_shards
 
     @property
     def weight_bytes(self) -> int:

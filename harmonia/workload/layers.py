@@ -44,6 +44,10 @@ class LayerCost:
         needs_b: the layer runs an input-gradient backward.
         needs_w: the layer has a weight-gradient step.
         windowed: a sliding-window block: its pair terms count `ModuleLoad.windowed_pairs`.
+        replicated, trainable_replicated: of ``params`` and ``trainable_params``, those tensor
+            parallelism keeps whole on every TP rank (`harmonia.model.tp.plan_tp`: norms, biases of
+            row-wise linears, layer scales, an encoder's front end and post layer, LoRA's ``A`` of
+            column-wise and ``B`` of row-wise linears); the rest is split over ``tp``.
     """
 
     name: str
@@ -60,6 +64,8 @@ class LayerCost:
     needs_b: bool = False
     needs_w: bool = False
     windowed: bool = False
+    replicated: int = 0
+    trainable_replicated: int = 0
 
 
 def _lora_params(spec: TransformerSpec, rank: int) -> int:
@@ -68,6 +74,21 @@ def _lora_params(spec: TransformerSpec, rank: int) -> int:
     attn = rank * ((h + q) + 2 * (h + kv) + (q + h))
     mlp = rank * ((h + f) * (3 if spec.mlp == "swiglu" else 2))
     return attn + mlp
+
+
+def _block_replicated(spec: TransformerSpec, mode: Trainability, lora_rank: int) -> tuple[int, int]:
+    """(all, trainable) parameters of a block that TP replicates: norms, row-wise biases (output and
+    down projections), per-head q/k norms, layer scales; LoRA's A on the column-wise q, k, v and
+    up projections (input ``h``) and B on the row-wise output and down projections (output ``h``)."""
+    h = spec.hidden
+    repl = 2 * spec.norm_params + (h if spec.out_bias else 0) + (h if spec.mlp_bias else 0)
+    if spec.qk_norm and spec.qk_norm_per_head:
+        repl += 2 * spec.dim_head * (1 if spec.norm == "rmsnorm" else 2)
+    if spec.layer_scale:
+        repl += 2 * h
+    ups = 2 if spec.mlp == "swiglu" else 1
+    lora = lora_rank * h * (3 + ups + 2) if mode is Trainability.LORA else 0
+    return repl + lora, repl if mode is Trainability.FULL else lora
 
 
 def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: int, upstream_trains: bool) -> LayerCost:
@@ -105,8 +126,9 @@ def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: 
     else:
         act = 0.0
     io = 2 * (h + q + 2 * kv + q + h + h + act_in + f + h)
+    repl, trainable_repl = _block_replicated(spec, mode, lora_rank)
     return LayerCost(name, "block", params, trainable, f_tok, 4.0 * q, b_tok, b_pair, w_tok, act, io,
-                     needs_b, trains)
+                     needs_b, trains, replicated=repl, trainable_replicated=trainable_repl)
 
 
 def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upstream: bool,
@@ -134,6 +156,7 @@ def encoder_layers(name: str, enc: EncoderSpec, mode: Trainability, lora_rank: i
         matmul = enc.channels * enc.patch_size**2 * h
         front = _dense(f"{name}.patch_embed", "patch_embed", enc.frontend_params(), matmul, full,
                        upstream_trains, enc.channels * enc.patch_size**2, h)
+    front = replace(front, replicated=front.params, trainable_replicated=front.trainable_params)  # not split by TP
     layers = [front]
     trains_so_far = upstream_trains or front.needs_w
     for i in range(enc.body.n_layers):
@@ -143,16 +166,18 @@ def encoder_layers(name: str, enc: EncoderSpec, mode: Trainability, lora_rank: i
     norms = (int(enc.pre_norm) + int(enc.post_norm)) * enc.body.norm_params
     # A pooling head (SigLIP's MAP) projects every token to keys and values: 2 h^2 weights per token.
     head_matmul = 2 * h * h if enc.head_params else 0
-    layers.append(_dense(f"{name}.post", "post", norms + enc.head_params, head_matmul, full,
-                         trains_so_far, h, h))
+    post = _dense(f"{name}.post", "post", norms + enc.head_params, head_matmul, full, trains_so_far, h, h)
+    layers.append(replace(post, replicated=post.params, trainable_replicated=post.trainable_params))
     return layers
 
 
 def projector_layers(name: str, proj: ProjectorSpec, mode: Trainability, upstream_trains: bool) -> list[LayerCost]:
-    """The projector as one layer (its MLP is small and never split)."""
+    """The projector as one layer (its MLP is small and never split: every TP rank runs it whole)."""
     trainable = mode is not Trainability.FROZEN
-    return [_dense(f"{name}.mlp", "proj", proj.n_params(), proj.matmul_params(), trainable,
-                   upstream_trains, proj.in_dim, proj.out_dim + proj.hidden)]
+    layer = _dense(f"{name}.mlp", "proj", proj.n_params(), proj.matmul_params(), trainable,
+                   upstream_trains, proj.in_dim, proj.out_dim + proj.hidden)
+    # the runtime holds a projector whole on every rank of its encoder's last stage (no TP, no FSDP)
+    return [replace(layer, replicated=layer.params, trainable_replicated=layer.trainable_params)]
 
 
 def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains: bool) -> list[LayerCost]:
@@ -174,7 +199,8 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
         trains_so_far = trains_so_far or blk.needs_w
     head_params = llm.head_params() + llm.body.norm_params
     head = _dense("llm.head", "head", head_params, h * v, full, trains_so_far, h, 2 * v)
-    layers.append(head)
+    norm = llm.body.norm_params  # the final norm stays whole under TP; the head is split over the vocabulary
+    layers.append(replace(head, replicated=norm, trainable_replicated=norm if full else 0))
     return layers
 
 

@@ -82,21 +82,32 @@ def build(rank: int, world: int, cases: list[Case]) -> list[dict]:
     reads = []  # (tensor, box) of every read from a checkpoint
     read_part = CheckpointFiles.read_part
     CheckpointFiles.read_part = lambda self, key, index=None: (reads.append((key, index)), read_part(self, key, index))[1]
-    out = []
+    from harmonia.runtime.memory_count import TensorBytes
+
+    out, held = [], {}
     for case in cases:
         reads.clear()
         layouts = {"vision": case.vision, "llm": case.llm}
         plan = Plan(model="tiny-vlm", layouts=layouts, placement=case.placement, schedule="1f1b", n_microbatches=2,
                     global_batch=4, training=dict(case.training))
         model = build_rank_model(case.spec(), plan, build_module_meshes(layouts), SEED,
-                                 lambda ps: torch.optim.SGD(ps, lr=0.1), None, precision=case.precision,
+                                 lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False), None, precision=case.precision,
                                  source=case.source)
         full = {}
         for name, t in model.named.items():
             local = t.to_local() if isinstance(t, DTensor) else t
             whole = t.full_tensor() if isinstance(t, DTensor) else t
             full[name] = (whole.detach().clone(), tuple(local.shape), str(t.dtype), t.requires_grad)
-        out.append((full, list(reads)))
+        for p in model.trainable_named().values():  # one optimizer step: Adam's states exist
+            p.grad = torch.zeros_like(p)
+        for opt in model.executor.optimizers.values():
+            opt.step()
+        counter = TensorBytes()
+        counter.begin([*model.named.values(), *(p.grad for p in model.trainable_named().values()),
+                       *(v for opt in model.executor.optimizers.values() for st in opt.state.values()
+                         for v in st.values() if isinstance(v, torch.Tensor))])
+        held[len(out)] = counter.live
+        out.append((full, list(reads), held[len(out)]))
     return out
 
 
@@ -121,7 +132,7 @@ def test_each_rank_holds_its_part_of_the_one_process_model(built, world, i) -> N
     finally:
         shutil.rmtree(HF, ignore_errors=True)
     seen = set()
-    for rank, (tensors, reads) in enumerate(r[i] for r in built[world]):
+    for rank, (tensors, reads, _) in enumerate(r[i] for r in built[world]):
         if case.source is not None:
             read = [k for k, _ in reads]
             assert len(read) == len(set(read)), "a tensor read twice"
@@ -136,3 +147,35 @@ def test_each_rank_holds_its_part_of_the_one_process_model(built, world, i) -> N
         if case.llm.fsdp or case.llm.tp > 1:
             assert any(n.startswith("llm.") for n in sharded), f"rank {rank}: nothing of the LLM sharded"
     assert seen == set(want), f"no rank holds {sorted(set(want) - seen)[:3]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world, i", [(w, i) for w, cases in CASES.items() for i in range(len(cases))
+                                      if CASES[w][i].precision == "fp32"],
+                         ids=[c.name for cases in CASES.values() for c in cases if c.precision == "fp32"])
+def test_each_rank_holds_the_states_the_planner_prices(built, world, i) -> None:
+    """Weights, gradients and Adam's states a rank holds after an optimizer step are the planner's
+    `state_bytes_per_rank` (FSDP without resharding also keeps the gathered weights and their
+    gradients whole through a step: the planner counts those too, so there the rank holds less)."""
+    from harmonia.plan.candidates import state_bytes_per_rank
+    from harmonia.schedule.plan import Plan
+    from harmonia.workload.cost import CostModel
+    from harmonia.workload.devices import cluster_from_string
+
+    case = CASES[world][i]
+    if case.source is not None:
+        checkpoint(HF)
+    try:
+        spec = case.spec()
+    finally:
+        shutil.rmtree(HF, ignore_errors=True)
+    layouts = {"vision": case.vision, "llm": case.llm}
+    plan = Plan(model="x", layouts=layouts, placement=case.placement, n_microbatches=2, global_batch=4,
+                training=dict(case.training))
+    predicted = state_bytes_per_rank(CostModel(spec, cluster_from_string(f"cpu:1x{world}").device), plan)
+    whole_fsdp = any(lay.fsdp and not lay.reshard for lay in layouts.values())
+    for rank, (_, _, held) in enumerate(r[i] for r in built[world]):
+        if whole_fsdp:
+            assert held <= predicted[rank], (rank, held, predicted[rank])
+        else:
+            assert abs(held - predicted[rank]) <= 0.01 * predicted[rank] + 4096, (rank, held, predicted[rank])

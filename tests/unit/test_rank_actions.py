@@ -13,11 +13,12 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harmonia.model.presets import mllm_preset
 from harmonia.schedule.actions import Action, Kind, StageRef
+from harmonia.schedule.encoder_slots import movable_encoders
 from harmonia.schedule.iteration import assign_iteration, balancer_costs, feeding_replicas
 from harmonia.schedule.layout import Layout, Placement
 from harmonia.schedule.plan import Plan
@@ -88,6 +89,7 @@ def iteration(seed: int):
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1))
+@example(42408405)  # colocated zero-bubble: audio dp8's replicas re-placed into the LLM groups' slack
 def test_the_simulator_times_exactly_every_ranks_list(seed: int) -> None:
     plan, iw, schedule = iteration(seed)
     actions = plan_rank_actions(plan.layouts, schedule)
@@ -127,7 +129,11 @@ def _messages_pair_up(actions: dict[int, list[Action]]) -> None:
 
 
 def _every_compute_runs_on_its_ranks(plan: Plan, schedule, actions: dict[int, list[Action]]) -> None:
+    """Each rank runs its stages' compute as the holder's copy orders it; an encoder the ranks may
+    re-place into their LLM group's slack (`harmonia.schedule.encoder_slots`) keeps the order of its
+    forwards and that of its backwards, each kind's actions exactly the holder's."""
     graph = schedule.graph
+    movable = movable_encoders(plan.layouts, plan.encoders)
     for module, layout in plan.layouts.items():
         for rank in layout.rank_list():
             pp = layout.coords(rank)["pp"]
@@ -135,7 +141,13 @@ def _every_compute_runs_on_its_ranks(plan: Plan, schedule, actions: dict[int, li
                 ref = StageRef(module, c)
                 want = [a for a in schedule.orders[holder_copy(graph, plan.layouts, ref, rank)] if a.stage_ref == ref]
                 got = [a for a in actions[rank] if a.kind.is_compute and a.stage_ref == ref]
-                assert got == want, f"rank {rank} runs {ref} differently from its holder's copy"
+                if module in movable:
+                    for kind in {a.kind for a in want}:
+                        assert [a for a in got if a.kind is kind] == [a for a in want if a.kind is kind], \
+                            f"rank {rank} runs {ref}'s {kind} actions out of the holder's order"
+                    assert sorted(map(str, got)) == sorted(map(str, want)), f"rank {rank}: other actions of {ref}"
+                else:
+                    assert got == want, f"rank {rank} runs {ref} differently from its holder's copy"
 
 
 def test_a_rank_holding_two_modules_merges_them_by_the_schedules_timeline() -> None:

@@ -36,10 +36,13 @@ def _zero3(cost: CostModel) -> CostModel:
 
 def test_fsdp_states_keep_weights_and_fp32_gradients_whole_and_shard_the_optimizer(setup) -> None:
     cost, _, _ = setup
-    total, trainable = cost.param_count("llm", 0, 10)
+    whole, trained = cost.param_count("llm", 0, 10)
+    repl, trained_repl = cost.replicated_count("llm", 0, 10)  # norms: whole on every TP rank
+    assert 0 < repl < whole / 100
     for tp, shards in ((1, 8), (2, 4), (4, 64)):
+        total, trainable = (whole - repl) / tp + repl, (trained - trained_repl) / tp + trained_repl
         runtime = cost.state_bytes("llm", 0, 10, tp, shards)
-        assert runtime == pytest.approx((2 * total + 4 * trainable + (4 * total + 12 * trainable) / shards) / tp)
+        assert runtime == pytest.approx(2 * total + 4 * trainable + (4 * total + 12 * trainable) / shards)
         zero3 = _zero3(cost).state_bytes("llm", 0, 10, tp, shards)
         assert zero3 == pytest.approx(cost.state_bytes("llm", 0, 10, tp) / shards)
         assert zero3 < runtime < cost.state_bytes("llm", 0, 10, tp)
