@@ -19,6 +19,7 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from harmonia.errors import LayoutError
 from harmonia.model.spec import MLLMSpec, TransformerSpec
 from harmonia.plan.partition import plan_module_stages
 from harmonia.plan.profiling import BatchProfile
@@ -201,6 +202,47 @@ def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
                 out[rank] = out.get(rank, 0.0) + nbytes
                 transient[rank] = max(transient.get(rank, 0.0), held)
     return {rank: nbytes + transient[rank] for rank, nbytes in out.items()}
+
+
+def module_state_bytes(cost: CostModel, plan: Plan, rank: int) -> dict[str, float]:
+    """`state_bytes_per_rank` of one rank by module (its projectors counted with their encoder)."""
+    out = {}
+    for module, layout in plan.layouts.items():
+        if not layout.holds(rank):
+            continue
+        shards = layout.dp if layout.fsdp else 1
+        reshard = cost.reshards(layout)
+        pp_rank = layout.coords(rank)["pp"]
+        nbytes = 0.0
+        for chunk in range(pp_rank, layout.n_stages, layout.pp):
+            start, stop = stage_layer_range(cost, plan, module, chunk)
+            nbytes += cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
+            if module != "llm" and chunk == layout.n_stages - 1:
+                nbytes += cost.state_bytes(f"{module}_proj")
+        out[module] = nbytes
+    return out
+
+
+def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str, where: str) -> None:
+    """Refuse a plan some rank of which holds more weights, gradients and optimizer states than its
+    device, before any activation (`state_bytes_per_rank`), naming the rank, each module's share,
+    the estimate and the device.
+
+    Raises:
+        LayoutError: the largest such rank.
+    """
+    per_rank = state_bytes_per_rank(cost, plan)
+    rank, most = max(per_rank.items(), key=lambda kv: kv[1])
+    if most <= mem_bytes:
+        return
+    gib = 2**30
+    shares = module_state_bytes(cost, plan, rank)
+    parts = ", ".join(f"{m} {b / gib:.1f} GiB" for m, b in shares.items())
+    if most - sum(shares.values()) > 0.05 * gib:
+        parts += f", a resharded block gathered whole {(most - sum(shares.values())) / gib:.1f} GiB"
+    raise LayoutError(f"{where}: rank {rank} would hold {most / gib:.1f} GiB of weights, gradients and optimizer "
+                      f"states ({parts}) before any activation, over the {device}'s {mem_bytes / gib:.0f} GiB; shard "
+                      "more (fsdp, tp, pp) or freeze more, or let the planner choose (parallel.plan=auto)")
 
 
 def lower_bound_s(profile: BatchProfile, layouts: dict[str, Layout], batches: list[int] | None = None) -> float:

@@ -14,8 +14,10 @@ from harmonia.config import Config
 from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec, ModuleTraining
 from harmonia.schedule.plan import Plan
+from harmonia.plan.candidates import check_states_fit
 from harmonia.plan.search import PlanReport, search_plan
 from harmonia.plan.scenario import Scenario
+from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.shapes import SampleShape
 
@@ -102,8 +104,14 @@ def load_training_plan(config: Config) -> Plan:
     if plan.world_size != config.parallel.world_size:
         raise ConfigError(f"plan {config.parallel.plan} uses {plan.world_size} ranks but parallel.world_size="
                           f"{config.parallel.world_size}; make them agree or plan again")
-    plan.validate(model_spec(config))
+    spec = model_spec(config)
+    plan.validate(spec)
     reason = executor_limits(plan)
     if reason:
         raise ConfigError(f"plan {config.parallel.plan}: {reason}; plan again with `harmonia train` (plan=auto)")
-    return replace(plan, global_batch=config.train.global_batch)
+    plan = replace(plan, global_batch=config.train.global_batch)
+    device = cluster_from_string(config.parallel.cluster).device
+    device = replace(device, mixed_precision=PRECISION_MIXED[config.train.precision]) \
+        if PRECISION_MIXED[config.train.precision] is not None else device
+    check_states_fit(CostModel(spec, device), plan, device.mem_bytes, device.name, f"plan {config.parallel.plan}")
+    return plan

@@ -182,3 +182,27 @@ def test_recompute_peaks_equal_the_peak_of_each_options_plan(equal_samples, sche
         own = replace(plan, recompute=option[0], recompute_fraction=option[1])
         assert peak == pytest.approx(max(plan_peak_bytes(cost, own, profile).values()), rel=1e-12)
     assert len(set(got)) > 1
+
+
+def test_a_given_plan_whose_states_exceed_the_device_is_refused_before_any_process(tmp_path) -> None:
+    """An 8B LLaVA replicated on 2 CPU ranks holds 16 bytes of states per trained weight on each:
+    far over a CPU rank's 16 GiB; refused naming the rank, each module's share and the device.
+    Sharded over both ranks with the LLM frozen it fits."""
+    from harmonia.config import load_config
+    from harmonia.errors import LayoutError
+    from harmonia.model.presets import mllm_preset
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+    from harmonia.train.planning import load_training_plan
+
+    def job(layouts: str, *extra: str):
+        plan_from_layouts(mllm_preset("llava-siglip-8b"), "llava-siglip-8b", parse_layouts(layouts), 2, 32).save(
+            tmp_path / "plan.json")
+        return load_config(None, ["--model.preset=llava-siglip-8b", "--parallel.world_size=2",
+                                  f"--parallel.plan={tmp_path / 'plan.json'}", *extra])
+
+    with pytest.raises(LayoutError, match=r"rank 0 would hold 1\d\d\.\d GiB of weights, gradients and optimizer "
+                                          r"states \(vision \d+\.\d GiB, llm 1\d\d\.\d GiB\) .* over the cpu's 16 GiB"):
+        load_training_plan(job("vision dp2; llm dp2"))
+    plan = load_training_plan(job("vision dp2 fsdp; llm dp2 fsdp reshard", "--model.frozen=llm,vision",
+                                  "--train.precision=bf16"))
+    assert plan.layouts["llm"].reshard
