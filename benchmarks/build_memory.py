@@ -16,7 +16,13 @@ its whole step (`harmonia.plan.candidates.state_bytes_per_rank`: weights, gradie
 slowest rank's build seconds and the seconds to read every safetensors file once (page cache warm,
 as for every build here).
 
-    python benchmarks/build_memory.py [--quick] [--dir DIR]
+Then (``--train``) the 2B LLM, frozen with LoRA adapters on it, composed with a small SigLIP tower
+and trained by ``harmonia train`` for 2 steps on 4 processes with the LLM's base weights sharded
+(``llm dp4 fsdp reshard``): its fp32 weights times 4 ranks exceed this machine's 24 GiB, so only a
+sharded build can start it. Shown: each rank's resident memory after the last step, the counted
+tensor peak of the step (``log.memory``) beside the planner's prediction, and the seconds.
+
+    python benchmarks/build_memory.py [--quick] [--train] [--dir DIR]
 
 ``--dir``: where the checkpoints go (default a temporary directory, removed at the end).
 """
@@ -217,10 +223,62 @@ def read_once_s(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+def train_row(root: Path, console: Console) -> None:
+    """2 training steps of the 2B LLM (LoRA, base sharded over 4 ranks) with a small vision tower."""
+    import json
+    import subprocess
+
+    import transformers
+
+    from harmonia.train.tiny_llava import build_tokenizer
+
+    llm, vision = root / "2B", root / "vision"
+    if not (llm / "config.json").is_file():
+        write_checkpoint(llm, "2B")
+    build_tokenizer().save_pretrained(llm)
+    if not (vision / "config.json").is_file():
+        cfg = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=32, patch_size=8)
+        transformers.SiglipVisionModel(cfg).save_pretrained(vision)
+        transformers.SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision)
+    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+
+    source = {"llm": str(llm), "encoders": {"vision": str(vision)}}
+    spec = mllm_spec_from_hf(source).with_training(llm="lora", vision="frozen")
+    plan_from_layouts(spec, source, parse_layouts("vision dp4; llm dp4 fsdp reshard"), 4, 4,
+                      training={"llm": "lora", "vision": "frozen"}).save(root / "plan.json")
+    run = root / "train-run"
+    cmd = [sys.executable, "-m", "harmonia", "train", f"--model.llm={llm}",
+           f"--model.encoders={json.dumps({'vision': str(vision)})}", "--model.frozen=vision", "--model.lora=llm",
+           f"--parallel.plan={root / 'plan.json'}", "--parallel.world_size=4", f"--data.path={root / 'data'}",
+           "--data.synthesize=32", "--data.heldout=0", "--train.steps=2", "--train.global_batch=4",
+           "--log.memory=true", "--log.tensorboard=false", f"--log.dir={run}", f"--checkpoint.dir={run / 'ck'}",
+           "--checkpoint.every=0"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    seconds = time.perf_counter() - t0
+    if done.returncode:
+        raise RuntimeError(f"training row: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rss_bytes"' in x][-1]
+    gib = 2**30
+    params = sum(int(t.numel()) for t in CheckpointFiles(llm).meta().values())
+    table = Table(title="training a LoRA-adapted 2B LLM (frozen base sharded over 4 CPU processes, fp32) with a "
+                        "small vision tower: 2 steps of harmonia train")
+    for col in ("LLM fp32 weights x 4 ranks", "resident per rank after the step", "tensor peak per rank (counted)",
+                "planner's prediction per rank", "wall s (start to end)"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
+                  " ".join(f"{r / gib:.2f}" for r in last["memory_peak_bytes"]),
+                  " ".join(f"{r / gib:.2f}" for r in last["memory_predicted_bytes"]), f"{seconds:.0f}")
+    console.print(table)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the 0.5B model only")
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (kept)")
+    parser.add_argument("--train", action="store_true", help="only the training row (2B LLM, LoRA, fsdp4 reshard)")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="harmonia-build-memory-"))
     console = Console(record=True, width=160)
@@ -230,6 +288,14 @@ def main() -> int:
                 "planner: step states", "build s", "read files once s"):
         table.add_column(col, justify="left" if col in ("model", "layout", "build") else "right")
     gib = 2**30
+    if args.train:
+        try:
+            train_row(root, console)
+        finally:
+            if not args.dir:
+                shutil.rmtree(root, ignore_errors=True)
+        save_table(console, "build-memory-train")
+        return 0
     try:
         for size in (["0.5B"] if args.quick else list(SIZES)):
             path = root / size

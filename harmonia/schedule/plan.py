@@ -43,7 +43,8 @@ class Plan:
     """All modules' layouts, placement and schedule.
 
     Attributes:
-        model: MLLM preset name (or a spec file path).
+        model: MLLM preset name, HF checkpoint directory, or a composition (``{"llm": DIR, "encoders":
+            {...}}``, as ``model.source`` gives it).
         layouts: module -> layout, for every encoder and ``llm`` (projectors ride with encoders).
         placement: ``colocated`` or ``disjoint``.
         schedule: pipeline schedule family: ``gpipe``, ``1f1b``, ``interleaved``, ``zb``.
@@ -57,7 +58,7 @@ class Plan:
             every block.
     """
 
-    model: str
+    model: str | dict[str, object]
     layouts: dict[str, Layout]
     placement: Placement = Placement.DISJOINT
     schedule: str = "1f1b"

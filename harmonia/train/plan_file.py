@@ -55,7 +55,12 @@ def _check(where: str, value: Any, hint: Any) -> None:
         if value is None and type(None) in args:
             return
         inner = [a for a in args if a is not type(None)]
-        return _check(where, value, inner[0]) if len(inner) == 1 else None
+        for alternative in inner:
+            try:
+                return _check(where, value, alternative)
+            except ConfigError:
+                continue
+        _require(where, value, False, hint)
     if dataclasses.is_dataclass(hint):
         return _check_object(where, value, hint)
     if origin in (list, tuple):
