@@ -193,5 +193,5 @@ def _worker(rank: int, world: int, cases: list[Case]) -> list[str]:
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_boundary_matches_one_process(world: int) -> None:
-    results = run_workers(_worker, world, (CASES[world],), timeout=240)
+    results = run_workers(_worker, world, (CASES[world],), timeout=900)
     assert all(r == [c.name for c in CASES[world]] for r in results)

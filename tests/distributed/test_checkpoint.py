@@ -45,9 +45,9 @@ def _load_single(rank: int, world: int, directory: str) -> tuple[dict, dict, dic
 
 @pytest.mark.distributed
 def test_resume_under_a_different_layout(tmp_path) -> None:
-    saved = run_workers(_save_sharded, 2, (str(tmp_path),), timeout=120)[0]
+    saved = run_workers(_save_sharded, 2, (str(tmp_path),), timeout=600)[0]
     assert latest_step(tmp_path) == 1
-    state, loaded, exp_avg = run_workers(_load_single, 1, (str(tmp_path),), timeout=120)[0]
+    state, loaded, exp_avg = run_workers(_load_single, 1, (str(tmp_path),), timeout=600)[0]
     assert state == {"step": 1, "data_position": 37}
     for k in saved:
         assert torch.equal(saved[k], loaded[k]), k

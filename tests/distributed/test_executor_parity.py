@@ -195,7 +195,7 @@ def results() -> dict:
     def get(world: int) -> list:
         if world not in cache:
             try:
-                cache[world] = run_workers(worker, world, (CASES[world],), timeout=240)
+                cache[world] = run_workers(worker, world, (CASES[world],), timeout=900)
             except AssertionError as e:
                 cache[world] = e
         if isinstance(cache[world], AssertionError):
