@@ -24,8 +24,9 @@ Box = tuple[slice, ...]
 
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole value ``full`` under the sharding of ``like`` (a DTensor or a plain
-    tensor), in ``like``'s dtype and on its device; no communication (every rank holds ``full``)."""
-    full = full.to(device=like.device, dtype=like.dtype)
+    tensor), on its device and in ``full``'s dtype (the copy into the shard converts); no
+    communication (every rank holds ``full``)."""
+    full = full.to(device=like.device)
     if not isinstance(like, DTensor):
         return full
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
@@ -54,8 +55,8 @@ def materialize(module: nn.Module, device: torch.device,
     module.to_empty(device=device)
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         box = shard_box(t)
-        part = local_part(value_of(name, None), t) if box is None else value_of(name, box).to(t.device, t.dtype)
+        part = local_part(value_of(name, None), t) if box is None else value_of(name, box)
         target = t.to_local() if isinstance(t, DTensor) else t
         if target.shape != part.shape:
             raise RuntimeError(f"{name}: local shard {tuple(target.shape)} but the layout gives {tuple(part.shape)}")
-        target.copy_(part)
+        target.copy_(part)  # converts to the held dtype and device in one pass, no converted copy

@@ -52,7 +52,7 @@ def chunk_values(module: nn.Module, spec: MLLMSpec, name: str, seed: int,
         if reader is None or reader.fresh or is_adapter(key):
             whole = initial_value(module, key, seed, prefix + key)  # the generator makes it whole
             return whole if box is None else whole[box]
-        return reader.read(unwrapped(key), tensors[key].shape, tensors[key].dtype, box)
+        return reader.read(unwrapped(key), tensors[key].shape, None, box)  # the stored dtype: the fill converts
 
     return value_of
 

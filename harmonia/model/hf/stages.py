@@ -97,10 +97,10 @@ class ModuleReader:
         """The names of ``keys`` the checkpoint does not give, sorted."""
         return sorted(k for k in keys if not self.holds(k))
 
-    def read(self, key: str, shape: torch.Size, dtype: torch.dtype,
+    def read(self, key: str, shape: torch.Size, dtype: torch.dtype | None = None,
              index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """Tensor ``key`` as ``shape`` in ``dtype`` on the CPU, or only its box ``index`` (a rank's shard:
-        one slice per dim); only that part is read from disk.
+        """Tensor ``key`` as ``shape`` in ``dtype`` (None: as stored) on the CPU, or only its box
+        ``index`` (a rank's shard: one slice per dim); only that part is read from disk.
 
         Raises:
             ConfigError: the checkpoint's tensor has another shape (naming the file and the tensor).
@@ -114,6 +114,8 @@ class ModuleReader:
             raise ConfigError(f"{where}: tensor {name!r} ({self.module}.{key}) is stored as {kind}; harmonia trains "
                               f"from {', '.join(FLOAT_DTYPES)} weights (dequantize the checkpoint first)")
         if index is not None and stored == tuple(shape):
-            return self.files.read_part(name, index).to(dtype)
-        t = fit(self.files.read_part(name), shape, f"{where}: tensor {name!r} ({self.module}.{key})").to(dtype)
-        return t if index is None else t[index]
+            t = self.files.read_part(name, index)
+        else:
+            t = fit(self.files.read_part(name), shape, f"{where}: tensor {name!r} ({self.module}.{key})")
+            t = t if index is None else t[index]
+        return t if dtype is None else t.to(dtype)
