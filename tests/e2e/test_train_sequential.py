@@ -42,10 +42,16 @@ def test_two_processes_in_sequential_microbatches_train_the_one_process_losses(t
                 training={"vision": "frozen"})
     plan.save(tmp_path / "plan.json")
     seq = _run(_config(tmp_path, "seq", "--parallel.world_size=2", "--parallel.cluster=cpu:1x2",
-                       f"--parallel.plan={tmp_path / 'plan.json'}", "--train.assignment=sequential"))
+                       f"--parallel.plan={tmp_path / 'plan.json'}", "--train.assignment=sequential",
+                       "--log.memory=true"))
     assert seq.plan.layouts["llm"].pp == 2 and [r["step"] for r in seq.records] == [0, 1]
     for record in seq.records:
         balance = record["balance"]
         assert balance["microbatch_samples_min"] == balance["microbatch_samples_max"] == BATCH // N_MB
         assert record["sub_microbatches"] == {"vision": 1, "audio": 1}
-    assert seq.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert seq.losses == pytest.approx(ref.losses, rel=1e-5)  # counting tensor bytes changes nothing
+    last = seq.records[-1]  # after an optimizer step: Adam's states exist, as the planner counts them
+    for held, states, peak, predicted in zip(last["memory_held_bytes"], last["memory_states_predicted_bytes"],
+                                             last["memory_peak_bytes"], last["memory_predicted_bytes"]):
+        assert held == pytest.approx(states, rel=0.01)  # weights, gradients, optimizer states: as priced
+        assert peak > held and predicted > states  # activations on top, measured and predicted
