@@ -184,7 +184,13 @@ def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
     (FSDP shards over ``dp``; a projector lives whole on its encoder's last chunk), plus, on a rank with
     chunks that reshard per microbatch, the largest block one of them gathers whole (a rank runs one
     unit at a time: `CostModel.reshard_transient_bytes`)."""
-    out: dict[int, float] = {}
+    by_module, transient = _rank_states(cost, plan)
+    return {rank: sum(modules.values()) + transient[rank] for rank, modules in by_module.items()}
+
+
+def _rank_states(cost: CostModel, plan: Plan) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
+    """Per rank, each module's states on it; and its resharding transient (`state_bytes_per_rank`)."""
+    out: dict[int, dict[str, float]] = {}
     transient: dict[int, float] = {}
     for module, layout in plan.layouts.items():
         shards = layout.dp if layout.fsdp else 1
@@ -199,28 +205,10 @@ def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
             held = cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else 0.0
             pp_rank = chunk % layout.pp
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
-                out[rank] = out.get(rank, 0.0) + nbytes
+                mine = out.setdefault(rank, {})
+                mine[module] = mine.get(module, 0.0) + nbytes
                 transient[rank] = max(transient.get(rank, 0.0), held)
-    return {rank: nbytes + transient[rank] for rank, nbytes in out.items()}
-
-
-def module_state_bytes(cost: CostModel, plan: Plan, rank: int) -> dict[str, float]:
-    """`state_bytes_per_rank` of one rank by module (its projectors counted with their encoder)."""
-    out = {}
-    for module, layout in plan.layouts.items():
-        if not layout.holds(rank):
-            continue
-        shards = layout.dp if layout.fsdp else 1
-        reshard = cost.reshards(layout)
-        pp_rank = layout.coords(rank)["pp"]
-        nbytes = 0.0
-        for chunk in range(pp_rank, layout.n_stages, layout.pp):
-            start, stop = stage_layer_range(cost, plan, module, chunk)
-            nbytes += cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
-            if module != "llm" and chunk == layout.n_stages - 1:
-                nbytes += cost.state_bytes(f"{module}_proj")
-        out[module] = nbytes
-    return out
+    return out, transient
 
 
 def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str, where: str) -> None:
@@ -231,15 +219,15 @@ def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str,
     Raises:
         LayoutError: the largest such rank.
     """
-    per_rank = state_bytes_per_rank(cost, plan)
-    rank, most = max(per_rank.items(), key=lambda kv: kv[1])
+    by_module, transient = _rank_states(cost, plan)
+    rank = max(by_module, key=lambda r: sum(by_module[r].values()) + transient[r])
+    most = sum(by_module[rank].values()) + transient[rank]
     if most <= mem_bytes:
         return
     gib = 2**30
-    shares = module_state_bytes(cost, plan, rank)
-    parts = ", ".join(f"{m} {b / gib:.1f} GiB" for m, b in shares.items())
-    if most - sum(shares.values()) > 0.05 * gib:
-        parts += f", a resharded block gathered whole {(most - sum(shares.values())) / gib:.1f} GiB"
+    parts = ", ".join(f"{m} {b / gib:.1f} GiB" for m, b in by_module[rank].items())
+    if transient[rank] > 0.05 * gib:
+        parts += f", a resharded block gathered whole {transient[rank] / gib:.1f} GiB"
     raise LayoutError(f"{where}: rank {rank} would hold {most / gib:.1f} GiB of weights, gradients and optimizer "
                       f"states ({parts}) before any activation, over the {device}'s {mem_bytes / gib:.0f} GiB; shard "
                       "more (fsdp, tp, pp) or freeze more, or let the planner choose (parallel.plan=auto)")

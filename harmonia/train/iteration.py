@@ -118,7 +118,8 @@ class PreparedIteration:
         decoded: dataset index -> what this rank decoded for the step.
         settle_s: seconds the training thread spent agreeing on failures (and preparing again).
         predicted_peak: this rank's bytes at the step's peak as the planner prices them: its states
-            (weights, gradients, optimizer states) plus the activations its action list holds at once.
+            (weights, gradients, optimizer states) plus the activations its action list holds at once
+            (computed where a measured peak is recorded beside it; else 0).
     """
 
     step: int
@@ -175,13 +176,14 @@ class IterationBuilder:
                  simulate: bool = False, *, shapes: Mapping[int, SampleShape],
                  decoder: SampleDecoder | None = None,
                  agree: Callable[[list[Failed]], list[Failed]] | None = None,
-                 assignment: str = "balanced") -> None:
+                 assignment: str = "balanced", predict_peaks: bool = False) -> None:
         if assignment not in ASSIGNMENTS:
             raise ConfigError(f"train.assignment={assignment!r} is invalid: expected one of {ASSIGNMENTS}")
         self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
         self.cluster, self.graph, self.rank = cluster, graph, rank
         self.search_evaluations, self.simulate = search_evaluations, simulate
         self.assignment = assignment
+        self.predict_peaks = predict_peaks  # this rank's predicted step peak, for a measured one beside it
         self.shapes = shapes
         self.decoder = decoder or SampleDecoder(dataset, 0)
         self.agree = agree or (lambda failed: agree_failures(failed, None))
@@ -270,7 +272,9 @@ class IterationBuilder:
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
-        peak = self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule).get(self.rank, 0.0)
+        peak = 0.0
+        if self.predict_peaks:
+            peak = self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule, [self.rank]).get(self.rank, 0.0)
         return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,

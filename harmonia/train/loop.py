@@ -18,7 +18,6 @@ under torchrun, the other ranks) name a rank that stopped responding.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import logging
 import math
@@ -158,7 +157,8 @@ class Trainer:
                                         shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
                                                                              _worker_exits_with_rank),
                                         agree=lambda failed: agree_failures(failed, self.data_group),
-                                        assignment=tc.assignment)
+                                        assignment=tc.assignment,
+                                        predict_peaks=self.device.type == "cuda" or config.log.memory)
         self.modules = [LLM, *plan.encoders]
         self.fingerprint = run_fingerprint(config)
         self.faults = Faults(rank)

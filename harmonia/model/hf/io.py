@@ -99,19 +99,7 @@ class CheckpointFiles:
 
     def read(self, keys) -> dict[str, torch.Tensor]:
         """The named tensors, on CPU; only these are read from disk."""
-        from safetensors import safe_open
-
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            if key not in self.file_of:
-                raise ConfigError(f"{self.path} has no tensor {key!r}; check that config.json matches the weights")
-            by_file.setdefault(self.file_of[key], []).append(key)
-        out = {}
-        for file, names in by_file.items():
-            with safe_open(str(self.path / file), framework="pt", device="cpu") as f:
-                out.update({k: f.get_tensor(k) for k in names})
-        return out
-
+        return {key: self.read_part(key) for key in keys}
 
     def read_part(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor ``key``, or only its box ``index`` (one slice per dim), on CPU; only that part is read.
