@@ -26,8 +26,8 @@ from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.backend import backend_of, hang_timeout
 from harmonia.train.data import check_data_path, data_cache_dir, open_split, prepare_data
-from harmonia.train.planning import (check_cluster, load_training_plan, model_spec, search_training_plan,
-                                     with_world_size)
+from harmonia.train.planning import (check_cluster, check_model_files, load_training_plan, model_spec,
+                                     search_training_plan, with_world_size)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ def run_training(config: Config, console) -> TrainResult | None:
         return _finish(out["config"], Plan.from_json(out["plan"]), out, None)
     check_cluster(config)
     check_data_path(config)
+    check_model_files(config)
     with preflight(config) as checked:
         config = checked.config
         if checked.finished:
@@ -152,6 +153,7 @@ def prepare_shared(config: Config):
     from harmonia.train.report import best_effort, console
 
     check_data_path(config)
+    check_model_files(config)
     checked = preflight(config)
     try:
         prepare_data(checked.config)

@@ -88,6 +88,23 @@ def check_cluster(config: Config) -> None:
     choose_backend(config.train.attention, device, MIXED if spec.item_attention != "causal" and spec.encoders else CAUSAL)
 
 
+def check_model_files(config: Config) -> None:
+    """Every safetensors file of the job's HF source readable (headers only), before any process starts.
+
+    Raises:
+        ConfigError: a truncated or corrupt file, named.
+    """
+    if not config.model.from_checkpoint:
+        return
+    from harmonia.model.hf.io import CheckpointFiles
+    from harmonia.model.hf.source import parse_source
+
+    src = parse_source(config.model.source)
+    dirs = [src.root] if not src.is_composition else [src.llm, *src.encoders.values()]
+    for where in [*dirs, *([src.projectors] if src.projectors is not None else [])]:
+        CheckpointFiles(where).check()
+
+
 def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:
     """Search a plan for the job, profiling whole global batches of its dataset's shapes."""
     check_cluster(config)

@@ -31,6 +31,19 @@ def test_a_truncated_file_is_an_error_naming_it(tmp_path) -> None:
         initial_model(mllm_spec_from_hf(tmp_path), 0, str(tmp_path))
 
 
+def test_a_job_on_a_truncated_checkpoint_stops_before_anything_starts(tmp_path) -> None:
+    from harmonia.config import load_config
+    from harmonia.train.planning import check_model_files
+
+    make_llava(tmp_path / "hf")
+    config = load_config(None, [f"--model.hf={tmp_path / 'hf'}"])
+    check_model_files(config)  # whole files pass
+    file = tmp_path / "hf" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ConfigError, match="hf/model.safetensors: not a readable safetensors file .* truncated"):
+        check_model_files(config)
+
+
 def test_a_tensor_whose_shape_disagrees_with_config_json_is_an_error_naming_it(tmp_path) -> None:
     make_llava(tmp_path)
     spec = mllm_spec_from_hf(tmp_path)

@@ -84,6 +84,12 @@ class CheckpointFiles:
     def keys(self) -> list[str]:
         return list(self.file_of)
 
+    def check(self) -> None:
+        """Read every file's header (sizes checked against the file): a truncated or corrupt file is
+        a `ConfigError` naming it, before anything is built."""
+        for file in sorted(set(self.file_of.values())):
+            _keys(self.path / file)
+
     def meta(self) -> dict[str, torch.Tensor]:
         """Every tensor as a ``meta`` tensor of its shape and dtype (headers only, no data read)."""
         from safetensors import safe_open
