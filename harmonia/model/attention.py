@@ -284,7 +284,8 @@ class PackedAttention:
             y = varlen_attn(qi, ki.contiguous(), vi.contiguous(), cu_q.to(q.device), cu_k.to(q.device), max_q, max_k,
                             window_size=window_size, enable_gqa=gqa)
             out.append(y.transpose(0, 1))  # (nh, t, hd)
-        return torch.stack(out)
+        # one sequence (the LLM's packed microbatch): a view, so the output projection keeps no copy
+        return out[0][None] if len(out) == 1 else torch.stack(out)
 
     def _flex(self, q, k, v, window, gqa) -> torch.Tensor:
         mask = self._cache.get(("flex", window))
@@ -314,19 +315,23 @@ class _SegmentAttention(torch.autograd.Function):
     """The ``segments`` kernel on CPU: FlashAttention's CPU kernel per query block, forward and backward.
 
     Only the queries, keys, values, output and log-sum-exp are kept for backward (linear in the
-    tokens); each block's mask is built again in backward rather than kept (SDPA's own autograd
-    would keep every block's mask: memory growing with the pairs). The kernel takes grouped
+    tokens); the output is laid out token-major, so the output projection's input is a view of it,
+    not a second copy kept for its weight's gradient. Each block's mask is built again in backward
+    rather than kept (SDPA's own autograd would keep every block's mask: memory growing with the
+    pairs). The kernel takes grouped
     key/value heads as they are, and strided blocks without copies.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, packed: PackedAttention, window: int | None):
-        out, lse = [], []
+        B, nh, t, hd = q.shape
+        out = q.new_empty(B, t, nh, hd).transpose(1, 2)  # (B, nh, t, hd) laid out as (B, t, nh, hd)
+        lse = []
         for b in packed.blocks(window):
             o, l = _flash_cpu(*_block_inputs(q, k, v, b), packed.block_bias(b, window, q.dtype))
-            out.append(o)
+            out[:, :, b.q0:b.q1] = o
             lse.append(l)
-        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)  # (B, nh, t, hd), (B, nh, t)
+        lse = torch.cat(lse, dim=2)  # (B, nh, t)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.packed, ctx.window = packed, window
         return out

@@ -17,6 +17,7 @@ from torch import nn
 from harmonia.errors import ConfigError
 from harmonia.model.attention import LayerAttention, PackedAttention
 from harmonia.model.attention_mask import window_mask
+from harmonia.model.lean_ops import rms_norm, silu_mul
 from harmonia.model.spec import RopeScaling, TransformerSpec
 
 
@@ -29,10 +30,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -195,7 +193,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         if self.approximate == "quick":
             h = self.fc1(x)
             return self.fc2(h * torch.sigmoid(1.702 * h))  # CLIP's quick_gelu
