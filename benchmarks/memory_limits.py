@@ -106,14 +106,15 @@ class HostOffload(CostModel):
         self.module, self.share, self.link = module, share, link
 
     def unit_cost(self, module, load, start, stop, tp=1, cp=1, recompute=0.0, proj_load=None):
-        times, flops, act, transient = super().unit_cost(module, load, start, stop, tp, cp, recompute, proj_load)
+        times, flops, act, transient, f_transient = super().unit_cost(module, load, start, stop, tp, cp, recompute,
+                                                                      proj_load)
         if module != self.module or not recompute:
-            return times, flops, act, transient
-        plain, _, kept, _ = super().unit_cost(module, load, start, stop, tp, cp, 0.0, proj_load)
+            return times, flops, act, transient, f_transient
+        plain, _, kept, _, _ = super().unit_cost(module, load, start, stop, tp, cp, 0.0, proj_load)
         again = times.B - plain.B
         copy = self.share * (kept - act) / self.link
         return (PhaseTimes(max(plain.F, copy), max(plain.B, copy) + (1 - self.share) * again, times.W),
-                flops, act, transient)
+                flops, act, transient, f_transient)
 
 
 def simulate(run: ScenarioRun, v: Variant) -> tuple[float, float]:

@@ -141,8 +141,9 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
             states += cost.reshard_transient_bytes(module, lo, hi, layout.tp) / layout.virtual_stages
         acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
                                                  recompute)
-        if recompute:
-            acts += cost.recompute_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp)
+        acts += max(cost.backward_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
+                                                  recompute),
+                    cost.forward_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp))
         peak = max(peak, states * layout.virtual_stages + acts)
         start += n
     return MemoryCheck(peak + extra, capacity)
@@ -229,7 +230,7 @@ def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str,
     if transient[rank] > 0.05 * gib:
         parts += f", a resharded block gathered whole {transient[rank] / gib:.1f} GiB"
     raise LayoutError(f"{where}: rank {rank} would hold {most / gib:.1f} GiB of weights, gradients and optimizer "
-                      f"states ({parts}) before any activation, over the {device}'s {mem_bytes / gib:.0f} GiB; shard "
+                      f"states ({parts}) before any activation, over the {device}'s {mem_bytes / gib:.3g} GiB; shard "
                       "more (fsdp, tp, pp) or freeze more, or let the planner choose (parallel.plan=auto)")
 
 

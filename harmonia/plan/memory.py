@@ -94,18 +94,17 @@ def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfi
     return act
 
 
-def recompute_transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int,
-                              recompute: float | None = None) -> float:
-    """Bytes a mean microbatch's backward holds on one rank of a recomputed stage chunk beyond what
-    it keeps: one block's recomputed activations (0 when ``module`` does not recompute), for the
-    plan's share or ``recompute``."""
+def transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int,
+                    recompute: float | None = None) -> float:
+    """Bytes a mean microbatch holds on one rank of a stage chunk beyond what it keeps, while one of
+    its blocks runs: the larger of its backward's (a block's gradients, and recomputed activations
+    for the plan's share or ``recompute``) and its forward's (a block that keeps nothing)."""
     recompute = plan.recompute_share(module) if recompute is None else recompute
-    if not recompute:
-        return 0.0
     layout: Layout = plan.layouts[module]
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
-    return cost.recompute_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
+    return max(cost.backward_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute),
+               cost.forward_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp))
 
 
 def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, graph: StageGraph, module: str,
@@ -127,7 +126,7 @@ def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, grap
             act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
         else:
             act = in_flight(graph, plan, StageRef(module, chunk), fused) * acts[chunk]
-        held = max(recompute_transient_bytes(cost, plan, profile, module, c, recompute)
+        held = max(transient_bytes(cost, plan, profile, module, c, recompute)
                    for c in range(pp_rank, layout.n_stages, layout.pp))
         mine_ranks = ranks[pp_rank * per:(pp_rank + 1) * per]
         kept[mine_ranks] += act
@@ -190,11 +189,11 @@ def recompute_peaks(cost: CostModel, plan: Plan, profile: BatchProfile, options:
 def work_peak_floor(cost: CostModel, plan: Plan, iw: IterationWork) -> dict[int, float]:
     """Per rank, bytes no schedule of this iteration's stage work holds less of at its peak: the
     rank's states plus the largest activations one unit keeps from its forward to its backward,
-    with the bytes its backward recomputes on top (`harmonia.sim.engine` counts both)."""
+    with the bytes its backward or forward holds on top (`harmonia.sim.engine` counts both)."""
     out = state_bytes_per_rank(cost, plan)
     held: dict[int, float] = {}
     for (key, _, _), work in iw.work.items():
-        nbytes = work.act_bytes + work.transient
+        nbytes = work.act_bytes + max(work.transient, work.f_transient)
         for rank in iw.stage_ranks.get(key, ()):
             if nbytes > held.get(rank, 0.0):
                 held[rank] = nbytes

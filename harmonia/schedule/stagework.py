@@ -63,7 +63,8 @@ class MicrobatchWork:
     send_bytes: float = 0.0  # activations to the next stage (gradients back are the same size)
     flops: float = 0.0  # useful FLOPs on one rank of the stage's TP x CP group
     tokens: int = 0
-    transient: float = 0.0  # bytes held only during the backward: a recomputed block's activations
+    transient: float = 0.0  # bytes held only during the backward: a block's gradients (and recomputed activations)
+    f_transient: float = 0.0  # bytes held only during the forward beyond what it keeps: a block's intermediates
 
 
 @dataclass
@@ -297,13 +298,14 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
     for chunk, (start, stop) in enumerate(ranges):
         last = chunk == len(ranges) - 1
         # the projector runs on the encoder's last stage
-        times, flops, act, transient = cost.unit_cost(module, load, start, stop, tp, cp, recompute,
-                                                      proj_load if last and module != LLM else None)
+        times, flops, act, transient, f_transient = cost.unit_cost(
+            module, load, start, stop, tp, cp, recompute, proj_load if last and module != LLM else None)
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
         send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
-        out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient)
+        out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient,
+                                                 f_transient)
 
 
 def plan_graph(plan: Plan, cost: CostModel) -> StageGraph:

@@ -30,12 +30,14 @@ def phase(graph: StageGraph, a: Action) -> tuple[str, bool, bool]:
 
 def unit_memory(work: MicrobatchWork, kind: str, w_only: bool, has_w: bool) -> tuple[float, float]:
     """(bytes allocated (+) or freed (-), bytes held only while it runs) of one phase of a unit:
-    F keeps its activations; a split backward frees half at B and half at W; a fused BW, or a W
-    that is the stage's whole backward, frees them all; the phase that runs the blocks' forward
-    again (B, BW, or a W-only stage's W) holds the recomputed activations while it runs."""
+    F keeps its activations and, while it runs, the intermediates of a block that keeps nothing;
+    a split backward frees half at B and half at W; a fused BW, or a W that is the stage's whole
+    backward, frees them all; the phase that runs the blocks' backward through their inputs (B,
+    BW, or a W-only stage's W) holds a block's gradients, and its recomputed activations, while
+    it runs (`harmonia.workload.cost.CostModel.backward_transient_bytes`)."""
     if kind == "F":
-        delta = work.act_bytes
-    elif (kind == "B" and has_w) or (kind == "W" and not w_only):
+        return work.act_bytes, work.act_bytes + work.f_transient if work.f_transient else 0.0
+    if (kind == "B" and has_w) or (kind == "W" and not w_only):
         delta = -0.5 * work.act_bytes
     else:
         delta = -work.act_bytes

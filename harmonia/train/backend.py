@@ -30,6 +30,28 @@ def job_cluster(config: Config) -> ClusterSpec:
     return replace(cluster, cores=cores)
 
 
+def host_memory_bytes() -> int:
+    """This machine's memory as the process may use it: physical memory, or a smaller cgroup limit."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def rank_memory_bytes(config: Config) -> int | None:
+    """A CPU job's per-rank device memory: this host's memory shared by the job's ranks on it (four
+    ranks on a 24 GiB machine: 6 GiB each). None for GPU jobs (the device's own memory)."""
+    cluster = cluster_from_string(config.parallel.cluster)
+    if cluster.device.name != "cpu" or backend_of(config) != "gloo":
+        return None
+    return host_memory_bytes() // max(1, min(config.parallel.world_size or cluster.world_size, cluster.gpus_per_node))
+
+
 def hang_timeout(config: Config) -> float:
     """Seconds without a heartbeat after which a rank is hung: ``parallel.hang_timeout_s``, or (auto)
     300 s on GPUs and 60 s on CPU."""

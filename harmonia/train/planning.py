@@ -18,6 +18,7 @@ from harmonia.plan.candidates import check_states_fit
 from harmonia.plan.search import PlanReport, search_plan
 from harmonia.plan.scenario import Scenario
 from harmonia.workload.cost import CostModel
+from harmonia.train.backend import rank_memory_bytes
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.shapes import SampleShape
 
@@ -108,10 +109,12 @@ def check_model_files(config: Config) -> None:
 def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:
     """Search a plan for the job, profiling whole global batches of its dataset's shapes."""
     check_cluster(config)
+    share = rank_memory_bytes(config)
     scenario = Scenario(name="train", model=config.model.source, cluster=config.parallel.cluster,
                         trace=config.data.path, global_batch=config.train.global_batch,
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
-                        mixed_precision=PRECISION_MIXED[config.train.precision])
+                        mixed_precision=PRECISION_MIXED[config.train.precision],
+                        device={} if share is None else {"mem_bytes": share})
     return search_plan(scenario, accept=_constraints(config), samples=shapes)
 
 
@@ -130,5 +133,8 @@ def load_training_plan(config: Config) -> Plan:
     device = cluster_from_string(config.parallel.cluster).device
     device = replace(device, mixed_precision=PRECISION_MIXED[config.train.precision]) \
         if PRECISION_MIXED[config.train.precision] is not None else device
-    check_states_fit(CostModel(spec, device), plan, device.mem_bytes, device.name, f"plan {config.parallel.plan}")
+    share = rank_memory_bytes(config)
+    name = device.name if share is None else "CPU share (host memory / ranks)"
+    capacity = device.mem_bytes if share is None else share
+    check_states_fit(CostModel(spec, device), plan, capacity, name, f"plan {config.parallel.plan}")
     return plan

@@ -31,7 +31,11 @@ without sequence parallelism, so divided by ``cp`` only; by ``tp x cp`` with it)
 ``act_elems_tok``; the backward of each such block first runs the block's forward again, so a
 stage's B grows by exactly the F of those blocks (``B' = B + F_blocks``; W is unchanged, the
 front end, post layer, head and projector are not checkpointed). While one block runs its
-backward its full activations exist again: `recompute_transient_bytes`. Partial recompute
+backward its full activations exist again: `recompute_transient_bytes`. With or without recompute,
+a block's backward holds the gradients of what it kept, as many elements, while it frees what it kept
+(`backward_transient_bytes`), and a block that keeps nothing (frozen, nothing upstream trains) still
+holds its intermediates while its forward runs (`forward_transient_bytes`): each phase's peak is the
+level it starts at plus these. Partial recompute
 (``recompute`` a share ``f`` in (0, 1), Megatron-LM's ``--recompute-method block
 --recompute-num-layers``): only the first ``ceil(f x n)`` of a stage's ``n`` blocks with a backward
 recompute; the others keep their activations.
@@ -153,7 +157,7 @@ class CostModel:
         self._blocks: dict[tuple[str, int, int], tuple[int, int, float, float]] = {}
         self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
         self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
-        self._largest: dict[tuple[str, int, int, int, int], float] = {}  # largest recomputed block's bytes per token
+        self._largest: dict[tuple, float] = {}  # a range's largest transient block's bytes per token
 
     def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, float]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
@@ -258,10 +262,11 @@ class CostModel:
         return None
 
     def unit_cost(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int = 1, cp: int = 1,
-                  recompute: float = 0.0, proj_load: ModuleLoad | None = None) -> tuple[PhaseTimes, float, float, float]:
+                  recompute: float = 0.0, proj_load: ModuleLoad | None = None) -> tuple[PhaseTimes, float, float, float, float]:
         """One microbatch's ``load`` through layers [start, stop) of ``module`` on one rank of a TP x CP
         group, and its projector's ``proj_load`` after them where given: (F, B, W seconds, FLOPs of the
-        whole group, kept activation bytes, bytes a recomputed block holds while it runs).
+        whole group, kept activation bytes, bytes its backward holds beyond them while a block runs
+        it (`backward_transient_bytes`), bytes its forward holds beyond them (`forward_transient_bytes`)).
 
         Kept per arguments: every candidate layout's stage work asks for the same loads again.
         """
@@ -278,8 +283,8 @@ class CostModel:
             times = self.stage_times(module, load, start, stop, tp, cp, recompute)
             flops = sum(self.phase_flops(module, load, start, stop))
             act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-            transient = (self.recompute_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
-                         if recompute else 0.0)
+            transient = self.backward_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
+        f_transient = self.forward_transient_bytes(module, load.tokens, start, stop, tp, cp)
         if proj_load is not None:
             proj = f"{module}_proj"
             times = times + self.stage_times(proj, proj_load, cp=cp)  # whole on every TP rank
@@ -287,14 +292,14 @@ class CostModel:
             act += self.activation_bytes(proj, proj_load.tokens, cp=cp)
         if len(self._units) >= UNIT_CACHE:
             self._units.clear()
-        self._units[key] = (times, flops, act, transient)
+        self._units[key] = (times, flops, act, transient, f_transient)
         return self._units[key]
 
     def _uncalibrated_unit(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int, cp: int,
                            recompute: float) -> tuple[PhaseTimes, float, float, float]:
         """`unit_cost` without a projector or calibration from the range's factors, kept per
         (range, degrees, recompute): the same operations, in the same order, as `stage_times`,
-        `phase_flops`, `activation_bytes` and `recompute_transient_bytes` (search asks for
+        `phase_flops`, `activation_bytes` and `backward_transient_bytes` (search asks for
         hundreds of thousands of units)."""
         key = (module, start, stop, tp, cp, recompute)
         form = self._forms.get(key)
@@ -319,16 +324,16 @@ class CostModel:
         """The factors `_uncalibrated_unit` multiplies a load by: the range's kernel rates and
         (recompute) its recomputed blocks', FLOP coefficients, kept activation elements per token
         (`_kept_bytes` before tokens), the recomputed blocks' and their inputs' (``n x hidden``),
-        and the largest recomputed block's transient bytes per token."""
+        and the backward's transient bytes per token (`backward_transient_bytes`)."""
         rates = self._kernel_rates(module, start, stop, tp, cp)
         flop_coef = self._flop_factors(module, start, stop)
         kept = self._kept_factor(module, start, stop, tp) if start < stop else None
-        again_rates = recomputed = inputs = largest = None
+        again_rates = recomputed = inputs = None
+        largest = self.backward_transient_bytes(module, 1, start, stop, tp, cp, recompute)
         if recompute:
             lo, hi, n = self._recomputed_blocks(module, start, stop, float(recompute))
             if n:
                 again_rates = self._kernel_rates(module, lo, hi, tp, cp)
-                largest = self.recompute_transient_bytes(module, 1, start, stop, tp, cp, recompute)
             recomputed = self._kept_factor(module, lo, hi, tp) if lo < hi else 0.0
             inputs = n * self.hidden(module)
         return rates, again_rates, flop_coef, kept, recomputed, inputs, largest
@@ -589,6 +594,39 @@ class CostModel:
         if key not in self._largest:
             self._largest[key] = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
                                      if self.layers[module][i].kind == "block")
+        return self._largest[key] * tokens
+
+    def backward_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
+                                 tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
+        """Bytes one microbatch's backward through layers [start, stop) holds beyond its kept
+        activations while a block runs it: the gradients of what that block kept, as many elements
+        as it keeps (the largest block with a backward), or under ``recompute`` its recomputed
+        activations (`recompute_transient_bytes`), whichever is larger: autograd frees each kept
+        (or recomputed) tensor once the gradient through it is made, so the two together stay about
+        one block's activations. 0 without a backward."""
+        lo, hi, n, _ = self._backward_blocks(module, start, stop)
+        if not n:
+            return 0.0
+        key = ("grads", module, lo, hi, tp, cp)
+        if key not in self._largest:
+            self._largest[key] = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
+                                     if self.layers[module][i].kind == "block")
+        again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
+        return max(self._largest[key] * tokens, again)
+
+    def forward_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
+                                tp: int = 1, cp: int = 1) -> float:
+        """Bytes one microbatch's forward through layers [start, stop) holds beyond what it keeps
+        while a block that keeps nothing runs (`LayerCost.work_elems_tok`: the largest such block;
+        its input ``h`` replicated over TP, the rest split). 0 when every block keeps its
+        activations (its intermediates are what it keeps)."""
+        stop = len(self.layers[module]) if stop is None else stop
+        key = ("work", module, start, stop, tp, cp)
+        if key not in self._largest:
+            h = self.hidden(module)
+            per = [(x.work_elems_tok - h) / tp + h for x in self.layers[module][start:stop]
+                   if x.kind == "block" and x.act_elems_tok == 0 and x.work_elems_tok]
+            self._largest[key] = max(per, default=0.0) * self.act_bytes / cp
         return self._largest[key] * tokens
 
     def needs_backward(self, module: str) -> bool:

@@ -40,6 +40,9 @@ class LayerCost:
         b_tok, b_pair: input-gradient FLOPs per token and per pair (0 when B is not needed).
         w_tok: weight-gradient FLOPs per token (0 when frozen).
         act_elems_tok: activation elements per token kept for backward.
+        work_elems_tok: elements per token a block's forward holds at once while it runs when it keeps
+            nothing for backward (a frozen block without upstream training, run without autograd):
+            its input and the larger of attention's and the MLP's intermediates (`block_cost`).
         io_elems_tok: elements per token read and written by the forward (memory traffic).
         needs_b: the layer runs an input-gradient backward.
         needs_w: the layer has a weight-gradient step.
@@ -66,6 +69,7 @@ class LayerCost:
     windowed: bool = False
     replicated: int = 0
     trainable_replicated: int = 0
+    work_elems_tok: float = 0.0
 
 
 def _lora_params(spec: TransformerSpec, rank: int) -> int:
@@ -98,7 +102,12 @@ def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: 
     MLP input ``h``, down-projection input ``f``. B needs nonlinearity inputs: two norm inputs
     ``2h``, q/k/v ``q + 2kv``, O ``q``, the activation input ``f`` (``2f`` for SwiGLU's gate and up),
     and the softmax statistics (fp32, ``2 n_heads`` elements). With ``f = 4h`` and MHA the union is
-    16h elements = 32h bytes, Korthikanti et al. 2022's 34h less the dropout masks.
+    16h elements = 32h bytes, Korthikanti et al. 2022's 34h less the dropout masks. The runtime's
+    block keeps exactly these (`harmonia.model.lean_ops`; `tests/unit/test_lean_ops.py`).
+
+    A block that keeps nothing still holds, while its forward runs, its input ``h`` and either
+    attention's q, k, v and output (``2q + 2kv``) or the MLP's hidden and activated values
+    (``act_in + f``): ``work_elems_tok``, the larger of the two on top of ``h``.
     """
     h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn_hidden
     matmul = spec.attention_matmul_params() + spec.mlp_matmul_params()
@@ -126,9 +135,10 @@ def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: 
     else:
         act = 0.0
     io = 2 * (h + q + 2 * kv + q + h + h + act_in + f + h)
+    work = h + max(2 * q + 2 * kv, act_in + f)
     repl, trainable_repl = _block_replicated(spec, mode, lora_rank)
     return LayerCost(name, "block", params, trainable, f_tok, 4.0 * q, b_tok, b_pair, w_tok, act, io,
-                     needs_b, trains, replicated=repl, trainable_replicated=trainable_repl)
+                     needs_b, trains, replicated=repl, trainable_replicated=trainable_repl, work_elems_tok=work)
 
 
 def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upstream: bool,

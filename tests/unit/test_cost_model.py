@@ -118,7 +118,7 @@ def test_cluster_specs() -> None:
 
 def test_a_unit_from_its_range_factors_equals_the_general_path_bit_for_bit() -> None:
     """`unit_cost` prices an uncalibrated unit from factors kept per range; its numbers are those
-    of `stage_times`, `phase_flops`, `activation_bytes` and `recompute_transient_bytes`."""
+    of `stage_times`, `phase_flops`, `activation_bytes` and the transients."""
     import random
 
     from harmonia.workload.work import ModuleLoad
@@ -135,5 +135,6 @@ def test_a_unit_from_its_range_factors_equals_the_general_path_bit_for_bit() -> 
                 load = ModuleLoad(rnd.randrange(0, 50000), rnd.randrange(0, 10**8), rnd.randrange(0, 40))
                 want = (cost.stage_times(module, load, a, b, tp, cp, share), sum(cost.phase_flops(module, load, a, b)),
                         cost.activation_bytes(module, load.tokens, a, b, tp, cp, share),
-                        cost.recompute_transient_bytes(module, load.tokens, a, b, tp, cp, share) if share else 0.0)
+                        cost.backward_transient_bytes(module, load.tokens, a, b, tp, cp, share),
+                        cost.forward_transient_bytes(module, load.tokens, a, b, tp, cp))
                 assert cost.unit_cost(module, load, a, b, tp, cp, share) == want

@@ -184,7 +184,7 @@ def test_recompute_peaks_equal_the_peak_of_each_options_plan(equal_samples, sche
     assert len(set(got)) > 1
 
 
-def test_a_given_plan_whose_states_exceed_the_device_is_refused_before_any_process(tmp_path) -> None:
+def test_a_given_plan_whose_states_exceed_the_device_is_refused_before_any_process(tmp_path, monkeypatch) -> None:
     """An 8B LLaVA replicated on 2 CPU ranks holds 16 bytes of states per trained weight on each:
     far over a CPU rank's 16 GiB; refused naming the rank, each module's share and the device.
     Sharded over both ranks with the LLM frozen it fits."""
@@ -200,8 +200,10 @@ def test_a_given_plan_whose_states_exceed_the_device_is_refused_before_any_proce
         return load_config(None, ["--model.preset=llava-siglip-8b", "--parallel.world_size=2",
                                   f"--parallel.plan={tmp_path / 'plan.json'}", *extra])
 
+    monkeypatch.setattr("harmonia.train.backend.host_memory_bytes", lambda: 32 * 2**30)  # 16 GiB per rank
     with pytest.raises(LayoutError, match=r"rank 0 would hold 1\d\d\.\d GiB of weights, gradients and optimizer "
-                                          r"states \(vision \d+\.\d GiB, llm 1\d\d\.\d GiB\) .* over the cpu's 16 GiB"):
+                                          r"states \(vision \d+\.\d GiB, llm 1\d\d\.\d GiB\) .* over the "
+                                          r"CPU share \(host memory / ranks\)'s 16 GiB"):
         load_training_plan(job("vision dp2; llm dp2"))
     plan = load_training_plan(job("vision dp2 fsdp; llm dp2 fsdp reshard", "--model.frozen=llm,vision",
                                   "--train.precision=bf16"))

@@ -124,3 +124,31 @@ def test_mfu_over_the_cores_ranks_share() -> None:
     tl = replay_shared(tasks, {r: [r] for r in range(4)}, None, lambda r: 0, 2)
     assert tl.iteration_s == pytest.approx(2.0)
     assert tl.mfu(1.0) == pytest.approx(8.0 / (2.0 * 4)) and tl.mfu(1.0, devices=2) == pytest.approx(8.0 / (2.0 * 2))
+
+
+def test_a_cpu_rank_plans_for_its_share_of_the_host_memory(monkeypatch, tmp_path) -> None:
+    """Four CPU ranks on one 24 GiB machine have 6 GiB each; a plan whose states exceed that is
+    refused before any process starts, naming the share; GPU ranks keep their device's memory."""
+    from pathlib import Path
+
+    from harmonia.config import load_config
+    from harmonia.errors import LayoutError
+    from harmonia.model.presets import mllm_preset
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+    from harmonia.train import backend
+    from harmonia.train.planning import load_training_plan
+
+    demo = Path(__file__).resolve().parents[2] / "configs" / "demo.toml"
+    monkeypatch.setattr(backend, "host_memory_bytes", lambda: 24 * 2**30)
+    config = load_config(demo, ["--parallel.backend=gloo"])
+    assert backend.rank_memory_bytes(config) == 6 * 2**30
+    assert backend.rank_memory_bytes(load_config(demo, ["--parallel.backend=nccl", "--parallel.cluster=h100:1x4"])) \
+        is None
+    plan = plan_from_layouts(mllm_preset(config.model.preset), config.model.preset,
+                             parse_layouts("vision dp4; audio dp4; llm dp4"), 4, config.train.global_batch)
+    plan.save(tmp_path / "plan.json")
+    given = load_config(demo, ["--parallel.backend=gloo", f"--parallel.plan={tmp_path / 'plan.json'}"])
+    load_training_plan(given)  # the demo's model fits 6 GiB
+    monkeypatch.setattr(backend, "host_memory_bytes", lambda: 4 * 2**20)
+    with pytest.raises(LayoutError, match=r"CPU share \(host memory / ranks\)'s 0.000977 GiB"):
+        load_training_plan(given)
