@@ -1,7 +1,9 @@
 """Run metrics: JSON lines and TensorBoard scalars, written by rank 0 only.
 
-Each logged step is one JSON object per line in ``metrics.jsonl`` (loss, tokens/s, samples/s,
-per-module time, bubble fraction, balance statistics, peak memory, skipped samples, ...), and the
+Each logged step is one JSON object per line in ``metrics.jsonl`` (loss; ``tokens_per_s`` and
+``samples_per_s``, real tokens and samples over wall-clock time since the run's first step began,
+everything between steps included; ``step_tokens_per_s`` and ``step_samples_per_s``, the step's
+own compute time only; per-module time, bubble fraction, balance statistics, peak memory, skipped samples, ...), and the
 same numbers as TensorBoard scalars under their names when TensorBoard is installed and enabled.
 
 Metrics never stop training: a write that fails (a full or unwritable disk) warns once and

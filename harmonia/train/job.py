@@ -166,6 +166,17 @@ def prepare_shared(config: Config):
         raise
 
 
+def _throughput(records: list[dict]) -> dict | None:
+    """Real tokens and samples this run trained over the wall-clock seconds from its first step's
+    start to its last step's end (`harmonia.train.loop.TrainingWindow`)."""
+    if not records:
+        return None
+    last = records[-1]
+    return {"steps": len(records), "elapsed_s": last["elapsed_s"], "tokens": sum(r["tokens"] for r in records),
+            "samples": sum(r["samples"] for r in records), "tokens_per_s": last["tokens_per_s"],
+            "samples_per_s": last["samples_per_s"]}
+
+
 def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) -> TrainResult:
     """Held-out accuracy from the newest checkpoint, and ``summary.json`` (a failed write only warns)."""
     from harmonia.runtime.checkpoint import latest_step
@@ -176,6 +187,7 @@ def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) ->
     summary = json.dumps({
         "plan": json.loads(plan.to_json()), "losses": result.losses, "start_step": result.start_step,
         "accuracy": {t: dict(zip(("before", "after", "n", "chance"), v)) for t, v in accuracy.items()},
+        "throughput": _throughput(result.records),
         "last": result.records[-1] if result.records else None}, indent=1, default=float)
     best_effort("summary.json", (Path(config.log.dir) / "summary.json").write_text, summary)
     return result

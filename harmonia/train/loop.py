@@ -88,6 +88,28 @@ class StepTimes:
     busy_s: float = 0.0
 
 
+@dataclass
+class TrainingWindow:
+    """Work done over wall-clock time since the first step of this run began: its rates count
+    everything between the steps (barriers, data waits, checkpoints, logging, timeline renders).
+
+    Attributes:
+        start: ``time.perf_counter()`` at the start of the run's first step.
+        tokens, samples: LLM tokens (real tokens, as the samples hold them) and samples trained so far.
+    """
+
+    start: float
+    tokens: int = 0
+    samples: int = 0
+
+    def add(self, tokens: int, samples: int, now: float) -> dict[str, float]:
+        """Count a finished step; the record's wall-clock rates from the window's start to ``now``."""
+        self.tokens += tokens
+        self.samples += samples
+        elapsed = max(now - self.start, 1e-9)
+        return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed, "samples_per_s": self.samples / elapsed}
+
+
 def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTimes:
     times = StepTimes(step_s, {m: 0.0 for m in modules})
     for a, start, end, _ in model.executor.action_times or []:
@@ -219,6 +241,7 @@ class Trainer:
     def _steps(self, report, stops: StopSignals | None, progress, prefetch, calibration_step: int,
                timeline_step: int) -> None:
         tc, ck = self.config.train, self.config.checkpoint
+        window = TrainingWindow(time.perf_counter())
         for step in range(self.start_step, tc.steps):
             self.faults.before_step(step, self.model)
             self._stop_if_asked(step, stops)  # also the step's barrier
@@ -248,6 +271,7 @@ class Trainer:
                     **({"memory_held_bytes": [m[1] for m in memory],
                         "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
                 report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
+                        **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter()),
                         "rss_bytes": [m[0] for m in memory], **counted})
             if progress is not None:
                 progress(step + 1)
@@ -348,7 +372,7 @@ class Trainer:
         return {
             "step": step, "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": result.skipped,
             "lr": learning_rate(self.config, step), "step_s": step_s,
-            "tokens_per_s": it.n_tokens / step_s, "samples_per_s": len(it.sample_ids) / step_s,
+            "step_tokens_per_s": it.n_tokens / step_s, "step_samples_per_s": len(it.sample_ids) / step_s,
             "tokens": it.n_tokens, "samples": len(it.sample_ids),
             "time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble,
             "balance": {"microbatch_imbalance": it.assignment.imbalance(),

@@ -69,6 +69,13 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     assert set(record["time"]) == {"llm", *ref.plan.encoders} and record["simulated_step_s"] > 0
     summary = json.loads((tmp / "ref" / "summary.json").read_text())
     assert summary["losses"] == ref.losses and summary["accuracy"]
+    # throughput is real work over wall-clock time from the first step's start, steps and all between
+    records = ref.records
+    assert all(b["elapsed_s"] > a["elapsed_s"] for a, b in zip(records, records[1:]))
+    assert records[-1]["elapsed_s"] >= sum(r["step_s"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    assert records[-1]["tokens_per_s"] == pytest.approx(tokens / records[-1]["elapsed_s"])
+    assert summary["throughput"]["tokens"] == tokens and summary["throughput"]["steps"] == len(records)
 
     # a rank that raises at step 3: every rank ends, the message names it, step 2's checkpoint stays
     monkeypatch.setenv(FAULT_ENV, "raise:1:3")
