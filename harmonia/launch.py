@@ -61,7 +61,8 @@ def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, repo
     """One rank: stop signals handled first, then the target and its arguments unpickled (their imports
     take seconds) and run; what happened goes to ``reports``."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_ENV: str(launcher),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       LAUNCHER_ENV: str(launcher),
                        "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the launcher hosts the store
     code = 0
     try:

@@ -26,8 +26,30 @@ def job_cluster(config: Config) -> ClusterSpec:
     cluster = cluster_from_string(config.parallel.cluster)
     if cluster.cores is not None or cluster.device.name != "cpu" or backend_of(config) != "gloo":
         return cluster
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return replace(cluster, cores=cores)
+    return replace(cluster, cores=process_cores())
+
+
+def process_cores() -> int:
+    """The cores this process may run on (its affinity; all of the machine's where that is unknown)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_threads(local_ranks: int) -> tuple[int | None, str | None]:
+    """A rank's intra-op CPU threads: None where ``OMP_NUM_THREADS`` is set (by the user, or by
+    torchrun, which sets 1): torch already runs that many and they stay; else this process's cores
+    shared by the ``local_ranks`` ranks on this host (at least one). And a warning where a thread
+    setting makes the host's ranks run more threads than it has cores (each waits for cores the
+    others hold)."""
+    import torch
+
+    cores, given = process_cores(), os.environ.get("OMP_NUM_THREADS")
+    threads = None if given else max(1, cores // local_ranks)
+    running = torch.get_num_threads() if given else threads
+    if running * local_ranks <= cores or not given:  # more ranks than cores: the job's choice (`job_cluster`)
+        return threads, None
+    fair = max(1, cores // local_ranks)
+    return threads, (f"OMP_NUM_THREADS={given}: {local_ranks} ranks x {running} threads on this host's {cores} cores "
+                     f"oversubscribe them; OMP_NUM_THREADS={fair} (or unset) gives each rank its share")
 
 
 def host_memory_bytes() -> int:

@@ -9,6 +9,7 @@ there each rank also exits with its agent and watches its peers' heartbeats itse
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Callable
 
@@ -19,7 +20,7 @@ from harmonia.config import Config
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.watchdog import StopSignals
-from harmonia.train.backend import backend_of, hang_timeout
+from harmonia.train.backend import backend_of, cpu_threads, hang_timeout
 from harmonia.train.loop import Trainer
 
 
@@ -92,7 +93,11 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
     stops = StopSignals.install()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend_of(config)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    threads, oversubscribed = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if oversubscribed and rank == 0:
+        logging.getLogger(__name__).warning(oversubscribed)
     timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
     store, attempt = _attempt_store(rank, world, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -152,3 +152,22 @@ def test_a_cpu_rank_plans_for_its_share_of_the_host_memory(monkeypatch, tmp_path
     monkeypatch.setattr(backend, "host_memory_bytes", lambda: 4 * 2**20)
     with pytest.raises(LayoutError, match=r"CPU share \(host memory / ranks\)'s 0.000977 GiB"):
         load_training_plan(given)
+
+
+def test_a_rank_keeps_the_threads_the_user_or_torchrun_set_and_is_warned_when_they_oversubscribe(monkeypatch):
+    import torch
+
+    from harmonia.train import backend
+
+    monkeypatch.setattr(backend, "process_cores", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert backend.cpu_threads(4) == (2, None)  # unset: the host's cores shared by its ranks
+    assert backend.cpu_threads(16) == (1, None)  # more ranks than cores: the job's own choice
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun sets it
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert backend.cpu_threads(4) == (None, None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    threads, warning = backend.cpu_threads(4)
+    assert threads is None and "4 ranks x 4 threads on this host's 8 cores" in warning
+    assert "OMP_NUM_THREADS=2" in warning
