@@ -33,6 +33,10 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 class TensorBytes(TorchDispatchMode):
     """Live tensor storage bytes and their peak while the mode is on.
 
+    A storage is known by its C++ object, not its data pointer: FSDP2 frees a gathered weight by
+    resizing its storage to 0 bytes and gathers it again into the same storage (a new pointer), so
+    while the mode is on `UntypedStorage.resize_` is followed too and each resize changes the count.
+
     Attributes:
         live: bytes of the storages counted and not yet freed.
         peak: the largest ``live`` since `begin`.
@@ -41,11 +45,12 @@ class TensorBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._seen: dict[int, weakref.finalize] = {}
+        self._seen: dict[int, tuple[int, weakref.finalize]] = {}  # storage -> (bytes counted, finalizer)
+        self._resize = None
 
     def begin(self, held: Iterable[torch.Tensor]) -> None:
         """Start a count from the storages of ``held`` (what the rank holds between steps)."""
-        for f in self._seen.values():
+        for _, f in self._seen.values():
             f.detach()
         self._seen.clear()
         self.live = 0
@@ -57,18 +62,41 @@ class TensorBytes(TorchDispatchMode):
     def _count(self, t: torch.Tensor) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key == 0 or key in self._seen:
-            return
-        nbytes = storage.nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        self._seen[key] = weakref.finalize(storage, self._freed, key, nbytes)
+        self._follow(t.untyped_storage())
 
-    def _freed(self, key: int, nbytes: int) -> None:
-        if self._seen.pop(key, None) is not None:
-            self.live -= nbytes
+    def _follow(self, storage: torch.UntypedStorage) -> None:
+        """Count a storage: a new one whole, a known one by how much it grew or shrank since."""
+        key, nbytes = storage._cdata, storage.nbytes()
+        known = self._seen.get(key)
+        if known is None:
+            self._seen[key] = (nbytes, weakref.finalize(storage, self._freed, key))
+        elif known[0] != nbytes:
+            self._seen[key] = (nbytes, known[1])
+        else:
+            return
+        self.live += nbytes - (known[0] if known else 0)
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, key: int) -> None:
+        known = self._seen.pop(key, None)
+        if known is not None:
+            self.live -= known[0]
+
+    def __enter__(self):
+        counter, resize = self, torch.UntypedStorage.resize_
+
+        def resize_followed(storage, size):
+            out = resize(storage, size)
+            counter._follow(storage)
+            return out
+
+        self._resize = resize
+        torch.UntypedStorage.resize_ = resize_followed
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -39,3 +39,19 @@ def test_a_view_and_an_in_place_op_add_nothing() -> None:
     assert counter.live == counter.peak == 4000
     del a, b, c
     assert counter.live == 0
+
+
+def test_a_storage_freed_by_resizing_and_gathered_again_is_counted_once_at_its_size() -> None:
+    """FSDP2 frees a gathered weight with ``storage.resize_(0)`` and gathers into the same storage again."""
+    counter = TensorBytes()
+    counter.begin([])
+    with counter:
+        a = torch.zeros(1000)
+        assert counter.live == 4000
+        a.untyped_storage().resize_(0)
+        assert counter.live == 0
+        a.untyped_storage().resize_(4000)
+        a.copy_(torch.ones(1000))  # the ones: 4000 more until freed
+        assert counter.live == 4000 and counter.peak == 8000
+        a.untyped_storage().resize_(0)
+    assert counter.live == 0 and torch.UntypedStorage.resize_.__name__ == "resize_"
