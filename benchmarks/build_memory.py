@@ -20,7 +20,9 @@ Then (``--train``) the 2B LLM, frozen with LoRA adapters on it, composed with a 
 and trained by ``harmonia train`` for 2 steps on 4 processes with the LLM's base weights sharded
 (``llm dp4 fsdp reshard``): its fp32 weights times 4 ranks exceed this machine's 24 GiB, so only a
 sharded build can start it. Shown: each rank's resident memory after the last step, the counted
-tensor peak of the step (``log.memory``) beside the planner's prediction, and the seconds.
+tensor peak of the step (``log.memory``) beside the planner's prediction, and the seconds; then
+``harmonia export`` of its checkpoint to an HF directory in a process of its own: its peak resident
+memory beside the largest tensor plus the largest file it writes (what it may hold at once).
 
     python benchmarks/build_memory.py [--quick] [--train] [--dir DIR]
 
@@ -143,7 +145,7 @@ def whole_stage_build(spec, plan, meshes, source) -> None:
 def rank_build(rank: int, world: int, port: int, source: str, layout_kw: dict, how: str, out) -> None:
     import torch.distributed as dist
 
-    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.model.hf.mllm import mllm_spec_from_hf
     from harmonia.runtime.meshes import build_module_meshes
     from harmonia.schedule.layout import Layout
     from harmonia.schedule.plan import Plan
@@ -189,7 +191,7 @@ def measure(source: str, layout_kw: dict, how: str) -> tuple[int, int, float]:
 
 def estimates(source: str, layout_kw: dict) -> tuple[float, float]:
     """Planner's largest rank: (weights before the first step, whole step's states)."""
-    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.model.hf.mllm import mllm_spec_from_hf
     from harmonia.plan.candidates import state_bytes_per_rank
     from harmonia.schedule.layout import Layout
     from harmonia.schedule.plan import Plan
@@ -241,7 +243,7 @@ def train_row(root: Path, console: Console) -> None:
                                               num_attention_heads=2, image_size=32, patch_size=8)
         transformers.SiglipVisionModel(cfg).save_pretrained(vision)
         transformers.SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision)
-    from harmonia.model.hf.llava import mllm_spec_from_hf
+    from harmonia.model.hf.mllm import mllm_spec_from_hf
     from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
 
     source = {"llm": str(llm), "encoders": {"vision": str(vision)}}
@@ -261,17 +263,45 @@ def train_row(root: Path, console: Console) -> None:
     if done.returncode:
         raise RuntimeError(f"training row: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rss_bytes"' in x][-1]
+    export_peak, export_s, largest, biggest_file = export_row(run / "ck", root / "export")
     gib = 2**30
     params = sum(int(t.numel()) for t in CheckpointFiles(llm).meta().values())
     table = Table(title="training a LoRA-adapted 2B LLM (frozen base sharded over 4 CPU processes, fp32) with a "
-                        "small vision tower: 2 steps of harmonia train")
+                        "small vision tower: 2 steps of harmonia train, then harmonia export")
     for col in ("LLM fp32 weights x 4 ranks", "resident per rank after the step", "tensor peak per rank (counted)",
-                "planner's prediction per rank", "wall s (start to end)"):
+                "planner's prediction per rank", "wall s (start to end)", "export: peak resident",
+                "export: largest tensor + largest file", "export s"):
         table.add_column(col, justify="right")
     table.add_row(f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
                   " ".join(f"{r / gib:.2f}" for r in last["memory_peak_bytes"]),
-                  " ".join(f"{r / gib:.2f}" for r in last["memory_predicted_bytes"]), f"{seconds:.0f}")
+                  " ".join(f"{r / gib:.2f}" for r in last["memory_predicted_bytes"]), f"{seconds:.0f}",
+                  f"{export_peak / gib:.2f}", f"{(largest + biggest_file) / gib:.2f}", f"{export_s:.0f}")
     console.print(table)
+
+
+def export_row(checkpoint: Path, out: Path) -> tuple[int, float, int, int]:
+    """``harmonia export`` of the training checkpoint, in a process of its own: its peak resident
+    bytes (``ru_maxrss``), seconds, the largest tensor written and the largest file written."""
+    import json
+    import subprocess
+
+    probe = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(done.returncode)")
+    cmd = [sys.executable, "-c", probe, sys.executable, "-m", "harmonia", "export", f"--checkpoint={checkpoint}",
+           f"--out={out}"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"export: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    seconds = time.perf_counter() - t0
+    peak = int(done.stdout.strip().splitlines()[-1])
+    largest = 0
+    for f in out.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        largest = max([largest, *(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
+                                  if k != "__metadata__")])
+    return peak, seconds, largest, max(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
 def main() -> int:

@@ -147,7 +147,7 @@ def make_samples(config, n: int, text_range: tuple[int, int], seed: int = 0):
 
 def harmonia_step(config, samples, device, dtype):
     from harmonia.model.batch import pack_samples
-    from harmonia.model.hf.llava import llava_spec_from_hf, tokenized_sample
+    from harmonia.model.families.llava import llava_spec_from_hf, tokenized_sample
     from harmonia.model.mllm import build_mllm_model
 
     spec = llava_spec_from_hf(config.to_dict()).with_training(vision="frozen")

@@ -37,7 +37,7 @@ def resolve_mllm(source: ModelSource, training: dict[str, str] | None = None,
             field harmonia does not implement (named in the message).
     """
     if isinstance(source, dict) or is_checkpoint_dir(source):
-        from harmonia.model.hf.llava import mllm_spec_from_hf
+        from harmonia.model.hf.mllm import mllm_spec_from_hf
 
         spec = mllm_spec_from_hf(source)
         spec = spec.with_training(**(training or {}))

@@ -29,7 +29,7 @@ class Case:
 
     def spec(self):
         if self.source is not None:
-            from harmonia.model.hf.llava import mllm_spec_from_hf
+            from harmonia.model.hf.mllm import mllm_spec_from_hf
 
             return mllm_spec_from_hf(self.source).with_training(**dict(self.training))
         return mllm_preset("tiny-vlm", dict(self.training) or None)

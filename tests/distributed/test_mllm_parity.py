@@ -172,7 +172,7 @@ def llava_config() -> dict:
 
 def spec(training: str):
     if training == "llava":
-        from harmonia.model.hf.llava import llava_spec_from_hf
+        from harmonia.model.families.llava import llava_spec_from_hf
 
         return llava_spec_from_hf(llava_config()).with_training(**TRAINING[training])
     return mllm_preset("tiny-omni", training=TRAINING[training])

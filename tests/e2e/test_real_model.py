@@ -77,7 +77,7 @@ def test_export_loads_cleanly_with_harmonia_logits(job, caplog) -> None:
     import torch.distributed.checkpoint as dcp
 
     from harmonia.model.batch import pack_samples
-    from harmonia.model.hf.llava import tokenized_sample
+    from harmonia.model.families.llava import tokenized_sample
     from harmonia.model.mllm import build_mllm_model
     from harmonia.runtime.checkpoint import latest_step
     from harmonia.train.planning import model_spec

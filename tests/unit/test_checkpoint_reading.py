@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from harmonia.errors import ConfigError
 from harmonia.model.hf.io import CheckpointFiles
-from harmonia.model.hf.llava import mllm_spec_from_hf
+from harmonia.model.hf.mllm import mllm_spec_from_hf
 from harmonia.model.hf.stages import ModuleReader
 from harmonia.train.weights import chunk_values, initial_model
 

@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 from harmonia.errors import ConfigError, SampleError
 from harmonia.model.batch import pack_samples
 from harmonia.model.hf.lazy import LazyTensors
-from harmonia.model.hf.llava import export_hf, load_module_state, mllm_spec_from_hf, tokenized_sample
+from harmonia.model.families.llava import tokenized_sample
+from harmonia.model.hf.mllm import export_hf, load_module_state, mllm_spec_from_hf
 from harmonia.model.hf.siglip import load_hf_siglip
 from harmonia.model.lora import apply_lora
 from harmonia.model.mllm import MLLM, build_module, encode_media

@@ -19,7 +19,8 @@ from harmonia.data.media import build_media_preprocessors, decode_item, media_sh
 from harmonia.errors import ConfigError, SampleError
 from harmonia.model.anyres import anyres_order, anyres_tokens, unsized_tokens
 from harmonia.model.batch import pack_samples
-from harmonia.model.hf.llava import export_hf, load_module_state, mllm_spec_from_hf, tokenized_sample
+from harmonia.model.families.llava import tokenized_sample
+from harmonia.model.hf.mllm import export_hf, load_module_state, mllm_spec_from_hf
 from harmonia.model.mllm import build_module, encode_media
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import device_preset

@@ -1,7 +1,7 @@
 """HF-format checkpoints in and out: whole multimodal models (LLaVA) and compositions of an LLM
 (Llama / Qwen2 / Mistral) with encoders (CLIP / SigLIP vision, Whisper audio).
 
-The training job's interface is `harmonia.model.hf.llava`: `mllm_spec_from_hf`,
+The training job's interface is `harmonia.model.hf.mllm`: `mllm_spec_from_hf`,
 `load_module_state`, `export_hf`. The per-part loaders and savers below serve single modules.
 """
 

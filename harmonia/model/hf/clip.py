@@ -53,7 +53,7 @@ def vision_family(config: dict) -> str:
     raise ConfigError(
         f"config model_type={kind!r} is not a CLIP or SigLIP vision model (expected one of "
         f"{[k for ks in MODEL_TYPES.values() for k in ks]}); a whole multimodal checkpoint (llava, ...) is read "
-        "with harmonia.model.hf.llava.mllm_spec_from_hf"
+        "with harmonia.model.hf.mllm.mllm_spec_from_hf"
     )
 
 

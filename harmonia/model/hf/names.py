@@ -15,13 +15,13 @@ import torch
 
 from harmonia.errors import ConfigError
 from harmonia.model.hf.clip import vision_names
-from harmonia.model.hf.io import CheckpointFiles, find_prefix
+from harmonia.model.families import FAMILIES, Family
+from harmonia.model.hf.io import CheckpointFiles, read_config
 from harmonia.model.hf.llama import llm_state_from_hf
 from harmonia.model.hf.source import HFSource
 from harmonia.model.hf.whisper import ZERO_KEYS, whisper_names
 from harmonia.model.spec import MLLMSpec
 
-MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "image_newline")  # a LLaVA's non-LLM keys
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,16 @@ class ModuleNames:
         return any(p.match(key) for p in self.zeros)
 
 
-def llm_names(files: CheckpointFiles, spec: MLLMSpec) -> dict[str, str]:
-    """Our LLM names -> checkpoint names, through the LLM adapter run on ``meta`` tensors."""
-    meta = {k: t for k, t in files.meta().items() if not any(part in k for part in MULTIMODAL_PARTS)}
+def family_of(path: Path) -> Family:
+    """The registered family of the checkpoint directory ``path`` (`harmonia.model.families`)."""
+    return FAMILIES.of(read_config(path).get("model_type"), path)
+
+
+def llm_names(files: CheckpointFiles, spec: MLLMSpec, family: Family) -> dict[str, str]:
+    """Our LLM names -> checkpoint names, through the LLM adapter run on ``meta`` tensors (the keys
+    of ``family``'s encoders and projectors left out)."""
+    parts = family.non_llm_parts
+    meta = {k: t for k, t in files.meta().items() if not any(part in k for part in parts)}
     source_of = {id(t): k for k, t in meta.items()}
     out = {}
     for ours, t in llm_state_from_hf(meta, spec.llm).items():
@@ -52,18 +59,6 @@ def llm_names(files: CheckpointFiles, spec: MLLMSpec) -> dict[str, str]:
             raise ConfigError(f"LLM tensor {ours!r} is computed from several checkpoint tensors; it cannot be read "
                               "alone (the LLM adapter transforms tensors)")
         out[ours] = source_of[id(t)]
-    return out
-
-
-def projector_names(keys: list[str], module: str) -> dict[str, str]:
-    """LLaVA's ``multi_modal_projector.linear_{1,2}`` -> our ``linears.{0,1}``; LLaVA-NeXT's
-    ``image_newline`` (beside the projector) -> our ``image_newline``."""
-    prefix = find_prefix(dict.fromkeys(keys), "multi_modal_projector.linear_1.weight", "LLaVA projector")
-    base = prefix + "multi_modal_projector."
-    out = {f"linears.{i}.{p}": f"{base}linear_{i + 1}.{p}" for i in (0, 1) for p in ("weight", "bias")
-           if f"{base}linear_{i + 1}.{p}" in keys}
-    if prefix + "image_newline" in keys:
-        out["image_newline"] = prefix + "image_newline"
     return out
 
 
@@ -79,14 +74,17 @@ def module_names(src: HFSource, spec: MLLMSpec, module: str) -> ModuleNames | No
         raise ConfigError(f"unknown module {module!r}; modules of {spec.name!r} are {spec.module_names}")
     if module in spec.projectors:
         if not src.is_composition:
-            return ModuleNames(src.root, projector_names(CheckpointFiles(src.root).keys(), module))
+            family = family_of(src.root)
+            if family.projector_names is None:
+                raise ConfigError(f"{src.root}: a {family.name} checkpoint has no projector {module!r}")
+            return ModuleNames(src.root, family.projector_names(CheckpointFiles(src.root).keys(), module))
         if src.projectors is None:
             return None
         return ModuleNames(src.projectors, composition_projector_names(src.projectors, module))
     path = src.dir_of(module)
     files = CheckpointFiles(path)
     if module == "llm":
-        return ModuleNames(path, llm_names(files, spec))
+        return ModuleNames(path, llm_names(files, spec, family_of(path)))
     if spec.encoders[module].is_audio:
         return ModuleNames(path, whisper_names(files.keys()), (ZERO_KEYS,))
     family = "clip" if spec.encoders[module].cls_token else "siglip"

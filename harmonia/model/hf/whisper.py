@@ -40,7 +40,7 @@ def whisper_spec_from_hf(config: dict, name: str = "whisper-encoder", token_merg
     """An `EncoderSpec` from a Whisper ``config.json``; chunks of ``max_source_positions`` tokens, 16 kHz, hop 160."""
     if config.get("model_type") != "whisper":
         raise ConfigError(f"config model_type={config.get('model_type')!r} is not a Whisper checkpoint; a whole "
-                          "multimodal checkpoint is read with harmonia.model.hf.llava.mllm_spec_from_hf")
+                          "multimodal checkpoint is read with harmonia.model.hf.mllm.mllm_spec_from_hf")
     if config.get("activation_function", "gelu") != "gelu":
         raise ConfigError(f"Whisper activation_function={config['activation_function']!r} unsupported; expected gelu")
     for field in TRAINING_ONLY:

@@ -1,6 +1,4 @@
-"""Real multimodal checkpoints -> `MLLMSpec`: ``LlavaForConditionalGeneration``,
-``LlavaNextForConditionalGeneration``, or a composition of an LLM checkpoint with encoder checkpoints
-(fresh projectors).
+"""LLaVA and LLaVA-NeXT (``LlavaForConditionalGeneration``, ``LlavaNextForConditionalGeneration``).
 
 LLaVA's math, as transformers computes it: the vision tower's hidden state ``vision_feature_layer``
 (an int, or a list whose states are concatenated on the feature dim), the first token dropped under
@@ -14,78 +12,27 @@ LLaVA-NeXT is the same model over anyres tiles (``image_grid_pinpoints``: a base
 image, `harmonia.model.anyres`), whose projected features are laid out as transformers'
 ``pack_image_features`` does, ending each feature row with the ``image_newline`` parameter, which
 the projector stage holds (`ProjectorSpec.newline`).
-
-Loading stage by stage and export live in `harmonia.model.hf.stages` and `harmonia.model.hf.export`
-and are re-exported here: `mllm_spec_from_hf`, `load_module_state` and `export_hf` are the whole
-interface a training job needs.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from harmonia.errors import ConfigError, SampleError
 from harmonia.model.anyres import anyres_order, anyres_tiles, anyres_tokens
 from harmonia.model.batch import ItemInputs, TokenizedSample
+from harmonia.model.families.base import Family
 from harmonia.model.hf.clip import vision_spec_from_hf
-from harmonia.model.hf.export import export_hf
-from harmonia.model.hf.io import read_config, read_full_config
-from harmonia.model.hf.llama import MODEL_TYPES as LLM_TYPES
+from harmonia.model.hf.io import find_prefix
 from harmonia.model.hf.llama import llm_spec_from_hf
-from harmonia.model.hf.source import HFSource, parse_source
-from harmonia.model.hf.stages import load_module_state
-from harmonia.model.hf.whisper import whisper_spec_from_hf
 from harmonia.model.llm import IGNORE_INDEX
-from harmonia.model.presets import projector_for
-from harmonia.model.spec import EncoderSpec, MLLMSpec, ProjectorSpec
+from harmonia.model.spec import MLLMSpec, ProjectorSpec
 
-__all__ = ["export_hf", "llava_spec_from_hf", "load_module_state", "mllm_spec_from_hf", "tokenized_sample"]
-
-MULTIMODAL_TYPES = ("llava", "llava_next")
-NOT_IMPLEMENTED = {
-    "llava_onevision": "LLaVA-OneVision (anyres tiling, image_newline, video pooling)",
-    "llava_next_video": "LLaVA-NeXT-Video (anyres tiling, video pooling)",
-    "vipllava": "VipLLaVA (a layer-normed multi-layer projector)",
-}
+MODEL_TYPES = ("llava", "llava_next")
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                   "quick_gelu": "quick_gelu", "silu": "silu", "swish": "silu", "relu": "relu"}
-
-
-def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLMSpec:
-    """The `MLLMSpec` of a whole HF multimodal checkpoint or of a composition (see `parse_source`).
-
-    Args:
-        source: a ``LlavaForConditionalGeneration`` or ``LlavaNextForConditionalGeneration`` directory, an
-            LLM directory (Llama, Mistral, Qwen2,
-            Qwen3: an MLLM without encoders), or ``{"llm": DIR, "encoders":
-            {"vision": DIR, "audio": DIR}}`` (CLIP / SigLIP vision, Whisper), or a directory
-            `export_hf` wrote for a composition.
-        token_merge: a composition's encoder name -> tokens merged into one LLM token (default 1).
-
-    Raises:
-        ConfigError: an unsupported ``model_type`` or a config field harmonia does not implement,
-            named in the message.
-    """
-    src = parse_source(source)
-    if src.is_composition:
-        return composition_spec(src, token_merge or {})
-    if token_merge:
-        raise ConfigError("token_merge applies to a composition's fresh projectors, not to a whole checkpoint")
-    kind = read_config(src.root).get("model_type")
-    if kind in NOT_IMPLEMENTED:
-        raise ConfigError(f"{src.root}: model_type={kind!r} ({NOT_IMPLEMENTED[kind]}) is not implemented; "
-                          f"supported multimodal checkpoints: {MULTIMODAL_TYPES}")
-    if kind in LLM_TYPES:  # an LLM alone: a graph of one module, no encoders or projectors
-        return MLLMSpec(src.root.name, {}, {}, llm_spec_from_hf(read_full_config(src.root), name=src.root.name))
-    if kind not in MULTIMODAL_TYPES:
-        raise ConfigError(
-            f"{src.root}: model_type={kind!r} is neither a supported multimodal checkpoint {MULTIMODAL_TYPES} nor "
-            f"an LLM {LLM_TYPES}; an encoder alone goes into a composition {{'llm': DIR, 'encoders': {{'vision': DIR}}}}"
-        )
-    return llava_spec_from_hf(read_full_config(src.root), name=src.root.name)
 
 
 def _grid_pinpoints(config: dict, name: str) -> tuple[tuple[int, int], ...]:
@@ -102,8 +49,8 @@ def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
     """The `MLLMSpec` of a ``LlavaForConditionalGeneration`` or ``LlavaNextForConditionalGeneration``
     from its completed ``config.json``."""
     kind = config.get("model_type")
-    if kind not in MULTIMODAL_TYPES:
-        raise ConfigError(f"config model_type={kind!r} is not one of {MULTIMODAL_TYPES}")
+    if kind not in MODEL_TYPES:
+        raise ConfigError(f"config model_type={kind!r} is not one of {MODEL_TYPES}")
     text = dict(config["text_config"])
     # LlavaConfig takes the text config's tying when its own is off; LlavaNextConfig ties by its own flag only.
     tied = config.get("tie_word_embeddings") or (kind == "llava" and text.get("tie_word_embeddings"))
@@ -132,31 +79,16 @@ def llava_spec_from_hf(config: dict, name: str = "llava") -> MLLMSpec:
                     item_token_ids={"image": int(image_token)})
 
 
-def _encoder_spec(name: str, path: Path, token_merge: int) -> EncoderSpec:
-    config = read_full_config(path)
-    if config.get("model_type") == "whisper":
-        return whisper_spec_from_hf(config, name=path.name, token_merge=token_merge)
-    try:
-        return vision_spec_from_hf(config, path.name, token_merge=token_merge)
-    except ConfigError as e:
-        raise ConfigError(f"composition encoder {name!r} at {path}: {e} (encoders: CLIP or SigLIP vision, "
-                          "Whisper)") from e
-
-
-def composition_spec(src: HFSource, token_merge: dict[str, int]) -> MLLMSpec:
-    """LLM + encoders from their own checkpoints; InternVL-style projectors (`projector_for`)."""
-    unknown = set(token_merge) - set(src.encoders)
-    if unknown:
-        raise ConfigError(f"token_merge for unknown encoders {sorted(unknown)}; encoders are {sorted(src.encoders)}")
-    llm_config = read_full_config(src.llm)
-    if llm_config.get("model_type") in (*MULTIMODAL_TYPES, *NOT_IMPLEMENTED):
-        raise ConfigError(f"composition llm {src.llm} is a {llm_config['model_type']!r} multimodal checkpoint; "
-                          "give it as the whole source instead")
-    llm = llm_spec_from_hf(llm_config, name=src.llm.name)
-    encoders = {name: _encoder_spec(name, d, token_merge.get(name, 1)) for name, d in src.encoders.items()}
-    projectors = {f"{n}_proj": projector_for(f"{n}_proj", e, llm) for n, e in encoders.items()}
-    name = "+".join([src.llm.name, *(d.name for d in src.encoders.values())])
-    return MLLMSpec(name, encoders, projectors, llm)
+def projector_names(keys: list[str], module: str) -> dict[str, str]:
+    """LLaVA's ``multi_modal_projector.linear_{1,2}`` -> our ``linears.{0,1}``; LLaVA-NeXT's
+    ``image_newline`` (beside the projector) -> our ``image_newline``."""
+    prefix = find_prefix(dict.fromkeys(keys), "multi_modal_projector.linear_1.weight", "LLaVA projector")
+    base = prefix + "multi_modal_projector."
+    out = {f"linears.{i}.{p}": f"{base}linear_{i + 1}.{p}" for i in (0, 1) for p in ("weight", "bias")
+           if f"{base}linear_{i + 1}.{p}" in keys}
+    if prefix + "image_newline" in keys:
+        out["image_newline"] = prefix + "image_newline"
+    return out
 
 
 def _image_items(spec: MLLMSpec, pixel_values, image_sizes, sample_id) -> tuple[list[ItemInputs], list[int]]:
@@ -232,3 +164,8 @@ def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torc
         shifted[:-1] = labels[1:]
     return TokenizedSample(input_ids, shifted, segments, items, sample_id=sample_id,
                            causal_items=spec.item_attention == "causal")
+
+
+LLAVA = Family("LLaVA", MODEL_TYPES, llava_spec_from_hf,
+               non_llm_parts=("vision_tower.", "multi_modal_projector.", "image_newline"),
+               projector_names=projector_names, tokenized_sample=tokenized_sample)

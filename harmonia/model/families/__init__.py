@@ -1,0 +1,22 @@
+"""Model families: each kind of HF checkpoint harmonia reads, in a module of its own, registered here.
+
+One `FAMILIES.register` line makes a family known to every command: `harmonia plan --model DIR`,
+`harmonia train --model.hf=DIR`, `harmonia export`, `harmonia data inspect` and `harmonia hf` find
+it from the checkpoint's ``model_type`` (`harmonia.model.hf.mllm.mllm_spec_from_hf`,
+`harmonia.model.hf.names.module_names`). ``docs/adding-a-model.md`` walks through adding one.
+"""
+
+from harmonia.model.families import llava, llm
+from harmonia.model.families.base import Family, FamilyRegistry
+
+__all__ = ["FAMILIES", "Family", "FamilyRegistry"]
+
+FAMILIES = FamilyRegistry()
+FAMILIES.register(llava.LLAVA)  # LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+FAMILIES.register(llm.LLM)  # Llama, Mistral, Qwen2, Qwen3 alone: an MLLM without encoders
+FAMILIES.refuse("llava_onevision", "LLaVA-OneVision (anyres tiling, image_newline, video pooling)")
+FAMILIES.refuse("llava_next_video", "LLaVA-NeXT-Video (anyres tiling, video pooling)")
+FAMILIES.refuse("vipllava", "VipLLaVA (a layer-normed multi-layer projector)")
+FAMILIES.refuse("qwen2_vl", "Qwen2-VL (native-resolution tower, multimodal RoPE)")
+FAMILIES.refuse("qwen2_5_vl", "Qwen2.5-VL (native-resolution tower with window attention, multimodal RoPE)")
+FAMILIES.refuse("qwen3_vl", "Qwen3-VL (native-resolution tower, DeepStack, interleaved multimodal RoPE)")
