@@ -296,12 +296,12 @@ def export_row(checkpoint: Path, out: Path) -> tuple[int, float, int, int]:
     seconds = time.perf_counter() - t0
     peak = int(done.stdout.strip().splitlines()[-1])
     largest = 0
-    for f in out.glob("*.safetensors"):
+    for f in out.rglob("*.safetensors"):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
         largest = max([largest, *(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()
                                   if k != "__metadata__")])
-    return peak, seconds, largest, max(f.stat().st_size for f in out.glob("*.safetensors"))
+    return peak, seconds, largest, max(f.stat().st_size for f in out.rglob("*.safetensors"))
 
 
 def main() -> int:

@@ -122,17 +122,20 @@ def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...]
                   ) -> tuple[dict[str, float], float, list[list[int]]]:
     """Per module, the slowest rank's time in it; the bubble fraction over all ranks; every rank's
     ``[resident memory now, *peaks]`` (bytes; ``peaks``: this rank's measured and predicted states
-    at the step's start, measured and predicted step peak)."""
-    t = torch.tensor([times.module_s[m] for m in modules] + [times.busy_s], dtype=torch.float64)
-    slowest = t.clone()
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    total_busy = t[-1:].clone()
-    dist.all_reduce(total_busy)
+    at the step's start, measured and predicted step peak). One collective: every rank's row
+    gathered (byte counts are exact in float64 below 2**53)."""
+    row = torch.tensor([*(times.module_s[m] for m in modules), times.busy_s, _current_rss_bytes(),
+                        *map(int, peaks)], dtype=torch.float64)
     world = dist.get_world_size()
-    memory = [torch.zeros(1 + len(peaks), dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(memory, torch.tensor([_current_rss_bytes(), *map(int, peaks)], dtype=torch.int64))
-    bubble = 1.0 - float(total_busy) / (world * times.step_s) if times.step_s > 0 else 0.0
-    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), [m.tolist() for m in memory]
+    rows = torch.empty(world * row.numel(), dtype=torch.float64)
+    dist.all_gather_into_tensor(rows, row)
+    rows = rows.view(world, row.numel())  # (world, modules + 2 + peaks)
+    n = len(modules)
+    slowest = rows[:, :n].max(dim=0).values
+    total_busy = float(rows[:, n].sum())
+    bubble = 1.0 - total_busy / (world * times.step_s) if times.step_s > 0 else 0.0
+    memory = [[int(v) for v in r] for r in rows[:, n + 1:].tolist()]
+    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), memory
 
 
 def _worker_exits_with_rank(rank_pid: int) -> None:
