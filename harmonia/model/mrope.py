@@ -11,6 +11,14 @@ frequency is turned by one of them:
   ``k`` has ``t = p + k`` (Qwen2-VL) or ``p + int(k * second_per_grid_t * tokens_per_second)``
   (Qwen2.5-VL videos, in float32);
 - after an item, the running position advances by ``max(h, w) / m`` (not by its token count).
+  For a video this ignores the frames: text after a video whose temporal positions run past
+  ``p + max(h, w) / m`` reuses some of them. That is transformers 5.x; transformers 4.x and Qwen's
+  own code went on at the largest position so far plus one. Single-frame items (images, Qwen3-VL
+  frames) come out the same either way.
+
+Each media segment is one item. transformers reads items off runs of media tokens, so two items
+with no text between would be one run to it; the processors never write that (``<|vision_end|>``
+and ``<|vision_start|>`` always stand between).
 
 Qwen3-VL writes a video frame by frame, each frame its own run of tokens between timestamp text
 (``<1.5 seconds><|vision_start|>...<|vision_end|>``), so each frame is positioned like an image of
@@ -109,7 +117,7 @@ def _item_grid(segment: Segment, merge: int, variant: str) -> Grid:
     """The ``(t, h, w)`` grid of an image or video segment, checked."""
     kind = segment[0]
     arity = (2,) if kind == "image" else (2, 3)
-    if len(segment) not in arity or len(segment[1]) != 3:
+    if len(segment) not in arity or not isinstance(segment[1], (tuple, list, torch.Tensor)) or len(segment[1]) != 3:
         form = "('image', (t, h, w))" if kind == "image" else "('video', (t, h, w)[, second_per_grid_t])"
         raise SampleError(f"rope_index: {kind} segment {segment!r} must be {form}")
     t, h, w = (int(v) for v in segment[1])
@@ -133,7 +141,7 @@ def _time_interval(segment: Segment, variant: str, tokens_per_second: float | No
         raise ConfigError("rope_index: qwen2_5_vl videos need tokens_per_second; pass the checkpoint's "
                           "vision_config.tokens_per_second (2 for the released Qwen2.5-VL)")
     second_per_grid_t = segment[2] if len(segment) == 3 else 1.0
-    return tokens_per_second * torch.tensor(second_per_grid_t, dtype=torch.float32)
+    return tokens_per_second * torch.as_tensor(second_per_grid_t, dtype=torch.float32)
 
 
 def _item_positions(start: int, grid: Grid, merge: int, interval: int | torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def test_qwen2_5_vl_images_and_qwen2_vl_videos_ignore_seconds(hf) -> None:
         assert torch.equal(got, hf_positions(hf, variant, prompt))
         step = 6 if variant == "qwen2_5_vl" else 1  # 2 tokens per second * 3.0 s for the Qwen2.5-VL video
         assert got[0, 2:5].tolist() == [2, 3, 4]  # image frames: 1 apart
-        assert got[0, 7:10].tolist() == [5, 5 + step, 5 + 2 * step]
+        assert got[0, 8:11].tolist() == [6, 6 + step, 6 + 2 * step]  # video after 2 + 1 (image), 3 text tokens
 
 
 def test_positions_restart_per_packed_sample(hf) -> None:
@@ -274,6 +274,7 @@ def test_text_only_is_plain_rope() -> None:
     ([("video", (2, 4, 4), 0.5)], "qwen2_5_vl", ConfigError),  # tokens_per_second missing
     ([("image", (1, 3, 4))], "qwen2_vl", SampleError),  # h not a multiple of the merge size
     ([("audio", 4)], "qwen2_vl", SampleError),
+    ([("image", 4)], "qwen2_vl", SampleError),  # a token count where the grid belongs
     ([("text", -1)], "qwen2_vl", SampleError),
     ([("text", 3)], "qwen4_vl", ConfigError),
 ])
