@@ -96,20 +96,28 @@ class QwenVisionSpec:
         if self.body.dim_head % 4:
             raise ConfigError(f"QwenVisionSpec: head width {self.body.dim_head} must be a multiple of 4 (the 2D "
                               "rotary embedding gives a quarter of it to each of rows and columns, twice)")
+        self._check_windows()
+        self._check_learned_positions()
+
+    def _check_windows(self) -> None:
+        """Qwen2.5-VL, and only it, has windows of at least one merged token."""
         if (self.window_size is not None) != (self.family == "qwen2_5_vl"):
-            raise ConfigError(f"QwenVisionSpec: window_size={self.window_size} is for qwen2_5_vl only, and needed there")
+            raise ConfigError(f"QwenVisionSpec: window_size={self.window_size} is for qwen2_5_vl only, "
+                              "and needed there")
         if self.window_size is not None and self.window_tokens < 1:
-            raise ConfigError(f"QwenVisionSpec: window_size={self.window_size} pixels must be at least merge_size * "
-                              f"patch_size = {self.merge_size * self.patch_size}")
-        if (self.num_position_embeddings is not None) != (self.family == "qwen3_vl"):
-            raise ConfigError(f"QwenVisionSpec: num_position_embeddings={self.num_position_embeddings} is for "
-                              "qwen3_vl only, and needed there")
-        if self.num_position_embeddings is not None and math.isqrt(self.num_position_embeddings) ** 2 != \
-                self.num_position_embeddings:
-            raise ConfigError(f"QwenVisionSpec: num_position_embeddings={self.num_position_embeddings} must be a "
-                              "perfect square (a square grid of learned positions)")
+            raise ConfigError(f"QwenVisionSpec: window_size={self.window_size} pixels must be at least "
+                              f"merge_size * patch_size = {self.merge_size * self.patch_size}")
         _check_layers("full_attention_layers", self.full_attention_layers, self.body.n_layers,
                       self.window_size is not None)
+
+    def _check_learned_positions(self) -> None:
+        """Qwen3-VL, and only it, has a square learned position table and deepstack mergers."""
+        n = self.num_position_embeddings
+        if (n is not None) != (self.family == "qwen3_vl"):
+            raise ConfigError(f"QwenVisionSpec: num_position_embeddings={n} is for qwen3_vl only, and needed there")
+        if n is not None and math.isqrt(n) ** 2 != n:
+            raise ConfigError(f"QwenVisionSpec: num_position_embeddings={n} must be a perfect square (a square "
+                              "grid of learned positions)")
         _check_layers("deepstack_layers", self.deepstack_layers, self.body.n_layers, self.family == "qwen3_vl")
 
     @property
@@ -269,9 +277,9 @@ def plan_windows(grid: list[tuple[int, int, int]], merge_size: int, window: int)
     order, lengths, offset = [], [], 0
     for t, h, w in grid:
         gh, gw = h // merge_size, w // merge_size  # merged-token grid of a frame
+        n_rows, n_cols = -(-gh // window), -(-gw // window)  # windows down and across a frame
         f, r, c = torch.meshgrid(torch.arange(t), torch.arange(gh), torch.arange(gw), indexing="ij")
-        per_row = -(-gw // window)
-        key = ((f * -(-gh // window) + r // window) * per_row + c // window).flatten()  # (t*gh*gw,) window id
+        key = ((f * n_rows + r // window) * n_cols + c // window).flatten()  # (t * gh * gw,) window of each
         order.append(torch.argsort(key, stable=True) + offset)  # merged tokens, window by window
         lengths += (torch.bincount(key) * unit).tolist()
         offset += t * gh * gw
@@ -393,8 +401,9 @@ class QwenVisionTower(nn.Module):
         self.layers = build_blocks(body, range(body.n_layers))
         norm = "rmsnorm" if spec.family == "qwen2_5_vl" else "layernorm"
         self.merger = PatchMerger(body.hidden, spec.merge_size, spec.out_dim, norm)
-        self.deepstack = nn.ModuleList(PatchMerger(body.hidden, spec.merge_size, spec.out_dim, norm, post_shuffle=True)
-                                       for _ in spec.deepstack_layers)
+        self.deepstack = nn.ModuleList(
+            PatchMerger(body.hidden, spec.merge_size, spec.out_dim, norm, post_shuffle=True)
+            for _ in spec.deepstack_layers)
         init_weights(self)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> QwenVisionOutput:

@@ -117,7 +117,9 @@ def test_gradients_match_transformers(family):
     assert got.keys() == want.keys()
     for k in got:
         assert got[k] is not None and got[k].abs().sum() > 0, k
-        torch.testing.assert_close(got[k], want[k], **TOL, msg=lambda m, k=k: f"{k}: {m}")
+        # weight gradients sum over hundreds of tokens and reach ~100: 1e-5 of their scale (fp32 sums)
+        scale = max(1.0, want[k].abs().max().item())
+        torch.testing.assert_close(got[k], want[k], atol=1e-5 * scale, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
