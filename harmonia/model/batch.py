@@ -61,6 +61,9 @@ class TokenizedSample:
         sample_id: dataset identifier, carried for reporting.
         causal_items: the items' tokens attend causally like text (a model whose
             ``MLLMSpec.item_attention`` is ``causal``, LLaVA), not to their whole item.
+        rope_positions: ``(3, T)`` multimodal rotary positions (temporal, height, width) where the model
+            uses multimodal RoPE (`harmonia.model.mrope.rope_index`); None: the position within the
+            sample.
     """
 
     input_ids: torch.Tensor
@@ -69,6 +72,7 @@ class TokenizedSample:
     items: list[ItemInputs] = field(default_factory=list)
     sample_id: int | str | None = None
     causal_items: bool = False
+    rope_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = sum(length for _, length in self.segments)
@@ -78,6 +82,9 @@ class TokenizedSample:
                 f"sample {self.sample_id}: segments cover {n} tokens and {n_items} items but input_ids has "
                 f"{self.input_ids.numel()}, labels {self.labels.numel()} and there are {len(self.items)} items"
             )
+        if self.rope_positions is not None and tuple(self.rope_positions.shape) != (3, n):
+            raise SampleError(f"sample {self.sample_id}: multimodal rotary positions of shape "
+                              f"{tuple(self.rope_positions.shape)}, expected (3, {n})")
         lengths = [length for kind, length in self.segments if kind == "item"]
         for k, (item, length) in enumerate(zip(self.items, lengths)):
             if item.order is not None and item.order.shape[0] != length:
@@ -142,6 +149,8 @@ class PackedBatch:
         layout: per-token sample / segment / item flag / position.
         media: encoder module name -> its inputs.
         sample_ids: dataset identifiers of the packed samples, in order.
+        rope_positions: ``(3, 1, T)`` the samples' multimodal rotary positions, each sample's from
+            its own start (None: the model's rotary positions are ``layout.position``).
     """
 
     input_ids: torch.Tensor
@@ -149,6 +158,7 @@ class PackedBatch:
     layout: TokenLayout
     media: dict[str, MediaInputs]
     sample_ids: list = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -174,8 +184,8 @@ class PackedBatch:
         return multimodal_mask(self.layout)
 
     def positions(self) -> torch.Tensor:
-        """``(1, T)`` rotary positions."""
-        return self.layout.position[None]
+        """``(1, T)`` rotary positions, or ``(3, 1, T)`` under multimodal RoPE."""
+        return self.layout.position[None] if self.rope_positions is None else self.rope_positions
 
     def to(self, device: torch.device | str) -> PackedBatch:
         lay = self.layout
@@ -183,7 +193,7 @@ class PackedBatch:
         return PackedBatch(
             self.input_ids.to(device), self.labels.to(device),
             TokenLayout(lay.sample.to(device), lay.segment.to(device), lay.is_item.to(device), lay.position.to(device)),
-            media, self.sample_ids,
+            media, self.sample_ids, None if self.rope_positions is None else self.rope_positions.to(device),
         )
 
 
@@ -220,5 +230,18 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
     }
     return PackedBatch(
         torch.cat([s.input_ids for s in samples])[None], torch.cat([s.labels for s in samples])[None],
-        layout, media, [s.sample_id for s in samples],
+        layout, media, [s.sample_id for s in samples], _packed_rope_positions(samples),
     )
+
+
+def _packed_rope_positions(samples: list[TokenizedSample]) -> torch.Tensor | None:
+    """``(3, 1, T)`` the samples' multimodal rotary positions in packing order (each restarts at its
+    sample's start, as `harmonia.model.mrope.rope_index` computes them per sample); None when no
+    sample has them."""
+    have = [s.rope_positions is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise SampleError("pack_samples got samples with and without multimodal rotary positions; one model has one "
+                          "rule")
+    return torch.cat([s.rope_positions for s in samples], dim=1)[:, None]

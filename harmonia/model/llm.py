@@ -31,6 +31,7 @@ from harmonia.model.layers import (
     restrict_to_window,
     rope_cos_sin,
 )
+from harmonia.model.mrope import mrope_cos_sin
 from harmonia.model.spec import LLMSpec
 
 IGNORE_INDEX = -100
@@ -104,7 +105,8 @@ class DecoderLM(nn.Module):
 
         Args:
             x: ``(B, T)`` token ids on the first stage, ``(B, T, h)`` hidden states otherwise.
-            positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE).
+            positions: ``(T,)`` or ``(B, T)`` position of each token within its sample (RoPE), or
+                ``(3, B, T)`` its temporal, height and width positions under multimodal RoPE.
             mask: the microbatch's `harmonia.model.attention.PackedAttention` (any kernel; under
                 context parallelism ``x`` is this rank's shard, ``T`` its tokens, ``positions``
                 theirs), or a dense boolean ``(T, T)`` / ``(B, 1, T, T)`` reference mask from
@@ -119,7 +121,11 @@ class DecoderLM(nn.Module):
         if self.is_first:
             x = self.embed_inputs(x, item_embeds, item_index)
         body = self.spec.body
-        rope = rope_cos_sin(positions, body.dim_head, self.spec.rope_theta, self.spec.rope_scaling)
+        if self.spec.multimodal_rope:  # positions (3, B, T): temporal, height, width
+            rope = mrope_cos_sin(positions, body.dim_head, self.spec.rope_theta, self.spec.mrope_section,
+                                 self.spec.mrope_interleaved, self.spec.rope_scaling)
+        else:
+            rope = rope_cos_sin(positions, body.dim_head, self.spec.rope_theta, self.spec.rope_scaling)
         masks = {None: mask.for_window(None) if isinstance(mask, PackedAttention) else mask}  # window -> attention
         for i, block in self.layers.items():
             window = body.window_of(int(i))

@@ -418,6 +418,9 @@ class LLMSpec:
     ``rope_scaling`` rescales its frequencies (Llama 3.1: ``llama3``), None = plain RoPE. With
     ``tie_embeddings`` the head is the embedding matrix; a pipeline stage that holds the head but not
     the embedding keeps its own copy of it, whose gradient the runtime sums with the embedding's.
+    ``mrope_section`` (Qwen-VL's multimodal RoPE): how many of the ``head_dim / 2`` frequencies the
+    temporal, height and width positions turn, in blocks or, with ``mrope_interleaved`` (Qwen3-VL),
+    interleaved (`harmonia.model.mrope`); empty = one position per token.
     """
 
     name: str
@@ -426,9 +429,22 @@ class LLMSpec:
     tie_embeddings: bool = False
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size, rope_theta=self.rope_theta)
+        if self.mrope_section:
+            if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.body.dim_head // 2:
+                raise ConfigError(f"llm {self.name!r}: mrope_section={list(self.mrope_section)} must be three counts "
+                                  f"summing to head_dim / 2 = {self.body.dim_head // 2}")
+            if self.body.sliding_window is not None:
+                raise ConfigError(f"llm {self.name!r}: multimodal RoPE with a sliding window is not implemented")
+
+    @property
+    def multimodal_rope(self) -> bool:
+        """Whether tokens carry three rotary positions (`harmonia.model.mrope`)."""
+        return bool(self.mrope_section)
 
     @property
     def hidden(self) -> int:

@@ -78,7 +78,8 @@ class CPShard:
 
     Attributes:
         tokens: ``(t,)`` positions in the packed sequence this rank holds, ascending.
-        positions: ``(1, t)`` rotary positions of those tokens.
+        positions: ``(1, t)`` rotary positions of those tokens (``(3, 1, t)`` under multimodal RoPE:
+            all three rows sliced with the tokens).
         attention: the local queries' attention against every key, with the key/value gather.
         local_of: ``(T,)`` index of each token among this rank's tokens (-1: another rank's).
         token_ranks: ``(T,)`` CP rank of each token.
@@ -131,4 +132,4 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
     kernel = choose_backend(backend, tokens.device, mask_kind(mb.layout))
     attention = PackedAttention(mb.layout, query_index=tokens, backend=kernel, gather=gather, key_order=order)
-    return CPShard(tokens, mb.layout.position[tokens][None], attention, local_of, token_ranks)
+    return CPShard(tokens, mb.positions()[..., tokens], attention, local_of, token_ranks)
