@@ -35,11 +35,6 @@ from harmonia.model.spec import MLLMSpec
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
-LOAD_BATCH_BYTES = 256 * 2**20
-"""The written bytes of the tensors an export reads, merges and casts at once: an output shard is
-gathered batch by batch in its written dtype, so the export holds about one output shard plus one
-batch at the training checkpoint's dtype (fp32), whatever the shard size."""
-
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
@@ -84,18 +79,14 @@ def write_like_source(source: str | Path, out_dir: str | Path, tensors: Mapping[
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
 
-    def load(keys: list[str]) -> dict[str, torch.Tensor]:  # one output shard's tensors, and only those
-        out: dict[str, torch.Tensor] = {}
-        for group in _batches(keys, sizes, LOAD_BATCH_BYTES):  # each cast to ``dtype`` before the next is read
-            new = load_many(tensors, [k for k in group if k in tensors])
-            copied = files.read([k for k in group if k not in tensors])
-            out.update({k: cast(fit(new[k], meta[k].shape, k) if k in new else copied[k]) for k in group})
-            del new, copied
-        return out
+    def load(keys: list[str]) -> dict[str, torch.Tensor]:  # one batch of an output file's tensors, only those
+        new = load_many(tensors, [k for k in keys if k in tensors])
+        copied = files.read([k for k in keys if k not in tensors])
+        return {k: cast(fit(new[k], meta[k].shape, k) if k in new else copied[k]) for k in keys}
 
     out.mkdir(parents=True, exist_ok=True)
-    sizes = {k: t.numel() * (dtype if t.is_floating_point() else t.dtype).itemsize for k, t in meta.items()}
-    write_shards(out, sizes, load, max_shard_bytes)
+    layout = {k: (dtype if t.is_floating_point() else t.dtype, tuple(t.shape)) for k, t in meta.items()}
+    write_shards(out, layout, load, max_shard_bytes)
     config = _set_dtype(read_config(source), dtype)
     config.setdefault("dtype", _dtype_name(dtype))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -103,19 +94,6 @@ def write_like_source(source: str | Path, out_dir: str | Path, tensors: Mapping[
         if f.is_file() and f.name != "config.json" and f.name not in WEIGHT_INDEXES and f.suffix not in WEIGHT_SUFFIXES:
             shutil.copy2(f, out / f.name)
     return out
-
-
-def _batches(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
-    """``keys`` in order, cut into batches of at most ``limit`` written bytes (a larger tensor alone)."""
-    batches: list[list[str]] = [[]]
-    total = 0
-    for key in keys:
-        if batches[-1] and total + sizes[key] > limit:
-            batches.append([])
-            total = 0
-        batches[-1].append(key)
-        total += sizes[key]
-    return [b for b in batches if b]
 
 
 def merged_state(state: Mapping[str, torch.Tensor], spec: MLLMSpec) -> LazyTensors:

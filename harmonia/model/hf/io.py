@@ -156,23 +156,42 @@ def write_checkpoint(path: str | Path, state: dict[str, torch.Tensor], config: d
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    sizes = {k: t.numel() * t.element_size() for k, t in state.items()}
-    write_shards(path, sizes, lambda keys: {k: state[k] for k in keys}, max_shard_bytes)
+    layout = {k: (t.dtype, tuple(t.shape)) for k, t in state.items()}
+    write_shards(path, layout, lambda keys: {k: state[k] for k in keys}, max_shard_bytes)
 
 
-def write_shards(path: Path, sizes: dict[str, int], load, max_shard_bytes: int = 5 * 2**30) -> None:
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+WRITE_BATCH_BYTES = 256 * 2**20
+"""Bytes of tensors asked for at once while a safetensors file is written: a writer holds one batch
+(and what its ``load`` computes for it), never a whole file."""
+
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * dtype.itemsize
+
+
+def write_shards(path: Path, layout: Layout, load, max_shard_bytes: int = 5 * 2**30,
+                 batch_bytes: int = WRITE_BATCH_BYTES) -> None:
     """Write tensors as ``model.safetensors``, or shards with ``model.safetensors.index.json``.
 
     Args:
         path: output directory (stale safetensors files there are removed first).
-        sizes: tensor name -> bytes, in the order to write; shards are cut at ``max_shard_bytes``.
-        load: names -> their tensors, called once per shard so only one shard is held at a time.
+        layout: tensor name -> (dtype, shape) as written, in the order to write; shards are cut at
+            ``max_shard_bytes``.
+        load: names -> their tensors, asked for ``batch_bytes`` at a time (`write_safetensors`).
         max_shard_bytes: the largest shard, unless one tensor is larger.
+        batch_bytes: bytes of tensors asked for at once.
     """
-    from safetensors.torch import save_file
-
     for old in [*path.glob("*.safetensors"), path / "model.safetensors.index.json"]:
         old.unlink(missing_ok=True)
+    sizes = {k: _nbytes(*v) for k, v in layout.items()}
     shards: list[list[str]] = [[]]
     size = 0
     for key, nbytes in sizes.items():
@@ -184,12 +203,65 @@ def write_shards(path: Path, sizes: dict[str, int], load, max_shard_bytes: int =
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors" for n in range(len(shards))])
     for name, keys in zip(names, shards):
-        tensors = {k: t.detach().contiguous().cpu() for k, t in load(keys).items()}
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        write_safetensors(path / name, {k: layout[k] for k in keys}, load, batch_bytes)
     if len(shards) > 1:
         weight_map = {k: name for name, keys in zip(names, shards) for k in keys}
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_safetensors(file: Path, layout: Layout, load, batch_bytes: int = WRITE_BATCH_BYTES) -> None:
+    """One safetensors file, written tensor by tensor: the header from ``layout``, then each batch's
+    bytes as ``load`` gives it, so at most one batch is in memory. The file appears complete or not
+    at all (written beside, then renamed).
+
+    Raises:
+        ConfigError: a loaded tensor whose dtype or shape is not its ``layout`` entry.
+    """
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for key, (dtype, shape) in layout.items():
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ConfigError(f"{file}: tensor {key!r} of dtype {dtype} cannot be written to safetensors")
+        n = _nbytes(dtype, shape)
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    partial = file.with_name(file.name + ".partial")
+    try:
+        with open(partial, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
+            for batch in _batches(list(layout), {k: _nbytes(*v) for k, v in layout.items()}, batch_bytes):
+                tensors = load(batch)
+                for key in batch:
+                    out.write(_tensor_bytes(tensors[key], key, layout[key], file))
+                del tensors
+        partial.replace(file)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _tensor_bytes(t: torch.Tensor, key: str, want: tuple[torch.dtype, tuple[int, ...]], file: Path) -> memoryview:
+    """A tensor's bytes as safetensors stores them (little-endian, row-major), without a copy where
+    it is already contiguous on the CPU."""
+    if (t.dtype, tuple(t.shape)) != want:
+        raise ConfigError(f"{file}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {want[0]} {want[1]}")
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def _batches(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """``keys`` in order, cut into batches of at most ``limit`` bytes (a larger tensor alone)."""
+    batches: list[list[str]] = [[]]
+    total = 0
+    for key in keys:
+        if batches[-1] and total + sizes[key] > limit:
+            batches.append([])
+            total = 0
+        batches[-1].append(key)
+        total += sizes[key]
+    return [b for b in batches if b]
 
 
 def find_prefix(state: dict[str, torch.Tensor], anchor: str, what: str) -> str:
