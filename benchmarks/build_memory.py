@@ -91,8 +91,7 @@ def write_checkpoint(path: Path, size: str) -> int:
     def load(keys):
         return {k: (torch.randn(shapes[k], generator=g) * 0.02).to(torch.bfloat16) for k in keys}
 
-    sizes = {k: 2 * int(torch.Size(s).numel()) for k, s in shapes.items()}
-    write_shards(path, sizes, load, max_shard_bytes=2 * 2**30)
+    write_shards(path, {k: (torch.bfloat16, s) for k, s in shapes.items()}, load, max_shard_bytes=2 * 2**30)
     return sum(int(torch.Size(s).numel()) for s in shapes.values())
 
 
