@@ -31,6 +31,11 @@ def _finite(value: float) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+def _number(value: Any) -> bool:
+    """A finite int or float that is not a bool (a TOML or JSON ``true`` is no number)."""
+    return _finite(value) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = _f("", "MLLM preset (see `harmonia models`); tiny-omni when no checkpoint is given")
@@ -147,6 +152,22 @@ class ParallelConfig:
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")
 
 
+MODULE_OPTIMIZER_KEYS = ("lr", "weight_decay")
+"""What a ``train.modules`` entry may set for its module."""
+
+
+def _check_module_optimizer(module: Any, values: Any) -> None:
+    """One ``train.modules`` entry: a table of a positive lr and/or a weight decay >= 0."""
+    name = f"train.modules.{module}"
+    _require(isinstance(values, dict), name, values, f"a table of {' and/or '.join(MODULE_OPTIMIZER_KEYS)}, "
+             "e.g. {lr = 1e-3}")
+    unknown = sorted(set(values) - set(MODULE_OPTIMIZER_KEYS))
+    _require(not unknown, name, values, f"only the keys {list(MODULE_OPTIMIZER_KEYS)} (not {unknown})")
+    lr, decay = values.get("lr", 1.0), values.get("weight_decay", 0.0)
+    _require(_number(lr) and lr > 0, f"{name}.lr", lr, "a finite positive number")
+    _require(_number(decay) and decay >= 0, f"{name}.weight_decay", decay, "a finite number >= 0")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = _f(120, "optimizer steps")
@@ -155,6 +176,14 @@ class TrainConfig:
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     warmup: int = _f(-1, "linear warm-up steps; -1 = 3% of train.steps, at least 1")
+    lr_schedule: str = _f("cosine", "the lr after the warm-up: cosine (decay to train.min_lr_ratio x lr), linear "
+                          "(the same, in a straight line), constant, or wsd (constant, then a linear decay to "
+                          "train.min_lr_ratio x lr over the last train.decay_ratio of the steps)")
+    min_lr_ratio: float = _f(0.1, "where cosine, linear and wsd decay to, as a fraction of the peak lr, in [0, 1]")
+    decay_ratio: float = _f(0.1, "wsd: the share of train.steps its decay takes, at the end, in (0, 1]")
+    modules: dict = _f({}, "per-module peak lr and weight decay, e.g. {vision_proj = {lr = 1e-3, weight_decay = "
+                       "0.01}} (in TOML a [train.modules.vision_proj] table); a module's lr follows "
+                       "train.lr_schedule from its own peak; unnamed modules take train.lr and train.weight_decay")
     max_norm: float = _f(1.0, "gradient clipping on the global norm over all modules (0 = off)")
     seed: int = _f(0, "seed of weights, data order and schedules")
     precision: str = _f("auto", "compute precision: auto (bf16 mixed precision on GPUs, fp32 on CPU), fp32 or bf16")
@@ -189,11 +218,35 @@ class TrainConfig:
                  "'balanced' or 'sequential'")
         _require(self.warmup == -1 or 0 <= self.warmup <= self.steps, "train.warmup", self.warmup,
                  f"-1 (3% of the steps) or 0..train.steps ({self.steps})")
+        self._check_lr_schedule()
+        for module, values in self.modules.items():
+            _check_module_optimizer(module, values)
+
+    def _check_lr_schedule(self) -> None:
+        _require(self.lr_schedule in ("cosine", "linear", "constant", "wsd"), "train.lr_schedule", self.lr_schedule,
+                 "cosine, linear, constant or wsd")
+        _require(_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
+                 self.min_lr_ratio, "a number in [0, 1]")
+        _require(_finite(self.decay_ratio) and 0 < self.decay_ratio <= 1, "train.decay_ratio", self.decay_ratio,
+                 "a number in (0, 1]")
 
     @property
     def warmup_steps(self) -> int:
         """The warm-up in steps: ``warmup``, or for -1 3% of ``steps`` rounded up (4 of 120)."""
         return self.warmup if self.warmup >= 0 else max(1, math.ceil(0.03 * self.steps))
+
+    @property
+    def decay_steps(self) -> int:
+        """``wsd``'s decay in steps: ``decay_ratio`` of ``steps`` to the nearest step, at least 1 (12 of 120)."""
+        return max(1, round(self.decay_ratio * self.steps))
+
+    def lr_of(self, module: str | None = None) -> float:
+        """The peak lr of ``module``: its ``modules`` entry, else ``lr`` (also for None)."""
+        return float(self.modules.get(module, {}).get("lr", self.lr))
+
+    def weight_decay_of(self, module: str | None = None) -> float:
+        """The weight decay of ``module``: its ``modules`` entry, else ``weight_decay`` (also for None)."""
+        return float(self.modules.get(module, {}).get("weight_decay", self.weight_decay))
 
 
 @dataclass(frozen=True)
@@ -246,6 +299,8 @@ class Config:
         unknown = set(self.model.frozen) | set(self.model.lora)
         unknown -= set(mllm.module_names)
         _require(not unknown, "model.frozen", sorted(unknown), f"module names among {mllm.module_names}")
+        unknown = set(self.train.modules) - set(mllm.module_names)
+        _require(not unknown, "train.modules", sorted(unknown), f"module names among {mllm.module_names}")
 
     def to_dict(self) -> dict:
         return {f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))}

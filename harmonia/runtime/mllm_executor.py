@@ -63,7 +63,8 @@ from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.rank_actions import plan_rank_actions
 
 Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+"""Builds one runner's optimizer from its param groups, one per module (`ModuleRunner.param_groups`)."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class StepResult:
     n_targets: float
 
 
-def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def default_optimizer(param_groups: list[dict]) -> torch.optim.Optimizer:
     """AdamW at lr 1e-3: the optimizer of a module when the caller gives none."""
-    return torch.optim.AdamW(params, lr=1e-3)
+    return torch.optim.AdamW(param_groups, lr=1e-3)
 
 
 class MLLMExecutor:
@@ -96,7 +97,9 @@ class MLLMExecutor:
         hidden: the LLM hidden size (width of the rows crossing every boundary).
         projectors: encoder -> its projector, on ranks holding the encoder's last chunk (every TP
             rank of it holds a whole replica: its input and output rows are replicated over ``tp``).
-        optimizer: builds one module's optimizer from its trainable parameters (default AdamW).
+        optimizer: builds one runner's optimizer from its trainable parameters, given as param groups
+            ``{"params": [...], "module": name}``: the runner's own, and an encoder's projector
+            (``vision_proj``) as a group of its own (default AdamW).
         max_norm: clip the global gradient norm over all modules to this; None = no clipping.
         norm_group: ranks the norm, the loss and the target count are global over (default: world;
             every rank of it calls `step`).
@@ -142,7 +145,7 @@ class MLLMExecutor:
         if missing:
             raise LayoutError(f"rank {self.rank} runs {missing} in the plan but got no chunks for them")
         self.dtype, self.device = dtype, device
-        self.optimizers = {n: (optimizer or default_optimizer)(r.trainable)
+        self.optimizers = {n: (optimizer or default_optimizer)(r.param_groups())
                            for n, r in self.runners.items() if r.trainable}
         self.action_times: list[tuple[Action, float, float, float]] | None = None
         """When a list: every compute action run is appended with its start and end

@@ -64,6 +64,14 @@ class ModuleRunner:
     def trainable(self) -> list[nn.Parameter]:
         return [p for ps in self.params.values() for p in ps]
 
+    def param_groups(self) -> list[dict]:
+        """The trainable parameters as optimizer param groups, one per module that has any: the chunks'
+        (``"module": name``), then the projector's (``"module": "<name>_proj"``), in `trainable`'s order."""
+        projector = {id(p) for c in self.chunks for p in self.projector_weights(c)}
+        groups = [{"params": [p for p in self.trainable if id(p) not in projector], "module": self.name},
+                  {"params": [p for p in self.trainable if id(p) in projector], "module": f"{self.name}_proj"}]
+        return [g for g in groups if g["params"]]
+
     @property
     def norm_params(self) -> list[nn.Parameter]:
         """Trainable parameters counted in the gradient norm (a tied head's copy counts as the embedding)."""

@@ -24,6 +24,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_pare
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
+from harmonia.train.lr_schedule import LRSchedule
 from harmonia.train.backend import backend_of, job_cluster, schedule_search
 from harmonia.train.calibrate import MeasuredAction, fit_calibration
 from harmonia.train.planning import PRECISION_MIXED, model_spec
@@ -45,7 +47,8 @@ from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedu
 from harmonia.train.report import best_effort, write_timelines
 from harmonia.train.state import load_training, save_training
 
-__all__ = ["FAULT_ENV", "Trainer", "TrainingError", "learning_rate"]
+__all__ = ["FAULT_ENV", "Trainer", "TrainingError", "build_lr_schedule", "build_optimizer", "learning_rate",
+           "set_learning_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +64,33 @@ class TrainingError(HarmoniaError):
     exit_code = 1
 
 
-def learning_rate(config: Config, step: int) -> float:
-    """Linear warm-up over ``train.warmup_steps``, then cosine decay to 10% of the peak."""
-    peak, warm, total = config.train.lr, config.train.warmup_steps, config.train.steps
-    if step < warm:
-        return peak * (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+def build_lr_schedule(config: Config) -> LRSchedule:
+    """The job's learning-rate schedule (``train.lr_schedule``, ``warmup``, ``min_lr_ratio``, ``decay_ratio``)."""
+    tc = config.train
+    return LRSchedule(tc.lr_schedule, tc.steps, tc.warmup_steps, tc.min_lr_ratio, tc.decay_steps)
+
+
+def learning_rate(config: Config, step: int, module: str | None = None) -> float:
+    """The lr of ``step``: linear warm-up over ``train.warmup_steps``, then ``train.lr_schedule``
+    (by default a cosine decay to 10% of the peak), from ``module``'s peak lr (`TrainConfig.lr_of`;
+    ``train.lr`` for None)."""
+    return build_lr_schedule(config).lr(config.train.lr_of(module), step)
+
+
+def build_optimizer(config: Config, param_groups: list[dict]) -> torch.optim.Optimizer:
+    """AdamW over one runner's param groups (`ModuleRunner.param_groups`), each at its module's peak
+    lr and weight decay (`TrainConfig.lr_of`, `TrainConfig.weight_decay_of`)."""
+    tc = config.train
+    groups = [{**g, "lr": tc.lr_of(g.get("module")), "weight_decay": tc.weight_decay_of(g.get("module"))}
+              for g in param_groups]
+    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
+
+
+def set_learning_rates(optimizers: dict[str, torch.optim.Optimizer], config: Config, step: int) -> None:
+    """Give every param group its module's lr of ``step`` (a group without a ``module`` the global one)."""
+    for opt in optimizers.values():
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(config, step, group.get("module"))
 
 
 @dataclass
@@ -165,7 +188,7 @@ class Trainer:
         self.device = rank_device(backend_of(config))
         self.meshes = build_module_meshes(plan, self.device.type)
         tc = config.train
-        self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, self._optimizer,
+        self.model = build_rank_model(self.spec, plan, self.meshes, tc.seed, partial(build_optimizer, config),
                                       tc.max_norm or None, self.device, tc.precision,
                                       source=config.model.source if config.model.from_checkpoint else None,
                                       attention=tc.attention, compile=tc.compile)
@@ -192,10 +215,6 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.losses: list[float] = []
 
-    def _optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        tc = self.config.train
-        return torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
-
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
         ck = self.config.checkpoint
@@ -203,12 +222,6 @@ class Trainer:
             state = load_training(ck.dir, self.model)
             self.start_step = self.saved_step = int(state["step"])
             self.losses = list(state.get("losses", []))
-
-    def _set_lr(self, step: int) -> None:
-        lr = learning_rate(self.config, step)
-        for opt in self.model.executor.optimizers.values():
-            for group in opt.param_groups:
-                group["lr"] = lr
 
     def _save(self, step: int) -> None:
         ck = self.config.checkpoint
@@ -249,7 +262,7 @@ class Trainer:
             self.faults.before_step(step, self.model)
             self._stop_if_asked(step, stops)  # also the step's barrier
             it = self.builder.settle(prefetch.get(step))  # collective: failed samples dropped alike
-            self._set_lr(step)
+            set_learning_rates(self.model.executor.optimizers, self.config, step)
             self.model.executor.action_times = []
             t0, cpu0 = time.perf_counter(), time.process_time()
             batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from harmonia.model.spec import MLLMSpec
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.meshes import ModuleMeshes
-from harmonia.runtime.mllm_executor import MLLMExecutor
+from harmonia.runtime.mllm_executor import MLLMExecutor, OptimizerFactory
 from harmonia.schedule.graph import LLM, StageGraph, fused_backward
 
 
@@ -93,7 +92,7 @@ def to_device(obj, device: torch.device):
 
 
 def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int,
-                     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                     optimizer: OptimizerFactory,
                      max_norm: float | None, device: torch.device = torch.device("cpu"),
                      precision: str = "auto", source: str | dict | None = None, attention: str = "auto",
                      compile: str = "auto") -> RankModel:
