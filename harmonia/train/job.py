@@ -85,22 +85,46 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
 
 
-def print_plan(plan: Plan, report: PlanReport | None, console) -> None:
+def print_plan(plan: Plan, report: PlanReport | None, console, spec=None) -> None:
+    """The plan's layouts per module and, with the model's ``spec``, what each module trains and its
+    trainable parameters (LoRA adapters counted), then the total."""
     from rich.table import Table
+
+    from harmonia.model.lora import trainable_counts
 
     console.print(f"plan: {plan.placement.value}, {plan.schedule}, {plan.n_microbatches} microbatches per LLM "
                   f"replica, global batch {plan.global_batch}")
+    counts = trainable_counts(spec) if spec is not None else {}
     table = Table()
-    for col in ("module", "ranks", "pp", "dp", "tp", "cp", "fsdp"):
+    for col in ("module", "ranks", "pp", "dp", "tp", "cp", "fsdp", *(("trains", "trainable / all") if counts else ())):
         table.add_column(col)
     for module, lay in plan.layouts.items():
         table.add_row(module, ",".join(map(str, lay.rank_list())), str(lay.pp), str(lay.dp), str(lay.tp),
-                      str(lay.cp), ("reshard" if lay.resharded else "yes") if lay.sharded else "no")
+                      str(lay.cp), ("reshard" if lay.resharded else "yes") if lay.sharded else "no",
+                      *((spec.training_of(module).mode.value, _count_pair(*counts[module])) if counts else ()))
     console.print(table)
+    if counts:
+        for proj in spec.projectors:
+            console.print(f"{proj} (with its encoder's last stage): trains {spec.training_of(proj).mode.value}, "
+                          f"{_count_pair(*counts[proj])}", markup=False)
+        trained, total = (sum(c[i] for c in counts.values()) for i in (0, 1))
+        console.print(f"trainable parameters: {trained:,} of {total:,} ({trained / max(total, 1):.2%})", markup=False)
     if report is not None:
         console.print(f"searched {report.simulated} layouts in the simulator ({report.pruned} pruned by their "
                       f"lower bound, {sum(report.rejected.values())} rejected: {dict(report.rejected)}) "
                       f"in {report.seconds:.1f} s", markup=False)
+
+
+def _count_pair(trained: int, total: int) -> str:
+    return f"{_short(trained)} / {_short(total)}"
+
+
+def _short(n: int) -> str:
+    """``1.5B``, ``4.2M``, ``12.3K``, ``512``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 def run_training(config: Config, console) -> TrainResult | None:
@@ -138,7 +162,7 @@ def run_training(config: Config, console) -> TrainResult | None:
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
                           f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)", markup=False)
         plan, report = resolve_plan(config)
-        print_plan(plan, report, console)
+        print_plan(plan, report, console, model_spec(config))
         console.print(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
         out = launch(train_worker, config.parallel.world_size, (config, plan.to_json()),
@@ -158,7 +182,7 @@ def prepare_shared(config: Config):
     try:
         prepare_data(checked.config)
         plan, report = resolve_plan(checked.config)
-        print_plan(plan, report, console)
+        print_plan(plan, report, console, model_spec(checked.config))
         best_effort("plan.json", plan.save, Path(checked.config.log.dir) / "plan.json")
         return plan, checked.config, checked
     except BaseException:
