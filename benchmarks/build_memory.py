@@ -21,8 +21,8 @@ and trained by ``harmonia train`` for 2 steps on 4 processes with the LLM's base
 (``llm dp4 fsdp reshard``): its fp32 weights times 4 ranks exceed this machine's 24 GiB, so only a
 sharded build can start it. Shown: each rank's resident memory after the last step, the counted
 tensor peak of the step (``log.memory``) beside the planner's prediction, and the seconds; then
-``harmonia export`` of its checkpoint to an HF directory in a process of its own: its peak resident
-memory beside the largest tensor plus the largest file it writes (what it may hold at once).
+``harmonia export`` of its checkpoint to an HF directory in a process of its own: its peak anonymous
+memory beside the largest tensor plus the largest file it writes.
 
     python benchmarks/build_memory.py [--quick] [--train] [--dir DIR]
 
@@ -116,11 +116,17 @@ class AnonPeak:
         return max(self.peak, _status("RssAnon"))
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+def _status(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` field in bytes (0 once the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        return 0
+    if pid != "self":
+        return 0  # a process exiting: its memory fields are gone
     raise RuntimeError(field)
 
 
@@ -268,7 +274,7 @@ def train_row(root: Path, console: Console) -> None:
     table = Table(title="training a LoRA-adapted 2B LLM (frozen base sharded over 4 CPU processes, fp32) with a "
                         "small vision tower: 2 steps of harmonia train, then harmonia export")
     for col in ("LLM fp32 weights x 4 ranks", "resident per rank after the step", "tensor peak per rank (counted)",
-                "planner's prediction per rank", "wall s (start to end)", "export: peak resident",
+                "planner's prediction per rank", "wall s (start to end)", "export: peak anonymous",
                 "export: largest tensor + largest file", "export s"):
         table.add_column(col, justify="right")
     table.add_row(f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
@@ -280,20 +286,23 @@ def train_row(root: Path, console: Console) -> None:
 
 def export_row(checkpoint: Path, out: Path) -> tuple[int, float, int, int]:
     """``harmonia export`` of the training checkpoint, in a process of its own: its peak resident
-    bytes (``ru_maxrss``), seconds, the largest tensor written and the largest file written."""
+    anonymous bytes (``RssAnon``, sampled every millisecond: the pages of the checkpoint files it maps
+    are the page cache's, as in the build rows), seconds, the largest tensor written and the largest
+    file written."""
     import json
     import subprocess
 
-    probe = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(done.returncode)")
-    cmd = [sys.executable, "-c", probe, sys.executable, "-m", "harmonia", "export", f"--checkpoint={checkpoint}",
-           f"--out={out}"]
+    cmd = [sys.executable, "-m", "harmonia", "export", f"--checkpoint={checkpoint}", f"--out={out}"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if done.returncode:
-        raise RuntimeError(f"export: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = 0
+    while proc.poll() is None:
+        peak = max(peak, _status("RssAnon", proc.pid))
+        time.sleep(0.001)
+    printed = proc.stdout.read()
+    if proc.returncode:
+        raise RuntimeError(f"export: exit {proc.returncode}\n{printed[-3000:]}")
     seconds = time.perf_counter() - t0
-    peak = int(done.stdout.strip().splitlines()[-1])
     largest = 0
     for f in out.rglob("*.safetensors"):
         with open(f, "rb") as fh:
