@@ -388,6 +388,8 @@ class Trainer:
         return {
             "step": step, "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": result.skipped,
             "lr": learning_rate(self.config, step), "step_s": step_s,
+            **({"lr_modules": {m: learning_rate(self.config, step, m) for m in self.config.train.modules}}
+               if self.config.train.modules else {}),
             "step_tokens_per_s": it.n_tokens / step_s, "step_samples_per_s": len(it.sample_ids) / step_s,
             "tokens": it.n_tokens, "samples": len(it.sample_ids),
             "time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble,

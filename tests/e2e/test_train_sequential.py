@@ -26,7 +26,12 @@ def _config(tmp, name: str, *extra: str):
     return load_config(None, [
         f"--data.path={tmp / 'data'}", "--data.synthesize=40", "--data.heldout=0", "--train.steps=2",
         f"--train.global_batch={BATCH}", "--train.warmup=1", "--parallel.timeout_s=240", "--log.tensorboard=false",
+        '--train.modules={"vision_proj": {"lr": 0.01, "weight_decay": 0.0}}',  # a module's own rate, in both runs
         f"--log.dir={tmp / name}", f"--checkpoint.dir={tmp / name / 'ck'}", *extra])
+
+
+def seq_lr(tmp) -> float:
+    return _config(tmp, "lr").train.lr
 
 
 def _run(config):
@@ -50,6 +55,8 @@ def test_two_processes_in_sequential_microbatches_train_the_one_process_losses(t
         assert balance["microbatch_samples_min"] == balance["microbatch_samples_max"] == BATCH // N_MB
         assert record["sub_microbatches"] == {"vision": 1, "audio": 1}
     assert seq.losses == pytest.approx(ref.losses, rel=1e-5)  # counting tensor bytes changes nothing
+    for record in seq.records:  # the projector's own schedule: 0.01 / train.lr times the global one
+        assert record["lr_modules"]["vision_proj"] == pytest.approx(0.01 / seq_lr(tmp_path) * record["lr"])
     last = seq.records[-1]  # after an optimizer step: Adam's states exist, as the planner counts them
     for held, states, peak, predicted in zip(last["memory_held_bytes"], last["memory_states_predicted_bytes"],
                                              last["memory_peak_bytes"], last["memory_predicted_bytes"]):
