@@ -151,7 +151,7 @@ def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...]
                         *map(int, peaks)], dtype=torch.float64)
     world = dist.get_world_size()
     rows = torch.empty(world * row.numel(), dtype=torch.float64)
-    dist.all_gather_into_tensor(rows, row)
+    dist.all_gather_single(rows, row)
     rows = rows.view(world, row.numel())  # (world, modules + 2 + peaks)
     n = len(modules)
     slowest = rows[:, :n].max(dim=0).values
