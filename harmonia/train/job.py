@@ -147,11 +147,14 @@ def run_training(config: Config, console) -> TrainResult | None:
         if out is None:
             return None
         return _finish(out["config"], Plan.from_json(out["plan"]), out, None)
+    phases = PhaseClock()
     check_cluster(config)
     check_data_path(config)
     check_model_files(config)
+    phases.mark("checks")
     with preflight(config) as checked:
         config = checked.config
+        phases.mark("preflight")
         if checked.finished:
             return TrainResult(None, [], [], checked.start_step)
         if checked.start_step:
@@ -161,13 +164,29 @@ def run_training(config: Config, console) -> TrainResult | None:
         if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
                           f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)", markup=False)
+        phases.mark("data")
         plan, report = resolve_plan(config)
+        phases.mark("shape pass and plan")
         print_plan(plan, report, console, model_spec(config))
         console.print(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
-        out = launch(train_worker, config.parallel.world_size, (config, plan.to_json()),
+        out = launch(train_worker, config.parallel.world_size, (config, plan.to_json(), None, time.time()),
                      timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config))
+        out["startup"] = {**phases.seconds, **out.get("startup", {})}
         return _finish(config, plan, out, report)
+
+
+class PhaseClock:
+    """Seconds of each start-up phase of the launcher, in order (`mark` ends the current one)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._last
+        self._last = now
 
 
 def prepare_shared(config: Config):
@@ -211,7 +230,9 @@ def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) ->
     summary = json.dumps({
         "plan": json.loads(plan.to_json()), "losses": result.losses, "start_step": result.start_step,
         "accuracy": {t: dict(zip(("before", "after", "n", "chance"), v)) for t, v in accuracy.items()},
-        "throughput": _throughput(result.records),
+        "throughput": _throughput(result.records), "startup": out.get("startup"),
         "last": result.records[-1] if result.records else None}, indent=1, default=float)
     best_effort("summary.json", (Path(config.log.dir) / "summary.json").write_text, summary)
+    if out.get("startup"):
+        log.debug("start-up: " + ", ".join(f"{k} {v:.2f} s" for k, v in out["startup"].items()))
     return result

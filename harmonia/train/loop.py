@@ -214,6 +214,7 @@ class Trainer:
         self.saved_step = 0  # the newest step with a checkpoint (0: none, or the initial weights)
         self.nonfinite_in_a_row = 0
         self.losses: list[float] = []
+        self.first_step_at: float | None = None  # time.time() when this run's first step began
 
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
@@ -257,6 +258,7 @@ class Trainer:
     def _steps(self, report, stops: StopSignals | None, progress, prefetch, calibration_step: int,
                timeline_step: int) -> None:
         tc, ck = self.config.train, self.config.checkpoint
+        self.first_step_at = time.time()
         window = TrainingWindow(time.perf_counter())
         for step in range(self.start_step, tc.steps):
             self.faults.before_step(step, self.model)

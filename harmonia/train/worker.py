@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import torch
@@ -72,7 +73,8 @@ def _heartbeat(config: Config, rank: int, world: int, attempt: str):
     return Heartbeat(store, rank, world, hang_timeout(config), attempt=attempt, detect=torchrun)
 
 
-def train_worker(config: Config, plan_json: str | None, prepare: Callable | None = None) -> dict | None:
+def train_worker(config: Config, plan_json: str | None, prepare: Callable | None = None,
+                 launched_at: float | None = None) -> dict | None:
     """Entry point of one rank (spawned by `harmonia.launch.launch` or started by torchrun).
 
     Args:
@@ -80,16 +82,19 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
         plan_json: the plan; None under torchrun, where rank 0 gets it from ``prepare``.
         prepare: under torchrun, what rank 0 runs to check the files and make the plan
             (`harmonia.train.job.prepare_shared`).
+        launched_at: ``time.time()`` when the launcher started the processes (None: unknown).
 
     Returns:
         On rank 0, what it saw: ``start_step``, ``losses``, per-step ``records``, ``data`` statistics,
-        the ``plan`` JSON and the ``config`` it ran (None on the other ranks).
+        the ``plan`` JSON, the ``config`` it ran and ``startup``, its start-up phases in seconds
+        (None on the other ranks).
 
     Raises:
         StopRequested: a stop signal ended the job at a step boundary.
     """
     from harmonia.train.report import ProgressReporter
 
+    entered = time.time()
     stops = StopSignals.install()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend_of(config)
@@ -101,21 +106,28 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
     timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
     store, attempt = _attempt_store(rank, world, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    phases = {"process start": entered - launched_at} if launched_at is not None else {}
+    phases["process group"] = time.time() - entered
     checked = None
     try:
         with _heartbeat(config, rank, world, attempt) as beat:
             if plan_json is None:
                 plan_json, config, checked = _shared_plan(config, rank, prepare)
+            built = time.time()
             trainer = Trainer(config, Plan.from_json(plan_json), rank)
             trainer.resume()
+            phases["model build and resume"] = time.time() - built
+            built = time.time()
             reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
             with reporter:
                 trainer.run(reporter.step, stops, beat.progress)
             dist.barrier()
         if rank != 0:
             return None
+        if trainer.first_step_at is not None:
+            phases["to the first step"] = trainer.first_step_at - built
         return {"start_step": trainer.start_step, "losses": trainer.losses, "records": reporter.records,
-                "data": trainer.dataset.stats.metrics(), "plan": plan_json, "config": config}
+                "data": trainer.dataset.stats.metrics(), "plan": plan_json, "config": config, "startup": phases}
     finally:
         dist.destroy_process_group()
         if checked is not None:

@@ -76,6 +76,10 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     tokens = sum(r["tokens"] for r in records)
     assert records[-1]["tokens_per_s"] == pytest.approx(tokens / records[-1]["elapsed_s"])
     assert summary["throughput"]["tokens"] == tokens and summary["throughput"]["steps"] == len(records)
+    startup = summary["startup"]  # command to first step, phase by phase
+    assert list(startup) == ["checks", "preflight", "data", "shape pass and plan", "process start", "process group",
+                             "model build and resume", "to the first step"]
+    assert all(v >= 0 for v in startup.values()) and startup["process start"] > 0
 
     # a rank that raises at step 3: every rank ends, the message names it, step 2's checkpoint stays
     monkeypatch.setenv(FAULT_ENV, "raise:1:3")
