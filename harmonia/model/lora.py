@@ -86,17 +86,3 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """Parameters that receive gradients, by name."""
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
-
-def trainable_counts(spec) -> dict[str, tuple[int, int]]:
-    """Per module of an `MLLMSpec`, ``(trainable, all)`` parameters under its training mode (LoRA's
-    adapters counted, a frozen module's 0), from the module built on ``meta`` (no memory)."""
-    from harmonia.model.mllm import build_module
-
-    out = {}
-    for name in spec.module_names:
-        with torch.device("meta"):
-            module = build_module(spec, name)
-        apply_training(module, spec.training_of(name))
-        params = list(module.parameters())
-        out[name] = (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
-    return out

@@ -152,3 +152,18 @@ def build_mllm_model(spec: MLLMSpec, apply_training_modes: bool = True) -> MLLM:
         for name in spec.module_names:
             apply_training(model.module(name), spec.training_of(name))
     return model
+
+
+def trainable_counts(spec) -> dict[str, tuple[int, int]]:
+    """Per module of an `MLLMSpec`, ``(trainable, all)`` parameters under its training mode (LoRA's
+    adapters counted, a frozen module's 0), from the module built on ``meta`` (no memory)."""
+    from harmonia.model.lora import apply_training
+
+    out = {}
+    for name in spec.module_names:
+        with torch.device("meta"):
+            module = build_module(spec, name)
+        apply_training(module, spec.training_of(name))
+        params = list(module.parameters())
+        out[name] = (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
+    return out

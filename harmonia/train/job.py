@@ -90,7 +90,7 @@ def print_plan(plan: Plan, report: PlanReport | None, console, spec=None) -> Non
     trainable parameters (LoRA adapters counted), then the total."""
     from rich.table import Table
 
-    from harmonia.model.lora import trainable_counts
+    from harmonia.model.mllm import trainable_counts
 
     console.print(f"plan: {plan.placement.value}, {plan.schedule}, {plan.n_microbatches} microbatches per LLM "
                   f"replica, global batch {plan.global_batch}")

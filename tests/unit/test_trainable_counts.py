@@ -7,8 +7,8 @@ import io
 import torch
 from rich.console import Console
 
-from harmonia.model.lora import apply_training, trainable_counts
-from harmonia.model.mllm import build_module
+from harmonia.model.lora import apply_training
+from harmonia.model.mllm import build_module, trainable_counts
 from harmonia.model.presets import mllm_preset
 from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
 from harmonia.train.job import print_plan
