@@ -132,9 +132,24 @@ def print_report(report: dict, console, model: str) -> None:
         console.print(b)
 
 
+def _model_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--model`` (as ``plan`` and ``simulate`` spell it: a preset name or an HF checkpoint directory)
+    read into the older ``--model-hf`` / ``--preset``; giving two of them is an error."""
+    from harmonia.errors import ConfigError
+    from harmonia.model.resolve import is_checkpoint_dir
+
+    given = [f for f, v in (("--model", args.model), ("--model-hf", args.model_hf), ("--preset", args.preset)) if v]
+    if len(given) > 1:
+        raise ConfigError(f"data inspect: give one of --model, --model-hf, --preset, not {' and '.join(given)}")
+    if args.model is not None:
+        args.model_hf, args.preset = (args.model, None) if is_checkpoint_dir(args.model) else (None, args.model)
+    return args
+
+
 def _open(args: argparse.Namespace) -> tuple[MultimodalDataset, str]:
     from harmonia.model.resolve import resolve_mllm
 
+    args = _model_args(args)
     spec = resolve_mllm(args.preset or args.model_hf or "tiny-omni")
     preprocessors = checkpoint_preprocessors(spec, args.model_hf)
     tok = build_tokenizer(args.model_hf, args.chat_template)
@@ -146,7 +161,7 @@ def _open(args: argparse.Namespace) -> tuple[MultimodalDataset, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``harmonia data inspect PATH [--json FILE] [--format F] [--model-hf DIR | --preset NAME] ...``."""
+    """``harmonia data inspect PATH [--json FILE] [--format F] [--model PRESET|DIR] ...``."""
     import logging
 
     from rich.console import Console
@@ -156,10 +171,10 @@ def main(argv: list[str] | None = None) -> None:
                    "shards, mixture YAML/JSON)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
     p.add_argument("--format", default="auto", help="auto, harmonia, llava, messages or webdataset")
-    p.add_argument("--model-hf", default=None, help="HF checkpoint directory: its spec, tokenizer, chat template "
-                   "and image processor")
-    p.add_argument("--preset", default=None, help="MLLM preset for token counts (default: the checkpoint's, "
-                   "else tiny-omni)")
+    p.add_argument("--model", default=None, help="MLLM preset or an HF checkpoint directory (its spec, tokenizer, "
+                   "chat template and image processor), as `harmonia plan --model`; default tiny-omni")
+    p.add_argument("--model-hf", default=None, help="an HF checkpoint directory (the older spelling of --model DIR)")
+    p.add_argument("--preset", default=None, help="an MLLM preset (the older spelling of --model NAME)")
     p.add_argument("--chat-template", default=None, help="a chat template file replacing the checkpoint's")
     p.add_argument("--media-root", default=None, help="media root (default: each annotation file's directory)")
     p.add_argument("--allow-outside-root", action="store_true", help="accept media paths outside the media root")

@@ -64,6 +64,25 @@ def test_inspect_with_an_hf_checkpoint(llava_json, tmp_path):
     assert report["tokens"]["max"] - report["tokens"]["min"] >= 16
 
 
+def test_inspect_takes_the_model_as_plan_spells_it(llava_json, tmp_path, capsys):
+    """``--model`` is a preset name or a checkpoint directory, as for ``harmonia plan --model``; the
+    reports equal those of the older ``--preset`` / ``--model-hf``; two of them at once are refused."""
+    from harmonia.train.tiny_llava import write_tiny_llava
+
+    ckpt = write_tiny_llava(tmp_path / "ckpt", image_size=16, patch_size=4)
+    reports = {}
+    for name, flags in {"model preset": ["--model", "tiny-vlm"], "preset": ["--preset", "tiny-vlm"],
+                        "model dir": ["--model", str(ckpt)], "model-hf": ["--model-hf", str(ckpt)]}.items():
+        out = tmp_path / f"{name}.json"
+        assert main(["data", "inspect", str(llava_json), "--json", str(out), "--workers", "0", *flags]) == 0
+        reports[name] = json.loads(out.read_text())
+    assert reports["model preset"] == reports["preset"] and reports["model dir"] == reports["model-hf"]
+    assert reports["model preset"] != reports["model dir"]
+    capsys.readouterr()
+    assert main(["data", "inspect", str(llava_json), "--model", "tiny-vlm", "--preset", "tiny-vlm"]) == 2
+    assert "give one of --model, --model-hf, --preset, not --model and --preset" in capsys.readouterr().out
+
+
 def test_inspect_refuses_a_missing_path(tmp_path, capsys):
     assert main(["data", "inspect", str(tmp_path / "nope.json")]) == 2
     assert "does not exist" in capsys.readouterr().out
