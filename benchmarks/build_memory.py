@@ -200,7 +200,8 @@ def estimates(source: str, layout_kw: dict) -> tuple[float, float]:
     from harmonia.plan.candidates import state_bytes_per_rank
     from harmonia.schedule.layout import Layout
     from harmonia.schedule.plan import Plan
-    from harmonia.workload.cost import MASTER_BYTES, CostModel
+    from harmonia.workload.cost import CostModel
+    from harmonia.workload.memory_cost import MASTER_BYTES
     from harmonia.workload.devices import cluster_from_string
 
     spec = mllm_spec_from_hf(source)

@@ -141,9 +141,7 @@ def check_memory(cost: CostModel, module: str, layout: Layout, microbatch_load: 
             states += cost.reshard_transient_bytes(module, lo, hi, layout.tp) / layout.virtual_stages
         acts = in_flight * cost.activation_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
                                                  recompute)
-        acts += max(cost.backward_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp,
-                                                  recompute),
-                    cost.forward_transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp))
+        acts += cost.transient_bytes(module, microbatch_load.tokens, lo, hi, layout.tp, layout.cp, recompute)
         peak = max(peak, states * layout.virtual_stages + acts)
         start += n
     return MemoryCheck(peak + extra, capacity)

@@ -103,8 +103,7 @@ def transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: 
     layout: Layout = plan.layouts[module]
     start, stop = stage_layer_range(cost, plan, module, chunk)
     tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
-    return max(cost.backward_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute),
-               cost.forward_transient_bytes(module, tokens, start, stop, layout.tp, layout.cp))
+    return cost.transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
 
 
 def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, graph: StageGraph, module: str,

@@ -36,7 +36,8 @@ import functools
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import stage_layer_range
-from harmonia.workload.cost import GRAD_BYTES, CostModel
+from harmonia.workload.cost import CostModel
+from harmonia.workload.memory_cost import GRAD_BYTES
 from harmonia.workload.devices import ClusterSpec
 
 

@@ -10,7 +10,8 @@ from harmonia.plan.recipes import Candidate
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.train.calibrate import MeasuredAction, fit_calibration
 from harmonia.workload.calibration import Calibration
-from harmonia.workload.cost import PARAM_BYTES, CostModel
+from harmonia.workload.cost import CostModel
+from harmonia.workload.memory_cost import PARAM_BYTES
 from harmonia.workload.devices import cluster_from_string, device_preset
 from harmonia.workload.kernels import elementwise_elems, replicated_activation_elems
 from harmonia.workload.work import ModuleLoad

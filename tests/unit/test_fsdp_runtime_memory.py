@@ -10,7 +10,7 @@ from torch import nn
 
 from harmonia.runtime.grads import start_fsdp_backward, start_fsdp_resharding, wait_fsdp_gathers
 from harmonia.runtime.parallelize import apply_fsdp
-from harmonia.workload.cost import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
+from harmonia.workload.memory_cost import GRAD_BYTES, MASTER_BYTES, PARAM_BYTES
 
 DP = 4
 
