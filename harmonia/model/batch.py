@@ -30,15 +30,30 @@ class ItemInputs:
             ``(sequence, feature)`` of the item's projected features, or ``(-1, 0)`` for the
             projector's ``image_newline`` (LLaVA-NeXT anyres, `harmonia.model.anyres.anyres_order`);
             None = slots.
+        grid: ``(1, 3)`` the item's patch grid ``(t, h, w)`` for a native-resolution encoder
+            (`harmonia.model.qwen_vit`), whose ``inputs`` are then ``(t * h * w, C * tp * p * p)``
+            patch rows in the processor's order; the item has no slots (``groups`` and ``order`` None).
     """
 
     module: str
     inputs: torch.Tensor
     groups: torch.Tensor | None = None
     order: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.grid is None:
+            return
+        t, h, w = (int(v) for v in self.grid.reshape(-1))
+        if tuple(self.grid.shape) != (1, 3) or self.groups is not None or self.order is not None \
+                or self.inputs.dim() != 2 or self.inputs.shape[0] != t * h * w:
+            raise SampleError(f"a native-resolution item needs grid (1, 3), no groups or order, and (t*h*w, D) patch "
+                              f"rows; got grid {tuple(self.grid.shape)} and inputs {tuple(self.inputs.shape)}")
 
     @property
     def n_groups(self) -> int:
+        if self.grid is not None:
+            return 0
         return self.inputs.shape[0] if self.groups is None else int(self.groups.max()) + 1
 
 
@@ -106,6 +121,9 @@ class MediaInputs:
         index: ``(n_tokens,)`` positions in the packed sequence that receive the encoder's tokens.
         order: ``(n_tokens, 2)`` the items' `ItemInputs.order`, sequence numbers counted over all
             of ``inputs`` (-1 stays the newline); None when no item has one.
+        grid: ``(n_items, 3)`` a native-resolution encoder's item grids (`ItemInputs.grid`), kept on
+            the CPU (the encoder plans its attention from them); ``inputs`` are then all items' patch
+            rows and ``groups`` is empty.
     """
 
     inputs: torch.Tensor
@@ -113,10 +131,32 @@ class MediaInputs:
     n_groups: int
     index: torch.Tensor
     order: torch.Tensor | None = None
+    grid: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> MediaInputs:
         order = None if self.order is None else self.order.to(device)
-        return MediaInputs(self.inputs.to(device), self.groups.to(device), self.n_groups, self.index.to(device), order)
+        return MediaInputs(self.inputs.to(device), self.groups.to(device), self.n_groups, self.index.to(device), order,
+                           self.grid)
+
+
+def gather_items(items: list[ItemInputs], index: torch.Tensor) -> MediaInputs:
+    """One encoder's inputs for ``items`` encoded together, their LLM tokens at ``index``.
+
+    Raises:
+        SampleError: native-resolution items mixed with tiles (one encoder takes one kind).
+    """
+    native = {item.grid is not None for item in items}
+    if len(native) > 1:
+        raise SampleError(f"encoder {items[0].module!r} got native-resolution items and tiles together")
+    inputs = torch.cat([item.inputs for item in items])
+    if native.pop():
+        return MediaInputs(inputs, torch.zeros(0, dtype=torch.long), 0, index, grid=torch.cat([i.grid for i in items]))
+    groups, n = [], 0
+    for item in items:
+        g = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
+        groups.append(g + n)
+        n += item.n_groups
+    return MediaInputs(inputs, torch.cat(groups), n, index, item_order(items))
 
 
 def item_order(items: list[ItemInputs]) -> torch.Tensor | None:
@@ -208,26 +248,18 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
     if len({s.causal_items for s in samples}) > 1:
         raise SampleError("pack_samples got samples with causal and with bidirectional items; one model has one rule")
     layout = TokenLayout.from_segments([s.segments for s in samples], samples[0].causal_items)
-    per_module: dict[str, dict[str, list]] = {}
+    per_module: dict[str, tuple[list[ItemInputs], list[torch.Tensor]]] = {}
     offset = 0
     for s in samples:
         items = iter(s.items)
         for kind, length in s.segments:
             if kind == "item":
                 item = next(items)
-                acc = per_module.setdefault(item.module, {"inputs": [], "groups": [], "index": [], "n": 0, "items": []})
-                acc["items"].append(item)
-                groups = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
-                acc["inputs"].append(item.inputs)
-                acc["groups"].append(groups + acc["n"])
-                acc["n"] += item.n_groups
-                acc["index"].append(torch.arange(offset, offset + length))
+                its, index = per_module.setdefault(item.module, ([], []))
+                its.append(item)
+                index.append(torch.arange(offset, offset + length))
             offset += length
-    media = {
-        name: MediaInputs(torch.cat(a["inputs"]), torch.cat(a["groups"]), a["n"], torch.cat(a["index"]),
-                          item_order(a["items"]))
-        for name, a in per_module.items()
-    }
+    media = {name: gather_items(its, torch.cat(index)) for name, (its, index) in per_module.items()}
     return PackedBatch(
         torch.cat([s.input_ids for s in samples])[None], torch.cat([s.labels for s in samples])[None],
         layout, media, [s.sample_id for s in samples], _packed_rope_positions(samples),

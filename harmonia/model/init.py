@@ -10,7 +10,7 @@ parameters the encoders, blocks and projectors create themselves; LoRA's as `LoR
 them); a unit test compares both for every parameter of every preset.
 
 Rules by owner, parameter:
-- ``Linear``, ``Conv1d``, ``Conv2d``, ``Embedding`` weight: normal, std 0.02; their bias: zeros.
+- ``Linear``, ``Conv1d``, ``Conv2d``, ``Conv3d``, ``Embedding`` weight: normal, std 0.02; their bias: zeros.
 - ``LayerNorm`` weight and ``RMSNorm`` weight: ones; ``LayerNorm`` bias: zeros.
 - a `LoRALinear`'s ``lora_a``: kaiming-uniform with ``a = sqrt(5)`` (uniform within
   ``1 / sqrt(in_features)``); ``lora_b``: zeros (a fresh adapter changes nothing).
@@ -49,7 +49,7 @@ def _rule(owner: nn.Module, parent: nn.Module | None, leaf: str, shape: torch.Si
         return "uniform", 1.0 / math.sqrt(shape[1])
     if isinstance(parent, LoRALinear) and owner is parent.lora_b:
         return "zeros", 0.0
-    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)):
+    if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
         return ("normal", STD) if leaf == "weight" else ("zeros", 0.0)
     if isinstance(owner, nn.LayerNorm) or type(owner).__name__ == "RMSNorm":
         return ("ones", 1.0) if leaf == "weight" else ("zeros", 0.0)

@@ -263,7 +263,7 @@ def build_blocks(spec: TransformerSpec, indices: range) -> nn.ModuleDict:
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     """Normal(0, std) linear/embedding weights, zero biases; norms and scales stay at one."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)):
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)):
             nn.init.normal_(m.weight, std=std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)

@@ -15,6 +15,7 @@ from harmonia.model.audio import build_audio_encoder
 from harmonia.model.batch import MediaInputs, PackedBatch
 from harmonia.model.llm import build_llm, lm_loss
 from harmonia.model.projector import build_projector
+from harmonia.model.qwen_vit import build_qwen_vision_encoder
 from harmonia.model.spec import MLLMSpec
 from harmonia.model.vit import build_vision_encoder
 
@@ -31,6 +32,8 @@ def build_module(spec: MLLMSpec, module: str, layers: tuple[int, int] | None = N
         return build_llm(spec.llm, layers)
     if module in spec.encoders:
         enc = spec.encoders[module]
+        if enc.native is not None:
+            return build_qwen_vision_encoder(enc.native, layers)
         return build_audio_encoder(enc, layers) if enc.is_audio else build_vision_encoder(enc, layers)
     if module in spec.projectors:
         if layers is not None:
@@ -60,9 +63,17 @@ def group_mean(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Te
     return out / counts[:, None, None]
 
 
+def run_encoder(encoder: nn.Module, x: torch.Tensor, media: MediaInputs) -> torch.Tensor:
+    """An encoder (or one stage of it) over ``x``: a native-resolution one also takes the item grids."""
+    return encoder(x) if media.grid is None else encoder(x, media.grid)
+
+
 def project_items(projector: nn.Module, x: torch.Tensor, media: MediaInputs) -> torch.Tensor:
     """The projector over an encoder's outputs ``(N, P', h)`` -> the items' LLM tokens ``(n_tokens, D)``:
-    slots averaged (`group_mean`), or gathered in ``media.order`` (anyres images)."""
+    slots averaged (`group_mean`), or gathered in ``media.order`` (anyres images); a native-resolution
+    encoder's ``(n_tokens, m^2 h)`` rows are already one per LLM token."""
+    if media.grid is not None:
+        return projector(x)  # (n_tokens, D)
     if media.order is not None:
         return projector(x, media.order)  # (n_tokens, D)
     return group_mean(projector(x), media.groups, media.n_groups).flatten(0, 1)  # (n_groups * P, D)
@@ -70,7 +81,7 @@ def project_items(projector: nn.Module, x: torch.Tensor, media: MediaInputs) -> 
 
 def encode_media(encoder: nn.Module, projector: nn.Module, media: MediaInputs) -> torch.Tensor:
     """Encoder then projector over one encoder's inputs: ``(n_tokens, D)`` in ``media.index`` order."""
-    y = project_items(projector, encoder(media.inputs), media)
+    y = project_items(projector, run_encoder(encoder, media.inputs, media), media)
     if y.shape[0] != media.index.numel():
         raise SampleError(
             f"encoder output has {y.shape[0]} tokens but the packed sequence reserves "

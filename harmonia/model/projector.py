@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harmonia.errors import SampleError
-from harmonia.model.layers import init_weights
+from harmonia.model.layers import build_norm, init_weights
 from harmonia.model.spec import ProjectorSpec
 
 
@@ -25,7 +25,7 @@ def activation(kind: str, x: torch.Tensor) -> torch.Tensor:
 
 
 class Projector(nn.Module):
-    """``LayerNorm(in)`` (optional) then linears with the activation between: ``(N, P, in) -> (N, P, out)``.
+    """An input norm (optional; per slice with ``norm_groups``) then linears with the activation between: ``(N, P, in) -> (N, P, out)``.
 
     With ``spec.newline`` it holds LLaVA-NeXT's ``image_newline`` (``(out,)``, initialised as
     transformers does: normal with std ``out ** -0.5``) and, given an ``order``
@@ -37,7 +37,7 @@ class Projector(nn.Module):
     def __init__(self, spec: ProjectorSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.norm = nn.LayerNorm(spec.in_dim) if spec.input_norm else None
+        self.norm = build_norm(spec.norm, spec.in_dim // spec.norm_groups, spec.norm_eps) if spec.input_norm else None
         self.linears = nn.ModuleList(nn.Linear(i, o, bias=spec.bias) for i, o in spec.dims())
         self.image_newline = nn.Parameter(torch.randn(spec.out_dim) * spec.out_dim**-0.5) if spec.newline else None
         init_weights(self)
@@ -45,7 +45,8 @@ class Projector(nn.Module):
     def forward(self, x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
         """``(N, P, in) -> (N, P, out)``; with ``order`` (``(n, 2)`` sequence, feature) ``-> (n, out)``."""
         if self.norm is not None:
-            x = self.norm(x)
+            g = self.spec.norm_groups
+            x = self.norm(x) if g == 1 else self.norm(x.unflatten(-1, (g, -1))).flatten(-2)  # each slice apart
         for i, linear in enumerate(self.linears):
             x = linear(x)
             if i < len(self.linears) - 1:

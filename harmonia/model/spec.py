@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Literal
+from typing import Literal, Protocol
 
 from harmonia.errors import ConfigError
 
@@ -155,6 +155,19 @@ class TransformerSpec:
         return p
 
 
+class NativeTower(Protocol):
+    """What an encoder spec reads of a native-resolution tower's architecture
+    (`harmonia.model.qwen_spec.QwenVisionSpec` is one)."""
+
+    body: TransformerSpec
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+
+    def frontend_params(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     """A modality encoder: a front end (patch embedding or conv stem) and a transformer.
@@ -162,7 +175,12 @@ class EncoderSpec:
     Vision (image and video frames): an image of ``image_size`` pixels square becomes
     ``(image_size // patch_size) ** 2`` patches (plus a class token when ``cls_token``); the
     projector merges ``token_merge`` patches into one LLM token (pixel shuffle 0.5 -> 4).
-    ``native_resolution`` encoders (Qwen2-VL style) take any pixel size instead of fixed tiles.
+    ``native_resolution`` encoders (Qwen2-VL style) take any pixel size instead of fixed tiles;
+    ``native`` holds the architecture of one harmonia builds (`harmonia.model.qwen_spec.QwenVisionSpec`,
+    made by `harmonia.model.qwen_spec.native_encoder_spec`): the processor resizes an image to
+    multiples of ``patch_size * sqrt(token_merge)`` pixels with between ``min_pixels`` and
+    ``max_pixels`` pixels (`harmonia.workload.shapes.smart_resize`), and ``temporal_merge`` frames make
+    one patch.
     Video frames are merged ``temporal_merge`` at a time before the LLM.
 
     Audio (Whisper style): ``sample_rate / hop_length`` mel frames per second, two convolutions
@@ -210,6 +228,9 @@ class EncoderSpec:
     feature_layers: tuple[int, ...] = ()
     dropped_tokens: int | None = None
     grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    native: NativeTower | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -236,6 +257,24 @@ class EncoderSpec:
         self._check_output()
         if self.grid_pinpoints:
             self._check_grid()
+        if self.native is not None or self.min_pixels is not None or self.max_pixels is not None:
+            self._check_native()
+
+    def _check_native(self) -> None:
+        """A built native-resolution tower: the fields the cost model reads agree with its architecture."""
+        n, owner = self.native, f"encoder {self.name!r}"
+        if n is None or not self.native_resolution:
+            raise ConfigError(f"{owner}: native (the tower's architecture), native_resolution=True, min_pixels and "
+                              "max_pixels go together")
+        want = dict(body=n.body, patch_size=n.patch_size, channels=n.in_channels, token_merge=n.merge_size ** 2,
+                    temporal_merge=n.temporal_patch_size, cls_token=False, pre_norm=False, post_norm=False,
+                    feature_layers=(), grid_pinpoints=())
+        wrong = [f"{k}={getattr(self, k)!r} (the tower's: {v!r})" for k, v in want.items() if getattr(self, k) != v]
+        if wrong:
+            raise ConfigError(f"{owner}: {', '.join(wrong)}; build it with native_encoder_spec")
+        if self.min_pixels is None or self.max_pixels is None or not 0 < self.min_pixels <= self.max_pixels:
+            raise ConfigError(f"{owner}: min_pixels={self.min_pixels} and max_pixels={self.max_pixels} must be "
+                              "positive with min_pixels <= max_pixels (the processor's numbers)")
 
     def _check_output(self) -> None:
         owner, n = f"encoder {self.name!r}", self.body.n_layers
@@ -312,6 +351,8 @@ class EncoderSpec:
     def frontend_params(self) -> int:
         """Patch embedding (conv as a matrix) + positions + class token, or Whisper's two convs."""
         h = self.body.hidden
+        if self.native is not None:
+            return self.native.frontend_params()
         if self.is_audio:
             conv = self.n_mels * h * 3 + h + h * h * 3 + h
             return conv + self.max_positions * h
@@ -342,6 +383,11 @@ class ProjectorSpec:
         bias: the linears have biases.
         newline: an ``image_newline`` vector of ``out_dim`` (LLaVA-NeXT) that ends every feature row
             of an anyres image (`harmonia.model.anyres`).
+        norm: the input norm's kind, ``layernorm`` or ``rmsnorm``.
+        norm_groups: the input norm normalises each of ``norm_groups`` equal slices of the input
+            apart, with one shared weight (Qwen-VL's merger norms each of the ``m * m`` patches
+            before they are concatenated into one token); 1 = the whole input.
+        norm_eps: epsilon of the input norm.
     """
 
     name: str
@@ -353,12 +399,18 @@ class ProjectorSpec:
     act: Literal["gelu", "gelu_tanh", "quick_gelu", "silu", "relu"] = "gelu"
     bias: bool = True
     newline: bool = False
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_groups: int = 1
+    norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
         _check_positive(
             f"projector {self.name!r}", in_dim=self.in_dim, out_dim=self.out_dim, hidden=self.hidden,
-            n_layers=self.n_layers,
+            n_layers=self.n_layers, norm_groups=self.norm_groups, norm_eps=self.norm_eps,
         )
+        if self.norm not in ("layernorm", "rmsnorm") or self.in_dim % self.norm_groups:
+            raise ConfigError(f"projector {self.name!r}: norm={self.norm!r} must be 'layernorm' or 'rmsnorm' and "
+                              f"norm_groups={self.norm_groups} must divide in_dim={self.in_dim}")
         if self.act not in PROJECTOR_ACTS:
             raise ConfigError(f"projector {self.name!r}: act={self.act!r} is not implemented; expected one of "
                               f"{PROJECTOR_ACTS}")
@@ -373,7 +425,8 @@ class ProjectorSpec:
 
     def n_params(self) -> int:
         biases = sum(o for _, o in self.dims()) if self.bias else 0
-        norm = 2 * self.in_dim if self.input_norm else 0
+        width = self.in_dim // self.norm_groups
+        norm = (2 if self.norm == "layernorm" else 1) * width if self.input_norm else 0
         return self.matmul_params() + biases + norm + (self.out_dim if self.newline else 0)
 
 

@@ -49,7 +49,7 @@ from torch import nn
 from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.llm import lm_loss
-from harmonia.model.mllm import project_items
+from harmonia.model.mllm import project_items, run_encoder
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.grads import (clip_grad_norm, reduce_in_last_backward, squared_norm_share, start_fsdp_backward,
@@ -383,13 +383,13 @@ class _MLLMIteration:
         if media is not None:
             ref = a.stage_ref
             if c == 0:
-                x = media.inputs  # (N, C, H, W) tiles or (N, n_mels, F) audio chunks
+                x = media.inputs  # (N, C, H, W) tiles, (N, n_mels, F) audio chunks or (N, D) patches
             else:
                 x = self._take(key, "the activation")  # (N, P', h)
                 x.requires_grad_(self.graph.needs_b(ref))
             grad = self.graph.needs_backward(ref)
             with torch.set_grad_enabled(grad), self._autocast():
-                y = r.chunks[c](x)
+                y = run_encoder(r.chunks[c], x, media)
                 if last:
                     y = project_items(r.projector, y, media)  # (rows, D)
             if grad:

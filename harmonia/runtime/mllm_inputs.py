@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, item_order, pack_samples
+from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, gather_items, pack_samples
 from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
@@ -73,13 +73,7 @@ def gather_media(items: Sequence[ItemInputs]) -> MediaInputs | None:
     """One encoder's inputs for a run of items (``index`` left empty: the LLM side owns positions)."""
     if not items:
         return None
-    inputs, groups, n = [], [], 0
-    for item in items:
-        g = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
-        inputs.append(item.inputs)
-        groups.append(g + n)
-        n += item.n_groups
-    return MediaInputs(torch.cat(inputs), torch.cat(groups), n, torch.zeros(0, dtype=torch.long), item_order(items))
+    return gather_items(list(items), torch.zeros(0, dtype=torch.long))
 
 
 def item_positions(samples: Sequence[TokenizedSample], encoder: str) -> np.ndarray:
@@ -133,8 +127,8 @@ def slice_item(item: ItemInputs, first: int, stop: int | None) -> ItemInputs:
     """
     if first == 0 and stop is None:
         return item
-    if item.order is not None:
-        raise SampleError("an anyres image's tokens follow its own order and cannot be encoded in parts")
+    if item.order is not None or item.grid is not None:
+        raise SampleError("an anyres image's or native-resolution item's tokens cannot be encoded in parts")
     groups = item.groups if item.groups is not None else torch.arange(item.inputs.shape[0])
     stop = item.n_groups if stop is None else stop
     keep = (groups >= first) & (groups < stop)

@@ -16,16 +16,14 @@ from transformers.vision_utils import (
 )
 
 from harmonia.errors import ConfigError, SampleError
+from harmonia.model.hf.qwen_vision import hf_key, state_from_hf, state_to_hf
+from harmonia.model.qwen_spec import spec_from_hf
 from harmonia.model.qwen_vit import (
     build_qwen_vision_tower,
     frame_lengths,
-    hf_key,
     plan_pos_interpolation,
     plan_positions,
     plan_windows,
-    spec_from_hf,
-    state_from_hf,
-    state_to_hf,
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -6,7 +6,7 @@ it from the checkpoint's ``model_type`` (`harmonia.model.hf.mllm.mllm_spec_from_
 `harmonia.model.hf.names.module_names`). ``docs/adding-a-model.md`` walks through adding one.
 """
 
-from harmonia.model.families import llava, llm
+from harmonia.model.families import llava, llm, qwen_vl
 from harmonia.model.families.base import Family, FamilyRegistry
 
 __all__ = ["FAMILIES", "Family", "FamilyRegistry"]
@@ -14,9 +14,9 @@ __all__ = ["FAMILIES", "Family", "FamilyRegistry"]
 FAMILIES = FamilyRegistry()
 FAMILIES.register(llava.LLAVA)  # LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 FAMILIES.register(llm.LLM)  # Llama, Mistral, Qwen2, Qwen3 alone: an MLLM without encoders
+FAMILIES.register(qwen_vl.QWEN_VL)  # Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 FAMILIES.refuse("llava_onevision", "LLaVA-OneVision (anyres tiling, image_newline, video pooling)")
 FAMILIES.refuse("llava_next_video", "LLaVA-NeXT-Video (anyres tiling, video pooling)")
 FAMILIES.refuse("vipllava", "VipLLaVA (a layer-normed multi-layer projector)")
-FAMILIES.refuse("qwen2_vl", "Qwen2-VL (native-resolution tower, multimodal RoPE)")
-FAMILIES.refuse("qwen2_5_vl", "Qwen2.5-VL (native-resolution tower with window attention, multimodal RoPE)")
-FAMILIES.refuse("qwen3_vl", "Qwen3-VL (native-resolution tower, DeepStack, interleaved multimodal RoPE)")
+FAMILIES.refuse("qwen3_vl", "Qwen3-VL (DeepStack: tower features added inside the LLM's first layers)")
+FAMILIES.refuse("qwen3_vl_moe", "Qwen3-VL-MoE (DeepStack, a mixture-of-experts LLM)")

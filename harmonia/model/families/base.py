@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec
@@ -30,6 +31,8 @@ class Family:
             -> checkpoint names (`harmonia.model.hf.names.ModuleNames`); None: no projector.
         tokenized_sample: what its processor returns for one sample -> a `TokenizedSample`
             (``(spec, input_ids, pixel_values, labels, sample_id, **extra)``); None: text only.
+        processor_numbers: the spec and the checkpoint directory -> the spec with the numbers of
+            the checkpoint's processor files (pixel bounds); None: the config holds them all.
     """
 
     name: str
@@ -38,6 +41,7 @@ class Family:
     non_llm_parts: tuple[str, ...] = ()
     projector_names: Callable[[list[str], str], dict[str, str]] | None = None
     tokenized_sample: Callable | None = None
+    processor_numbers: Callable[[MLLMSpec, Path], MLLMSpec] | None = None
 
     @property
     def multimodal(self) -> bool:

@@ -172,7 +172,8 @@ def checkpoint_tensors(state: Mapping[str, torch.Tensor], src: HFSource, spec: M
     """Merged whole-model tensors of ``modules`` under their names in the source checkpoint."""
     from harmonia.model.mllm import state_prefix
 
-    ours_of: dict[str, list[str]] = {}  # checkpoint name -> our names (tied tensors: several)
+    ours_of: dict[str, list[str]] = {}  # checkpoint name -> our names (tied tensors, or row blocks: several)
+    blocks: set[str] = set()  # checkpoint names made of our tensors' rows, in block order
     for module in modules:
         located, prefix = module_names(src, spec, module), state_prefix(spec, module)
         for key in [k for k in state if k.startswith(prefix)]:
@@ -182,11 +183,17 @@ def checkpoint_tensors(state: Mapping[str, torch.Tensor], src: HFSource, spec: M
                     continue  # Whisper's key bias: no such tensor, no effect on outputs
                 raise ConfigError(f"{key} has no tensor in {located.path} to go to")
             ours_of.setdefault(located.names[ours], []).append(key)
+            if ours in located.parts:
+                blocks.add(located.names[ours])
+                ours_of[located.names[ours]].sort(key=lambda k: located.parts[k[len(prefix):]][0])
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         raw = load_many(state, [k for n in names for k in ours_of[n]])
         out = {}
         for n in names:
+            if n in blocks:
+                out[n] = torch.cat([raw[k] for k in ours_of[n]])  # (n * rows, ...) in block order
+                continue
             first, *others = ours_of[n]
             for other in others:
                 if not torch.equal(raw[first], raw[other]):

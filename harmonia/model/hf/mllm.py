@@ -46,7 +46,8 @@ def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLM
     if token_merge:
         raise ConfigError("token_merge applies to a composition's fresh projectors, not to a whole checkpoint")
     family = FAMILIES.of(read_config(src.root).get("model_type"), src.root)
-    return family.spec(read_full_config(src.root), src.root.name)
+    spec = family.spec(read_full_config(src.root), src.root.name)
+    return spec if family.processor_numbers is None else family.processor_numbers(spec, src.root)
 
 
 def _encoder_spec(name: str, path: Path, token_merge: int) -> EncoderSpec:

@@ -18,10 +18,10 @@ from harmonia.model.hf.clip import vision_names
 from harmonia.model.families import FAMILIES, Family
 from harmonia.model.hf.io import CheckpointFiles, read_config
 from harmonia.model.hf.llama import llm_state_from_hf
+from harmonia.model.hf.qwen_vision import encoder_names as qwen_encoder_names
 from harmonia.model.hf.source import HFSource
 from harmonia.model.hf.whisper import ZERO_KEYS, whisper_names
 from harmonia.model.spec import MLLMSpec
-
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,27 @@ class ModuleNames:
         path: the checkpoint directory, or the projector file of a composition.
         names: our module-local name -> the checkpoint's name (tied tensors share one).
         zeros: patterns of our names with no checkpoint tensor that are zero by construction.
+        parts: our names that are a block of rows of their checkpoint tensor -> ``(k, n)``: the
+            ``k``-th of ``n`` equal blocks of dim 0 (q, k, v of a fused ``qkv``).
     """
 
     path: Path
     names: dict[str, str]
     zeros: tuple = field(default_factory=tuple)
+    parts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def is_zero(self, key: str) -> bool:
         return any(p.match(key) for p in self.zeros)
+
+    def rows(self, key: str, stored: tuple[int, ...]) -> slice | None:
+        """The rows of the checkpoint tensor (of ``stored`` shape) our ``key`` is; None = all of it."""
+        if key not in self.parts:
+            return None
+        k, n = self.parts[key]
+        if stored[0] % n:
+            raise ConfigError(f"{self.path}: {self.names[key]} has {stored[0]} rows, not {n} equal blocks ({key})")
+        size = stored[0] // n
+        return slice(k * size, (k + 1) * size)
 
 
 def family_of(path: Path) -> Family:
@@ -87,6 +100,9 @@ def module_names(src: HFSource, spec: MLLMSpec, module: str) -> ModuleNames | No
         return ModuleNames(path, llm_names(files, spec, family_of(path)))
     if spec.encoders[module].is_audio:
         return ModuleNames(path, whisper_names(files.keys()), (ZERO_KEYS,))
+    if spec.encoders[module].native is not None:
+        names, parts = qwen_encoder_names(files.keys(), spec.encoders[module].native)
+        return ModuleNames(path, names, parts=parts)
     family = "clip" if spec.encoders[module].cls_token else "siglip"
     return ModuleNames(path, vision_names(files.keys(), family))
 

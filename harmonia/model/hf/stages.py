@@ -62,7 +62,13 @@ def load_module_state(source, spec: MLLMSpec, module: str, layers: tuple[int, in
         raise ConfigError(f"{located.path} lacks {len(missing)} tensors of {module}, e.g. {missing[:3]}; check that "
                           "config.json matches the weights")
     read = CheckpointFiles(located.path).read(sorted({located.names[k] for k in wanted - zeros}))
-    out = {k: fit(read[located.names[k]], shapes[k], f"{module}.{k}") for k in wanted - zeros}
+
+    def part(k: str) -> torch.Tensor:
+        t = read[located.names[k]]
+        rows = located.rows(k, tuple(t.shape))
+        return t if rows is None else t[rows]
+
+    out = {k: fit(part(k), shapes[k], f"{module}.{k}") for k in wanted - zeros}
     dtype = next(iter(read.values())).dtype if read else torch.float32
     out.update({k: torch.zeros(shapes[k], dtype=dtype) for k in zeros})
     return out
@@ -113,6 +119,12 @@ class ModuleReader:
         if kind not in FLOAT_DTYPES:
             raise ConfigError(f"{where}: tensor {name!r} ({self.module}.{key}) is stored as {kind}; harmonia trains "
                               f"from {', '.join(FLOAT_DTYPES)} weights (dequantize the checkpoint first)")
+        rows = self.located.rows(key, stored)
+        if rows is not None:  # a block of rows of a fused tensor: read only the box asked for
+            box = index or tuple(slice(0, d) for d in shape)
+            first = slice(rows.start + (box[0].start or 0), rows.start + (box[0].stop or shape[0]))
+            t = self.files.read_part(name, (first, *box[1:]))
+            return t if dtype is None else t.to(dtype)
         if index is not None and stored == tuple(shape):
             t = self.files.read_part(name, index)
         else:

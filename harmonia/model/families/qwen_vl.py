@@ -1,0 +1,186 @@
+"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``).
+
+Their math, as transformers computes it: the native-resolution tower (`harmonia.model.qwen_vit`) over
+the processor's packed patches and ``grid_thw``, its merger (our projector ``vision_proj``), the
+tokens spliced in at the ``image_token_id`` / ``video_token_id`` positions, one causal mask over all
+tokens, and the text model with multimodal RoPE: three position rows per token
+(`harmonia.model.mrope.rope_index`), restarting with every packed sample.
+
+The checkpoint: ``model.visual.*`` (``visual.*`` in older files) is the tower and its merger,
+``model.language_model.*`` (``model.*``) and ``lm_head`` the LLM. The processor's numbers
+(``min_pixels`` / ``max_pixels``, patch, merge and temporal patch sizes) come from the
+checkpoint's ``preprocessor_config.json`` (`processor_numbers`).
+
+Qwen3-VL (DeepStack: tower features added to the first LLM layers) is refused for now.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from harmonia.errors import ConfigError, SampleError
+from harmonia.model.batch import ItemInputs, TokenizedSample
+from harmonia.model.families.base import Family
+from harmonia.model.hf.llama import llm_spec_from_hf
+from harmonia.model.hf.qwen_vision import merger_names
+from harmonia.model.llm import IGNORE_INDEX
+from harmonia.model.mrope import rope_index
+from harmonia.model.qwen_spec import MAX_PIXELS, MIN_PIXELS, native_encoder_spec, spec_from_hf
+from harmonia.model.qwen_vit import merger_spec
+from harmonia.model.spec import MLLMSpec
+
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+_TEXT_ONLY = ("layer_types", "max_window_layers")  # read by the LLM adapter from the text config's own fields
+
+
+def _text_config(config: dict, name: str) -> tuple[dict, tuple[int, ...]]:
+    """The text config as a ``qwen2`` LLM config, and its ``mrope_section``."""
+    text = dict(config["text_config"])
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    if not section:
+        raise ConfigError(f"{name}: text_config.rope_parameters has no mrope_section; a Qwen-VL text model turns "
+                          "its rotary frequencies by three position rows")
+    rope.pop("type", None)
+    text.pop("rope_scaling", None)
+    text["rope_parameters"] = rope
+    text["model_type"] = "qwen2"
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))
+    return text, tuple(int(v) for v in section)
+
+
+def qwen_vl_spec_from_hf(config: dict, name: str = "qwen-vl") -> MLLMSpec:
+    """The `MLLMSpec` of a Qwen2-VL or Qwen2.5-VL checkpoint from its completed ``config.json``
+    (the processor's pixel bounds at their defaults; `processor_numbers` reads the checkpoint's)."""
+    kind = config.get("model_type")
+    if kind not in MODEL_TYPES:
+        raise ConfigError(f"config model_type={kind!r} is not one of {MODEL_TYPES}")
+    text, section = _text_config(config, name)
+    llm = replace(llm_spec_from_hf(text, name=f"{name}-text"), mrope_section=section)
+    tower = spec_from_hf(config)
+    if tower.out_dim != llm.hidden:
+        raise ConfigError(f"{name}: the vision merger emits {tower.out_dim}-wide tokens but the LLM is {llm.hidden} "
+                          "wide (vision_config out_hidden_size / hidden_size)")
+    vision = native_encoder_spec(tower, f"{name}-vision")
+    tokens = {m: config.get(f"{m}_token_id") for m in ("image", "video")}
+    missing = [m for m, t in tokens.items() if t is None]
+    if missing:
+        raise ConfigError(f"{name}: config.json has no {missing[0]}_token_id")
+    return MLLMSpec(name, {"vision": vision}, {"vision_proj": merger_spec(tower, "vision_proj")}, llm,
+                    item_attention="causal", item_token_ids={m: int(t) for m, t in tokens.items()})
+
+
+def processor_numbers(spec: MLLMSpec, root: Path) -> MLLMSpec:
+    """``spec`` with the pixel bounds of the checkpoint's ``preprocessor_config.json`` (transformers'
+    defaults without one); its patch, merge and temporal patch sizes must be the tower's."""
+    path = Path(root) / "preprocessor_config.json"
+    if not path.is_file():
+        return spec
+    numbers = json.loads(path.read_text())
+    enc = spec.encoders["vision"]
+    size = numbers.get("size") or {}
+    low = numbers.get("min_pixels", size.get("shortest_edge", MIN_PIXELS))
+    high = numbers.get("max_pixels", size.get("longest_edge", MAX_PIXELS))
+    want = {"patch_size": enc.patch_size, "merge_size": enc.native.merge_size,
+            "temporal_patch_size": enc.temporal_merge}
+    wrong = {k: numbers[k] for k, v in want.items() if k in numbers and numbers[k] != v}
+    if wrong:
+        raise ConfigError(f"{path}: {wrong} differ from the vision tower's {want} (config.json)")
+    return replace(spec, encoders={"vision": replace(enc, min_pixels=int(low), max_pixels=int(high))})
+
+
+def projector_names(keys: list[str], module: str) -> dict[str, str]:
+    """The merger (``visual.merger.*``) as our projector ``vision_proj``."""
+    return merger_names(keys)
+
+
+def _items(spec: MLLMSpec, input_ids: torch.Tensor, pixels: dict[str, torch.Tensor | None],
+           grids: dict[str, torch.Tensor | None], sample_id) -> tuple[list[tuple[str, object]], list[ItemInputs]]:
+    """Segments for `rope_index` and one `ItemInputs` per image and video, in sequence order."""
+    m = spec.encoders["vision"].native.merge_size
+    ids = input_ids.tolist()
+    runs, t = [], 0  # (modality, start, length) of each run of media tokens
+    token_of = {tok: mod for mod, tok in spec.item_token_ids.items()}
+    while t < len(ids):
+        if ids[t] in token_of:
+            start, mod = t, token_of[ids[t]]
+            while t < len(ids) and ids[t] == spec.item_token_ids[mod]:
+                t += 1
+            runs.append((mod, start, t - start))
+        else:
+            t += 1
+    queues = {mod: list(zip(_rows(pixels[mod], grids[mod]), (grids[mod] if grids[mod] is not None else [])))
+              for mod in ("image", "video")}
+    segments, items, pos = [], [], 0
+    for mod, start, length in runs:
+        if not queues[mod]:
+            raise SampleError(f"sample {sample_id}: more {mod} token runs than {mod}s")
+        rows, grid = queues[mod].pop(0)
+        grid = tuple(int(v) for v in grid)
+        if grid[0] * grid[1] * grid[2] // (m * m) != length:
+            raise SampleError(f"sample {sample_id}: a {mod} of grid {grid} has {grid[0] * grid[1] * grid[2] // (m * m)} "
+                              f"tokens but its run has {length}")
+        if start > pos:
+            segments.append(("text", start - pos))
+        segments.append((mod, grid))
+        items.append(ItemInputs("vision", rows, grid=torch.tensor([grid])))
+        pos = start + length
+    if pos < len(ids):
+        segments.append(("text", len(ids) - pos))
+    left = {mod: len(q) for mod, q in queues.items() if q}
+    if left:
+        raise SampleError(f"sample {sample_id}: {left} media without placeholder tokens")
+    return segments, items
+
+
+def _rows(pixels: torch.Tensor | None, grids: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each item's patch rows of the processor's packed ``pixel_values``."""
+    if grids is None:
+        return []
+    counts = [int(t * h * w) for t, h, w in grids.tolist()]
+    if pixels is None or pixels.shape[0] != sum(counts):
+        raise SampleError(f"the grids hold {sum(counts)} patches but pixel_values has "
+                          f"{None if pixels is None else pixels.shape[0]} rows")
+    return list(pixels.split(counts))
+
+
+def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                     labels: torch.Tensor | None = None, sample_id=None, image_grid_thw: torch.Tensor | None = None,
+                     pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
+                     second_per_grid_ts: list[float] | None = None,
+                     tokens_per_second: float | None = None) -> TokenizedSample:
+    """A `TokenizedSample` from what a Qwen2-VL / Qwen2.5-VL processor returns for one sample.
+
+    Each run of the image (video) token is one image (video) of ``image_grid_thw``
+    (``video_grid_thw``), in order; its patch rows are its share of ``pixel_values``
+    (``pixel_values_videos``). The rotary positions are `rope_index`'s; ``labels`` are
+    transformers' (unshifted) and are shifted here.
+    """
+    pixels = {"image": pixel_values, "video": pixel_values_videos}
+    grids = {"image": image_grid_thw, "video": video_grid_thw}
+    segments, items = _items(spec, input_ids, pixels, grids, sample_id)
+    tower = spec.encoders["vision"].native
+    seconds = iter(second_per_grid_ts or [])
+    rope_segments = [(s[0], s[1], next(seconds, 1.0)) if s[0] == "video" else s for s in segments]
+    positions = rope_index(rope_segments, tower.merge_size, tower.family,
+                           tokens_per_second=tokens_per_second or tower.tokens_per_second)
+    shifted = torch.full_like(input_ids, IGNORE_INDEX)
+    if labels is not None:
+        shifted[:-1] = labels[1:]
+    runs = [("item", n) if kind != "text" else (kind, n) for kind, n in _lengths(segments, spec)]
+    return TokenizedSample(input_ids, shifted, runs, items, sample_id=sample_id, causal_items=True,
+                           rope_positions=positions)
+
+
+def _lengths(segments: list[tuple[str, object]], spec: MLLMSpec) -> list[tuple[str, int]]:
+    m = spec.encoders["vision"].native.merge_size
+    return [(kind, v if kind == "text" else v[0] * v[1] * v[2] // (m * m)) for kind, v in segments]
+
+
+QWEN_VL = Family("Qwen-VL", MODEL_TYPES, qwen_vl_spec_from_hf, non_llm_parts=("visual.",),
+                 projector_names=projector_names, tokenized_sample=tokenized_sample,
+                 processor_numbers=processor_numbers)
