@@ -30,6 +30,7 @@ from PIL import Image
 
 from harmonia.data.audio import AudioPreprocessor, audio_header, decode_audio
 from harmonia.data.image import DEFAULT_MAX_PIXELS, ImagePreprocessor, check_pixels, image_header, load_image
+from harmonia.data.native_image import NativeImagePreprocessor
 from harmonia.data.media_errors import MediaError
 from harmonia.data.shape_index import MediaFile, build_shape_index, media_shape, shape_cache_path
 from harmonia.data.video import FrameSampling, decode_frames, sample_frame_indices, video_header
@@ -44,7 +45,7 @@ __all__ = [
     "shape_cache_path", "shape_item", "tile_image", "write_wav",
 ]
 
-Preprocessor = ImagePreprocessor | AudioPreprocessor
+Preprocessor = ImagePreprocessor | NativeImagePreprocessor | AudioPreprocessor
 Source = bytes | str | Path
 
 
@@ -68,6 +69,9 @@ def build_media_preprocessors(mllm: MLLMSpec, checkpoints: dict[str, str | Path]
         path = checkpoints.get(module)
         if enc.is_audio:
             out[module] = AudioPreprocessor.from_pretrained(path, enc) if path else AudioPreprocessor.for_encoder(enc)
+        elif enc.native is not None:
+            out[module] = (NativeImagePreprocessor.from_pretrained(path, enc, max_pixels) if path
+                           else NativeImagePreprocessor.for_encoder(enc, max_pixels))
         elif path:
             out[module] = ImagePreprocessor.from_pretrained(path, enc, max_pixels)
         else:
@@ -76,7 +80,9 @@ def build_media_preprocessors(mllm: MLLMSpec, checkpoints: dict[str, str | Path]
 
 
 @lru_cache(maxsize=64)
-def _preset_image(encoder: EncoderSpec) -> ImagePreprocessor:
+def _preset_image(encoder: EncoderSpec) -> ImagePreprocessor | NativeImagePreprocessor:
+    if encoder.native is not None:
+        return NativeImagePreprocessor.for_encoder(encoder)
     return ImagePreprocessor.for_encoder(encoder)
 
 
@@ -85,9 +91,16 @@ def _preset_audio(encoder: EncoderSpec) -> AudioPreprocessor:
     return AudioPreprocessor.for_encoder(encoder)
 
 
-def image_preprocessor(prep: ImagePreprocessor | EncoderSpec) -> ImagePreprocessor:
+def image_preprocessor(prep: ImagePreprocessor | NativeImagePreprocessor | EncoderSpec
+                       ) -> ImagePreprocessor | NativeImagePreprocessor:
     """``prep`` itself, or the preset preprocessing of a vision encoder spec (built once per spec)."""
-    return prep if isinstance(prep, ImagePreprocessor) else _preset_image(prep)
+    return prep if isinstance(prep, (ImagePreprocessor, NativeImagePreprocessor)) else _preset_image(prep)
+
+
+def _no_native_video(prep) -> None:
+    if isinstance(image_preprocessor(prep), NativeImagePreprocessor):
+        raise MediaError("unsupported_media", "video for a native-resolution tower (Qwen-VL) is not implemented in "
+                         "the data path; give images")
 
 
 def audio_preprocessor(prep: AudioPreprocessor | EncoderSpec) -> AudioPreprocessor:
@@ -120,6 +133,7 @@ def shape_item(kind: str, shape: dict, prep: Preprocessor | EncoderSpec,
         n = -(-shape["samples"] * rate // shape["rate"])  # resampled_length
         return ModalityItem.audio(n / rate)
     if kind in ("video", "frames"):
+        _no_native_video(prep)
         indices = (sampling or FrameSampling()).indices(shape["frames"], shape.get("fps", fps))
         return ModalityItem.video(frames=len(indices), tiles=1)
     raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
@@ -137,17 +151,21 @@ def decode_item(kind: str, data: Source | list[Source], prep: Preprocessor | Enc
         fps: a frame list's frame rate, when sampling by fps.
 
     Returns:
-        The item and its inputs: image ``(n_tiles, 3, S, S)``, video ``(n_frames, 3, S, S)``, audio
-        ``(n_chunks, n_mels, frames)``, all float32.
+        The item and its inputs: image ``(n_tiles, 3, S, S)`` (a native-resolution tower's:
+        ``(h * w, C * tp * p * p)`` patch rows, grid `harmonia.workload.shapes.native_grid`), video
+        ``(n_frames, 3, S, S)``, audio ``(n_chunks, n_mels, frames)``, all float32.
     """
     sampling = sampling or FrameSampling()
     if kind == "image":
         p = image_preprocessor(prep)
         img = load_image(data, p.max_pixels)
-        return ModalityItem.image(height=img.height, width=img.width), p.tiles(img)
+        x = p.patches(img)[0] if isinstance(p, NativeImagePreprocessor) else p.tiles(img)
+        return ModalityItem.image(height=img.height, width=img.width), x
     if kind == "audio":
         chunks, seconds = audio_preprocessor(prep)(*decode_audio(data))
         return ModalityItem.audio(seconds), chunks
+    if kind in ("video", "frames"):
+        _no_native_video(prep)
     if kind == "video":
         info = video_header(data)
         frames = decode_frames(data, sampling.indices(info.frames, info.fps))

@@ -31,7 +31,8 @@ from harmonia.model.anyres import anyres_order
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
-from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item
+from harmonia.model.mrope import item_rope_positions
+from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item, native_grid
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class SampleBuilder:
             raise DataError(e.kind, where, str(e)) from e
         _check_declared(ref, item, where)
         enc = self.mllm.encoders[module]
+        if enc.native is not None:  # patch rows and their grid (Qwen-VL)
+            return item, ItemInputs(module, x, grid=torch.tensor([native_grid(item, enc)]))
         groups = frame_groups(item.frames, 1, enc.temporal_merge) if item.modality == "video" else None
         order = anyres_order(item.height, item.width, enc) if enc.grid_pinpoints else None  # LLaVA-NeXT
         return item, ItemInputs(module, x, groups, order)
@@ -237,9 +240,11 @@ class SampleBuilder:
         target = torch.tensor(enc.targets, dtype=torch.bool)  # (T,)
         labels = torch.full_like(input_ids, IGNORE_INDEX)
         labels[:-1] = torch.where(target[1:], input_ids[1:], IGNORE_INDEX)  # position t predicts token t + 1
-        tokens = TokenizedSample(input_ids, labels, _segments(enc), [x for _, x in decoded],
+        segments, items = _segments(enc), [x for _, x in decoded]
+        tokens = TokenizedSample(input_ids, labels, segments, items,
                                  sample_id=conv.id if conv.id is not None else index,
-                                 causal_items=self.mllm.item_attention == "causal")
+                                 causal_items=self.mllm.item_attention == "causal",
+                                 rope_positions=item_rope_positions(self.mllm, segments, items))
         return LoadedSample(index, shape, tokens, conv.answer(), conv.task)
 
 

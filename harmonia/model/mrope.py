@@ -214,3 +214,34 @@ def mrope_cos_sin(
     freqs = positions.float() * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
     return emb.cos(), emb.sin()
+
+
+def item_rope_positions(spec, segments: Sequence[tuple[str, int]], items: Sequence) -> torch.Tensor | None:
+    """A decoded sample's ``(3, T)`` rotary positions under ``spec``'s multimodal RoPE (None without it).
+
+    Args:
+        spec: the `harmonia.model.spec.MLLMSpec`; its native-resolution tower gives the variant and
+            merge size.
+        segments: the sample's ``(kind, length)`` runs, kind ``text`` or ``item``.
+        items: one `harmonia.model.batch.ItemInputs` per item run, each with its ``grid``.
+
+    Raises:
+        SampleError: an item without a grid, or a video (whose positions need its seconds per
+            temporal patch, which a decoded image does not have).
+    """
+    if not spec.llm.multimodal_rope:
+        return None
+    towers = [e.native for e in spec.encoders.values() if e.native is not None]
+    if len(towers) != 1:
+        raise ConfigError(f"MLLM {spec.name!r}: multimodal RoPE needs exactly one native-resolution tower")
+    tower, out, it = towers[0], [], iter(items)
+    for kind, n in segments:
+        if kind == "text":
+            out.append(("text", n))
+            continue
+        grid = next(it).grid
+        if grid is None or int(grid[0, 0]) != 1:
+            raise SampleError(f"multimodal rotary positions are computed here for images (grid t = 1), got grid "
+                              f"{None if grid is None else grid.tolist()}")
+        out.append(("image", tuple(int(v) for v in grid[0])))
+    return rope_index(out, tower.merge_size, tower.family, tower.tokens_per_second)

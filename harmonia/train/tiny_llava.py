@@ -41,20 +41,22 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with the ChatML template and ``<image>``."""
+def build_tokenizer(vocab_size: int = 320, specials: list[str] = SPECIALS, template: str = CHAT_TEMPLATE,
+                    image_token: str = IMAGE_TOKEN):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with a ChatML template (``template``) and its
+    ``specials`` (LLaVA's: ``<image>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>",
-                                   bos_token=None, extra_special_tokens={"image_token": IMAGE_TOKEN})
-    fast.chat_template = CHAT_TEMPLATE
+                                   bos_token=None, extra_special_tokens={"image_token": image_token})
+    fast.chat_template = template
     return fast
 
 

@@ -162,8 +162,42 @@ def image_tiles(item: ModalityItem, encoder: EncoderSpec, thumbnail: bool = True
     return n + 1 if thumbnail and n > 1 else n
 
 
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """The ``(height, width)`` a Qwen-VL processor resizes an image to (transformers' ``smart_resize``):
+    each side rounded to a multiple of ``factor`` (patch x merge side), then scaled, keeping the aspect
+    ratio, to between ``min_pixels`` and ``max_pixels`` pixels.
+
+    Raises:
+        SampleError: an aspect ratio over 200, which the processor refuses.
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise SampleError(f"an image of {height}x{width} has an aspect ratio over 200, which the Qwen-VL processor "
+                          "refuses")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int]:
+    """The ``(t, h, w)`` patch grid of an image or video for a native-resolution tower with the
+    processor's numbers (`EncoderSpec.native`): ``t = ceil(frames / temporal_merge)``."""
+    p, side = encoder.patch_size, encoder.patch_size * math.isqrt(encoder.token_merge)
+    h, w = smart_resize(item.height, item.width, side, encoder.min_pixels, encoder.max_pixels)
+    return math.ceil((item.frames or 1) / encoder.temporal_merge), h // p, w // p
+
+
 def _native_patches(item: ModalityItem, encoder: EncoderSpec) -> int:
-    """Patches of a native-resolution image, each side rounded up to a multiple of patch x merge side."""
+    """Patches of one frame of a native-resolution image: the processor's grid (`native_grid`), or
+    without its numbers each side rounded up to a multiple of patch x merge side."""
+    if encoder.native is not None:
+        _, h, w = native_grid(item, encoder)
+        return h * w
     side = encoder.patch_size * math.isqrt(encoder.token_merge)
     rows = math.ceil(item.height / side) * side // encoder.patch_size
     cols = math.ceil(item.width / side) * side // encoder.patch_size
@@ -198,6 +232,8 @@ def encoder_sequences(item: ModalityItem, encoder: EncoderSpec) -> list[int]:
     if item.modality == "audio":
         return [audio_encoder_tokens(s, encoder) for s in _audio_chunks(item, encoder)]
     frames = item.frames or 1
+    if encoder.native is not None and item.tiles is None:  # one sequence per temporal patch of frames
+        return [_native_patches(item, encoder)] * math.ceil(frames / encoder.temporal_merge)
     if encoder.native_resolution and item.tiles is None:
         return [_native_patches(item, encoder)] * frames
     per_tile = encoder.patches_per_tile() + int(encoder.cls_token)

@@ -40,6 +40,14 @@ TYPED = (
     "{% endfor %}{% if m['role'] == 'assistant' %}</s>{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}ASSISTANT: {% endif %}"
 )
+# Qwen2-VL / Qwen2.5-VL style: typed parts, each image written as <|vision_start|><|image_pad|><|vision_end|>.
+QWEN_VL = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 TEMPLATES = {"chatml": CHATML, "qwen": QWEN, "llama3": LLAMA3, "generation": GENERATION, "typed": TYPED}
 END_OF_TURN = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>", "generation": "<|im_end|>",
                "typed": "</s>"}
@@ -52,15 +60,16 @@ CORPUS = [
 ]
 
 
-def build_chat_tokenizer(template: str = "chatml", vocab_size: int = 400):
-    """A ``PreTrainedTokenizerFast`` with one of `TEMPLATES` (by name) or a template string (None: none)."""
+def build_chat_tokenizer(template: str = "chatml", vocab_size: int = 400, extra_specials: tuple[str, ...] = ()):
+    """A ``PreTrainedTokenizerFast`` with one of `TEMPLATES` (by name) or a template string (None: none),
+    and ``extra_specials`` after the usual special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS + list(extra_specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 4, trainer)
     llama = template == "llama3"
