@@ -9,7 +9,9 @@ the balancer), and each encoder deals its samples to its own DP replicas indepen
 vision encoder and projector: no backward at all). The ``llava`` cases run an HF architecture instead:
 a LLaVA (CLIP tower cut at ``vision_feature_layer=-2``, CLS dropped, GELU projector, causal image
 tokens) over a Qwen3 text model (per-head q/k norms, tied embeddings), its spec read from the config
-as for a checkpoint, with the tower frozen as LLaVA's instruction tuning does. Loss, gradient norm and final parameters must
+as for a checkpoint, with the tower frozen as LLaVA's instruction tuning does. The ``qwen`` cases run
+a Qwen2.5-VL (native-resolution tower with windows over packed patches of images of any size, the
+merger as projector, multimodal RoPE with three position rows per token), every module training. Loss, gradient norm and final parameters must
 match a one-process run on the same samples (relative difference <= 1e-5; parameters elementwise,
 with an absolute floor of 1e-7 for zero-initialised biases whose gradient is ~0). All layouts of one world
 size share one spawned process group.
@@ -36,7 +38,8 @@ from tests.distributed._spawn import check_timeout, run_workers
 pytestmark = pytest.mark.distributed
 
 TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "frozen", "vision_proj": "frozen"},
-            "llava": {"vision": "frozen"}}
+            "llava": {"vision": "frozen"}, "qwen": {}}
+HF_ARCHS = ("llava", "qwen")  # trainings of an HF architecture: a vision tower and the LLM, no audio
 STEPS = 3
 MAX_NORM = 0.5
 RTOL = 1e-5
@@ -70,7 +73,7 @@ class Case:
     # vision replicas (`harmonia.schedule.item_cuts`), its tiles encoded apart
 
     def layouts(self) -> dict[str, Layout]:
-        if self.training == "llava":
+        if self.training in HF_ARCHS:
             return {"vision": self.vision, "llm": self.llm}
         return {"vision": self.vision, "audio": self.audio, "llm": self.llm}
 
@@ -81,6 +84,13 @@ TIED_CASES = [  # tied embeddings under every schedule family, the LLM whole on 
     for family in ("gpipe", "1f1b", "interleaved", "zb")
     for name, llm in (("dp2", L(dp=2, virtual_stages=2 if family == "interleaved" else 1)),
                       ("pp2", L(pp=2, virtual_stages=2 if family == "interleaved" else 1)))
+]
+
+QWEN_CASES = [  # Qwen2.5-VL: native-resolution images of several sizes, windows, 3-row rotary positions
+    Case("qwen2.5-vl: vision dp2 -> llm pp2 zb", L(dp=2), L(), L(pp=2), "zb", training="qwen"),
+    Case("qwen2.5-vl: vision dp2 -> llm tp2", L(dp=2), L(), L(tp=2), training="qwen"),
+    Case("qwen2.5-vl: vision dp2 -> llm cp2", L(dp=2), L(), L(cp=2), training="qwen"),
+    Case("qwen2.5-vl: vision tp2 -> llm dp2 fsdp", L(tp=2), L(), L(dp=2, fsdp=True), training="qwen"),
 ]
 
 CASES: dict[int, list[Case]] = {
@@ -101,6 +111,7 @@ CASES: dict[int, list[Case]] = {
         Case("co enc dp2 -> llm cp2, images cut over vision replicas", L(dp=2), L(dp=2), L(cp=2), tiles=3),
         Case("llava clip+qwen3: vision tp2 -> llm cp2 tp1", L(tp=2), L(), L(cp=2), training="llava"),
         *TIED_CASES,
+        *QWEN_CASES,
     ],
     4: [
         Case("dis vision r0, audio r1 -> llm pp2", L(), L(rank_offset=1), L(pp=2, rank_offset=2)),
@@ -142,6 +153,8 @@ CASES: dict[int, list[Case]] = {
              L(dp=2, cp=2, fsdp=True, reshard=True), training="vision-frozen", recompute=("llm",), idle=("audio",)),
         Case("llava clip+qwen3: vision dp4 -> llm pp2 tp2 zb (tied)", L(dp=4), L(), L(pp=2, tp=2), "zb",
              training="llava", balanced=True),
+        Case("qwen2.5-vl: dis vision dp2 (r0-1) -> llm pp2 (r2-3)", L(dp=2), L(), L(pp=2, rank_offset=2),
+             training="qwen"),
     ],
     8: [
         Case("co enc dp8 -> llm pp2 dp2 tp2 zb, balanced", L(dp=8), L(dp=8), L(pp=2, dp=2, tp=2), "zb",
@@ -170,7 +183,25 @@ def llava_config() -> dict:
                                     vision_feature_layer=-2, tie_word_embeddings=True).to_dict()
 
 
+def qwen_config() -> dict:
+    """A tiny Qwen2.5-VL's completed config.json: a 2-block tower of 2 px patches with 4 px windows (one
+    full-attention block), a Qwen2 text model with multimodal RoPE."""
+    import transformers
+
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                      "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1], out_hidden_size=32)
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=95, video_token_id=94,
+                                         vision_start_token_id=93, vision_end_token_id=92).to_dict()
+
+
 def spec(training: str):
+    if training == "qwen":
+        from harmonia.model.families.qwen_vl import qwen_vl_spec_from_hf
+
+        return qwen_vl_spec_from_hf(qwen_config())
     if training == "llava":
         from harmonia.model.families.llava import llava_spec_from_hf
 
@@ -180,12 +211,40 @@ def spec(training: str):
 
 def base_training(training: str) -> str:
     """The training setup whose initial state a setup shares (one per architecture)."""
-    return "llava" if training == "llava" else "audio-frozen"
+    return training if training in HF_ARCHS else "audio-frozen"
+
+
+def qwen_samples(step: int) -> list[TokenizedSample]:
+    """The step's global batch for the Qwen architecture: text runs around 0-2 images of random patch
+    grids (2..8 x 2..8 patches, very wide and very tall ones among them), rotary positions per sample."""
+    from harmonia.model.mrope import item_rope_positions
+
+    s = spec("qwen")
+    tower = s.encoders["vision"].native
+    rng, g = random.Random(2000 + step), torch.Generator().manual_seed(step)
+    out = []
+    for i in range(N_SAMPLES):
+        items, segments = [], [("text", rng.randint(1, 4))]
+        for _ in range(rng.randint(0, 2)):
+            h, w = 2 * rng.randint(1, 4), 2 * rng.randint(1, 4)
+            items.append(ItemInputs("vision", torch.randn(h * w, tower.patch_dim, generator=g),
+                                    grid=torch.tensor([[1, h, w]])))
+            segments += [("item", h * w // 4), ("text", 1)]
+        segments.append(("text", rng.randint(2, 8)))
+        n = sum(k for _, k in segments)
+        ids = torch.randint(4, 90, (n,), generator=g)
+        labels = torch.roll(ids, -1)
+        labels[-1] = -100
+        out.append(TokenizedSample(ids, labels, segments, items, sample_id=i, causal_items=True,
+                                   rope_positions=item_rope_positions(s, segments, items)))
+    return out
 
 
 def samples(step: int, training: str = "audio-frozen", tiles: int = 1) -> list[TokenizedSample]:
     """The step's global batch: text of 3..12 tokens, 0-2 images of ``tiles`` tiles, an audio clip of
     1-2 chunks (no audio for the LLaVA architecture)."""
+    if training == "qwen":
+        return qwen_samples(step)
     s = spec(base_training(training))
     vit, aud = s.encoders["vision"], s.encoders.get("audio")
     img_tokens = vit.llm_tokens_per_tile()
@@ -485,9 +544,12 @@ def test_layout_matches_one_process(results, world: int, case: Case) -> None:
     init = initial_state(case.training)
     trained = {"audio-frozen": ("llm.", "encoders.vision.", "projectors.audio_proj."),
                "vision-frozen": ("llm.", "encoders.audio.", "projectors.audio_proj."),
-               "llava": ("llm.", "projectors.vision_proj.")}[case.training]
+               "llava": ("llm.", "projectors.vision_proj."),
+               "qwen": ("llm.", "projectors.vision_proj.", "encoders.vision.")}[case.training]
     for module in trained:
         moved = max(_rel(ref["params"][n], init[n]) for n in params if n.startswith(module))
         assert moved > 1e-4, f"training must change {module}*"
+    if case.training == "qwen":
+        return  # every module trains
     frozen = "encoders.audio." if case.training == "audio-frozen" else "encoders.vision."
     assert all(torch.equal(params[n], init[n]) for n in params if n.startswith(frozen)), "frozen stays"
