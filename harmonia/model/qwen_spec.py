@@ -221,14 +221,16 @@ def _rope_theta(vc: dict) -> float:
 
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280  # Qwen2VLImageProcessor's defaults
+TRACE_TILE = 448  # the side of a tile of a trace that counts images in tiles (InternVL's, `harmonia.workload.traces`)
 
 
 def native_encoder_spec(native: QwenVisionSpec, name: str, min_pixels: int = MIN_PIXELS,
                         max_pixels: int = MAX_PIXELS, modalities: tuple[str, ...] = ("image", "video")) -> EncoderSpec:
     """The `EncoderSpec` of a Qwen-VL tower: its blocks, patch and merge sizes as the cost model reads
-    them, the processor's pixel bounds, and ``native`` for building it."""
+    them, the processor's pixel bounds, and ``native`` for building it. Its ``image_size`` is only the
+    side of a tile when a trace counts images in tiles (`harmonia.workload.shapes.native_grid`)."""
     return EncoderSpec(
-        name, modalities, native.body, patch_size=native.patch_size, image_size=native.patch_size * native.merge_size,
+        name, modalities, native.body, patch_size=native.patch_size, image_size=TRACE_TILE,
         channels=native.in_channels, patch_bias=native.family == "qwen3_vl", post_norm=False,
         pos_embed="learned" if native.num_position_embeddings else "none", token_merge=native.merge_size ** 2,
         temporal_merge=native.temporal_patch_size, native_resolution=True, max_tiles=1, native=native,

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, Trainability, TransformerSpec
+from harmonia.workload.shapes import windowed_blocks
 
 
 @dataclass(frozen=True)
@@ -162,16 +163,17 @@ def encoder_layers(name: str, enc: EncoderSpec, mode: Trainability, lora_rank: i
         matmul = 2 * enc.n_mels * 3 * h + 3 * h * h
         front = _dense(f"{name}.conv_stem", "conv_stem", enc.frontend_params(), matmul, full,
                        upstream_trains, 2 * enc.n_mels, h)
-    else:
-        matmul = enc.channels * enc.patch_size**2 * h
-        front = _dense(f"{name}.patch_embed", "patch_embed", enc.frontend_params(), matmul, full,
-                       upstream_trains, enc.channels * enc.patch_size**2, h)
+    else:  # a patch: C p^2 values, times the temporal patch of a native-resolution tower
+        patch = enc.channels * enc.patch_size**2 * (enc.temporal_merge if enc.native is not None else 1)
+        front = _dense(f"{name}.patch_embed", "patch_embed", enc.frontend_params(), patch * h, full,
+                       upstream_trains, patch, h)
     front = replace(front, replicated=front.params, trainable_replicated=front.trainable_params)  # not split by TP
     layers = [front]
     trains_so_far = upstream_trains or front.needs_w
+    windowed = windowed_blocks(enc)  # Qwen2.5-VL's window blocks count the windows' pairs
     for i in range(enc.body.n_layers):
         blk = block_cost(f"{name}.block{i}", enc.body, mode, lora_rank, trains_so_far)
-        layers.append(blk)
+        layers.append(replace(blk, windowed=i in windowed))
         trains_so_far = trains_so_far or blk.needs_w
     norms = (int(enc.pre_norm) + int(enc.post_norm)) * enc.body.norm_params
     # A pooling head (SigLIP's MAP) projects every token to keys and values: 2 h^2 weights per token.

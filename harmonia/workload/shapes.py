@@ -186,18 +186,39 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int]:
     """The ``(t, h, w)`` patch grid of an image or video for a native-resolution tower with the
-    processor's numbers (`EncoderSpec.native`): ``t = ceil(frames / temporal_merge)``."""
+    processor's numbers (`EncoderSpec.native`): ``t = ceil(frames / temporal_merge)``, each frame
+    resized by `smart_resize`. An item known by its tile count only (a trace's) is that many
+    ``image_size`` squares side by side, as its encoder saw them."""
     p, side = encoder.patch_size, encoder.patch_size * math.isqrt(encoder.token_merge)
-    h, w = smart_resize(item.height, item.width, side, encoder.min_pixels, encoder.max_pixels)
+    if item.tiles is not None:
+        h, w = encoder.image_size, encoder.image_size * item.tiles
+    else:
+        h, w = smart_resize(item.height, item.width, side, encoder.min_pixels, encoder.max_pixels)
     return math.ceil((item.frames or 1) / encoder.temporal_merge), h // p, w // p
 
 
+def window_sequences(item: ModalityItem, encoder: EncoderSpec) -> list[int]:
+    """Patches of each attention window of a native-resolution tower with windows (Qwen2.5-VL;
+    `harmonia.model.qwen_vit.plan_windows`): every frame's grid of merged tokens cut into squares of
+    ``window_tokens`` from the top left, the last row and column of squares smaller."""
+    t, h, w = native_grid(item, encoder)
+    m, side = encoder.native.merge_size, encoder.native.window_tokens
+    rows = [min(side, h // m - a) for a in range(0, h // m, side)]
+    cols = [min(side, w // m - b) for b in range(0, w // m, side)]
+    return [r * c * m * m for r in rows for c in cols] * t
+
+
+def windowed_blocks(encoder: EncoderSpec) -> tuple[int, ...]:
+    """Blocks of an encoder that attend within windows (Qwen2.5-VL's, all but its full-attention ones)."""
+    n = encoder.native
+    if n is None or n.window_size is None:
+        return ()
+    return tuple(i for i in range(encoder.body.n_layers) if i not in n.full_attention_layers)
+
+
 def _native_patches(item: ModalityItem, encoder: EncoderSpec) -> int:
-    """Patches of one frame of a native-resolution image: the processor's grid (`native_grid`), or
-    without its numbers each side rounded up to a multiple of patch x merge side."""
-    if encoder.native is not None:
-        _, h, w = native_grid(item, encoder)
-        return h * w
+    """Patches of one frame of a native-resolution image without the processor's numbers: each side
+    rounded up to a multiple of patch x merge side."""
     side = encoder.patch_size * math.isqrt(encoder.token_merge)
     rows = math.ceil(item.height / side) * side // encoder.patch_size
     cols = math.ceil(item.width / side) * side // encoder.patch_size
@@ -232,8 +253,9 @@ def encoder_sequences(item: ModalityItem, encoder: EncoderSpec) -> list[int]:
     if item.modality == "audio":
         return [audio_encoder_tokens(s, encoder) for s in _audio_chunks(item, encoder)]
     frames = item.frames or 1
-    if encoder.native is not None and item.tiles is None:  # one sequence per temporal patch of frames
-        return [_native_patches(item, encoder)] * math.ceil(frames / encoder.temporal_merge)
+    if encoder.native is not None:  # one sequence per temporal patch of frames
+        t, h, w = native_grid(item, encoder)
+        return [h * w] * t
     if encoder.native_resolution and item.tiles is None:
         return [_native_patches(item, encoder)] * frames
     per_tile = encoder.patches_per_tile() + int(encoder.cls_token)
@@ -256,6 +278,9 @@ def llm_tokens_of_item(item: ModalityItem, encoder: EncoderSpec, audio_merge: in
         if item.tiles is not None:
             return unsized_tokens(item.tiles, encoder)
         return anyres_tokens(item.height, item.width, encoder)
+    if encoder.native is not None:
+        t, h, w = native_grid(item, encoder)
+        return t * h * w // encoder.token_merge
     if encoder.native_resolution and item.tiles is None:
         per_frame = _native_patches(item, encoder) // encoder.token_merge
     else:

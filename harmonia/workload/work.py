@@ -15,7 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from harmonia.model.spec import MLLMSpec
-from harmonia.workload.shapes import SampleShape, encoder_sequences, llm_tokens_of_item
+from harmonia.workload.shapes import (
+    SampleShape,
+    encoder_sequences,
+    llm_tokens_of_item,
+    window_sequences,
+    windowed_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -113,8 +119,10 @@ def sample_loads(sample: SampleShape, mllm: MLLMSpec) -> dict[str, ModuleLoad]:
     loads = {name: ModuleLoad() for name in mllm.module_names}
     for item in sample.items:
         enc_name = mllm.encoder_for(item.modality)
-        seqs = encoder_sequences(item, mllm.encoders[enc_name])
-        loads[enc_name] += ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs))
+        enc = mllm.encoders[enc_name]
+        seqs = encoder_sequences(item, enc)
+        windows = sum(n * n for n in window_sequences(item, enc)) if windowed_blocks(enc) else None
+        loads[enc_name] += ModuleLoad(sum(seqs), sum(n * n for n in seqs), len(seqs), windows)
         proj_tokens = llm_tokens_of_item(item, mllm.encoders[enc_name])
         loads[f"{enc_name}_proj"] += ModuleLoad(proj_tokens, 0, 1)
     segments = llm_segments(sample, mllm)
@@ -129,7 +137,8 @@ def sample_loads(sample: SampleShape, mllm: MLLMSpec) -> dict[str, ModuleLoad]:
 def load_arrays(samples: list[SampleShape], mllm: MLLMSpec) -> tuple[np.ndarray, np.ndarray]:
     """Tokens and pairs of every sample for every module.
 
-    An LLM with sliding-window layers gets the pairs averaged over its blocks (rounded), so that
+    A module with sliding-window or windowed layers (an LLM's, Qwen2.5-VL's tower's) gets the pairs
+    averaged over its blocks (rounded), so that
     a whole-module cost from these arrays (`harmonia.workload.cost.CostModel.costs_from_loads`)
     prices every block with its own window.
 
@@ -137,8 +146,9 @@ def load_arrays(samples: list[SampleShape], mllm: MLLMSpec) -> tuple[np.ndarray,
         ``(tokens, pairs)``, each of shape ``(n_samples, n_modules)`` in ``mllm.module_names`` order.
     """
     names = mllm.module_names
-    body = mllm.llm.body
-    windowed = sum(body.window_of(i) is not None for i in range(body.n_layers))
+    blocks = {"llm": (mllm.llm.body.n_layers, sum(mllm.llm.body.window_of(i) is not None
+                                                   for i in range(mllm.llm.body.n_layers)))}
+    blocks.update({name: (enc.body.n_layers, len(windowed_blocks(enc))) for name, enc in mllm.encoders.items()})
     tokens = np.zeros((len(samples), len(names)), dtype=np.int64)
     pairs = np.zeros((len(samples), len(names)), dtype=np.int64)
     for i, sample in enumerate(samples):
@@ -147,9 +157,9 @@ def load_arrays(samples: list[SampleShape], mllm: MLLMSpec) -> tuple[np.ndarray,
             load = loads[name]
             tokens[i, j] = load.tokens
             pairs[i, j] = load.pairs
-            if name == "llm" and windowed:
-                full = body.n_layers - windowed
-                pairs[i, j] = round((full * load.pairs + windowed * load.windowed_pairs) / body.n_layers)
+            n, windowed = blocks.get(name, (0, 0))
+            if windowed:
+                pairs[i, j] = round(((n - windowed) * load.pairs + windowed * load.windowed_pairs) / n)
     return tokens, pairs
 
 
