@@ -359,12 +359,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write a training checkpoint as an HF directory in its source's format."""
     from harmonia.train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype, adapter=args.adapter)
     console.print(f"exported {args.checkpoint} to {out}", markup=False, highlight=False)
     return 0
 
 
-HF_TOOLS = {"tiny-llava": "harmonia.train.tiny_llava", "generate": "harmonia.train.hf_generate"}
+HF_TOOLS = {"tiny-llava": "harmonia.train.tiny_llava", "tiny-qwen-vl": "harmonia.train.tiny_qwen_vl",
+            "generate": "harmonia.train.hf_generate"}
 
 
 def cmd_hf(args: argparse.Namespace) -> int:
@@ -490,10 +491,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="a new or empty directory to write")
     p.add_argument("--dtype", default="source", choices=("source", "float32", "bfloat16", "float16"),
                    help="dtype of the written weights (source: the source checkpoint's)")
+    p.add_argument("--adapter", action="store_true", help="write the LoRA adapters as a PEFT adapter directory "
+                   "(adapter_config.json, adapter_model.safetensors) for the source checkpoint, not the merged model")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("hf", help="HF checkpoint tools: tiny-llava OUT (a tiny random-weight LLaVA with tokenizer "
-                       "and processor), generate CHECKPOINT RECORDS (transformers answers held-out records)")
+    p = sub.add_parser("hf", help="HF checkpoint tools: tiny-llava OUT / tiny-qwen-vl OUT (a tiny random-weight LLaVA "
+                       "or Qwen2.5-VL with tokenizer and processor), generate CHECKPOINT RECORDS (transformers answers held-out records)")
     p.add_argument("tool", choices=sorted(HF_TOOLS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the tool's own arguments (--help for them)")
     p.set_defaults(func=cmd_hf)

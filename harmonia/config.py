@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from harmonia.errors import ConfigError
+from harmonia.model.spec import LORA_TARGETS, ModuleTraining
 
 
 def _f(default: Any, help: str, **kw) -> Any:
@@ -45,6 +46,13 @@ class ModelConfig:
     frozen: list = _f(["vision"], "modules whose weights stay fixed")
     lora: list = _f([], "modules trained through LoRA adapters only")
     lora_rank: int = _f(8, "rank of the LoRA adapters")
+    lora_alpha: float = _f(0.0, "LoRA scaling numerator: updates are scaled by lora_alpha / lora_rank (0 = the rank, "
+                           "a scale of 1)")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA adapters' inputs while training")
+    lora_targets: list = _f(list(LORA_TARGETS), "names of the linears that get adapters (the last part of their "
+                            "module path, as PEFT's target_modules); each must name a linear of every LoRA module")
+    lora_modules: dict = _f({}, "per-module LoRA settings overriding the above, e.g. {llm = {rank = 16, alpha = 32, "
+                            "dropout = 0.05, targets = ['q_proj', 'v_proj']}} (a [model.lora_modules.llm] table)")
 
     def __post_init__(self) -> None:
         from harmonia.model.presets import MLLM_PRESETS
@@ -62,6 +70,27 @@ class ModelConfig:
                          "an HF checkpoint directory holding config.json")
         _require(not set(self.frozen) & set(self.lora), "model.lora", self.lora, "modules not also frozen")
         _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, "an integer >= 1")
+        for module in self.lora_modules:
+            _require(module in self.lora, f"model.lora_modules.{module}", self.lora_modules[module],
+                     f"settings of a module listed in model.lora ({self.lora})")
+        for module in self.lora:
+            self.lora_training(module)  # each module's settings are checked here, before any process starts
+
+    def lora_training(self, module: str) -> ModuleTraining:
+        """The `ModuleTraining` of a LoRA module: the model.lora_* settings with its lora_modules overrides."""
+        given = dict(self.lora_modules.get(module, {}))
+        unknown = set(given) - {"rank", "alpha", "dropout", "targets"}
+        _require(not unknown, f"model.lora_modules.{module}", given, "keys among rank, alpha, dropout, targets")
+        rank, alpha = given.get("rank", self.lora_rank), given.get("alpha", self.lora_alpha)
+        dropout, targets = given.get("dropout", self.lora_dropout), given.get("targets", self.lora_targets)
+        where = f"model.lora_modules.{module}" if given else "model.lora_*"
+        _require(isinstance(rank, int) and rank >= 1, where, rank, "a rank >= 1")
+        _require(_number(alpha) and alpha >= 0, where, alpha, "an alpha >= 0 (0 = the rank)")
+        _require(_number(dropout) and 0 <= dropout < 1, where, dropout, "a dropout in [0, 1)")
+        _require(isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets), where,
+                 targets, "a non-empty list of linear names")
+        return ModuleTraining("lora", lora_rank=rank, lora_alpha=float(alpha) or None, lora_dropout=float(dropout),
+                              lora_targets=tuple(targets))
 
     @property
     def source(self) -> str | dict[str, object]:

@@ -167,13 +167,20 @@ def build_mllm_model(spec: MLLMSpec, apply_training_modes: bool = True) -> MLLM:
 
 def trainable_counts(spec) -> dict[str, tuple[int, int]]:
     """Per module of an `MLLMSpec`, ``(trainable, all)`` parameters under its training mode (LoRA's
-    adapters counted, a frozen module's 0), from the module built on ``meta`` (no memory)."""
-    from harmonia.model.lora import apply_training
+    adapters counted, a frozen module's 0), from the module built on ``meta`` (no memory).
+
+    Raises:
+        ConfigError: a LoRA target that names no linear of its module.
+    """
+    from harmonia.model.lora import apply_training, check_lora_targets
+    from harmonia.model.spec import Trainability
 
     out = {}
     for name in spec.module_names:
         with torch.device("meta"):
             module = build_module(spec, name)
+        if spec.training_of(name).mode is Trainability.LORA:
+            check_lora_targets(module, spec.training_of(name), name)
         apply_training(module, spec.training_of(name))
         params = list(module.parameters())
         out[name] = (sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))

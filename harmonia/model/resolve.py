@@ -29,8 +29,10 @@ def is_checkpoint_dir(name: str | Path) -> bool:
 
 
 def resolve_mllm(source: ModelSource, training: dict[str, str] | None = None,
-                 lora_rank: int | None = None) -> MLLMSpec:
-    """The `MLLMSpec` of a model source, with training modes (``{"vision": "frozen"}``) applied.
+                 lora_rank: int | None = None, lora: dict[str, dict] | None = None) -> MLLMSpec:
+    """The `MLLMSpec` of a model source, with training modes (``{"vision": "frozen"}``) applied, and
+    the LoRA modules' settings: one ``lora_rank`` for all, or ``lora`` per module
+    (`ModuleTraining.lora_options`, as a checkpoint records them).
 
     Raises:
         ConfigError: an unknown preset, a path without ``config.json``, or an architecture or config
@@ -51,6 +53,10 @@ def resolve_mllm(source: ModelSource, training: dict[str, str] | None = None,
     if lora_rank is not None:
         spec = replace(spec, training={m: ModuleTraining(t.mode, lora_rank=lora_rank)
                                        for m, t in spec.training.items()})
+    if lora:
+        spec = replace(spec, training={**spec.training, **{
+            m: ModuleTraining("lora", lora_rank=o["rank"], lora_alpha=o["alpha"], lora_dropout=o["dropout"],
+                              lora_targets=tuple(o["targets"])) for m, o in lora.items()}})
     return spec
 
 

@@ -45,7 +45,7 @@ def _source_dtype(source: str | dict):
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "source",
-                      max_shard_bytes: int = 5 * 2**30) -> Path:
+                      max_shard_bytes: int = 5 * 2**30, adapter: bool = False) -> Path:
     """Export a training checkpoint (a job's ``checkpoint.dir``: its newest step; or a ``step-N``).
 
     Args:
@@ -53,6 +53,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
         out: a new or empty directory.
         dtype: ``source`` (the source checkpoint's dtype) or a torch dtype name.
         max_shard_bytes: the largest safetensors file written (about the export's peak memory).
+        adapter: write the LoRA adapters as a PEFT adapter directory for the source checkpoint
+            (`harmonia.model.hf.adapter`) instead of the merged model.
 
     Raises:
         ConfigError: no checkpoint, a checkpoint of a preset model (no HF source), or an ``out`` that
@@ -75,11 +77,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; pass a new directory to export to")
     lora = {m: t for m, t in fingerprint["training"].items() if t != "full"}
-    spec = resolve_mllm(source, training=lora, lora_rank=fingerprint.get("lora_rank") or None)
+    spec = resolve_mllm(source, training=lora, lora_rank=fingerprint.get("lora_rank") or None,
+                        lora=fingerprint.get("lora"))
     state = checkpoint_state(step, spec)
+    written = _source_dtype(source) if dtype == "source" else getattr(torch, dtype)
+    if adapter:
+        from harmonia.model.hf.adapter import export_peft_adapter
+
+        return export_peft_adapter(state, spec, source, out, written)
     state = with_source_frozen(state, spec, source, [m for m, t in fingerprint["training"].items() if t != "full"])
-    export_hf(state, spec, source, out, _source_dtype(source) if dtype == "source" else getattr(torch, dtype),
-              max_shard_bytes)
+    export_hf(state, spec, source, out, written, max_shard_bytes)
     return out
 
 

@@ -29,12 +29,21 @@ def training_modes(config: Config) -> dict[str, str]:
 
 
 def model_spec(config: Config) -> MLLMSpec:
-    """The MLLM of the job, with its training modes and LoRA rank."""
+    """The MLLM of the job, with its training modes and LoRA settings.
+
+    Raises:
+        ConfigError: a LoRA target that names no linear of its module.
+    """
+    from harmonia.model.mllm import trainable_counts
     from harmonia.model.resolve import resolve_mllm
 
     spec = resolve_mllm(config.model.source, training=training_modes(config))
-    modes = {m: ModuleTraining(t, lora_rank=config.model.lora_rank) for m, t in training_modes(config).items()}
-    return replace(spec, training=modes)
+    modes = {m: config.model.lora_training(m) if t == "lora" else ModuleTraining(t)
+             for m, t in training_modes(config).items()}
+    spec = replace(spec, training=modes)
+    if config.model.lora:
+        trainable_counts(spec)  # LoRA targets checked against the modules, built on meta
+    return spec
 
 
 def executor_limits(plan: Plan) -> str | None:

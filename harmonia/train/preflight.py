@@ -49,6 +49,7 @@ def run_fingerprint(config: Config) -> dict:
         "model": source_identity(config.model.source),
         "training": {m: spec.training_of(m).mode.value for m in spec.module_names},
         "lora_rank": config.model.lora_rank if config.model.lora else None,
+        "lora": {m: spec.training_of(m).lora_options() for m in config.model.lora} or None,
         "parameters": spec.n_params(),
         "tokenizer": {"vocab_size": spec.llm.vocab_size,
                       "files": tokenizer_identity(config.model.hf or config.model.llm),

@@ -1,0 +1,143 @@
+"""Export LoRA adapters as a PEFT adapter directory, for the HF checkpoint training started from.
+
+``adapter_config.json`` and ``adapter_model.safetensors`` as PEFT writes them: each adapted linear's
+``lora_A`` / ``lora_B`` under ``base_model.model.<module path>``, the module path being where
+transformers loads its weight's checkpoint tensor (`module_paths`; the checkpoint names come from the
+map loading and export use, `harmonia.model.hf.names`); ``target_modules`` lists those paths exactly, so PEFT adapts nothing
+else; ``rank_pattern`` / ``alpha_pattern`` hold the modules whose rank or alpha differ from the
+first's. ``peft.PeftModel.from_pretrained(base, DIR)`` then computes harmonia's logits.
+
+An adapter holds only what LoRA trained: a model with a fully trained module (a projector, say),
+one trained without LoRA, or one whose adapted linear is part of a fused checkpoint tensor (a
+Qwen-VL tower's ``qkv``) is refused; export the merged model instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from harmonia.errors import ConfigError
+from harmonia.model.hf.lazy import load_many
+from harmonia.model.hf.names import module_names
+from harmonia.model.hf.source import parse_source
+from harmonia.model.spec import MLLMSpec, Trainability
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def _adapted(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source) -> dict[str, tuple[str, str]]:
+    """Module path of the adapted linear in transformers' model -> (our ``lora_a`` key, our module
+    name), for every adapter."""
+    from harmonia.model.mllm import state_prefix
+
+    src = parse_source(source)
+    out = {}
+    for module in [m for m in spec.module_names if spec.training_of(m).mode is Trainability.LORA]:
+        located, prefix = module_names(src, spec, module), state_prefix(spec, module)
+        for key in [k for k in state if k.startswith(prefix) and k.endswith(".lora_a.weight")]:
+            merged = key[len(prefix):].removesuffix(".lora_a.weight") + ".weight"
+            if merged in located.parts:
+                raise ConfigError(f"{module}.{merged} is a block of rows of {located.names[merged]} in the checkpoint; "
+                                  "PEFT cannot adapt part of a fused tensor: export the merged model instead")
+            out[located.names[merged]] = (key, module)
+    paths = module_paths(sorted(out), src.root)
+    return {paths[weight]: adapted for weight, adapted in out.items()}
+
+
+def _check_trainable(spec: MLLMSpec, source) -> None:
+    if parse_source(source).is_composition:
+        raise ConfigError("an adapter export is for one HF checkpoint; a composition's parts are separate models "
+                          "(export the merged model instead)")
+    if not any(spec.training_of(m).mode is Trainability.LORA for m in spec.module_names):
+        raise ConfigError("the model was trained without LoRA adapters: there is no adapter to export")
+    full = [m for m in spec.module_names if spec.training_of(m).mode is Trainability.FULL]
+    if full:
+        raise ConfigError(f"modules {full} train fully, not through LoRA: an adapter would lose them; freeze them, "
+                          "give them LoRA, or export the merged model instead")
+
+
+def module_paths(weights: list[str], root: Path) -> dict[str, str]:
+    """Checkpoint weight name -> the module path of the linear transformers loads it into, for the model
+    ``root``'s config describes (built on ``meta``): older checkpoints name tensors otherwise than
+    today's modules (LLaVA's ``language_model.model.*`` is ``model.language_model.*``), and PEFT
+    adapts modules by their path.
+
+    Raises:
+        ConfigError: a weight that loads into no linear.
+    """
+    import transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    config = transformers.AutoConfig.from_pretrained(str(root))
+    arch = (config.architectures or [None])[0]
+    cls = getattr(transformers, arch or "", None)
+    if cls is None:
+        raise ConfigError(f"{root}/config.json names no transformers architecture ({arch!r}) to put the adapter on")
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    modules = dict(model.named_modules())
+    out = {}
+    for weight in weights:
+        loaded, _ = rename_source_key(weight, renamings, converters, model.base_model_prefix, meta)
+        path = loaded.removesuffix(".weight")
+        if not isinstance(modules.get(path), torch.nn.Linear):
+            raise ConfigError(f"checkpoint tensor {weight!r} loads into {loaded!r}, which is not the weight of a linear "
+                              f"of {arch}: PEFT cannot adapt it; export the merged model instead")
+        out[weight] = path
+    return out
+
+
+def export_peft_adapter(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source, out_dir: str | Path,
+                        dtype: torch.dtype | None = None) -> Path:
+    """Write the LoRA adapters of a trained model as a PEFT adapter directory.
+
+    Args:
+        state: the whole model's tensors as `harmonia.model.mllm.MLLM` names them, adapters included.
+        spec: the spec the model trained with (its LoRA settings).
+        source: the HF checkpoint directory training started from (the adapter's base model).
+        out_dir: a new or empty directory.
+        dtype: dtype of the written adapters; None = as held.
+
+    Raises:
+        ConfigError: see the module docstring.
+    """
+    from safetensors.torch import save_file
+
+    _check_trainable(spec, source)
+    adapted = _adapted(state, spec, source)
+    raw = load_many(state, [k for key, _ in adapted.values() for k in (key, key.replace(".lora_a.", ".lora_b."))])
+    tensors = {}
+    for path, (key, _) in adapted.items():
+        for ours, theirs in ((key, "lora_A"), (key.replace(".lora_a.", ".lora_b."), "lora_B")):
+            t = raw[ours].detach().cpu()
+            tensors[f"base_model.model.{path}.{theirs}.weight"] = (t if dtype is None else t.to(dtype)).contiguous()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(_adapter_config(spec, adapted, source), indent=2, sort_keys=True))
+    return out
+
+
+def _adapter_config(spec: MLLMSpec, adapted: dict[str, tuple[str, str]], source) -> dict:
+    """PEFT's ``LoraConfig`` as JSON: the first adapter's rank and alpha, the others' where they differ."""
+    settings = {path: spec.training_of(module) for path, (_, module) in adapted.items()}
+    first = next(iter(settings.values()))
+    alpha = lambda t: t.lora_rank if t.lora_alpha is None else t.lora_alpha  # noqa: E731
+    return {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": str(Path(parse_source(source).root).resolve()),
+        "r": first.lora_rank, "lora_alpha": alpha(first),
+        "lora_dropout": max(t.lora_dropout for t in settings.values()),
+        "target_modules": sorted(adapted), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "rank_pattern": {p: t.lora_rank for p, t in settings.items() if t.lora_rank != first.lora_rank},
+        "alpha_pattern": {p: alpha(t) for p, t in settings.items() if alpha(t) != alpha(first)},
+    }

@@ -1,0 +1,75 @@
+"""LoRA fine-tuning as a user runs it: `harmonia train` with LoRA settings on the LLM (the tower and
+projector frozen), then `harmonia export --adapter`: peft puts the adapter on the base checkpoint and
+computes what the merged export computes; the run's checkpoint records the settings."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from harmonia.config import load_config
+from harmonia.data.synth import write_synthetic_dataset
+from harmonia.errors import ConfigError
+from harmonia.train import run_training
+from harmonia.train.export import export_checkpoint
+from harmonia.train.tiny_llava import write_tiny_llava
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    base = write_tiny_llava(tmp / "base")
+    write_synthetic_dataset(tmp / "data", 48, seed=0, heldout=1 / 6, tile=32, fmt="llava")
+    config = load_config(None, [
+        f"--model.hf={base}", "--model.frozen=vision,vision_proj", "--model.lora=llm", "--model.lora_rank=4",
+        "--model.lora_alpha=16", "--model.lora_dropout=0.1", "--model.lora_targets=q_proj,v_proj,down_proj",
+        f"--data.path={tmp / 'data' / 'train' / 'llava.json'}", "--train.steps=4", "--train.global_batch=8",
+        "--train.warmup=1", "--train.lr=1e-2", "--parallel.world_size=2", "--parallel.timeout_s=400",
+        "--log.tensorboard=false", f"--log.dir={tmp / 'run'}", f"--checkpoint.dir={tmp / 'run' / 'ck'}"])
+    run_training(config, Console(file=io.StringIO(), width=200))
+    return tmp
+
+
+def test_the_adapter_computes_the_merged_model(job) -> None:
+    export_checkpoint(job / "run" / "ck", job / "adapter", dtype="float32", adapter=True)
+    export_checkpoint(job / "run" / "ck", job / "merged", dtype="float32")
+    config = json.loads((job / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 16.0, 0.1)
+    assert {p.rpartition(".")[2] for p in config["target_modules"]} == {"q_proj", "v_proj", "down_proj"}
+    base = transformers.LlavaForConditionalGeneration.from_pretrained(job / "base").eval()
+    merged = transformers.LlavaForConditionalGeneration.from_pretrained(job / "merged").eval()
+    ids = torch.randint(4, 100, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        want = merged(input_ids=ids).logits
+        got = peft.PeftModel.from_pretrained(base, job / "adapter").eval()(input_ids=ids).logits
+    assert not torch.allclose(want, before, atol=1e-4), "training changed the adapters"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_checkpoint_records_the_lora_settings(job) -> None:
+    step = sorted((job / "run" / "ck").glob("step-*"))[-1]
+    fingerprint = json.loads((step / "trainer.json").read_text())["fingerprint"]
+    assert fingerprint["lora"] == {"llm": {"rank": 4, "alpha": 16.0, "dropout": 0.1,
+                                           "targets": ["q_proj", "v_proj", "down_proj"]}}
+
+
+def test_an_adapter_of_a_full_module_is_refused(tmp_path) -> None:
+    base = write_tiny_llava(tmp_path / "base")
+    write_synthetic_dataset(tmp_path / "data", 16, seed=0, heldout=1 / 4, tile=32, fmt="llava")
+    config = load_config(None, [
+        f"--model.hf={base}", "--model.lora=llm", f"--data.path={tmp_path / 'data' / 'train' / 'llava.json'}",
+        "--train.steps=1", "--train.global_batch=4", "--train.warmup=0", "--parallel.world_size=1",
+        "--log.tensorboard=false", f"--log.dir={tmp_path / 'run'}", f"--checkpoint.dir={tmp_path / 'ck'}"])
+    run_training(config, Console(file=io.StringIO(), width=200))
+    with pytest.raises(ConfigError, match=r"\['vision_proj'\] train fully"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "adapter", adapter=True)
