@@ -199,7 +199,9 @@ def _check_module_optimizer(module: Any, values: Any) -> None:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _f(120, "optimizer steps")
+    steps: int = _f(120, "optimizer steps (with train.epochs, set from the usable samples instead)")
+    epochs: float = _f(0.0, "passes over the usable training samples, instead of train.steps: steps = ceil(epochs "
+                       "x samples / global_batch), said at the start (0 = train.steps)")
     global_batch: int = _f(32, "samples per step over all data-parallel replicas")
     n_microbatches: int = _f(4, "microbatches per LLM replica (the planner may change it)")
     lr: float = _f(3e-3, "peak learning rate (AdamW)")
@@ -230,6 +232,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 1, "train.steps", self.steps, "an integer >= 1")
+        _require(_number(self.epochs) and self.epochs >= 0, "train.epochs", self.epochs, "a number >= 0")
         _require(self.precision in ("auto", "fp32", "bf16"), "train.precision", self.precision,
                  "auto, fp32 or bf16")
         _require(self.attention in ("auto", "segments", "varlen", "flex"), "train.attention", self.attention,

@@ -50,6 +50,27 @@ def dataset_shapes(config: Config) -> list:
     return open_split(config, "train", cache_dir=data_cache_dir(config)).shapes()
 
 
+def with_epochs(config: Config, console=None) -> Config:
+    """The config with ``train.steps`` set from ``train.epochs`` (when given): ``ceil(epochs x usable
+    samples / global_batch)``, said once on ``console``.
+
+    Raises:
+        ConfigError: the derived steps do not fit the rest of the config (a longer warm-up, say).
+    """
+    import math
+    from dataclasses import replace
+
+    t = config.train
+    if not t.epochs:
+        return config
+    n = len(dataset_shapes(config))
+    steps = max(1, math.ceil(t.epochs * n / t.global_batch))
+    if console is not None:
+        console.print(f"train.epochs={t.epochs:g} over {n} usable samples at global batch {t.global_batch}: "
+                      f"{steps} steps", markup=False)
+    return replace(config, train=replace(t, steps=steps))
+
+
 def resolve_plan(config: Config) -> tuple[Plan, PlanReport | None]:
     """The plan file of the config, or the best plan the search finds on the job's data."""
     if config.parallel.plan != "auto":
@@ -164,6 +185,7 @@ def run_training(config: Config, console) -> TrainResult | None:
         if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "
                           f"in {config.data.path} ({time.perf_counter() - t0:.1f} s)", markup=False)
+        config = with_epochs(config, console)
         phases.mark("data")
         plan, report = resolve_plan(config)
         phases.mark("shape pass and plan")
@@ -200,10 +222,11 @@ def prepare_shared(config: Config):
     checked = preflight(config)
     try:
         prepare_data(checked.config)
-        plan, report = resolve_plan(checked.config)
-        print_plan(plan, report, console, model_spec(checked.config))
-        best_effort("plan.json", plan.save, Path(checked.config.log.dir) / "plan.json")
-        return plan, checked.config, checked
+        config = with_epochs(checked.config, console)
+        plan, report = resolve_plan(config)
+        print_plan(plan, report, console, model_spec(config))
+        best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
+        return plan, config, checked
     except BaseException:
         checked.close()
         raise
