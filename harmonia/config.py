@@ -121,7 +121,10 @@ class DataConfig:
                          "not exist yet, or hold one harmonia wrote from the same request); 0 = train on `path`")
     heldout: int = _f(96, "held-out samples synthesized beside the training set")
     trace: str = _f("", "size mix of synthesized samples: a trace CSV path, or empty for the default mix")
-    max_tokens: int = _f(512, "longest sample in LLM tokens; longer samples are skipped by policy")
+    max_tokens: int = _f(512, "longest sample in LLM tokens; what happens to a longer one is data.truncation")
+    truncation: str = _f("skip", "a sample longer than data.max_tokens: skip (a counted bad record, too_long) or "
+                         "truncate (cut to its first max_tokens tokens; items after the cut dropped, a cut inside "
+                         "an item or one leaving nothing learned still skips)")
     max_frames: int = _f(8, "frames sampled uniformly from each video")
     max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
@@ -136,6 +139,7 @@ class DataConfig:
                      "an existing Jinja template file")
         _require(self.synthesize >= 0 and self.heldout >= 0, "data.synthesize", self.synthesize, ">= 0")
         _require(self.max_tokens > 0, "data.max_tokens", self.max_tokens, "a positive integer")
+        _require(self.truncation in ("skip", "truncate"), "data.truncation", self.truncation, "'skip' or 'truncate'")
         _require(self.max_frames > 0, "data.max_frames", self.max_frames, "a positive integer")
         _require(self.max_pixels > 0, "data.max_pixels", self.max_pixels, "a positive integer")
         _require(self.on_error in ("skip", "fail"), "data.on_error", self.on_error, "'skip' or 'fail'")

@@ -94,13 +94,15 @@ class MultimodalDataset(torch.utils.data.Dataset):
         num_workers: processes reading media headers for `shapes`.
         log_skips: log each skipped record once (False: count it only, where another process
             reports it).
+        truncate: cut samples longer than ``max_tokens`` instead of skipping them
+            (`harmonia.data.samples.SampleBuilder`).
     """
 
     def __init__(self, path: str | Path, mllm: MLLMSpec, max_tokens: int = 4096, max_frames: int = 8,
                  on_error: str = "skip", *, format: str = "auto", tokenizer: Tokenizer | None = None,
                  media_root: str | Path | None = None, allow_outside_root: bool = False, seed: int = 0,
                  preprocessors: dict | None = None, shape_cache: str | Path | None = None,
-                 num_workers: int = 0, log_skips: bool = True) -> None:
+                 num_workers: int = 0, log_skips: bool = True, truncate: bool = False) -> None:
         if on_error not in POLICIES:
             raise ConfigError(f"on_error={on_error!r} is invalid; expected one of {POLICIES}")
         self.path, self.mllm, self.on_error = Path(path), mllm, on_error
@@ -109,7 +111,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         tokens = None if identity is None else TokenCountCache(
             token_cache_path(shape_cache) if shape_cache is not None else None, identity)
         self.builder = SampleBuilder(mllm, self.tokenizer, max_tokens, preprocessors or {},
-                                     FrameSampling(num_frames=max_frames), tokens)
+                                     FrameSampling(num_frames=max_frames), tokens, truncate)
         self.shape_cache, self.num_workers, self.log_skips = shape_cache, num_workers, log_skips
         self.stats = DataStats()
         self._counted: set = set()  # a bad record is counted once, however often it is read
@@ -285,7 +287,7 @@ def open_dataset(path: str | Path, mllm: MLLMSpec, *, tokenizer: Tokenizer | Non
         max_frames: frames sampled from each video.
         on_error: ``skip`` or ``fail``.
         **options: `MultimodalDataset`'s keyword options (media_root, allow_outside_root, seed,
-            preprocessors, shape_cache, num_workers).
+            preprocessors, shape_cache, num_workers, truncate).
 
     Returns:
         The dataset: ``shapes()`` for the scheduler, ``load(indices)`` / ``iter_load(batches)`` for the

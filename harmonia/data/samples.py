@@ -114,6 +114,9 @@ class SampleBuilder:
         mllm: the model; its encoders decide which modalities are known and their token counts.
         tokenizer: renders conversations (`ByteTokenizer` or `harmonia.data.chat.HFTokenizer`).
         max_tokens: longest LLM sequence a sample may have.
+        truncate: a longer sample is cut to its first ``max_tokens`` tokens (items after the cut
+            dropped; a cut inside an item, or one that leaves nothing learned, is a bad record)
+            instead of being a bad record (``too_long``).
         preprocessors: encoder module -> its media preprocessing (`M.build_media_preprocessors`).
         sampling: video frame sampling.
     """
@@ -124,6 +127,7 @@ class SampleBuilder:
     preprocessors: dict = field(default_factory=dict)
     sampling: M.FrameSampling = field(default_factory=M.FrameSampling)
     token_cache: TokenCountCache | None = None
+    truncate: bool = False
 
     def _module(self, ref: MediaRef, where: str) -> str:
         try:
@@ -172,15 +176,30 @@ class SampleBuilder:
     def _lengths(self, items: list[ModalityItem]) -> list[int]:
         return [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]
 
+    def _fitted(self, conv: Conversation, r: Rendered) -> Rendered:
+        """``r`` within ``max_tokens``: as it is, or cut (`truncate`); else a `DataError`."""
+        if r.n_ids <= self.max_tokens:
+            return r
+        if not self.truncate:
+            raise DataError("too_long", conv.where, f"sample has {r.n_ids} LLM tokens, more than "
+                            f"max_tokens={self.max_tokens}; raise the limit, drop it, or truncate")
+        cut = r.cut(self.max_tokens)
+        if any(a + n > self.max_tokens for a, n in cut.items):
+            raise DataError("too_long", conv.where, f"cutting the sample's {r.n_ids} LLM tokens at max_tokens="
+                            f"{self.max_tokens} would split a media item; raise the limit or drop it")
+        if not cut.n_targets:
+            raise DataError("too_long", conv.where, f"the first max_tokens={self.max_tokens} of its {r.n_ids} tokens "
+                            "hold nothing learned; raise the limit or drop it")
+        return cut
+
     def _shape_of(self, conv: Conversation, index: int, items: list[ModalityItem], lengths: list[int],
                   r: Rendered) -> SampleShape:
-        if r.n_ids > self.max_tokens:
-            raise DataError("too_long", conv.where, f"sample has {r.n_ids} LLM tokens, more than "
-                            f"max_tokens={self.max_tokens}; raise the limit or drop it")
+        r = self._fitted(conv, r)
         if not r.learned:
             raise DataError("no_targets", conv.where, "no token of the sample is learned (empty assistant turns)")
-        offsets = tuple(start - sum(lengths[:k]) for k, (start, _) in enumerate(r.items))
-        return SampleShape(r.n_ids - sum(lengths), tuple(items), offsets, sample_id=index)
+        k = len(r.items)  # items after a cut are dropped
+        offsets = tuple(start - sum(lengths[:j]) for j, (start, _) in enumerate(r.items))
+        return SampleShape(r.n_ids - sum(lengths[:k]), tuple(items[:k]), offsets, sample_id=index)
 
     def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
         lengths = self._lengths(items)
@@ -215,7 +234,8 @@ class SampleBuilder:
 
     def n_targets(self, conv: Conversation, shape: SampleShape) -> int:
         """Tokens with a next-token label of a sample of ``shape`` (from the token cache when it holds it)."""
-        return self.render(conv, self._lengths(list(shape.items))).n_targets
+        items = [self.item_shape(r, conv) for r in conv.media()] if self.truncate else list(shape.items)
+        return self._fitted(conv, self.render(conv, self._lengths(items))).n_targets
 
     def outline(self, shape: SampleShape, n_targets: int) -> SampleOutline:
         """What the batch builder needs of a sample this rank does not decode: the token runs of its
@@ -236,6 +256,10 @@ class SampleBuilder:
         """Decode a conversation into its shape and tensors; raises `DataError` for an unusable sample."""
         decoded = [self.decode(r, conv) for r in conv.media()]
         shape, enc = self._encode(conv, index, [item for item, _ in decoded])
+        if len(enc.ids) > self.max_tokens:  # truncated (`_shape_of` refused it otherwise)
+            n = self.max_tokens
+            enc = Encoded(enc.ids[:n], enc.targets[:n], [r for r in enc.items if r[0] < n])
+            decoded = decoded[:len(shape.items)]
         input_ids = torch.tensor(enc.ids, dtype=torch.long)  # (T,)
         target = torch.tensor(enc.targets, dtype=torch.bool)  # (T,)
         labels = torch.full_like(input_ids, IGNORE_INDEX)

@@ -25,7 +25,7 @@ from harmonia.data.conversation import Conversation
 from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -37,17 +37,35 @@ class Rendered:
         items: ``(start, length)`` of each media item's run, in sequence order.
         n_targets: tokens with a next-token label (``labels != -100``): the sample's loss normalizer share.
         learned: whether any token is learned.
+        target_runs: ``[start, stop)`` of each run of learned tokens, in order.
     """
 
     n_ids: int
     items: tuple[tuple[int, int], ...]
     n_targets: int
     learned: bool
+    target_runs: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def of(cls, enc: Encoded) -> Rendered:
         """The rendering summary of an encoded conversation."""
-        return cls(len(enc.ids), tuple(map(tuple, enc.items)), sum(enc.targets[1:]), any(enc.targets))
+        runs, start = [], None
+        for t, learned in enumerate([*enc.targets, False]):
+            if learned and start is None:
+                start = t
+            elif not learned and start is not None:
+                runs.append((start, t))
+                start = None
+        return cls(len(enc.ids), tuple(map(tuple, enc.items)), sum(enc.targets[1:]), any(enc.targets), tuple(runs))
+
+    def cut(self, n: int) -> Rendered:
+        """The rendering of the first ``n`` tokens (items that start at ``n`` or later dropped; an item
+        running past ``n`` is the caller's to refuse)."""
+        if n >= self.n_ids:
+            return self
+        runs = tuple((a, min(b, n)) for a, b in self.target_runs if a < n)
+        targets = sum(min(b, n) - max(a, 1) for a, b in runs if min(b, n) > max(a, 1))
+        return Rendered(n, tuple(r for r in self.items if r[0] < n), targets, bool(runs), runs)
 
 
 def renderer_identity(tokenizer: Tokenizer) -> str | None:
@@ -115,14 +133,15 @@ class TokenCountCache:
             return None
         self._used.add(key)
         self.hits += 1
-        n_ids, n_targets, learned, *runs = entry
-        return Rendered(n_ids, tuple(zip(runs[::2], runs[1::2])), n_targets, bool(learned))
+        n_ids, n_targets, learned, n_items, *runs = entry
+        pairs = tuple(zip(runs[::2], runs[1::2]))
+        return Rendered(n_ids, pairs[:n_items], n_targets, bool(learned), pairs[n_items:])
 
     def put(self, conv: Conversation, lengths: Sequence[int], rendered: Rendered) -> None:
         """Remember a rendering."""
         key = record_digest(conv, lengths)
-        self._entries[key] = [rendered.n_ids, rendered.n_targets, int(rendered.learned),
-                              *(x for run in rendered.items for x in run)]
+        self._entries[key] = [rendered.n_ids, rendered.n_targets, int(rendered.learned), len(rendered.items),
+                              *(x for run in (*rendered.items, *rendered.target_runs) for x in run)]
         self._used.add(key)
         self.added += 1
 

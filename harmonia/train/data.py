@@ -87,7 +87,7 @@ def open_split(config: Config, split: str = "train", spec=None, tokenizer=None, 
     return open_dataset(path, spec, tokenizer=tokenizer or job_tokenizer(config), format=d.format,
                         max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if split == "train" else "skip",
                         media_root=d.media_root or None, allow_outside_root=d.allow_outside_root,
-                        seed=config.train.seed, num_workers=d.num_workers,
+                        seed=config.train.seed, num_workers=d.num_workers, truncate=d.truncation == "truncate",
                         preprocessors=job_preprocessors(config, spec), log_skips=log_skips,
                         shape_cache=_shape_cache(cache_dir, path) if cache_dir is not None else None)
 
