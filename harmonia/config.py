@@ -296,9 +296,13 @@ class CheckpointConfig:
     on_existing: str = _f("refuse", "resume=false into a directory holding checkpoints: refuse, new_dir (write to "
                           "<dir>-2, <dir>-3, ...) or replace (delete its checkpoints; only in a directory harmonia "
                           "created)")
+    export_every: int = _f(0, "also write the model as an HF directory (as `harmonia export` does) every N steps, "
+                           "into <dir>/hf/step-N, beside training; a multiple of checkpoint.every (0 = never)")
 
     def __post_init__(self) -> None:
         _require(self.every >= 0, "checkpoint.every", self.every, ">= 0")
+        _require(self.export_every >= 0 and (not self.export_every or (self.every and self.export_every % self.every == 0)),
+                 "checkpoint.export_every", self.export_every, f"0, or a multiple of checkpoint.every ({self.every})")
         _require(self.keep >= 0, "checkpoint.keep", self.keep, ">= 0")
         _require(self.on_existing in ("refuse", "new_dir", "replace"), "checkpoint.on_existing", self.on_existing,
                  "refuse, new_dir or replace")
@@ -337,6 +341,8 @@ class Config:
         _require(not unknown, "model.frozen", sorted(unknown), f"module names among {mllm.module_names}")
         unknown = set(self.train.modules) - set(mllm.module_names)
         _require(not unknown, "train.modules", sorted(unknown), f"module names among {mllm.module_names}")
+        _require(not self.checkpoint.export_every or self.model.from_checkpoint, "checkpoint.export_every",
+                 self.checkpoint.export_every, "0 for a preset model (an HF export needs model.hf or model.llm)")
 
     def to_dict(self) -> dict:
         return {f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))}

@@ -43,6 +43,7 @@ from harmonia.train.lr_schedule import LRSchedule
 from harmonia.train.backend import backend_of, job_cluster, schedule_search
 from harmonia.train.calibrate import MeasuredAction, fit_calibration
 from harmonia.train.planning import PRECISION_MIXED, model_spec
+from harmonia.train.hf_exports import BackgroundExports
 from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines
 from harmonia.train.state import load_training, save_training
@@ -215,6 +216,7 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self.losses: list[float] = []
         self.first_step_at: float | None = None  # time.time() when this run's first step began
+        self.exports = BackgroundExports(config.checkpoint.dir, config.checkpoint.export_every)
 
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
@@ -226,11 +228,15 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         ck = self.config.checkpoint
+        if self.rank == 0:
+            self.exports.wait()  # the export reads a checkpoint this save may delete
         save_training(ck.dir, step, self.model,
                       {"data_position": step * self.config.train.global_batch, "losses": self.losses,
                        "plan": json.loads(self.plan.to_json()), "fingerprint": self.fingerprint},
                       keep=ck.keep, before_commit=lambda: self.faults.inside_save(step))
         self.saved_step = step
+        if self.rank == 0:
+            self.exports.after_save(step)
 
     def run(self, report, stops: StopSignals | None = None, progress=None) -> None:
         """Train from ``start_step`` to ``train.steps``.
@@ -254,6 +260,7 @@ class Trainer:
                 self.builder.close()
         if tc.steps > self.saved_step:
             self._save(tc.steps)
+        self.exports.wait()
 
     def _steps(self, report, stops: StopSignals | None, progress, prefetch, calibration_step: int,
                timeline_step: int) -> None:

@@ -34,6 +34,7 @@ def job(tmp_path_factory):
         "--model.lora_alpha=16", "--model.lora_dropout=0.1", "--model.lora_targets=q_proj,v_proj,down_proj",
         f"--data.path={tmp / 'data' / 'train' / 'llava.json'}", "--train.steps=4", "--train.global_batch=8",
         "--train.warmup=1", "--train.lr=1e-2", "--parallel.world_size=2", "--parallel.timeout_s=400",
+        "--checkpoint.every=2", "--checkpoint.export_every=2",
         "--log.tensorboard=false", f"--log.dir={tmp / 'run'}", f"--checkpoint.dir={tmp / 'run' / 'ck'}"])
     run_training(config, Console(file=io.StringIO(), width=200))
     return tmp
@@ -73,3 +74,23 @@ def test_an_adapter_of_a_full_module_is_refused(tmp_path) -> None:
     run_training(config, Console(file=io.StringIO(), width=200))
     with pytest.raises(ConfigError, match=r"\['vision_proj'\] train fully"):
         export_checkpoint(tmp_path / "ck", tmp_path / "adapter", adapter=True)
+
+
+def test_hf_directories_are_written_while_training(job) -> None:
+    """checkpoint.export_every=2 over 4 steps: step-2 and step-4 as HF directories, whole (no .partial
+    left), the last equal to what `harmonia export` writes afterwards."""
+    from harmonia.model.hf.io import read_state_dict
+
+    hf = job / "run" / "ck" / "hf"
+    assert sorted(p.name for p in hf.iterdir()) == ["step-2", "step-4"]
+    export_checkpoint(job / "run" / "ck", job / "final")
+    during, after = read_state_dict(hf / "step-4"), read_state_dict(job / "final")
+    assert during.keys() == after.keys() and all(torch.equal(during[k], after[k]) for k in after)
+    transformers.LlavaForConditionalGeneration.from_pretrained(hf / "step-2")
+
+
+def test_export_every_must_follow_the_checkpoints(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="checkpoint.export_every"):
+        load_config(None, ["--checkpoint.every=3", "--checkpoint.export_every=2"])
+    with pytest.raises(ConfigError, match="a preset model"):
+        load_config(None, ["--model.preset=tiny-vlm", "--checkpoint.every=2", "--checkpoint.export_every=2"])
