@@ -190,7 +190,9 @@ def run_training(config: Config, console) -> TrainResult | None:
         plan, report = resolve_plan(config)
         phases.mark("shape pass and plan")
         print_plan(plan, report, console, model_spec(config))
-        console.print(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
+        from harmonia.train.report import phase_line
+
+        phase_line(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
         out = launch(train_worker, config.parallel.world_size, (config, plan.to_json(), None, time.time()),
                      timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config))
@@ -248,6 +250,9 @@ def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) ->
     from harmonia.runtime.checkpoint import latest_step
     from harmonia.train.report import best_effort
 
+    from harmonia.train.report import phase_line
+
+    phase_line("held-out evaluation and summary")
     accuracy = evaluate(config, latest_step(config.checkpoint.dir))
     result = TrainResult(plan, out["records"], out["losses"], out["start_step"], accuracy, report)
     summary = json.dumps({

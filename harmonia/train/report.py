@@ -81,6 +81,13 @@ class ProgressReporter:
                              tps=record["tokens_per_s"])
 
 
+def phase_line(text: str) -> None:
+    """One line for a phase before the first step or after the last (rank 0 or the launcher), with the
+    time of day where stdout is not a terminal, so a log shows where the minutes went."""
+    stamp = "" if console.is_terminal else time.strftime("%H:%M:%S ")
+    console.print(stamp + text, markup=False, highlight=False)
+
+
 def progress_line(done: int, total: int, record: dict, elapsed: float, ran: int) -> str:
     """``step 5/120  loss 4.1234  7,088 tok/s  elapsed 0:00:12  ETA 0:02:41``: ``done`` steps of
     ``total``, ``ran`` of them in ``elapsed`` seconds by this job (the ETA extrapolates them)."""

@@ -92,7 +92,7 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
     Raises:
         StopRequested: a stop signal ended the job at a step boundary.
     """
-    from harmonia.train.report import ProgressReporter
+    from harmonia.train.report import ProgressReporter, phase_line
 
     entered = time.time()
     stops = StopSignals.install()
@@ -114,14 +114,23 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
             if plan_json is None:
                 plan_json, config, checked = _shared_plan(config, rank, prepare)
             built = time.time()
+            if rank == 0:
+                since = f" {built - launched_at:.1f} s after the launch" if launched_at is not None else ""
+                phase_line(f"{world} processes up{since}; building the model and its data")
             trainer = Trainer(config, Plan.from_json(plan_json), rank)
             trainer.resume()
             phases["model build and resume"] = time.time() - built
+            if rank == 0:
+                phase_line(f"model built in {phases['model build and resume']:.1f} s; training from step "
+                           f"{trainer.start_step}")
             built = time.time()
             reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
             with reporter:
                 trainer.run(reporter.step, stops, beat.progress)
             dist.barrier()
+            if rank == 0:
+                phase_line(f"trained to step {config.train.steps}; checkpoint step-{trainer.saved_step} in "
+                           f"{config.checkpoint.dir}")
         if rank != 0:
             return None
         if trainer.first_step_at is not None:

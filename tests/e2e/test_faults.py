@@ -208,6 +208,9 @@ def test_faults_inside_a_job_and_what_a_restart_finds(tmp, capsys) -> None:
     assert f"resumed from step-2 in {ck} (train.steps=4;" in out
     assert re.search(r"^step 3/4  loss \d+\.\d{4}  [\d,]+ tok/s  elapsed \d:\d\d:\d\d  ETA \d:\d\d:\d\d$", out, re.M)
     assert re.search(r"^step 4/4  .*  ETA 0:00:00$", out, re.M)  # stdout is a pipe: one line per step
+    for phase in (r"starting \d processes", r"\d processes up [\d.]+ s after the launch", r"model built in [\d.]+ s; "
+                  r"training from step 2", r"trained to step 4; checkpoint step-4 in", "held-out evaluation"):
+        assert re.search(rf"^\d\d:\d\d:\d\d {phase}", out, re.M), phase  # the phases around the steps, timed
     assert "could not write the timelines" in out and "could not write calibration.json" in out
     assert _steps(ck) == ["step-2", "step-4"] and _all_finite(ck / "step-4")
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
