@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from harmonia.errors import ConfigError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import (
     build_blocks,
@@ -52,6 +53,10 @@ class DecoderLM(nn.Module):
         self.indices = layer_range(body.n_layers, layers, f"llm {spec.name!r}")
         self.is_first = self.indices.start == 0
         self.is_last = self.indices.stop == body.n_layers
+        if self.is_first and self.indices.stop < spec.deepstack:
+            raise ConfigError(f"llm {spec.name!r}: its first pipeline stage holds blocks {list(self.indices)} but "
+                              f"DeepStack adds item features after each of the first {spec.deepstack}; give it more "
+                              "blocks (fewer pipeline stages)")
         tied_head = self.is_last and spec.tie_embeddings
         self.embed = nn.Embedding(spec.vocab_size, body.hidden) if self.is_first or tied_head else None
         self.layers = build_blocks(body, self.indices)
@@ -112,13 +117,18 @@ class DecoderLM(nn.Module):
                 theirs), or a dense boolean ``(T, T)`` / ``(B, 1, T, T)`` reference mask from
                 `multimodal_mask` (tests); without a window either way: sliding-window blocks
                 restrict it themselves.
-            item_embeds: first stage only, see `embed_inputs`.
+            item_embeds: first stage only, see `embed_inputs`; with DeepStack ``(n, h (1 + k))``,
+                the item tokens then the features added after each of the first ``k`` blocks.
             item_index: first stage only, see `embed_inputs`.
 
         Returns:
             ``(B, T, vocab)`` logits on the last stage, ``(B, T, h)`` hidden states otherwise.
         """
+        stack = None  # (n, k, h) DeepStack features, added after the first k blocks
         if self.is_first:
+            if self.spec.deepstack and item_embeds is not None:
+                h = self.spec.body.hidden
+                item_embeds, stack = item_embeds[:, :h], item_embeds[:, h:].unflatten(1, (self.spec.deepstack, h))
             x = self.embed_inputs(x, item_embeds, item_index)
         body = self.spec.body
         if self.spec.multimodal_rope:  # positions (3, B, T): temporal, height, width
@@ -132,6 +142,8 @@ class DecoderLM(nn.Module):
             if window not in masks:
                 masks[window] = restrict_to_window(mask, positions, window)
             x = block(x, masks[window], rope)
+            if stack is not None and int(i) < self.spec.deepstack and item_index.numel():
+                x = _add_at(x, item_index, stack[:, int(i)])
         if not self.is_last:
             return x
         x = self.norm(x)
@@ -144,6 +156,15 @@ class DecoderLM(nn.Module):
             return x @ w.t()
         x = DTensor.from_local(x, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False)
         return (x @ w.t()).redistribute(placements=[Replicate()] * w.device_mesh.ndim).to_local()
+
+
+def _add_at(x: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, T, h)`` with ``rows`` ``(n, h)`` added at flat positions ``index`` of ``B * T``; not a
+    view (a stage's output is detached in place after its backward)."""
+    B, T, D = x.shape
+    if B == 1:
+        return x.index_add(1, index, rows[None].to(x.dtype))
+    return x.reshape(B * T, D).index_add(0, index, rows.to(x.dtype)).reshape(B, T, D).clone()
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:

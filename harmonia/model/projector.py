@@ -68,6 +68,23 @@ class Projector(nn.Module):
         return torch.where((seq < 0)[:, None], self.image_newline.to(rows.dtype), rows)
 
 
-def build_projector(spec: ProjectorSpec) -> Projector:
+class DeepStackProjector(nn.Module):
+    """Qwen3-VL's merger and DeepStack mergers, each over its own slice of the input:
+    ``(n, in) -> (n, out * (1 + deepstack))``, the main merger's tokens first (`ProjectorSpec.deepstack`)."""
+
+    def __init__(self, spec: ProjectorSpec) -> None:
+        super().__init__()
+        main, *stack = spec.branches()
+        self.spec = spec
+        self.merger = Projector(main)
+        self.deepstack = nn.ModuleList(Projector(b) for b in stack)
+
+    def forward(self, x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+        """``(n, in)`` rows, the main slice then one per DeepStack merger -> ``(n, out (1 + k))``."""
+        parts = x.chunk(1 + len(self.deepstack), dim=-1)
+        return torch.cat([self.merger(parts[0]), *(m(p) for m, p in zip(self.deepstack, parts[1:]))], dim=-1)
+
+
+def build_projector(spec: ProjectorSpec) -> nn.Module:
     """The projector of one encoder."""
-    return Projector(spec)
+    return DeepStackProjector(spec) if spec.deepstack else Projector(spec)

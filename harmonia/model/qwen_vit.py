@@ -37,12 +37,13 @@ tests compare against.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from harmonia.errors import SampleError
+from harmonia.errors import ConfigError, SampleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import build_blocks, init_weights, layer_range, rope_inv_freq
 from harmonia.model.projector import Projector
@@ -174,6 +175,13 @@ def merger_spec(spec: QwenVisionSpec, name: str = "merger", deepstack: bool = Fa
                          norm_groups=1 if deepstack else spec.merge_size ** 2)
 
 
+def projector_spec(spec: QwenVisionSpec, name: str) -> ProjectorSpec:
+    """An MLLM's projector for the tower: the merger, and Qwen3-VL's DeepStack mergers after it."""
+    main = merger_spec(spec, name)
+    k = len(spec.deepstack_layers)
+    return replace(main, in_dim=main.in_dim * (1 + k), deepstack=k) if k else main
+
+
 class StagePlan(NamedTuple):
     """What every stage derives from ``grid_thw`` alone: the attention sequences and the rotary tables."""
 
@@ -205,6 +213,9 @@ class QwenVisionEncoder(nn.Module):
         self.indices = layer_range(body.n_layers, layers, f"{spec.family} vision tower")
         self.is_first = self.indices.start == 0
         self.is_last = self.indices.stop == body.n_layers
+        if spec.deepstack_layers and not (self.is_first and self.is_last):
+            raise ConfigError(f"a {spec.family} vision tower with DeepStack blocks {list(spec.deepstack_layers)} runs "
+                              "as one pipeline stage (vision pp=1)")
         self.patch_embed = self.pos_embed = None
         if self.is_first:
             kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
@@ -219,11 +230,15 @@ class QwenVisionEncoder(nn.Module):
         ``(n_items, 3)`` on every stage.
 
         Returns:
-            ``(N, h)`` in the blocks' order on inner stages; ``(N / m^2, m^2 h)`` on the last.
+            ``(N, h)`` in the blocks' order on inner stages; ``(N / m^2, m^2 h)`` on the last, with
+            Qwen3-VL's DeepStack blocks' outputs after it, ``(N / m^2, m^2 h (1 + k))``.
         """
         x, plan = self._enter(x, grid_thw)
-        x = self._blocks(x[None], plan)[0][0]
-        return self._leave(x, plan)
+        x, tapped = self._blocks(x[None], plan)
+        out = self._leave(x[0], plan)
+        if not self.is_last or not tapped:
+            return out
+        return torch.cat([out, *(self._leave(tapped[i], plan) for i in self.spec.deepstack_layers)], dim=-1)
 
     def _enter(self, x: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, StagePlan]:
         """The stage's plan, and its input in the blocks' order (embedded on the first stage)."""

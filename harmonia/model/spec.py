@@ -164,6 +164,7 @@ class NativeTower(Protocol):
     patch_size: int
     temporal_patch_size: int
     merge_size: int
+    deepstack_layers: tuple[int, ...]
 
     def frontend_params(self) -> int: ...
 
@@ -337,7 +338,10 @@ class EncoderSpec:
 
     @property
     def out_dim(self) -> int:
-        """Width of an output token before the merge: the hidden size times the selected layers."""
+        """Width of an output token before the merge: the hidden size times the selected layers (a
+        native tower's: times one plus its DeepStack blocks, whose outputs follow the last block's)."""
+        if self.native is not None:
+            return self.body.hidden * (1 + len(self.native.deepstack_layers))
         return self.body.hidden * max(1, len(self.feature_layers))
 
     def patches_per_tile(self) -> int:
@@ -388,6 +392,10 @@ class ProjectorSpec:
             apart, with one shared weight (Qwen-VL's merger norms each of the ``m * m`` patches
             before they are concatenated into one token); 1 = the whole input.
         norm_eps: epsilon of the input norm.
+        deepstack: Qwen3-VL's DeepStack mergers: the input is ``1 + deepstack`` equal slices, the
+            first through this projector and each other through a merger of its own whose norm
+            takes its whole slice (``norm_groups`` 1); the outputs are concatenated,
+            ``(n, out_dim * (1 + deepstack))``, the LLM adding slice ``k`` after its block ``k - 1``.
     """
 
     name: str
@@ -402,21 +410,37 @@ class ProjectorSpec:
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_groups: int = 1
     norm_eps: float = 1e-5
+    deepstack: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(
             f"projector {self.name!r}", in_dim=self.in_dim, out_dim=self.out_dim, hidden=self.hidden,
             n_layers=self.n_layers, norm_groups=self.norm_groups, norm_eps=self.norm_eps,
         )
+        if self.deepstack:
+            if self.deepstack < 0 or self.in_dim % (1 + self.deepstack) or self.newline:
+                raise ConfigError(f"projector {self.name!r}: deepstack={self.deepstack} needs in_dim={self.in_dim} "
+                                  "in 1 + deepstack equal slices and no newline")
+            return
         if self.norm not in ("layernorm", "rmsnorm") or self.in_dim % self.norm_groups:
             raise ConfigError(f"projector {self.name!r}: norm={self.norm!r} must be 'layernorm' or 'rmsnorm' and "
                               f"norm_groups={self.norm_groups} must divide in_dim={self.in_dim}")
+
+    def branches(self) -> list[ProjectorSpec]:
+        """The mergers of a DeepStack projector, main one first (``[self]`` without DeepStack)."""
+        if not self.deepstack:
+            return [self]
+        width = self.in_dim // (1 + self.deepstack)
+        main = replace(self, in_dim=width, deepstack=0)
+        return [main, *(replace(main, name=f"{self.name}.deepstack{k}", norm_groups=1) for k in range(self.deepstack))]
         if self.act not in PROJECTOR_ACTS:
             raise ConfigError(f"projector {self.name!r}: act={self.act!r} is not implemented; expected one of "
                               f"{PROJECTOR_ACTS}")
 
     def dims(self) -> list[tuple[int, int]]:
-        """(in, out) of each linear layer."""
+        """(in, out) of each linear layer (of every merger, with DeepStack)."""
+        if self.deepstack:
+            return [d for b in self.branches() for d in b.dims()]
         widths = [self.in_dim] + [self.hidden] * (self.n_layers - 1) + [self.out_dim]
         return list(zip(widths[:-1], widths[1:]))
 
@@ -424,6 +448,8 @@ class ProjectorSpec:
         return sum(i * o for i, o in self.dims())
 
     def n_params(self) -> int:
+        if self.deepstack:
+            return sum(b.n_params() for b in self.branches())
         biases = sum(o for _, o in self.dims()) if self.bias else 0
         width = self.in_dim // self.norm_groups
         norm = (2 if self.norm == "layernorm" else 1) * width if self.input_norm else 0
@@ -473,7 +499,9 @@ class LLMSpec:
     the embedding keeps its own copy of it, whose gradient the runtime sums with the embedding's.
     ``mrope_section`` (Qwen-VL's multimodal RoPE): how many of the ``head_dim / 2`` frequencies the
     temporal, height and width positions turn, in blocks or, with ``mrope_interleaved`` (Qwen3-VL),
-    interleaved (`harmonia.model.mrope`); empty = one position per token.
+    interleaved (`harmonia.model.mrope`); empty = one position per token. ``deepstack`` (Qwen3-VL):
+    after each of its first ``deepstack`` blocks the LLM adds one more set of item features at the
+    item positions (`harmonia.model.llm.DecoderLM`); its first pipeline stage holds those blocks.
     """
 
     name: str
@@ -484,9 +512,12 @@ class LLMSpec:
     rope_scaling: RopeScaling | None = None
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
+    deepstack: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(f"llm {self.name!r}", vocab_size=self.vocab_size, rope_theta=self.rope_theta)
+        if not 0 <= self.deepstack <= self.body.n_layers:
+            raise ConfigError(f"llm {self.name!r}: deepstack={self.deepstack} must be in 0..n_layers")
         if self.mrope_section:
             if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.body.dim_head // 2:
                 raise ConfigError(f"llm {self.name!r}: mrope_section={list(self.mrope_section)} must be three counts "
@@ -612,6 +643,9 @@ class MLLMSpec:
             if enc not in self.encoders:
                 raise ConfigError(f"MLLM {self.name!r}: projector {proj!r} has no encoder {enc!r}")
             want = self.encoders[enc].out_dim * self.encoders[enc].token_merge
+            if spec.deepstack and spec.deepstack != self.llm.deepstack:
+                raise ConfigError(f"MLLM {self.name!r}: projector {proj!r} emits {spec.deepstack} DeepStack feature "
+                                  f"sets but the LLM adds {self.llm.deepstack}")
             if spec.in_dim != want or spec.out_dim != self.llm.hidden:
                 raise ConfigError(
                     f"MLLM {self.name!r}: projector {proj!r} maps {spec.in_dim}->{spec.out_dim}, expected "

@@ -1,7 +1,8 @@
 """Candidate layouts for the planner: factorisations, rank-set sizes, memory filter, lower bounds.
 
 For an LLM on ``n`` ranks every ``(tp, cp, pp, dp)`` with product ``n`` is a candidate when ``tp``
-divides the heads and KV heads and fits in a node, ``pp`` does not exceed the blocks, and ``cp``
+divides the heads and KV heads and fits in a node, ``pp`` does not exceed the blocks (and leaves the
+first stage the blocks DeepStack adds features after), and ``cp``
 divides nothing it must not (sequence shards are token-balanced by the balancer). Encoders are
 small: ``pp = 1`` and ``cp = 1``, ``tp`` within the node. Disjoint placement sizes each encoder's
 rank set by its share of the profiled work (rounded, then +-1 step), the rest goes to the LLM.
@@ -64,6 +65,8 @@ def llm_layouts(cost: CostModel, cluster: ClusterSpec, n_ranks: int, rank_offset
             for pp in _divisors(n_ranks // (tp * cp)):
                 dp = n_ranks // (tp * cp * pp)
                 if pp > body.n_layers or global_batch < dp * max(n_mb, pp if n_microbatches is None else 1):
+                    continue
+                if body.n_layers // pp < cost.mllm.llm.deepstack:  # DeepStack's blocks on the first stage
                     continue
                 if n_microbatches is not None and n_microbatches < pp:
                     continue
@@ -164,6 +167,8 @@ def balanced_split(cost: CostModel, module: str, layout: Layout, load: ModuleLoa
     blocks[0] -= 1
     blocks[-1] -= 1
     if min(blocks) < 0 or sum(blocks) != len(cost.layers[module]) - 2:
+        return layout
+    if module == "llm" and blocks[0] < cost.mllm.llm.deepstack:  # the first stage holds DeepStack's blocks
         return layout
     return replace(layout, stage_layers=tuple(blocks))
 

@@ -96,8 +96,8 @@ def _interleaved(cost: CostModel, llm: Layout, n_mb: int, load: ModuleLoad | Non
     blocks = len(cost.layers["llm"]) - 2  # embedding and head live on the first and last chunk
     if llm.pp < 2 or n_mb % llm.pp:
         return
-    for v in VIRTUAL_STAGES:
-        if blocks >= v * llm.pp:
+    for v in VIRTUAL_STAGES:  # every chunk at least one block, the first DeepStack's
+        if blocks >= v * llm.pp and blocks // (v * llm.pp) >= cost.mllm.llm.deepstack:
             virtual = replace(llm, virtual_stages=v, stage_layers=None)
             yield virtual if load is None else balanced_split(cost, "llm", virtual, load)
 

@@ -109,17 +109,20 @@ class MLLMExecutor:
             stay fp32); None = the parameters' dtype.
         attention: the LLM's attention kernel (`harmonia.model.attention.choose_backend`: ``auto``
             picks by device and each microbatch's mask kind).
+        row_widths: encoder -> width of its boundary rows where it is not ``hidden`` (a projector
+            with DeepStack mergers sends ``hidden * (1 + k)``, `harmonia.model.spec.ProjectorSpec`).
     """
 
     def __init__(self, meshes: ModuleMeshes, chunks: dict[str, dict[int, nn.Module]], hidden: int,
                  projectors: dict[str, nn.Module] | None = None, optimizer: OptimizerFactory | None = None,
                  max_norm: float | None = 1.0, norm_group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-                 attention: str = "auto") -> None:
+                 attention: str = "auto", row_widths: dict[str, int] | None = None) -> None:
         projectors = projectors or {}
         self.autocast, self.attention = autocast, attention
         self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
         self.hidden = hidden
+        self.row_widths = dict(row_widths or {})
         self.runners: dict[str, ModuleRunner] = {}
         device: torch.device | str = "cpu"
         for name, mods in sorted(chunks.items()):
@@ -152,6 +155,10 @@ class MLLMExecutor:
         (``time.perf_counter``) and the CPU seconds this thread spent in it (``time.thread_time``)."""
         self.executed: list[Action] = []
         """Every action of the last iteration, in the order it ran."""
+
+    def row_width(self, encoder: str) -> int:
+        """Width of the rows ``encoder`` sends the LLM."""
+        return self.row_widths.get(encoder, self.hidden)
 
     @property
     def trainable(self) -> list[nn.Parameter]:
@@ -261,7 +268,7 @@ class _MLLMIteration:
             if (e in ex.runners and src_last in ex.runners[e].chunks) or \
                     (LLM in ex.runners and 0 in ex.runners[LLM].chunks):
                 back = self.graph.needs_backward(StageRef(e, self.graph.module(e).n_stages - 1))
-                self.links[e] = BoundaryLink(plans, ex.rank, ex.meshes.boundary_group(e), ex.hidden,
+                self.links[e] = BoundaryLink(plans, ex.rank, ex.meshes.boundary_group(e), ex.row_width(e),
                                              back, ex.dtype, ex.device)
 
 
@@ -351,7 +358,7 @@ class _MLLMIteration:
             e = a.peer.module
             grads = self.row_grads.pop((e, m), None)
             if grads is None:  # this rank received none of its rows
-                grads = torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype, device=self.ex.device)
+                grads = torch.zeros(0, self.ex.row_width(e), dtype=self.ex.dtype, device=self.ex.device)
             self.links[e].send(m, grads, backward=True)
 
     def receive(self, a: Action) -> None:
@@ -398,7 +405,7 @@ class _MLLMIteration:
                 self._pass(a, True, y.detach())
         if last:  # the boundary send after the microbatch's last forward takes every part
             parts = self.enc_rows.setdefault((name, m), {})
-            parts[s] = y.detach() if media is not None else torch.zeros(0, self.ex.hidden, dtype=self.ex.dtype,
+            parts[s] = y.detach() if media is not None else torch.zeros(0, self.ex.row_width(name), dtype=self.ex.dtype,
                                                                         device=self.ex.device)
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -210,9 +210,10 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
                 for p in positions:  # boundary rows: this replica's samples (or shares), to the replica packing each
                     share = cuts.get((e, p)) if cuts else None
                     rows = loads[samples[p]][f"{enc}_proj"].tokens if share is None else share[2]
-                    if rows:
+                    if rows:  # each row: an LLM token, and its DeepStack features where the projector adds them
                         key = (enc, e, owner[p], m)
-                        out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * h_llm * cost.act_bytes
+                        width = h_llm * (1 + cost.mllm.projectors[f"{enc}_proj"].deepstack)
+                        out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * width * cost.act_bytes
     for enc in plan.encoders:
         if sub_runs:
             _add_encoder_work(out, plan, cost, enc, sub_runs, loads)

@@ -92,7 +92,7 @@ def tp_allreduce_s(cost: CostModel, cluster: ClusterSpec, layout: Layout, module
     if layout.tp <= 1 or tokens <= 0:
         return 0.0
     n = layout.tp
-    hidden = cost.mllm.llm.hidden if module == "llm" else cost.mllm.encoders[module].out_dim
+    hidden = cost.mllm.llm.hidden if module == "llm" else cost.mllm.encoders[module].body.hidden  # a block's width
     nbytes = tokens / layout.cp * hidden * cost.act_bytes
     per_block = 2 * (n - 1) / n * nbytes / cluster.group_bandwidth(group) + calls * 2 * (n - 1) * cluster.device.latency_s
     return 2 * blocks * per_block

@@ -157,5 +157,12 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             projectors[name] = proj
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,
-                            autocast=torch.bfloat16 if mixed else None, attention=attention)
+                            autocast=torch.bfloat16 if mixed else None, attention=attention,
+                            row_widths=boundary_widths(spec))
     return RankModel(executor, named, owner)
+
+
+def boundary_widths(spec) -> dict[str, int]:
+    """Encoder -> width of the rows it sends the LLM: the LLM's hidden size, times one plus the
+    DeepStack feature sets its projector adds (Qwen3-VL)."""
+    return {e: spec.llm.hidden * (1 + spec.projectors[f"{e}_proj"].deepstack) for e in spec.encoders}

@@ -31,7 +31,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
 
 
 def write_tiny_qwen_vl(out: str | Path, family: str = "qwen2_5_vl", seed: int = 0, patch_size: int = 8,
@@ -40,7 +40,8 @@ def write_tiny_qwen_vl(out: str | Path, family: str = "qwen2_5_vl", seed: int = 
 
     Args:
         out: a new or empty directory.
-        family: ``qwen2_5_vl`` (RMSNorm, SwiGLU, window attention) or ``qwen2_vl``.
+        family: ``qwen2_5_vl`` (RMSNorm, SwiGLU, window attention), ``qwen2_vl`` or ``qwen3_vl``
+            (learned tower positions, DeepStack, interleaved multimodal RoPE).
         seed: weight seed.
         patch_size: the tower's patch side (merge size 2, temporal patch 2).
         min_pixels: the image processor's smallest resized image, in pixels.
@@ -65,6 +66,11 @@ def write_tiny_qwen_vl(out: str | Path, family: str = "qwen2_5_vl", seed: int = 
         vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, window_size=4 * patch_size,
                       fullatt_block_indexes=[2], **common)
         config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen3_vl":  # learned positions, DeepStack after the LLM's first 2 blocks, interleaved rows
+        vision = dict(hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0, 1], **common)
+        text = {**text, "head_dim": 16, "rope_parameters": {**text["rope_parameters"], "mrope_interleaved": True}}
+        config_cls, model_cls = tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration
     else:
         vision = dict(embed_dim=32, mlp_ratio=2, hidden_size=64, **common)
         config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
@@ -80,7 +86,7 @@ def write_tiny_qwen_vl(out: str | Path, family: str = "qwen2_5_vl", seed: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``harmonia hf tiny-qwen-vl OUT [--family qwen2_5_vl|qwen2_vl] [--seed S]``."""
+    """``harmonia hf tiny-qwen-vl OUT [--family qwen2_5_vl|qwen2_vl|qwen3_vl] [--seed S]``."""
     p = argparse.ArgumentParser(prog="harmonia hf tiny-qwen-vl", description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="a new directory for the checkpoint")
     p.add_argument("--family", default="qwen2_5_vl", choices=FAMILIES)

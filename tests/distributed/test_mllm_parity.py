@@ -38,8 +38,8 @@ from tests.distributed._spawn import check_timeout, run_workers
 pytestmark = pytest.mark.distributed
 
 TRAINING = {"audio-frozen": {"audio": "frozen"}, "vision-frozen": {"vision": "frozen", "vision_proj": "frozen"},
-            "llava": {"vision": "frozen"}, "qwen": {}}
-HF_ARCHS = ("llava", "qwen")  # trainings of an HF architecture: a vision tower and the LLM, no audio
+            "llava": {"vision": "frozen"}, "qwen": {}, "qwen3": {}}
+HF_ARCHS = ("llava", "qwen", "qwen3")  # trainings of an HF architecture: a vision tower and the LLM, no audio
 STEPS = 3
 MAX_NORM = 0.5
 RTOL = 1e-5
@@ -91,6 +91,9 @@ QWEN_CASES = [  # Qwen2.5-VL: native-resolution images of several sizes, windows
     Case("qwen2.5-vl: vision dp2 -> llm tp2", L(dp=2), L(), L(tp=2), training="qwen"),
     Case("qwen2.5-vl: vision dp2 -> llm cp2", L(dp=2), L(), L(cp=2), training="qwen"),
     Case("qwen2.5-vl: vision tp2 -> llm dp2 fsdp", L(tp=2), L(), L(dp=2, fsdp=True), training="qwen"),
+    # Qwen3-VL: learned tower positions, interleaved rotary rows, DeepStack features across the boundary
+    Case("qwen3-vl: vision dp2 -> llm pp2 zb", L(dp=2), L(), L(pp=2), "zb", training="qwen3"),
+    Case("qwen3-vl: vision dp2 -> llm cp2", L(dp=2), L(), L(cp=2), training="qwen3"),
 ]
 
 CASES: dict[int, list[Case]] = {
@@ -197,11 +200,25 @@ def qwen_config() -> dict:
                                          vision_start_token_id=93, vision_end_token_id=92).to_dict()
 
 
+def qwen3_config() -> dict:
+    """A tiny Qwen3-VL's completed config.json: a 2-block tower with learned positions whose two blocks
+    both feed DeepStack, a Qwen3 text model with interleaved multimodal RoPE."""
+    import transformers
+
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, num_hidden_layers=4, rope_parameters={
+                    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    return transformers.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=95, video_token_id=94,
+                                      vision_start_token_id=93, vision_end_token_id=92).to_dict()
+
+
 def spec(training: str):
-    if training == "qwen":
+    if training in ("qwen", "qwen3"):
         from harmonia.model.families.qwen_vl import qwen_vl_spec_from_hf
 
-        return qwen_vl_spec_from_hf(qwen_config())
+        return qwen_vl_spec_from_hf(qwen_config() if training == "qwen" else qwen3_config())
     if training == "llava":
         from harmonia.model.families.llava import llava_spec_from_hf
 
@@ -214,12 +231,12 @@ def base_training(training: str) -> str:
     return training if training in HF_ARCHS else "audio-frozen"
 
 
-def qwen_samples(step: int) -> list[TokenizedSample]:
-    """The step's global batch for the Qwen architecture: text runs around 0-2 images of random patch
+def qwen_samples(step: int, training: str = "qwen") -> list[TokenizedSample]:
+    """The step's global batch for a Qwen architecture: text runs around 0-2 images of random patch
     grids (2..8 x 2..8 patches, very wide and very tall ones among them), rotary positions per sample."""
     from harmonia.model.mrope import item_rope_positions
 
-    s = spec("qwen")
+    s = spec(training)
     tower = s.encoders["vision"].native
     rng, g = random.Random(2000 + step), torch.Generator().manual_seed(step)
     out = []
@@ -243,8 +260,8 @@ def qwen_samples(step: int) -> list[TokenizedSample]:
 def samples(step: int, training: str = "audio-frozen", tiles: int = 1) -> list[TokenizedSample]:
     """The step's global batch: text of 3..12 tokens, 0-2 images of ``tiles`` tiles, an audio clip of
     1-2 chunks (no audio for the LLaVA architecture)."""
-    if training == "qwen":
-        return qwen_samples(step)
+    if training in ("qwen", "qwen3"):
+        return qwen_samples(step, training)
     s = spec(base_training(training))
     vit, aud = s.encoders["vision"], s.encoders.get("audio")
     img_tokens = vit.llm_tokens_per_tile()
@@ -387,6 +404,7 @@ def run_case(case: Case, rank: int) -> dict:
     from harmonia.model.mllm import build_module
     from harmonia.runtime.meshes import build_module_meshes
     from harmonia.runtime.mllm_executor import MLLMExecutor
+    from harmonia.train.rank import boundary_widths
     from harmonia.runtime.mllm_inputs import build_rank_batch
     from harmonia.runtime.parallelize import build_stage_modules, parallelize_stage
     from harmonia.schedule import StageGraph, build_schedule, lower
@@ -417,7 +435,7 @@ def run_case(case: Case, rank: int) -> dict:
             projectors[name] = proj
             named.update({pre + n: p for n, p in proj.named_parameters()})
     executor = MLLMExecutor(meshes, chunks, s.llm.hidden, projectors, optimizer=optimizer, max_norm=MAX_NORM,
-                            autocast=torch.bfloat16 if case.bf16 else None)
+                            autocast=torch.bfloat16 if case.bf16 else None, row_widths=boundary_widths(s))
     flags = {"llm": s.training_of("llm").trains}
     for e in s.encoders:
         n = layouts[e].n_stages
@@ -545,11 +563,12 @@ def test_layout_matches_one_process(results, world: int, case: Case) -> None:
     trained = {"audio-frozen": ("llm.", "encoders.vision.", "projectors.audio_proj."),
                "vision-frozen": ("llm.", "encoders.audio.", "projectors.audio_proj."),
                "llava": ("llm.", "projectors.vision_proj."),
-               "qwen": ("llm.", "projectors.vision_proj.", "encoders.vision.")}[case.training]
+               "qwen": ("llm.", "projectors.vision_proj.", "encoders.vision."),
+               "qwen3": ("llm.", "projectors.vision_proj.", "encoders.vision.")}[case.training]
     for module in trained:
         moved = max(_rel(ref["params"][n], init[n]) for n in params if n.startswith(module))
         assert moved > 1e-4, f"training must change {module}*"
-    if case.training == "qwen":
+    if case.training in ("qwen", "qwen3"):
         return  # every module trains
     frozen = "encoders.audio." if case.training == "audio-frozen" else "encoders.vision."
     assert all(torch.equal(params[n], init[n]) for n in params if n.startswith(frozen)), "frozen stays"

@@ -14,13 +14,13 @@ from tests.unit.test_model_hf_llava import load_whole, make_llava, sample_inputs
 
 
 def test_the_registry_knows_each_family_once_and_names_the_refused_ones() -> None:
-    assert FAMILIES.supported(True) == ("llava", "llava_next", "qwen2_5_vl", "qwen2_vl")
+    assert FAMILIES.supported(True) == ("llava", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_vl")
     assert FAMILIES.supported(False) == ("llama", "mistral", "qwen2", "qwen3")
-    with pytest.raises(ConfigError, match=r"qwen3_vl.*Qwen3-VL \(DeepStack"):
-        FAMILIES.of("qwen3_vl", "ckpt")
+    with pytest.raises(ConfigError, match=r"qwen3_vl_moe.*Qwen3-VL-MoE \(a mixture-of-experts"):
+        FAMILIES.of("qwen3_vl_moe", "ckpt")
     with pytest.raises(ConfigError, match=r"model_type='idefics3' is neither a supported multimodal checkpoint"):
         FAMILIES.of("idefics3", "ckpt")
-    assert FAMILIES.is_multimodal("llava_next") and FAMILIES.is_multimodal("qwen3_vl")
+    assert FAMILIES.is_multimodal("llava_next") and FAMILIES.is_multimodal("qwen3_vl_moe")
     assert not FAMILIES.is_multimodal("qwen2") and not FAMILIES.is_multimodal("siglip")
     registry = FamilyRegistry()
     registry.register(llava_family.LLAVA)

@@ -22,25 +22,32 @@ from harmonia.workload.devices import device_preset  # noqa: E402
 TOL = {"atol": 2e-5, "rtol": 1e-5}
 VOCAB, IMAGE, VIDEO, START, END = 300, 290, 291, 292, 293
 PATCH, MERGE = 4, 2
-TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=96,
+TEXT = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=96,
             vocab_size=VOCAB, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+TEXT3 = {**TEXT, "head_dim": 16, "rope_parameters": {**TEXT["rope_parameters"], "mrope_interleaved": True}}
 VISION = {
     "qwen2_vl": dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=PATCH,
                      spatial_merge_size=MERGE, temporal_patch_size=2),
     "qwen2_5_vl": dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
                        spatial_merge_size=MERGE, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
                        out_hidden_size=64, tokens_per_second=2),
+    "qwen3_vl": dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=PATCH,
+                     spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=36,
+                     deepstack_visual_indexes=[0, 2]),
 }
 CLASSES = {"qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
-           "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration)}
+           "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+           "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)}
+IMAGES_ONLY = ("qwen3_vl",)  # its processor writes a video frame by frame between timestamps
 # (t, h, w) patch grids: a small image, a very wide and a very tall one, a 4-frame video (2 temporal patches)
 GRIDS = {"image": [(1, 6, 8), (1, 2, 20), (1, 18, 2)], "video": [(2, 4, 6)]}
 
 
 def make_qwen_vl(path, family: str, tied: bool = False):
     config_cls, model_cls = CLASSES[family]
-    config = config_cls(text_config=TEXT, vision_config=VISION[family], image_token_id=IMAGE, video_token_id=VIDEO,
+    text = TEXT3 if family == "qwen3_vl" else TEXT
+    config = config_cls(text_config=text, vision_config=VISION[family], image_token_id=IMAGE, video_token_id=VIDEO,
                         vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = model_cls(config)
@@ -101,7 +108,7 @@ def test_logits_loss_and_packing_match_transformers(family, tmp_path):
     hf = make_qwen_vl(tmp_path / "hf", family)
     spec = mllm_spec_from_hf(tmp_path / "hf")
     model = load_whole(tmp_path / "hf", spec)
-    one = sample(1, GRIDS["image"][:2], GRIDS["video"])
+    one = sample(1, GRIDS["image"][:2], () if family in IMAGES_ONLY else GRIDS["video"])
     two = sample(2, GRIDS["image"][2:], text=(4, 5))
     seconds = [1.0]
     with torch.no_grad():
@@ -136,6 +143,11 @@ def test_gradients_match_transformers(family, tmp_path):
         "llm.layers.1.mlp.down_proj.weight": "model.language_model.layers.1.mlp.down_proj.weight",
         "llm.embed.weight": "model.language_model.embed_tokens.weight",
     }
+    if family == "qwen3_vl":  # the merger is the projector's first, the DeepStack mergers the others
+        pairs = {k.replace("vision_proj.", "vision_proj.merger."): v.replace("mlp.0", "linear_fc1").replace("ln_q", "norm")
+                 for k, v in pairs.items()}
+        pairs["projectors.vision_proj.deepstack.1.linears.1.weight"] = "model.visual.deepstack_merger_list.1.linear_fc2.weight"
+        pairs["encoders.vision.pos_embed.weight"] = "model.visual.pos_embed.weight"
     ours = dict(model.named_parameters())
     for mine, name in pairs.items():
         torch.testing.assert_close(ours[mine].grad, theirs[name].grad, atol=1e-5, rtol=1e-4)
@@ -156,12 +168,14 @@ def test_export_loads_back_unchanged(family, tmp_path):
     assert all(torch.equal(back.state_dict()[k], want[k]) for k in want)
 
 
-def test_spec_reads_the_checkpoint_and_counts_its_parameters(tmp_path):
-    hf = make_qwen_vl(tmp_path / "hf", "qwen2_5_vl")
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_spec_reads_the_checkpoint_and_counts_its_parameters(family, tmp_path):
+    hf = make_qwen_vl(tmp_path / "hf", family)
     spec = mllm_spec_from_hf(tmp_path / "hf")
     enc = spec.encoders["vision"]
     assert (enc.min_pixels, enc.max_pixels, enc.token_merge, enc.temporal_merge) == (64, 4096, 4, 2)
     assert spec.llm.mrope_section == (2, 3, 3) and spec.item_attention == "causal"
+    assert (spec.llm.mrope_interleaved, spec.llm.deepstack) == ((True, 2) if family == "qwen3_vl" else (False, 0))
     assert spec.item_token_ids == {"image": IMAGE, "video": VIDEO}
     cost = CostModel(spec, device_preset("h100"))
     built = load_whole(tmp_path / "hf", spec)

@@ -14,9 +14,8 @@ __all__ = ["FAMILIES", "Family", "FamilyRegistry"]
 FAMILIES = FamilyRegistry()
 FAMILIES.register(llava.LLAVA)  # LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 FAMILIES.register(llm.LLM)  # Llama, Mistral, Qwen2, Qwen3 alone: an MLLM without encoders
-FAMILIES.register(qwen_vl.QWEN_VL)  # Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+FAMILIES.register(qwen_vl.QWEN_VL)  # Qwen2VL-, Qwen2_5_VL-, Qwen3VLForConditionalGeneration
 FAMILIES.refuse("llava_onevision", "LLaVA-OneVision (anyres tiling, image_newline, video pooling)")
 FAMILIES.refuse("llava_next_video", "LLaVA-NeXT-Video (anyres tiling, video pooling)")
 FAMILIES.refuse("vipllava", "VipLLaVA (a layer-normed multi-layer projector)")
-FAMILIES.refuse("qwen3_vl", "Qwen3-VL (DeepStack: tower features added inside the LLM's first layers)")
-FAMILIES.refuse("qwen3_vl_moe", "Qwen3-VL-MoE (DeepStack, a mixture-of-experts LLM)")
+FAMILIES.refuse("qwen3_vl_moe", "Qwen3-VL-MoE (a mixture-of-experts LLM)")

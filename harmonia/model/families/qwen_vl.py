@@ -1,4 +1,5 @@
-"""Qwen2-VL and Qwen2.5-VL (``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``).
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``).
 
 Their math, as transformers computes it: the native-resolution tower (`harmonia.model.qwen_vit`) over
 the processor's packed patches and ``grid_thw``, its merger (our projector ``vision_proj``), the
@@ -11,7 +12,10 @@ The checkpoint: ``model.visual.*`` (``visual.*`` in older files) is the tower an
 (``min_pixels`` / ``max_pixels``, patch, merge and temporal patch sizes) come from the
 checkpoint's ``preprocessor_config.json`` (`processor_numbers`).
 
-Qwen3-VL (DeepStack: tower features added to the first LLM layers) is refused for now.
+Qwen3-VL adds its learned position table to the tower, interleaves the LLM's rotary rows and adds
+DeepStack: the outputs of some tower blocks, merged by mergers of their own, are added at the item
+positions after the LLM's first blocks. Those features cross the boundary beside the item tokens,
+as wider rows (`harmonia.model.projector.DeepStackProjector`, `harmonia.model.llm.DecoderLM`).
 """
 
 from __future__ import annotations
@@ -30,25 +34,31 @@ from harmonia.model.hf.qwen_vision import merger_names
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.mrope import rope_index
 from harmonia.model.qwen_spec import MAX_PIXELS, MIN_PIXELS, native_encoder_spec, spec_from_hf
-from harmonia.model.qwen_vit import merger_spec
+from harmonia.model.qwen_vit import projector_spec
 from harmonia.model.spec import MLLMSpec
 
-MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN3_MROPE = [24, 20, 20]  # transformers' Qwen3-VL default when rope_parameters leaves mrope_section out
 _TEXT_ONLY = ("layer_types", "max_window_layers")  # read by the LLM adapter from the text config's own fields
 
 
 def _text_config(config: dict, name: str) -> tuple[dict, tuple[int, ...]]:
-    """The text config as a ``qwen2`` LLM config, and its ``mrope_section``."""
+    """The text config as a ``qwen2`` (``qwen3`` for Qwen3-VL) LLM config, and its ``mrope_section``."""
     text = dict(config["text_config"])
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    section = rope.pop("mrope_section", None)
+    qwen3 = config.get("model_type") == "qwen3_vl"
+    section = rope.pop("mrope_section", QWEN3_MROPE if qwen3 else None)
     if not section:
         raise ConfigError(f"{name}: text_config.rope_parameters has no mrope_section; a Qwen-VL text model turns "
                           "its rotary frequencies by three position rows")
+    interleaved = rope.pop("mrope_interleaved", qwen3)
+    if bool(interleaved) != qwen3:
+        raise ConfigError(f"{name}: text_config.rope_parameters.mrope_interleaved={interleaved} is not implemented for "
+                          f"{config.get('model_type')} (Qwen3-VL interleaves its rotary rows, the others do not)")
     rope.pop("type", None)
     text.pop("rope_scaling", None)
     text["rope_parameters"] = rope
-    text["model_type"] = "qwen2"
+    text["model_type"] = "qwen3" if qwen3 else "qwen2"
     text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings")))
     return text, tuple(int(v) for v in section)
 
@@ -60,8 +70,9 @@ def qwen_vl_spec_from_hf(config: dict, name: str = "qwen-vl") -> MLLMSpec:
     if kind not in MODEL_TYPES:
         raise ConfigError(f"config model_type={kind!r} is not one of {MODEL_TYPES}")
     text, section = _text_config(config, name)
-    llm = replace(llm_spec_from_hf(text, name=f"{name}-text"), mrope_section=section)
     tower = spec_from_hf(config)
+    llm = replace(llm_spec_from_hf(text, name=f"{name}-text"), mrope_section=section,
+                  mrope_interleaved=kind == "qwen3_vl", deepstack=len(tower.deepstack_layers))
     if tower.out_dim != llm.hidden:
         raise ConfigError(f"{name}: the vision merger emits {tower.out_dim}-wide tokens but the LLM is {llm.hidden} "
                           "wide (vision_config out_hidden_size / hidden_size)")
@@ -70,7 +81,7 @@ def qwen_vl_spec_from_hf(config: dict, name: str = "qwen-vl") -> MLLMSpec:
     missing = [m for m, t in tokens.items() if t is None]
     if missing:
         raise ConfigError(f"{name}: config.json has no {missing[0]}_token_id")
-    return MLLMSpec(name, {"vision": vision}, {"vision_proj": merger_spec(tower, "vision_proj")}, llm,
+    return MLLMSpec(name, {"vision": vision}, {"vision_proj": projector_spec(tower, "vision_proj")}, llm,
                     item_attention="causal", item_token_ids={m: int(t) for m, t in tokens.items()})
 
 

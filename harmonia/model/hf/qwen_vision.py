@@ -116,7 +116,11 @@ def encoder_names(keys: list[str], spec: QwenVisionSpec) -> tuple[dict[str, str]
 
 
 def merger_names(keys: list[str]) -> dict[str, str]:
-    """The merger of a Qwen2-VL / Qwen2.5-VL checkpoint, our projector (`harmonia.model.qwen_vit.merger_spec`):
-    its names -> the checkpoint's (both families name it alike)."""
-    return {ours.removeprefix("merger."): theirs for ours, theirs in _renamed(keys, "qwen2_vl").items()
-            if ours.startswith("merger.")}
+    """The mergers of a Qwen-VL checkpoint, our projector (`harmonia.model.qwen_vit.projector_spec`):
+    its names -> the checkpoint's. A plain merger is a `Projector` (``norm``, ``linears``); with
+    Qwen3-VL's DeepStack mergers a `DeepStackProjector` (``merger.*``, ``deepstack.{i}.*``)."""
+    family = "qwen3_vl" if any(".merger.linear_fc1." in k for k in keys) else "qwen2_vl"
+    ours = {o: t for o, t in _renamed(keys, family).items() if o.startswith(_PROJECTOR_PARTS)}
+    if any(o.startswith("deepstack.") for o in ours):
+        return ours
+    return {o.removeprefix("merger."): t for o, t in ours.items()}
