@@ -59,13 +59,13 @@ from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes
 from harmonia.schedule.microbatching import balance_bins
+from harmonia.plan.recipes import RECIPES
 from harmonia.plan.scenario import Scenario
 from harmonia.workload.shapes import llm_tokens_of_item
 from harmonia.workload.traces import load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMULATE = ("simulate-2026-11-22.json", "simulate-2026-11-22-b.json")
-RECIPES = ("megatron", "cornstarch", "disttrain", "harmonia")
 BF16 = 2
 HIDDEN, TOKEN_SCALE, REPEATS, WORLD = 256, 4, 15, 4
 

@@ -17,7 +17,8 @@ from rich.text import Text
 from harmonia.errors import HarmoniaError
 
 console = Console(width=None if sys.stdout.isatty() else 140)
-SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+PROJECT = Path(__file__).resolve().parents[1]
+SHARED_TRACES = PROJECT.parent / "shared" / "traces"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -26,6 +27,79 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frozen", default="", help="comma-separated modules to freeze, e.g. vision,audio")
     p.add_argument("--device", default="h100", help="device kind: h100, h200, a100, cpu")
     p.add_argument("--calibration", default=None, help="calibration JSON written by `harmonia profile`")
+
+
+JOB_FLAGS = {"frozen": "model.frozen", "cluster": "parallel.cluster", "global_batch": "train.global_batch",
+             "seed": "train.seed", "schedule": "parallel.schedule"}
+"""The flags `plan` and `simulate` share with `train`, each the override of one config field (``--model``
+sets ``model.preset``, or ``model.hf`` for a checkpoint directory): their defaults are the config's."""
+
+
+def _job_args(p: argparse.ArgumentParser, batch_default: str = "") -> None:
+    """``--config`` and the flags that override its fields (`JOB_FLAGS`), with the config's help and defaults."""
+    from harmonia.config import ModelConfig, ParallelConfig, TrainConfig, field_help
+
+    model, parallel, train = ModelConfig(), ParallelConfig(), TrainConfig()
+    p.add_argument("--config", default=None,
+                   help="a job's TOML as `harmonia train --config` reads it (default: the built-in defaults): its "
+                   "[model], [parallel] and [train] fields; the flags below and --section.key=value override them")
+    p.add_argument("--model", default=None, help="MLLM or LLM preset (see `harmonia models`) or an HF checkpoint "
+                   f"directory: model.preset, or model.hf for a directory (default {model.source})")
+    p.add_argument("--frozen", default=None, help=f"model.frozen, comma-separated: {field_help('model.frozen')} "
+                   f"(default {','.join(model.frozen)}, where the model has it)")
+    p.add_argument("--cluster", default=None, help=f"parallel.cluster: {field_help('parallel.cluster')} "
+                   f"(default {parallel.cluster})")
+    p.add_argument("--global-batch", type=int, default=None, help=f"train.global_batch: "
+                   f"{field_help('train.global_batch')} (default {train.global_batch}{batch_default})")
+    p.add_argument("--seed", type=int, default=None, help=f"train.seed: {field_help('train.seed')}, here the "
+                   f"profiled batches' draw (default {train.seed})")
+
+
+def _source_fields(source: str | dict) -> dict[str, object]:
+    """A model source (a plan's ``model``) as the [model] fields that name it."""
+    from harmonia.model.resolve import is_checkpoint_dir
+
+    cleared = {"preset": "", "hf": "", "llm": "", "encoders": {}}
+    if isinstance(source, dict):
+        return {**cleared, "llm": source["llm"], "encoders": dict(source.get("encoders", {}))}
+    return {**cleared, ("hf" if is_checkpoint_dir(source) else "preset"): source}
+
+
+def _job_given(args: argparse.Namespace) -> list[str]:
+    """The flags given that describe the job (``--config`` and overrides included; ``--schedule`` is the
+    given layouts', not the scenario's)."""
+    names = ("config", "model", *(k for k in JOB_FLAGS if k != "schedule"))
+    given = [f"--{k.replace('_', '-')}" for k in names if getattr(args, k, None) is not None]
+    return given + list(args.overrides)
+
+
+def _job_config(args: argparse.Namespace, plan=None):
+    """The job `plan` and `simulate` describe, as `train` reads it: ``--config`` (or the defaults), its
+    ``--section.key=value`` overrides, then the flags; a given plan fills in its model, training modes
+    and global batch where none of these set them. ``model.frozen`` left at its default freezes the
+    modules of that default the model has (an LLM alone has no vision encoder to freeze)."""
+    from harmonia.config import ModelConfig, build_config, config_values
+
+    flags = [f"--{name}={getattr(args, k)}" for k, name in JOB_FLAGS.items() if getattr(args, k, None) is not None]
+    values = config_values(args.config, [*args.overrides, *flags])
+    model = values.setdefault("model", {})
+    if args.model is not None:
+        model.update(_source_fields(args.model))
+    elif plan is not None and not {"preset", "hf", "llm"} & model.keys():
+        model.update(_source_fields(plan.model))
+    if plan is not None:
+        if not {"frozen", "lora"} & model.keys():
+            model["frozen"] = [m for m, t in plan.training.items() if t == "frozen"]
+            model["lora"] = [m for m, t in plan.training.items() if t == "lora"]
+        values.setdefault("train", {}).setdefault("global_batch", plan.global_batch)
+        values.setdefault("parallel", {}).setdefault("world_size", plan.world_size)
+    if "frozen" not in model:
+        from harmonia.model.resolve import resolve_mllm
+
+        source = build_config({**values, "model": {**model, "frozen": []}}).model.source
+        modules = resolve_mllm(source).module_names
+        model["frozen"] = [m for m in ModelConfig().frozen if m in modules]
+    return build_config(values)
 
 
 def _build_cost(args: argparse.Namespace):
@@ -126,7 +200,7 @@ DEFAULT_SCENARIO = "configs/scenarios/d-qwen7b-internvit-8gpu.toml"
 DEVICE_SET_HELP = ("replace fields of the cluster's device preset, comma-separated FIELD=VALUE, e.g. "
                    "flops_efficiency=0.55 (a matmul rate measured on your own runs, as benchmarks/fidelity.py fits the "
                    "H100 preset's to published ones; a scenario file's device table does the same)")
-SCENARIO_FLAGS = ("model", "cluster", "trace", "global_batch", "frozen")
+DEFAULT_TRACE = str(SHARED_TRACES / "ai2d.csv")
 
 
 def _trace_path(trace: str) -> str:
@@ -139,26 +213,25 @@ def _trace_path(trace: str) -> str:
 
 
 def _scenario(args: argparse.Namespace, plan=None):
-    """The scenario `simulate` runs: a scenario file, or the model/cluster/trace/batch flags (a given
-    plan supplies its model, batch and training modes when the flags do not)."""
+    """The scenario `simulate` runs: a scenario file, or the job's config fields and flags with a trace
+    (`_job_config`; a given plan supplies its model, batch and training modes where they do not)."""
     import dataclasses
 
     from harmonia.errors import ConfigError
     from harmonia.plan.scenario import Scenario, parse_device_changes
 
-    flags = {k: getattr(args, k) for k in SCENARIO_FLAGS if getattr(args, k) is not None}
-    if args.scenario and flags:
-        raise ConfigError(f"--scenario and --{', --'.join(k.replace('_', '-') for k in flags)} both given; "
-                          "describe the scenario with a file or with flags, not both")
-    if args.scenario or not (flags or plan):
-        scenario = Scenario.load(args.scenario or DEFAULT_SCENARIO)
+    given = _job_given(args) + (["--trace"] if args.trace is not None else [])
+    if args.scenario and given:
+        raise ConfigError(f"--scenario and {', '.join(given)} both given; describe the scenario with a file or "
+                          "with a config and flags, not both")
+    if args.scenario or not (given or plan):
+        scenario = Scenario.load(args.scenario or str(PROJECT / DEFAULT_SCENARIO))
     else:
-        model = flags.get("model", plan.model if plan else "internvl-8b")
-        training = ({m: "frozen" for m in filter(None, flags["frozen"].split(","))} if "frozen" in flags
-                    else dict(plan.training) if plan else {})
-        scenario = Scenario("simulate", model, flags.get("cluster", "h100:1x8"),
-                            _trace_path(flags.get("trace", str(SHARED_TRACES / "ai2d.csv"))),
-                            flags.get("global_batch", plan.global_batch if plan else 256), training, seed=args.seed)
+        config = _job_config(args, plan)
+        scenario = Scenario("simulate", config.model.source, config.parallel.cluster,
+                            _trace_path(args.trace or DEFAULT_TRACE), config.train.global_batch,
+                            config.model.training_modes, seed=config.train.seed,
+                            mixed_precision=config.train.mixed_precision)
     if args.sequence_parallel:
         scenario = dataclasses.replace(scenario, sequence_parallel=True)
     if args.device_set:
@@ -177,14 +250,31 @@ def _given_plan(args: argparse.Namespace, run):
 
     recompute = tuple(filter(None, args.recompute.split(",")))
     training = {m: t.mode.value for m, t in run.mllm.training.items()}
+    schedule = None if args.schedule in (None, "auto") else args.schedule
     return plan_from_layouts(run.mllm, run.scenario.model, parse_layouts(args.layout), run.cluster.world_size,
-                             run.scenario.global_batch, args.microbatch_size, args.schedule, recompute, training)
+                             run.scenario.global_batch, args.microbatch_size, schedule, recompute, training)
+
+
+def _check_world(scenario, plan, layout: str | None) -> None:
+    """Refuse a given plan or layout that does not fill the scenario's cluster before its trace is
+    loaded, naming both sizes."""
+    from harmonia.errors import LayoutError
+    from harmonia.plan.layout_text import parse_layouts, place_layouts
+    from harmonia.workload.devices import cluster_from_string
+
+    world = cluster_from_string(scenario.cluster).world_size
+    if layout:
+        place_layouts(parse_layouts(layout), world)
+    if plan is not None and plan.world_size != world:
+        raise LayoutError(f"the plan uses {plan.world_size} ranks but cluster {scenario.cluster} has {world}; give "
+                          "a cluster of the plan's size")
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Score a given plan (--plan, --layout), or run a scenario under each recipe and compare them."""
     from harmonia.errors import ConfigError
     from harmonia.plan.compare import MFU_NOTE, run_recipe, score_plan
+    from harmonia.plan.recipes import RECIPES
     from harmonia.plan.scenario import ScenarioRun
     from harmonia.schedule.plan import Plan
 
@@ -192,9 +282,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         raise ConfigError("--plan and --layout both given; score one plan at a time")
     loaded = Plan.load(args.plan) if args.plan else None
     scenario = _scenario(args, loaded)
+    _check_world(scenario, loaded, args.layout)
     runner = ScenarioRun(scenario)
     given = loaded or (_given_plan(args, runner) if args.layout else None)
-    recipes = tuple(filter(None, (args.recipes or ("harmonia" if given else ",".join(RECIPE_NAMES))).split(",")))
+    recipes = tuple(filter(None, (args.recipes or ("harmonia" if given else ",".join(RECIPES))).split(",")))
     results = {}
     for recipe in recipes:
         with console.status(f"simulating {recipe}" if given else f"searching {recipe} layouts"):
@@ -216,9 +307,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.timeline:
         _write_timelines(args.timeline, scenario.name, results)
     return 0
-
-
-RECIPE_NAMES = ("megatron", "cornstarch", "disttrain", "harmonia")
 
 
 def _comparison_table(scenario, results: dict, bound: float) -> Table:
@@ -282,17 +370,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from harmonia.plan.scenario import Scenario, parse_device_changes
     from harmonia.workload.devices import cluster_from_string
 
-    training = {m: "frozen" for m in filter(None, args.frozen.split(","))}
-    scenario = Scenario("plan", args.model, args.cluster, _trace_path(args.trace), args.global_batch, training,
-                        iterations=1, search_batches=args.batches, memory_batches=args.memory_batches, seed=args.seed,
+    config = _job_config(args)
+    model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
+    scenario = Scenario("plan", model, cluster, _trace_path(args.trace), batch, config.model.training_modes,
+                        iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
+                        seed=config.train.seed, mixed_precision=config.train.mixed_precision,
                         device=parse_device_changes(args.device_set))
+    accept = None
+    if config.parallel.llm_pp or config.parallel.schedule != "auto":  # the job's constraints, as train applies
+        from harmonia.train.planning import _constraints  # them (the trainer, and torch, imported only then)
+
+        accept = _constraints(config)
     with console.status("profiling batches and searching layouts"):
-        report = search_plan(scenario, top=args.top)
-    table = Table(title=f"best {len(report.ranked)} plans for {args.model} on {args.cluster} "
-                        f"(global batch {args.global_batch}), simulated on {args.batches} profiled batches")
+        report = search_plan(scenario, top=args.top, accept=accept)
+    name = model if isinstance(model, str) else "the composition of " + ", ".join([model["llm"],
+                                                                                  *model["encoders"].values()])
+    table = Table(title=f"best {len(report.ranked)} plans for {name} on {cluster} "
+                        f"(global batch {batch}), simulated on {args.batches} profiled batches")
     for col in ("#", "iteration s", "samples/s", "peak GiB/rank", "plan"):
         table.add_column(col, justify="left" if col == "plan" else "right")
-    capacity = cluster_from_string(args.cluster).device.mem_bytes
+    capacity = cluster_from_string(cluster).device.mem_bytes
     for i, ((secs, rate, cand), peak) in enumerate(zip(report.ranked, report.peak_bytes), 1):
         plan = cand.plan
         layouts = "; ".join(f"{m} {x.describe()}" + (f" split{list(x.stage_layers)}" if x.stage_layers else "")
@@ -388,6 +485,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from harmonia.schedule.generators import FAMILIES as SCHEDULE_FAMILIES
+
     parser = argparse.ArgumentParser(prog="harmonia", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -412,12 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
-    p.add_argument("--model", default="internvl-8b", help="MLLM preset or an HF checkpoint directory")
-    p.add_argument("--frozen", default="", help="comma-separated modules to freeze")
-    p.add_argument("--cluster", default="h100:1x8",
-                   help="DEVICE:NODESxGPUS, e.g. h100:4x8; @C after it where a node's ranks share C cores (cpu:1x4@2)")
-    p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"), help="CSV path or synthetic[:mix]")
-    p.add_argument("--global-batch", type=int, default=256, help="samples per iteration")
+    _job_args(p)
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, synthetic[:mix] "
+                   "or text:N (default ai2d; `harmonia train` profiles its dataset instead)")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
     p.add_argument("--memory-batches", type=int, default=8,
                    help="further profiled batches a plan must fit device memory on before it is ranked: "
@@ -426,7 +522,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=3,
                    help="plans ranked exactly (the best is always exact; each further one may cost simulations, "
                    "about a second each on 64 GPUs)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--json", default="plan.json", help="where the best plan is written")
     p.add_argument("--device-set", default="", help=DEVICE_SET_HELP)
     p.set_defaults(func=cmd_plan)
@@ -434,17 +529,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="score a given plan (--plan, --layout), or run a scenario under each "
                        "recipe and compare")
     p.add_argument("--scenario", default=None,
-                   help=f"scenario TOML (see configs/scenarios/; default {DEFAULT_SCENARIO} when no scenario flag "
-                   "is given)")
-    p.add_argument("--model", default=None, help="instead of --scenario: MLLM or LLM preset, or an HF checkpoint "
-                   "directory (an LLM's config.json gives a model without encoders)")
-    p.add_argument("--frozen", default=None, help="comma-separated modules to freeze")
-    p.add_argument("--cluster", default=None,
-                   help="DEVICE:NODESxGPUS (default h100:1x8); @C after it where a node's ranks share C cores")
+                   help=f"scenario TOML (see configs/scenarios/; default {DEFAULT_SCENARIO} when neither a config, "
+                   "a job flag, a trace nor a plan is given)")
+    _job_args(p, batch_default=", or the plan's")
     p.add_argument("--trace", default=None,
                    help="CSV path, synthetic[:mix], or text:N (every sample N text tokens); default ai2d")
-    p.add_argument("--global-batch", type=int, default=None, help="samples per iteration (default 256, or the plan's)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed of a scenario given by flags")
     p.add_argument("--plan", default=None, help="score this plan.json (as `harmonia plan` writes it) unsearched")
     p.add_argument("--layout", default=None,
                    help="score these layouts unsearched, one module after another as Layout.describe prints them, "
@@ -453,9 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatch-size", type=int, default=1,
                    help="with --layout: samples per microbatch of an LLM replica (global batch / (llm dp x this) "
                    "microbatches per replica)")
-    p.add_argument("--schedule", default=None, choices=("gpipe", "1f1b", "interleaved", "zb"),
-                   help="with --layout: schedule family (default interleaved when the LLM has virtual stages, "
-                   "else 1f1b)")
+    p.add_argument("--schedule", default=None, choices=("auto", *SCHEDULE_FAMILIES),
+                   help="with --layout: parallel.schedule, the schedule family (auto: interleaved when the LLM has "
+                   "virtual stages, else 1f1b)")
     p.add_argument("--recompute", default="", help="with --layout: comma-separated modules whose activations are "
                    "recomputed in backward, e.g. llm; module:share recomputes the first share of each stage's blocks, "
                    "e.g. llm:0.5")
@@ -516,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in ("train", "demo"):
+    if extra and args.command not in ("train", "demo", "plan", "simulate"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s")

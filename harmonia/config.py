@@ -13,14 +13,29 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from harmonia.data.formats import FORMATS
 from harmonia.errors import ConfigError
 from harmonia.model.spec import LORA_TARGETS, ModuleTraining
+from harmonia.schedule.generators import FAMILIES as SCHEDULE_FAMILIES
 
 
 def _f(default: Any, help: str, **kw) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
+
+
+def _spelled(names: tuple[str, ...]) -> str:
+    """``a, b or c``: a field's choices as its help and errors say them."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
+"""``train.lr_schedule``'s shapes after the warm-up (`harmonia.train.lr_schedule` computes them)."""
+
+PRECISION_MIXED = {"auto": None, "bf16": True, "fp32": False}
+"""``train.precision`` -> whether the cost model prices bf16 mixed precision (None: the device
+kind's default, which ``auto`` runs: `harmonia.train.rank.build_rank_model`)."""
 
 
 def _require(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -103,6 +118,11 @@ class ModelConfig:
         return self.preset or "tiny-omni"
 
     @property
+    def training_modes(self) -> dict[str, str]:
+        """Module -> ``frozen`` / ``lora`` (every other module trains fully)."""
+        return {**{m: "frozen" for m in self.frozen}, **{m: "lora" for m in self.lora}}
+
+    @property
     def from_checkpoint(self) -> bool:
         """Whether the weights come from HF checkpoints (else from the seed)."""
         return bool(self.hf or self.llm)
@@ -113,7 +133,7 @@ class DataConfig:
     path: str = _f("runs/data/synthetic", "dataset: a file or directory (harmonia manifest, LLaVA JSON/JSONL, "
                    "messages JSONL, webdataset shards, a mixture YAML/JSON), or with `synthesize`, where to write a "
                    "synthetic set")
-    format: str = _f("auto", "record format: auto (detected per record), harmonia, llava, messages or webdataset")
+    format: str = _f("auto", f"record format: auto (detected per record), {_spelled(FORMATS[1:])}")
     chat_template: str = _f("", "a Jinja chat template file replacing the tokenizer's own")
     media_root: str = _f("", "directory media paths are relative to (default: the dataset file's directory)")
     allow_outside_root: bool = _f(False, "allow media paths that resolve outside the media root")
@@ -132,8 +152,7 @@ class DataConfig:
                            "rank's samples one step ahead (0 = in the job's process)")
 
     def __post_init__(self) -> None:
-        _require(self.format in ("auto", "harmonia", "llava", "messages", "webdataset"), "data.format", self.format,
-                 "auto, harmonia, llava, messages or webdataset")
+        _require(self.format in FORMATS, "data.format", self.format, _spelled(FORMATS))
         if self.chat_template:
             _require(Path(self.chat_template).is_file(), "data.chat_template", self.chat_template,
                      "an existing Jinja template file")
@@ -155,7 +174,7 @@ class ParallelConfig:
                       "4 ranks sharing 2 cores; a CPU job simulates its ranks on the cores it is given); empty = "
                       "cpu:1xN for world_size N (a GPU job names its cluster)")
     schedule: str = _f("auto", "pipeline schedule family the plan search must use: auto (the search decides), "
-                       "gpipe, 1f1b, interleaved or zb")
+                       f"{_spelled(SCHEDULE_FAMILIES)}")
     backend: str = _f("auto", "process-group backend: auto (nccl on GPUs, gloo on CPU), gloo or nccl")
     llm_pp: int = _f(0, "LLM pipeline stages the plan search must use (0 = the search decides)")
     timeout_s: float = _f(0.0, "time limit of the job: past it every rank stops as on SIGTERM (0 = no limit)")
@@ -171,8 +190,8 @@ class ParallelConfig:
         if not self.cluster:  # a CPU job of world_size processes (a given cluster sets world_size 0 at
             object.__setattr__(self, "world_size", self.world_size or 4)  # start: `with_world_size`)
             object.__setattr__(self, "cluster", f"cpu:1x{self.world_size}")
-        _require(self.schedule in ("auto", "gpipe", "1f1b", "interleaved", "zb"), "parallel.schedule", self.schedule,
-                 "auto, gpipe, 1f1b, interleaved or zb")
+        _require(self.schedule in ("auto", *SCHEDULE_FAMILIES), "parallel.schedule", self.schedule,
+                 _spelled(("auto", *SCHEDULE_FAMILIES)))
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend", self.backend, "auto, gloo or nccl")
         _require(self.llm_pp >= 0, "parallel.llm_pp", self.llm_pp, ">= 0")
         for name in ("timeout_s", "hang_timeout_s"):
@@ -259,12 +278,16 @@ class TrainConfig:
             _check_module_optimizer(module, values)
 
     def _check_lr_schedule(self) -> None:
-        _require(self.lr_schedule in ("cosine", "linear", "constant", "wsd"), "train.lr_schedule", self.lr_schedule,
-                 "cosine, linear, constant or wsd")
+        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule", self.lr_schedule, _spelled(LR_SCHEDULES))
         _require(_finite(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio",
                  self.min_lr_ratio, "a number in [0, 1]")
         _require(_finite(self.decay_ratio) and 0 < self.decay_ratio <= 1, "train.decay_ratio", self.decay_ratio,
                  "a number in (0, 1]")
+
+    @property
+    def mixed_precision(self) -> bool | None:
+        """Whether the cost model prices bf16 mixed precision (`PRECISION_MIXED`; None: the device's default)."""
+        return PRECISION_MIXED[self.precision]
 
     @property
     def warmup_steps(self) -> int:
@@ -397,6 +420,12 @@ def build_config(values: dict[str, dict[str, Any]]) -> Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read a TOML config (or the defaults) and apply ``section.key=value`` overrides."""
+    return build_config(config_values(path, overrides))
+
+
+def config_values(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``{section: {key: value}}`` as a TOML config (or nothing) and ``section.key=value`` overrides set
+    them, not yet checked: what the job sets, apart from the defaults."""
     values: dict[str, dict[str, Any]] = {}
     if path is not None:
         p = Path(path)
@@ -413,16 +442,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not sep or not dot or not name:
             raise ConfigError(f"override {item!r}: expected --section.key=value, e.g. --train.steps=10")
         values.setdefault(section, {})[name] = value
-    return build_config(values)
+    return values
 
 
-def help_lines() -> list[str]:
-    """``section.key (default): help`` for every field, for ``harmonia train --help``."""
-    lines = []
+def config_fields() -> list[tuple[str, Any, str]]:
+    """``(section.key, default, help)`` of every field, in the order of the sections and their fields."""
+    out = []
     for section in fields(Config):
         cls = section.default_factory  # type: ignore[misc]
         for f in fields(cls):
             default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
-            lines.append(f"--{section.name}.{f.name}={default!r}: {f.metadata.get('help', '')}")
-    return lines
+            out.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
+    return out
+
+
+def field_help(name: str) -> str:
+    """The help of config field ``section.key``, e.g. ``parallel.cluster``."""
+    return next(text for key, _, text in config_fields() if key == name)
+
+
+def help_lines() -> list[str]:
+    """``section.key (default): help`` for every field, for ``harmonia train --help``."""
+    return [f"--{name}={default!r}: {text}" for name, default, text in config_fields()]
 

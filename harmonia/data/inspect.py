@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harmonia.data.formats import FORMATS
 from harmonia.data.loader import MultimodalDataset, build_tokenizer, checkpoint_preprocessors, open_dataset
 from harmonia.data.samples import LoadedSample
 
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("path", help="dataset file or directory (manifest, LLaVA JSON/JSONL, messages JSONL, tar "
                    "shards, mixture YAML/JSON)")
     p.add_argument("--json", default=None, help="write the report as JSON to this file")
-    p.add_argument("--format", default="auto", help="auto, harmonia, llava, messages or webdataset")
+    p.add_argument("--format", default="auto", help=", ".join(FORMATS[:-1]) + f" or {FORMATS[-1]}")
     p.add_argument("--model", default=None, help="MLLM preset or an HF checkpoint directory (its spec, tokenizer, "
                    "chat template and image processor), as `harmonia plan --model`; default tiny-omni")
     p.add_argument("--model-hf", default=None, help="an HF checkpoint directory (the older spelling of --model DIR)")

@@ -14,9 +14,8 @@ from pathlib import Path
 
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.model.spec import MLLMSpec
+from harmonia.schedule.generators import FAMILIES as SCHEDULES
 from harmonia.schedule.layout import Layout, Placement
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
 def parse_recompute(entries: list[str] | tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, float]]:

@@ -18,8 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
-"""The shapes after the warm-up: cosine or linear decay to the minimum, constant, or warm-up/stable/decay."""
+from harmonia.config import LR_SCHEDULES
 
 
 def warmup_lr(peak: float, step: int, warmup: int) -> float:

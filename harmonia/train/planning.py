@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from harmonia.config import Config
+from harmonia.config import PRECISION_MIXED, Config
 from harmonia.errors import ConfigError
 from harmonia.model.spec import MLLMSpec, ModuleTraining
 from harmonia.schedule.plan import Plan
@@ -25,7 +25,7 @@ from harmonia.workload.shapes import SampleShape
 
 def training_modes(config: Config) -> dict[str, str]:
     """Module -> ``frozen`` / ``lora`` from the config (every other module trains fully)."""
-    return {**{m: "frozen" for m in config.model.frozen}, **{m: "lora" for m in config.model.lora}}
+    return config.model.training_modes
 
 
 def model_spec(config: Config) -> MLLMSpec:
@@ -65,11 +65,6 @@ def _constraints(config: Config):
         return executor_limits(plan)
 
     return accept
-
-
-PRECISION_MIXED = {"auto": None, "bf16": True, "fp32": False}
-"""``train.precision`` -> whether the cost model prices bf16 mixed precision (None: the device
-kind's default, which ``auto`` runs: `harmonia.train.rank.build_rank_model`)."""
 
 
 def with_world_size(config: Config) -> Config:

@@ -22,7 +22,7 @@ ALLOWED.update({
     "errors": set(),
     "data": {"model", "workload"},
     "train": set(CHAIN[:-1]) | {"data", "config", "launch", "metrics"},
-    "config": {"model"},
+    "config": {"model", "schedule", "data"},
     "launch": set(CHAIN[:-1]),
     "metrics": set(),
     "cli": set(CHAIN) | {"data", "config", "launch", "metrics"},

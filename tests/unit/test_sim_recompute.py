@@ -126,10 +126,10 @@ def test_recompute_lowers_the_simulated_peak_and_the_estimate_bounds_it(setup, r
 
 
 def test_plan_that_fits_only_with_recompute_gets_it(tmp_path) -> None:
-    """internvl-8b with a 64-sample batch on 2 H100s: no layout fits without recompute."""
+    """internvl-8b, every module trained, with a 64-sample batch on 2 H100s: no layout fits without recompute."""
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "internvl-8b", "--cluster", "h100:1x2", "--trace", "synthetic:image=1",
-                 "--global-batch", "64", "--batches", "1", "--top", "3", "--json", str(out)]) == 0
+    assert main(["plan", "--model", "internvl-8b", "--frozen", "", "--cluster", "h100:1x2", "--trace",
+                 "synthetic:image=1", "--global-batch", "64", "--batches", "1", "--top", "3", "--json", str(out)]) == 0
     plan = Plan.load(out)
     assert "llm" in plan.recompute
     # and without it the same plan is over the device
