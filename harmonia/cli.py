@@ -424,7 +424,8 @@ def _train(config) -> int:
         return 0
     if result.records:
         console.print(summary_table(result.records, result.accuracy))
-        console.print(f"metrics.jsonl, TensorBoard events, timeline.png and summary.json in {config.log.dir}/",
+        events = "TensorBoard events, " if config.log.tensorboard else ""
+        console.print(f"metrics.jsonl, {events}timeline.png and summary.json in {config.log.dir}/",
                       markup=False)
     else:
         console.print(f"nothing to train: the checkpoint in {config.checkpoint.dir} is already at step "

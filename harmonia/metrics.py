@@ -86,7 +86,7 @@ class MetricsWriter:
         if not self.enabled:
             return
         if self._file is not None:
-            record = {"step": step, "time": time.time(), **values}
+            record = {"step": step, "time": time.time(), **values, "unix_time": time.time()}  # wall clock, unshadowed
             try:
                 self._file.write(json.dumps(record, default=float) + "\n")
                 self._file.flush()

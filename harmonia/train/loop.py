@@ -217,6 +217,7 @@ class Trainer:
         self.losses: list[float] = []
         self.first_step_at: float | None = None  # time.time() when this run's first step began
         self.exports = BackgroundExports(config.checkpoint.dir, config.checkpoint.export_every)
+        self.timeline: tuple | None = None  # rank 0: the measured step drawn beside its simulation, after training
 
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
@@ -260,6 +261,10 @@ class Trainer:
                 self.builder.close()
         if tc.steps > self.saved_step:
             self._save(tc.steps)
+        if self.timeline is not None:
+            step, actions, predicted, step_s, calibrated = self.timeline
+            best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions, predicted, step_s,
+                        calibrated=calibrated)
         self.exports.wait()
 
     def _steps(self, report, stops: StopSignals | None, progress, prefetch, calibration_step: int,
@@ -287,9 +292,8 @@ class Trainer:
                 actions, process_cpu = self._gather_actions(t0, step_cpu)
                 if step == calibration_step and self.rank == 0 and it.predicted is not None:
                     best_effort("calibration.json", self._calibrate, actions, process_cpu, it)
-                if step == timeline_step and self.rank == 0:
-                    best_effort("the timelines", write_timelines, Path(self.config.log.dir), step, actions,
-                                it.predicted, step_s, calibrated=it.calibrated)
+                if step == timeline_step and self.rank == 0:  # drawn after the last step, outside the window
+                    self.timeline = (step, actions, it.predicted, step_s, it.calibrated)
             if self.rank == 0:
                 counted = {} if not measured else {
                     "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],

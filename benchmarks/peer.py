@@ -1,0 +1,616 @@
+"""harmonia against transformers' `Trainer` on the same tiny LLaVA, the same data and the same schedule.
+
+transformers' ``Trainer`` is the engine under LLaMA-Factory, ms-swift and most fine-tuning scripts, so
+it is what a user of harmonia would otherwise run. Both sides here train the same checkpoint
+(`harmonia.train.tiny_llava.write_tiny_llava`: a ``LlavaForConditionalGeneration`` with a CLIP tower,
+a Llama text model, a ChatML template and a processor), vision tower frozen, projector and LLM
+trained, with AdamW at the same peak lr, warm-up steps, cosine decay to 0.1 x lr, gradient clipping
+at 1.0, global batch and number of steps, in fp32 on the CPU, on two datasets:
+
+- ``llava``: `harmonia.data.synth.write_synthetic_dataset` in LLaVA JSON (one image or none, one
+  question, a one-word answer: every sample about the same size);
+- ``varied``: LLaVA JSON records built here from the same tasks, half short (one image, one turn)
+  and half long (2-4 images, each in a turn of its own, and 2-6 text turns between them), so
+  sample lengths vary by about 5x and padding, packing and balancing matter.
+
+harmonia runs as a user runs it: ``harmonia train --config job.toml`` (``model.hf`` the checkpoint,
+``model.frozen = ["vision"]``, TensorBoard off, everything else its defaults, the plan its own
+search's); it saves a checkpoint at the end, which ``harmonia export`` turns into an HF directory.
+The Trainer runs as ``python benchmarks/peer.py --trainer-worker SETTINGS`` (two processes:
+torchrun, gloo DDP with transformers' defaults): ``from_pretrained``, the vision tower's
+``requires_grad`` off, every record rendered with the checkpoint's processor and chat template and
+labelled as harmonia labels it (every assistant turn's content and its end-of-turn token;
+`harmonia.data.chat`), padded per batch by a collator; no evaluation, saving or logging in the
+loop, ``dataloader_num_workers=0``, ``use_cpu=True``, ``save_model`` at the end. Its schedule is
+transformers' ``cosine_with_min_lr`` (``min_lr_rate=0.1``), which starts its warm-up at lr 0 where
+harmonia starts at ``lr / warmup``: the one difference of schedule.
+
+Measured per run, the same way for both (``OMP_NUM_THREADS`` set alike, cores // processes):
+
+- samples/s and tokens/s: samples and real (unpadded) LLM tokens, image tokens included, over the
+  wall-clock window from the first step's start to the last step's end on rank 0 (harmonia's own
+  ``summary.json`` throughput; on the Trainer's side a callback's clock and a hook on the model's
+  inputs);
+- start-up: from starting the command to the first step's start (harmonia: the first
+  ``metrics.jsonl`` record seen less its ``elapsed_s``; Trainer: the callback);
+- CPU-s/step: CPU seconds of the whole process tree, sampled from ``/proc`` every 0.1 s, between
+  the first and the last step's record, per step; CPU-s command: ``RUSAGE_CHILDREN`` over the
+  whole command (start-up and saving included);
+- peak RSS: the largest sum over the process tree of proportional resident memory (``Pss``: a page
+  shared by processes counted once), sampled every 0.1 s;
+- answer loss: mean cross-entropy per learned token on held-out records, computed by transformers
+  itself from the trained weights (harmonia's export, the Trainer's saved model) of the first run
+  of each tool and configuration (both train deterministically from the same seed).
+
+Every configuration runs ``--reps`` times, harmonia and the Trainer alternating (ABBA); the table
+shows medians, and every run is listed below it.
+
+    python benchmarks/peer.py [--quick] [--reps 2] [--steps 40] [--processes 1,2]
+        [--harmonia-set parallel.llm_pp=1 ...]
+
+The table goes to stdout and (without ``--quick``) to ``benchmarks/results/peer-<date>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE = "<image>"
+POLL_S = 0.1
+ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+# -- the varied dataset -----------------------------------------------------------------------------
+def write_varied_dataset(out: Path, n_train: int, n_heldout: int, seed: int = 0, tile: int = 32) -> Path:
+    """``out/{train,heldout}/llava.json`` and ``images/``: half short records (one image, one turn),
+    half long ones (2-4 images in turns of their own and 2-6 arithmetic turns, in random order).
+
+    Images and answers come from `harmonia.data.synth.make_sample` (colour and count tasks), so the
+    set is as learnable as the synthetic one; the same ``seed`` writes the same files.
+    """
+    import numpy as np
+
+    from harmonia.data.synth import make_sample
+
+    rng = np.random.default_rng(seed)
+    for split, n in (("heldout", n_heldout), ("train", n_train)):
+        (out / split / "images").mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i in range(n):
+            long = rng.random() < 0.5
+            n_images, n_text = (int(rng.integers(2, 5)), int(rng.integers(2, 7))) if long else (1, 0)
+            kinds = ["image"] * n_images + ["text"] * n_text
+            kinds = [kinds[j] for j in rng.permutation(len(kinds))]
+            conversations, images = [], []
+            for k, kind in enumerate(kinds):
+                if kind == "image":
+                    key = f"{split}{i:05d}-{k}"
+                    rec, files = make_sample(rng, key, str(rng.choice(["colour", "count"])), tile)
+                    for name, data in files.items():
+                        (out / split / "images" / name).write_bytes(data)
+                        images.append(f"images/{name}")
+                    question, answer = rec["prompt"], rec["answer"]
+                else:
+                    a, b = int(rng.integers(0, 5)), int(rng.integers(0, 5))
+                    question, answer = f"What is {a}+{b}?", str(a + b)
+                conversations += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+            rows.append({"id": f"{split}{i:05d}", "task": "long" if long else "short",
+                         "conversations": conversations, "image": images})
+        (out / split / "llava.json").write_text(json.dumps(rows, indent=1))
+    return out
+
+
+# -- transformers' inputs, labelled as harmonia labels them -----------------------------------------
+def chat_messages(conversations: list[dict]) -> list[dict]:
+    """Chat messages of a LLaVA conversation, each ``<image>`` an image part."""
+    msgs = []
+    for turn in conversations:
+        parts: list[dict] = []
+        for i, piece in enumerate(turn["value"].split(IMAGE)):
+            if i:
+                parts.append({"type": "image"})
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        msgs.append({"role": ROLES[turn["from"]], "content": parts})
+    return msgs
+
+
+def assistant_spans(processor, msgs: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and, per assistant turn, the characters from the end of the
+    rendering of the turns before it with the generation prompt to the end of its own rendering
+    (trailing whitespace dropped): its content and the end-of-turn token."""
+    text = processor.apply_chat_template(msgs)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            before = processor.apply_chat_template(msgs[:i], add_generation_prompt=True)
+            upto = processor.apply_chat_template(msgs[: i + 1])
+            spans.append((len(before), len(upto.rstrip())))
+    return text, spans
+
+
+def encode_row(processor, row: dict, root: Path) -> dict:
+    """One record as the processor makes it (``input_ids`` with each image's tokens, ``pixel_values``)
+    and ``labels``: the tokens overlapping an assistant span, image tokens never.
+
+    Raises:
+        ValueError: the labelled tokens are not the processor's tokens.
+    """
+    import torch
+    from PIL import Image
+
+    text, spans = assistant_spans(processor, chat_messages(row["conversations"]))
+    names = row.get("image") or []
+    names = names if isinstance(names, list) else [names]
+    images = [Image.open(root / n).convert("RGB") for n in names]
+    batch = processor(images=images or None, text=[text], return_tensors="pt")
+    want = batch["input_ids"][0].tolist()
+    tok = processor.tokenizer
+    image_id = tok.convert_tokens_to_ids(IMAGE)
+    per_image = want.count(image_id) // max(1, len(images))
+    enc = tok(text, return_offsets_mapping=True)
+    ids, labels = [], []
+    for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
+        if t == image_id:
+            ids += [t] * per_image
+            labels += [-100] * per_image
+        else:
+            ids.append(t)
+            labels.append(t if any(a < e and b > s for s, e in spans) else -100)
+    if ids != want:
+        raise ValueError(f"record {row.get('id')}: tokenising the rendered text does not give the processor's tokens")
+    out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
+    if images:
+        out["pixel_values"] = batch["pixel_values"]  # (n_images, 3, H, W)
+    return out
+
+
+def collate(features: list[dict], pad_id: int) -> dict:
+    """Right-pad a batch to its longest record; images of all records in order."""
+    import torch
+
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), longest), pad_id, dtype=torch.long)
+    labels = torch.full((len(features), longest), -100, dtype=torch.long)
+    mask = torch.zeros((len(features), longest), dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = f["input_ids"], f["labels"], 1
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    pixels = [f["pixel_values"] for f in features if "pixel_values" in f]
+    if pixels:
+        batch["pixel_values"] = torch.cat(pixels)
+    return batch
+
+
+def answer_loss(model_dir: Path, encoded: list[dict]) -> float:
+    """Cross-entropy per learned token over ``encoded`` records, by transformers' model from ``model_dir``."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in encoded:
+            inputs = {k: v.unsqueeze(0) if k != "pixel_values" else v for k, v in r.items() if k != "labels"}
+            logits = model(**inputs).logits[0, :-1]  # (T-1, vocab)
+            target = r["labels"][1:]
+            total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
+            count += int((target != -100).sum())
+    return total / max(count, 1)
+
+
+# -- the Trainer's side (run as its own process, or one per rank under torchrun) --------------------
+def trainer_worker(settings_path: str) -> None:
+    """Train with transformers' ``Trainer`` as ``settings`` say; rank 0 saves the model and every
+    rank writes its window, samples and tokens to ``out/rank-<r>.json``."""
+    import torch
+    from transformers import (AutoProcessor, LlavaForConditionalGeneration, Trainer, TrainerCallback,
+                              TrainingArguments)
+
+    s = json.loads(Path(settings_path).read_text())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    out = Path(s["out"])
+    model = LlavaForConditionalGeneration.from_pretrained(s["base"], dtype=torch.float32)
+    model.model.vision_tower.requires_grad_(False)
+    processor = AutoProcessor.from_pretrained(s["base"])
+    rows_path = Path(s["rows"])
+    dataset = [encode_row(processor, row, rows_path.parent) for row in json.loads(rows_path.read_text())]
+    seen = {"samples": 0, "tokens": 0, "padded": 0}
+
+    def count(_module, _args, kwargs):
+        seen["samples"] += int(kwargs["input_ids"].shape[0])
+        seen["tokens"] += int(kwargs["attention_mask"].sum())
+        seen["padded"] += int(kwargs["input_ids"].numel())
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
+
+    class Clock(TrainerCallback):
+        """Wall clock of the first step's start, of the training's end and of the time inside steps;
+        rank 0 writes one line per finished step to ``steps.jsonl`` (what the parent samples CPU
+        time against)."""
+
+        first = end = begun = None
+        in_steps = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            Clock.begun = time.time()
+            if Clock.first is None:
+                Clock.first = Clock.begun
+
+        def on_step_end(self, args, state, control, **kw):
+            Clock.in_steps += time.time() - Clock.begun
+            if rank == 0:
+                with open(out / "steps.jsonl", "a") as f:
+                    f.write(json.dumps({"step": state.global_step, "elapsed_s": time.time() - Clock.first}) + "\n")
+
+        def on_train_end(self, args, state, control, **kw):
+            Clock.end = time.time()
+
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"), max_steps=s["steps"], per_device_train_batch_size=s["global_batch"] // world,
+        learning_rate=s["lr"], warmup_steps=s["warmup"], lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]}, weight_decay=0.0, max_grad_norm=1.0,
+        seed=s["seed"], use_cpu=True, ddp_backend="gloo" if world > 1 else None, dataloader_num_workers=0,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        remove_unused_columns=False)
+    pad = processor.tokenizer.pad_token_id
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=lambda f: collate(f, pad),
+                      callbacks=[Clock()])
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    (out / f"rank-{rank}.json").write_text(json.dumps({
+        "first_step_at": Clock.first, "end_at": Clock.end, "in_steps_s": Clock.in_steps, **seen,
+        "trainable": trainable, "threads": torch.get_num_threads()}))
+
+
+# -- watching a command ------------------------------------------------------------------------------
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            kids.setdefault(int(fields[1]), []).append(int(d))
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def tree_cpu_s(pids: list[int]) -> float:
+    """User + system seconds of ``pids`` and of the children they have reaped."""
+    ticks = 0
+    for p in pids:
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += sum(int(x) for x in f[11:15])  # utime stime cutime cstime (fields 14-17)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def tree_pss_bytes(pids: list[int]) -> int:
+    """Summed proportional resident memory of ``pids``."""
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float = 900.0) -> dict:
+    """Run ``cmd`` and sample its process tree until it exits.
+
+    Returns:
+        ``started`` (time.time()), ``wall_s``, ``cpu_command_s`` (RUSAGE_CHILDREN), ``peak_bytes``
+        and ``marks``: lines of ``steps_file`` -> (time first seen, the tree's CPU seconds then).
+
+    Raises:
+        RuntimeError: the command failed or ran past ``timeout`` (its log's tail in the message).
+    """
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.time()
+    peak, marks, seen = 0, {}, 0
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            pids = process_tree(proc.pid)
+            peak = max(peak, tree_pss_bytes(pids))
+            n = _lines(steps_file)
+            if n != seen:
+                marks[n], seen = (time.time(), tree_cpu_s(pids)), n
+            if time.time() - started > timeout:
+                proc.kill()
+                proc.wait()
+                break
+            time.sleep(POLL_S)
+    wall = time.time() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{shlex.join(cmd)}: exit {proc.returncode} after {wall:.0f} s\n{tail}")
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {"started": started, "wall_s": wall, "cpu_command_s": cpu, "peak_bytes": peak, "marks": marks}
+
+
+def window_cpu_per_step(marks: dict[int, tuple[float, float]]) -> float | None:
+    """CPU seconds per step between the first and the last step record seen."""
+    if len(marks) < 2:
+        return None
+    lo, hi = min(marks), max(marks)
+    return (marks[hi][1] - marks[lo][1]) / (hi - lo)
+
+
+# -- one run of each tool --------------------------------------------------------------------------
+def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str], export: bool) -> dict:
+    """``harmonia train`` (then, with ``export``, ``harmonia export``); its numbers from ``summary.json``."""
+    from harmonia.plan.layout_text import describe_layouts
+    from harmonia.schedule.plan import Plan
+
+    sections = {
+        "model": {"hf": s["base"], "frozen": ["vision"]},
+        "data": {"path": s["rows"]},
+        "parallel": {"world_size": procs},
+        "train": {"steps": s["steps"], "global_batch": s["global_batch"], "lr": s["lr"], "warmup": s["warmup"],
+                  "lr_schedule": "cosine", "min_lr_ratio": s["min_lr_ratio"], "max_norm": 1.0, "seed": s["seed"]},
+        "checkpoint": {"dir": str(work / "checkpoints")},
+        "log": {"dir": str(work / "run"), "tensorboard": False},
+    }
+    job = work / "job.toml"
+    job.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()) + "\n"
+                           for name, keys in sections.items()))
+    cmd = [sys.executable, "-m", "harmonia", "train", "--config", str(job), *(f"--{o}" for o in overrides)]
+    w = watch(cmd, env, work / "train.log", work / "run" / "metrics.jsonl")
+    summary = json.loads((work / "run" / "summary.json").read_text())
+    records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    n_first = min(w["marks"]) if w["marks"] else None
+    first_step_at = w["marks"][n_first][0] - records[n_first - 1]["elapsed_s"] if n_first else None
+    if export:
+        subprocess.run([sys.executable, "-m", "harmonia", "export", "--checkpoint", str(work / "checkpoints"),
+                        "--out", str(work / "export")], cwd=ROOT, env=env, check=True, capture_output=True)
+    t = summary["throughput"]
+    plan = Plan.from_json(json.dumps(summary["plan"]))
+    gaps = [b["elapsed_s"] - a["elapsed_s"] - b["step_s"] for a, b in zip(records, records[1:])]
+    return {"samples_per_s": t["samples_per_s"], "tokens_per_s": t["tokens_per_s"], "tokens": t["tokens"],
+            "samples": t["samples"], "startup_s": first_step_at - w["started"] if first_step_at else None,
+            "cpu_step_s": window_cpu_per_step(w["marks"]), "cpu_command_s": w["cpu_command_s"],
+            "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"], "model": work / "export",
+            "phases": summary.get("startup") or {},
+            "outside_steps_s": t["elapsed_s"] - sum(r["step_s"] for r in records),
+            "largest_gap": max(((g, b["step"]) for g, b in zip(gaps, records[1:])), default=None),
+            "plan": f"{describe_layouts(plan.layouts)}; {plan.schedule}, {plan.n_microbatches} microbatches"}
+
+
+def run_trainer(s: dict, procs: int, work: Path, env: dict) -> dict:
+    """The Trainer worker on one process, or on ``procs`` under torchrun."""
+    settings = work / "settings.json"
+    settings.write_text(json.dumps({**s, "out": str(work)}))
+    script = [str(Path(__file__).resolve()), "--trainer-worker", str(settings)]
+    cmd = ([sys.executable, *script] if procs == 1 else
+           [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *script])
+    w = watch(cmd, env, work / "train.log", work / "steps.jsonl")
+    ranks = [json.loads((work / f"rank-{r}.json").read_text()) for r in range(procs)]
+    window = ranks[0]["end_at"] - ranks[0]["first_step_at"]
+    samples, tokens = sum(r["samples"] for r in ranks), sum(r["tokens"] for r in ranks)
+    return {"samples_per_s": samples / window, "tokens_per_s": tokens / window, "tokens": tokens, "samples": samples,
+            "startup_s": ranks[0]["first_step_at"] - w["started"], "cpu_step_s": window_cpu_per_step(w["marks"]),
+            "cpu_command_s": w["cpu_command_s"], "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"],
+            "model": work / "model", "outside_steps_s": window - ranks[0]["in_steps_s"],
+            "padding": 1 - tokens / max(1, sum(r["padded"] for r in ranks)),
+            "trainable": ranks[0]["trainable"], "threads": ranks[0]["threads"]}
+
+
+# -- the table -------------------------------------------------------------------------------------
+COLUMNS = {  # key -> (header, format)
+    "samples_per_s": ("samples/s", "{:.1f}"), "tokens_per_s": ("tokens/s", "{:.0f}"),
+    "startup_s": ("start-up s", "{:.1f}"), "cpu_step_s": ("CPU-s/step", "{:.3f}"),
+    "cpu_command_s": ("CPU-s command", "{:.1f}"), "peak_mib": ("peak RSS MiB", "{:.0f}"),
+    "loss": ("answer loss", "{:.3f}"), "command_s": ("command s", "{:.1f}"),
+}
+
+
+LEGEND = ("samples/s, tokens/s: rank 0's wall-clock window from the first step's start to the last step's end; "
+          "tokens: real LLM tokens (image tokens included, no padding). start-up: command start to the first step. "
+          "CPU-s/step: the process tree's CPU between the first and the last step record, per step; CPU-s command: "
+          "the whole command. peak RSS: the process tree's summed Pss. answer loss: transformers' cross-entropy per "
+          "learned token on the held-out records (first run of each). command s: the training command end to end "
+          "(harmonia's export not included).")
+
+
+def _median(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def build_table(results: dict, datasets: list[str], processes: list[int], threads: dict[int, int]):
+    from rich.table import Table
+
+    table = Table(title="harmonia vs transformers' Trainer: median over runs; ratio = harmonia / Trainer")
+    for col in ("dataset", "processes", "tool", *(h for h, _ in COLUMNS.values())):
+        table.add_column(col, justify="left" if col in ("dataset", "tool") else "right")
+    for name in datasets:
+        for p in processes:
+            med = {tool: {k: _median(results[name, p, tool], k) for k in COLUMNS} for tool in ("harmonia", "Trainer")}
+            for tool in ("harmonia", "Trainer"):
+                table.add_row(name, f"{p} (OMP {threads[p]})", tool,
+                              *(_cell(med[tool][k], fmt) for k, (_, fmt) in COLUMNS.items()))
+            ratio = {k: med["harmonia"][k] / med["Trainer"][k] if med["harmonia"][k] is not None
+                     and med["Trainer"][k] else None for k in COLUMNS}
+            table.add_row(name, str(p), "[bold]ratio[/bold]", *(_cell(ratio[k], "{:.2f}x") for k in COLUMNS),
+                          end_section=True)
+    return table
+
+
+def run_lines(results: dict) -> list[str]:
+    """Every run's numbers, and what each side reported about itself."""
+    lines = []
+    for (name, p, tool), runs in results.items():
+        for i, r in enumerate(runs):
+            vals = ", ".join(f"{COLUMNS[k][0]} {_cell(r.get(k), COLUMNS[k][1])}" for k in COLUMNS)
+            extra = (f"; {r['tokens'] / r['samples']:.1f} tokens/sample; {r['outside_steps_s']:.2f} s of the window "
+                     "outside the steps")
+            if tool == "harmonia":
+                gap, at = r["largest_gap"] or (0.0, None)
+                phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+                before = r["startup_s"] - sum(r["phases"].values()) if r["startup_s"] is not None else None
+                extra += (f" (the longest {gap:.2f} s, before step {at}'s record); plan {r['plan']}; start-up phases "
+                          f"(s): not in them (interpreter, imports, config) {_cell(before, '{:.2f}')}, {phases}")
+            else:
+                extra += (f"; padding {r['padding']:.0%} of batch tokens; {r['trainable']:,} trainable parameters; "
+                          f"{r['threads']} threads")
+            lines.append(f"{name} {p}p {tool} run {i + 1}: {vals}{extra}")
+    return lines
+
+
+# -- main ------------------------------------------------------------------------------------------
+def prepare(tmp: Path, n_train: int, n_heldout: int) -> tuple[Path, dict[str, Path]]:
+    """The checkpoint and each dataset's directory (``train/llava.json``, ``heldout/llava.json``)."""
+    from harmonia.data.synth import write_synthetic_dataset
+    from harmonia.train.tiny_llava import write_tiny_llava
+
+    base = write_tiny_llava(tmp / "base")
+    n = n_train + n_heldout
+    llava = write_synthetic_dataset(tmp / "llava", n, seed=0, heldout=n_heldout / n, tile=32, fmt="llava")
+    varied = write_varied_dataset(tmp / "varied", n_train, n_heldout, seed=0, tile=32)
+    return base, {"llava": llava, "varied": varied}
+
+
+def run_dataset(a: argparse.Namespace, name: str, base: Path, root: Path, work: Path, console) -> dict:
+    """Every process count's runs on one dataset, the tools alternating (ABBA); the first run of each
+    tool scored by transformers on the held-out records (both tools train deterministically from the
+    same seed). Returns (dataset, processes, tool) -> runs."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(base)
+    heldout_path = root / "heldout" / "llava.json"
+    heldout = [encode_row(processor, row, heldout_path.parent) for row in json.loads(heldout_path.read_text())]
+    console.print(f"{name}: answer loss of the initial checkpoint {answer_loss(base, heldout):.3f}", highlight=False)
+    s = {"base": str(base), "rows": str(root / "train" / "llava.json"), "steps": a.steps,
+         "global_batch": a.global_batch, "lr": a.lr, "warmup": a.warmup, "min_lr_ratio": 0.1, "seed": 0}
+    results: dict[tuple[str, int, str], list[dict]] = {}
+    for procs in a.processes:
+        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads[procs]), "HF_HUB_OFFLINE": "1"}
+        for rep in range(a.reps):
+            for tool in (("harmonia", "Trainer") if rep % 2 == 0 else ("Trainer", "harmonia")):
+                run_dir = work / f"{name}-{procs}p-{tool}-{rep}"
+                run_dir.mkdir(parents=True)
+                r = (run_harmonia(s, procs, run_dir, env, a.harmonia_set, export=rep == 0) if tool == "harmonia"
+                     else run_trainer(s, procs, run_dir, env))
+                r["loss"] = answer_loss(r["model"], heldout) if rep == 0 else None
+                results.setdefault((name, procs, tool), []).append(r)
+                console.print(f"{name} {procs}p {tool} run {rep + 1}: {r['samples_per_s']:.1f} samples/s, start-up "
+                              f"{_cell(r['startup_s'], '{:.1f}')} s, answer loss {_cell(r['loss'], '{:.3f}')}",
+                              highlight=False)
+    return results
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="6 steps, one run each, 8 held-out records; nothing saved")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40; --quick 6)")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per step over all processes")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 4; --quick 2)")
+    p.add_argument("--samples", type=int, default=160, help="training records per dataset")
+    p.add_argument("--heldout", type=int, default=None, help="held-out records for the answer loss (default 24)")
+    p.add_argument("--reps", type=int, default=None, help="runs per configuration and tool (default 2; --quick 1)")
+    p.add_argument("--processes", default="1,2", help="process counts, comma-separated")
+    p.add_argument("--datasets", default="llava,varied", help="llava and/or varied, comma-separated")
+    p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (0 = cores // processes)")
+    p.add_argument("--harmonia-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a config override for every harmonia run (repeatable), e.g. parallel.llm_pp=1")
+    p.add_argument("--keep", default=None, help="keep the checkpoint, data and run directories here")
+    p.add_argument("--trainer-worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.steps = a.steps or (6 if a.quick else 40)
+    a.warmup = a.warmup if a.warmup is not None else (2 if a.quick else 4)
+    a.reps = a.reps or (1 if a.quick else 2)
+    a.heldout = a.heldout or (8 if a.quick else 24)
+    a.processes = [int(x) for x in a.processes.split(",")]
+    a.datasets = a.datasets.split(",")
+    unknown = set(a.datasets) - {"llava", "varied"}
+    if unknown:
+        p.error(f"unknown datasets {sorted(unknown)}: expected llava and/or varied")
+    a.threads = {n: a.threads or max(1, (os.cpu_count() or 1) // n) for n in a.processes}
+    return a
+
+
+def main() -> int:
+    a = parse_args()
+    if a.trainer_worker:
+        trainer_worker(a.trainer_worker)
+        return 0
+    import torch
+    import transformers
+    from rich.console import Console
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    console = Console(record=True, width=170)
+    console.print(f"$ {shlex.join(['python', 'benchmarks/peer.py', *sys.argv[1:]])}", highlight=False)
+    console.print(f"harmonia vs transformers' Trainer on a tiny LLaVA (CLIP 3x32 + Llama 4x64, vision frozen), "
+                  f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers "
+                  f"{transformers.__version__}, fp32, gloo", highlight=False)
+    console.print(f"{a.steps} steps, global batch {a.global_batch}, AdamW lr {a.lr:g}, {a.warmup} warm-up steps, "
+                  f"cosine to 0.1 x lr, clip 1.0, seed 0; {a.samples} training and {a.heldout} held-out records per "
+                  f"dataset; {a.reps} run(s) per tool and configuration, alternating; OMP_NUM_THREADS "
+                  f"{', '.join(f'{t} at {n} process(es)' for n, t in a.threads.items())}, for both tools"
+                  + (f"; harmonia overrides: {' '.join(a.harmonia_set)}" if a.harmonia_set else ""), highlight=False)
+    with tempfile.TemporaryDirectory(prefix="harmonia-peer-") as scratch:
+        tmp = Path(a.keep or scratch)
+        tmp.mkdir(parents=True, exist_ok=True)
+        base, dirs = prepare(tmp, a.samples, a.heldout)
+        results = {}
+        for name in a.datasets:
+            results.update(run_dataset(a, name, base, dirs[name], tmp / "runs", console))
+    console.print(build_table(results, a.datasets, a.processes, a.threads))
+    for line in run_lines(results):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(LEGEND, highlight=False)
+    if not a.quick:
+        from saved import save_table
+
+        save_table(console, "peer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
