@@ -201,16 +201,19 @@ def _rank_states(cost: CostModel, plan: Plan) -> tuple[dict[int, dict[str, float
         reshard = cost.reshards(layout)
         ranks = layout.rank_list()
         per = layout.size // layout.pp
+        states, gathered = [0.0] * layout.pp, [0.0] * layout.pp  # per pipeline rank: its chunks, their largest block
         for chunk in range(layout.n_stages):
             start, stop = stage_layer_range(cost, plan, module, chunk)
             nbytes = cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
             if module != "llm" and chunk == layout.n_stages - 1:
                 nbytes += cost.state_bytes(f"{module}_proj")  # held whole: no TP, no FSDP
             held = cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else 0.0
-            pp_rank = chunk % layout.pp
+            states[chunk % layout.pp] += nbytes
+            gathered[chunk % layout.pp] = max(gathered[chunk % layout.pp], held)
+        for pp_rank in range(layout.pp):
+            nbytes, held = states[pp_rank], gathered[pp_rank]
             for rank in ranks[pp_rank * per:(pp_rank + 1) * per]:
-                mine = out.setdefault(rank, {})
-                mine[module] = mine.get(module, 0.0) + nbytes
+                out.setdefault(rank, {})[module] = nbytes
                 transient[rank] = max(transient.get(rank, 0.0), held)
     return out, transient
 

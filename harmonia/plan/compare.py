@@ -98,18 +98,25 @@ def score_plan(run: ScenarioRun, plan: Plan, recipe: str = "harmonia") -> Recipe
 def averages(run: ScenarioRun, cand: Candidate) -> RecipeResult:
     """A candidate simulated on the scenario's ``iterations`` batches: mean iteration time, bubble,
     MFU (FLOPs under the attention mask, as executed), samples and LLM tokens per second, and the
-    peak bytes of the busiest rank (states of its stages plus its activation peak)."""
-    timelines = [run.timeline(cand, k) for k in range(run.scenario.iterations)]
-    iteration = float(np.mean([t.iteration_s for t in timelines]))
-    tokens = float(np.mean([run.tokens[run.profile.batches[k]].sum() for k in range(run.scenario.iterations)]))
+    peak bytes of the busiest rank (states of its stages plus its activation peak). Only the first
+    iteration's timeline is kept (for its chart); the others leave their numbers."""
     states = state_bytes_per_rank(run.cost, cand.plan)
-    peak = max(states.get(r, 0.0) + t.peak_mem.get(r, 0.0) for t in timelines for r in states)
     flops = run.cluster.device.peak_flops
+    first, seconds, bubbles, mfus, peak = None, [], [], [], 0.0
+    for k in range(run.scenario.iterations):
+        t = run.timeline(cand, k)
+        if first is None:
+            first = t
+        seconds.append(t.iteration_s)
+        bubbles.append(t.bubble_frac)
+        mfus.append(t.mfu(flops, run.cluster.units_of(t.ranks)))
+        peak = max(peak, max((states.get(r, 0.0) + t.peak_mem.get(r, 0.0) for r in states), default=0.0))
+    iteration = float(np.mean(seconds))
+    tokens = float(np.mean([run.tokens[run.profile.batches[k]].sum() for k in range(run.scenario.iterations)]))
     return RecipeResult(
-        cand.recipe, cand, iteration, float(np.mean([t.bubble_frac for t in timelines])),
-        float(np.mean([t.mfu(flops, run.cluster.units_of(t.ranks)) for t in timelines])),
+        cand.recipe, cand, iteration, float(np.mean(bubbles)), float(np.mean(mfus)),
         run.scenario.global_batch / iteration,
-        timeline=timelines[0], tokens_per_s=tokens / iteration, peak_bytes=peak,
+        timeline=first, tokens_per_s=tokens / iteration, peak_bytes=peak,
     )
 
 

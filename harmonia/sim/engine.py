@@ -14,8 +14,8 @@ schedule deadlocks; the error lists what each rank waits for.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -57,22 +57,64 @@ class Task:
 class Timeline:
     """Result of a replay.
 
+    A replay may run each group of ranks in lockstep once (`harmonia.sim.lockstep`): ``replayed``
+    then holds one representative's tasks per group, ``copies`` the other ranks of its group, and
+    ``tasks``, ``start`` and ``end`` list every rank's tasks (the representatives' copied to their
+    groups, built on first use). Per-rank results (``busy_s``, ``peak_mem``) cover every rank.
+
     Attributes:
-        tasks: the replayed tasks.
-        start, end: per-task times (seconds), arrays aligned with ``tasks``.
-        ranks: rank ids in row order.
+        replayed: the replayed tasks.
+        replayed_start, replayed_end: their times (seconds), arrays aligned with ``replayed``.
+        ranks: rank ids in row order (every rank, copies included).
         iteration_s: time from 0 until the last task (compute or communication) ends.
         busy_s: per-rank compute-busy seconds.
         peak_mem: per-rank peak of activation bytes.
+        copies: replayed rank -> the other ranks that run its tasks at the same times.
+        copy_task: a replayed task as the given rank of its group runs it (default: the same task
+            on that rank); its copies keep no dependencies.
     """
 
-    tasks: list[Task]
-    start: np.ndarray
-    end: np.ndarray
+    replayed: list[Task]
+    replayed_start: np.ndarray
+    replayed_end: np.ndarray
     ranks: list[int]
     iteration_s: float
     busy_s: dict[int, float]
     peak_mem: dict[int, float]
+    copies: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    copy_task: Callable[[Task, int], Task] | None = field(default=None, repr=False, compare=False)
+    _every: tuple[list[Task], np.ndarray, np.ndarray] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
+
+    @property
+    def tasks(self) -> list[Task]:
+        """Every rank's tasks: the replayed ones, then their copies on the other ranks of each group."""
+        return self._expanded()[0]
+
+    @property
+    def start(self) -> np.ndarray:
+        return self._expanded()[1]
+
+    @property
+    def end(self) -> np.ndarray:
+        return self._expanded()[2]
+
+    def _expanded(self) -> tuple[list[Task], np.ndarray, np.ndarray]:
+        if not self.copies:
+            return self.replayed, self.replayed_start, self.replayed_end
+        if self._every is None:
+            copy = self.copy_task or (lambda t, r: replace(t, rank=r, deps=[]))
+            tasks, at = list(self.replayed), list(range(len(self.replayed)))
+            for i, t in enumerate(self.replayed):
+                for r in self.copies.get(t.rank, ()):
+                    tasks.append(copy(t, r))
+                    at.append(i)
+            self._every = tasks, self.replayed_start[at], self.replayed_end[at]
+        return self._every
+
+    def weight(self, task: Task) -> int:
+        """How many ranks run a replayed task (its rank and the copies)."""
+        return 1 + len(self.copies.get(task.rank, ())) if self.copies else 1
 
     @property
     def bubble_frac(self) -> float:
@@ -87,15 +129,15 @@ class Timeline:
     def mfu(self, peak_flops: float, devices: int | None = None) -> float:
         """Useful FLOPs per second over the peak of ``devices`` (default: a device per rank; where
         ranks share cores, the cores: `ClusterSpec.compute_units`)."""
-        flops = sum(t.flops for t in self.tasks)
+        flops = sum(t.flops * self.weight(t) for t in self.replayed)
         n = devices if devices is not None else len(self.ranks)
         return flops / (self.iteration_s * peak_flops * n) if self.iteration_s else 0.0
 
     def module_seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
-        for t in self.tasks:
+        for t in self.replayed:
             if t.kind != "C":
-                out[t.module] = out.get(t.module, 0.0) + t.duration
+                out[t.module] = out.get(t.module, 0.0) + t.duration * self.weight(t)
         return out
 
 

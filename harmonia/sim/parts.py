@@ -24,14 +24,13 @@ simulation, and the column's time is a lower bound on the part's, at the cost of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from harmonia.schedule.graph import LLM, IterationSchedule
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.rank_actions import plan_rank_actions
-from harmonia.schedule.stagework import IterationWork, stage_ranks
+from harmonia.schedule.stagework import IterationWork
 from harmonia.sim.engine import Timeline
-from harmonia.sim.tasks import build_tasks, replay_on
+from harmonia.sim.tasks import simulate_ranks
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
@@ -40,32 +39,34 @@ def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork,
                       busy: Mapping[int, float] | None = None) -> list[tuple[int, ...]]:
     """The iteration's parts (see the module docstring), each its ranks in order; the parts ordered
     by their busiest rank's seconds in ``busy``, most first (default: by their first rank)."""
-    parent: dict[int, int] = {}
+    parent: dict[tuple[str, int], tuple[str, int]] = {}  # over module replicas: a rank joins those it holds
 
-    def root(r: int) -> int:
-        while parent.setdefault(r, r) != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
+    def root(x: tuple[str, int]) -> tuple[str, int]:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
 
-    def join(ranks: Iterable[int]) -> None:
-        ranks = iter(ranks)
-        first = root(next(ranks))
-        for r in ranks:
-            parent[root(r)] = first
+    def join(a: tuple[str, int], b: tuple[str, int]) -> None:
+        parent[root(b)] = root(a)
 
+    held: dict[int, tuple[str, int]] = {}  # rank -> the first replica it holds
     for module, layout in plan.layouts.items():
-        for d in range(layout.dp):
-            join(r for c in range(layout.n_stages) for r in stage_ranks(plan, module, d, c))
+        group = layout.cp * layout.tp  # ranks are in grid order (pp, dp, cp, tp)
+        for i, r in enumerate(layout.rank_list()):
+            mine = (module, i // group % layout.dp)
+            if r in held:
+                join(held[r], mine)
+            else:
+                held[r] = root(mine)
         if cost.reshards(layout):  # its DP groups run each gathered phase in lockstep
-            for c in range(layout.n_stages):
-                join(r for d in range(layout.dp) for r in stage_ranks(plan, module, d, c))
+            for d in range(1, layout.dp):
+                join((module, 0), (module, d))
     for enc, e, d in {(enc, e, d) for enc, e, d, _ in iw.boundary_bytes}:  # every microbatch alike
-        last = plan.layouts[enc].n_stages - 1
-        join((stage_ranks(plan, enc, e, last)[0], stage_ranks(plan, LLM, d, 0)[0]))
-    parts: dict[int, list[int]] = {}
-    for r in sorted(parent):
-        parts.setdefault(root(r), []).append(r)
+        join((enc, e), (LLM, d))
+    parts: dict[tuple[str, int], list[int]] = {}
+    for r in sorted(held):
+        parts.setdefault(root(held[r]), []).append(r)
     out = [tuple(p) for p in parts.values()]
     if busy is not None:
         out.sort(key=lambda p: -max(busy.get(r, 0.0) for r in p))
@@ -97,10 +98,10 @@ def busiest_column(plan: Plan, part: tuple[int, ...], busy: Mapping[int, float])
 
 
 def simulate_part(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork, schedule: IterationSchedule,
-                  ranks: tuple[int, ...], closed: bool = True) -> Timeline:
+                  ranks: tuple[int, ...], closed: bool = True, lockstep: bool = True) -> Timeline:
     """One part of the iteration of ``schedule``: the action lists of ``ranks`` timed as
-    `harmonia.sim.tasks.simulate_schedule` times every rank's (the same start and end per task).
-    ``closed=False``: ``ranks`` are some of a part's (`busiest_column`), their messages from other
-    ranks taken as arrived at the start; every task starts no later than in the whole simulation."""
-    actions = plan_rank_actions(plan.layouts, schedule, ranks)
-    return replay_on(cluster, cost, *build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed))
+    `harmonia.sim.tasks.simulate_schedule` times every rank's (the same start and end per task),
+    each group of ranks in lockstep replayed once where ``lockstep``. ``closed=False``: ``ranks``
+    are some of a part's (`busiest_column`), their messages from other ranks taken as arrived at
+    the start; every task starts no later than in the whole simulation."""
+    return simulate_ranks(plan, cost, cluster, iw, schedule, ranks, closed, lockstep)

@@ -43,19 +43,23 @@ peak from its order alone).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable
+import gc
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 
 from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.encoder_slots import llm_group
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.rank_actions import plan_rank_actions
+from harmonia.schedule.rank_actions import plan_rank_actions, rank_compute_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, first_forward_gather, fsdp_gather_s,
-                                      grad_reduce_s, p2p_s, reduce_exposed_s, reduces_in_backward, step_gathers)
+                                      grad_reduce_s, p2p_s, reduce_exposed_s, reduces_in_backward, stage_group,
+                                      step_gathers)
 from harmonia.sim.engine import Task, Timeline, replay
+from harmonia.sim.lockstep import lockstep_groups, stand_ins, with_copies
 from harmonia.sim.shared import replay_shared
 from harmonia.sim.memory import phase, unit_memory
 from harmonia.workload.cost import CostModel
@@ -69,7 +73,7 @@ def collective_extra(plan: Plan, cost: CostModel, key: StageKey, work: Microbatc
     collectives take (`_stage_collectives`) and one FSDP gather price per stage chunk."""
     entry = cache.get(key)
     if entry is None:
-        entry = cache[key] = _stage_collectives(plan, cost, key, cluster)
+        entry = cache[key] = _stage_collectives(plan, cost, key, cluster, cache)
     tp_form, cp_form, reshards, again = entry
     fsdp_gather = reshards and kind in ("F", "B", "BW")
     if kind == "W" or not (tp_form or cp_form or fsdp_gather):
@@ -110,25 +114,31 @@ def overlapped_extra(comm: float, compute: float, slowdown: float) -> float:
     return max(comm - compute, comm * slowdown / (1 + slowdown)) if comm > 0 else 0.0
 
 
-def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: ClusterSpec) -> tuple:
+def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: ClusterSpec, cache: dict) -> tuple:
     """What `collective_extra` prices a replica's stage chunk's phases with: the factors of its TP
     all-reduces (`tp_allreduce_s`; None without TP) and CP K/V all-gathers (`cp_kv_gather_s`;
     None without CP) per token, whether it reshards per microbatch, and the share of its blocks
-    recomputed."""
+    recomputed. A replica's chunk differs from another's only in its groups' bandwidths: ``cache``
+    keeps one entry per chunk and bandwidths."""
     layout = plan.layouts[key.module]
     ranks = stage_ranks(plan, key.module, key.replica, key.stage)
+    tp_bw = cluster.group_bandwidth(ranks[: layout.tp]) if layout.tp > 1 else None
+    cp_bw = cluster.group_bandwidth(ranks[:: layout.tp]) if layout.cp > 1 else None
+    shared = ("collectives", key.module, key.stage, tp_bw, cp_bw)
+    if shared in cache:
+        return cache[shared]
     blocks = chunk_blocks(cost, layout, key.module, key.stage)
     tp_form = cp_form = None
     if layout.tp > 1:
         n = layout.tp
         hidden = cost.mllm.llm.hidden if key.module == "llm" else cost.mllm.encoders[key.module].out_dim
-        tp_form = (layout.cp, hidden, cost.act_bytes, 2 * (n - 1) / n, cluster.group_bandwidth(ranks[: n]),
+        tp_form = (layout.cp, hidden, cost.act_bytes, 2 * (n - 1) / n, tp_bw,
                    1 * 2 * (n - 1) * cluster.device.latency_s, 2 * blocks)
     if layout.cp > 1:
         spec = cost.mllm.llm.body if key.module == "llm" else cost.mllm.encoders[key.module].body
-        cp_form = (spec.kv_dim, cost.act_bytes, layout.tp, blocks * (layout.cp - 1) / layout.cp,
-                   cluster.group_bandwidth(ranks[:: layout.tp]))
-    return tp_form, cp_form, cost.reshards(layout), plan.recompute_share(key.module)
+        cp_form = (spec.kv_dim, cost.act_bytes, layout.tp, blocks * (layout.cp - 1) / layout.cp, cp_bw)
+    cache[shared] = tp_form, cp_form, cost.reshards(layout), plan.recompute_share(key.module)
+    return cache[shared]
 
 
 def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
@@ -138,31 +148,37 @@ def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
 
 
 _COMPUTE = frozenset(k for k in Kind if k.is_compute)
+_TEXT = {k: k.value for k in Kind}
 
 
 class _Builder:
     """Tasks of every rank's actions, and the receives' dependencies once every send exists."""
 
     def __init__(self, plan: Plan, cost: CostModel, iw: IterationWork, graph: StageGraph,
-                 cluster: ClusterSpec) -> None:
+                 cluster: ClusterSpec, stand_in: Mapping[int, int] | None = None) -> None:
         self.plan, self.cost, self.iw, self.graph, self.cluster = plan, cost, iw, graph, cluster
+        self.stand_in = stand_in or {}  # rank -> the representative replayed for it (`harmonia.sim.lockstep`)
         self.tasks: list[Task] = []
-        self.sends: dict[tuple[int, Action], int] = {}
+        self.sends: dict[tuple, int] = {}  # (rank, module, stage, kind, microbatch, sub, peer stage, peer's stand-in)
         self.recvs: list[tuple[int, int, Action]] = []  # (task, rank, action)
         self.gathers: dict = {}
         self.last_compute: dict[int, int] = {}  # rank -> its latest compute task
-        self.replicas: dict[tuple[str, int], int] = {}
+        self.replicas: dict[tuple[str, int], dict[str, int]] = {}  # (module, rank) -> its coordinates
         self.reductions: dict[tuple, float] = {}  # (module, chunk, cp, tp) -> one DP group's reduction
         self.first_rank: dict[tuple[str, int, int], int] = {}  # a replica's stage chunk -> its first rank
+        self.crossing: tuple[dict, dict] | None = None  # `_crossing` of the stage work, on first use
         self.phases: dict[tuple[str, int, Kind], tuple[str, bool, bool]] = {}
         self.units: dict[tuple, tuple[str, float, float, float, float]] = {}  # one phase of a unit, timed
         self.gathering: dict[tuple[int, str, int], int] = {}  # (rank, module, chunk) -> its gather's task
         self.in_backward: dict[str, bool] = {}  # module -> whether it reduces inside its last backward
 
     def replica(self, module: str, rank: int) -> int:
+        return self.coords(module, rank)["dp"]
+
+    def coords(self, module: str, rank: int) -> dict[str, int]:
         key = (module, rank)
         if key not in self.replicas:
-            self.replicas[key] = self.plan.layouts[module].coords(rank)["dp"]
+            self.replicas[key] = self.plan.layouts[module].coords(rank)
         return self.replicas[key]
 
     def first(self, module: str, replica: int, chunk: int) -> int:
@@ -173,15 +189,15 @@ class _Builder:
         return self.first_rank[key]
 
     def add(self, rank: int, a: Action) -> int:
-        i = len(self.tasks)
-        if a.kind in _COMPUTE:
+        i, kind = len(self.tasks), a.kind
+        if kind in _COMPUTE:
             task = self._compute(rank, a)
             self.tasks.append(task)
             self.last_compute[rank] = i
             if self.gathering and task.duration > 0 and (rank, a.module, a.stage) in self.gathering:
                 self._wait_for_gather(task, self.gathering.pop((rank, a.module, a.stage)))
-        elif a.kind is Kind.REDUCE:  # after the chunk's last backward, the compute action before it
-            me = self.plan.layouts[a.module].coords(rank)
+        elif kind is Kind.REDUCE:  # after the chunk's last backward, the compute action before it
+            me = self.coords(a.module, rank)
             group = (a.module, a.stage, me["cp"], me["tp"])
             if group not in self.reductions:
                 self.reductions[group] = grad_reduce_s(self.cost, self.cluster, self.plan, *group)
@@ -190,9 +206,10 @@ class _Builder:
             delay = self._overlapped_reduce(last, a, seconds, me) if seconds > 0 else 0.0
             self.tasks.append(Task(str(a), rank, seconds, [(self.last_compute[rank], delay)], a.module, "C", action=a))
         else:
-            self.tasks.append(Task(str(a), rank, 0.0, [], a.module, a.kind.value, action=a))
-            if a.kind.is_send:
-                self.sends[(rank, a)] = i
+            self.tasks.append(Task(str(a), rank, 0.0, [], a.module, _TEXT[kind], action=a))
+            if kind is Kind.SEND_F or kind is Kind.SEND_B:
+                to = a.peer_rank if a.peer_rank is None else self.stand_in.get(a.peer_rank, a.peer_rank)
+                self.sends[(rank, a.module, a.stage, kind, a.microbatch, a.sub, a.peer, to)] = i
             else:
                 self.recvs.append((i, rank, a))
         return i
@@ -260,37 +277,58 @@ class _Builder:
 
     def link_receives(self, closed: bool) -> None:
         """Make every receive wait for its messages; where not ``closed``, a message from a rank
-        whose tasks are not built is taken as arrived at the start."""
-        sends = self.sends
+        whose tasks are not built is taken as arrived at the start. A message from a rank that a
+        representative stands in for comes from the representative's send, priced from the rank."""
+        sends, stand_in, cluster = self.sends, self.stand_in, self.cluster
         for i, rank, a in self.recvs:
-            self.tasks[i].deps = [(sends[(src, send)], p2p_s(nbytes, src, rank, self.cluster))
-                                  for src, send, nbytes in self._senders(rank, a)
-                                  if closed or (src, send) in sends]
+            deps = []
+            for src, send, nbytes in self._senders(rank, a):
+                key = (stand_in.get(src, src), *send)
+                if key in sends:
+                    deps.append((sends[key], p2p_s(nbytes, src, rank, cluster)))
+                elif closed:
+                    raise KeyError(f"{a} on rank {rank}: rank {src} sends no {send}")
+            self.tasks[i].deps = deps
 
-    def _senders(self, rank: int, a: Action) -> list[tuple[int, Action, float]]:
-        """(rank, send action, bytes) of every message a receive waits for."""
+    def _senders(self, rank: int, a: Action) -> list[tuple[int, tuple, float]]:
+        """(rank, send, bytes) of every message a receive waits for, each send as the sender's
+        table keys it: (module, stage, kind, microbatch, sub, peer stage, peer rank)."""
         m, iw = a.microbatch, self.iw
         if a.peer is None:  # a stage message from the neighbouring chunk's rank
             forward = a.kind is Kind.RECV_F
             src = a.stage - 1 if forward else a.stage + 1
-            send = Action(a.module, src, Kind.SEND_F if forward else Kind.SEND_B, m, a.sub, peer_rank=rank)
+            send = (a.module, src, Kind.SEND_F if forward else Kind.SEND_B, m, a.sub, None, rank)
             work = iw.unit(StageKey(a.module, self.replica(a.module, rank), a.stage - 1 if forward else a.stage),
                            m, a.sub)
             return [(a.peer_rank, send, work.send_bytes if work else 0.0)]
+        if self.crossing is None:
+            self.crossing = _crossing(iw)
         if a.module == LLM:  # boundary rows of every encoder replica holding some of this replica's
             enc, d = a.peer.module, self.replica(LLM, rank)
-            send = Action(enc, a.peer.stage, Kind.SEND_F, m, peer=StageRef(LLM, 0))
+            send = (enc, a.peer.stage, Kind.SEND_F, m, None, StageRef(LLM, 0), None)
             return [(self.first(enc, e, a.peer.stage), send, iw.boundary_bytes[(enc, e, d, m)])
-                    for e in range(self.plan.layouts[enc].dp) if (enc, e, d, m) in iw.boundary_bytes]
+                    for e in self.crossing[0].get((enc, d, m), ())]
         e = self.replica(a.module, rank)  # boundary gradients from every LLM replica it encoded for
-        send = Action(LLM, 0, Kind.SEND_B, m, peer=StageRef(a.module, a.stage))
+        send = (LLM, 0, Kind.SEND_B, m, None, StageRef(a.module, a.stage), None)
         return [(self.first(LLM, d, 0), send, iw.boundary_bytes[(a.module, e, d, m)])
-                for d in range(self.plan.layouts[LLM].dp) if (a.module, e, d, m) in iw.boundary_bytes]
+                for d in self.crossing[1].get((a.module, e, m), ())]
+
+
+def _crossing(iw: IterationWork) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
+    """Who meets at the boundary in each microbatch: (encoder, LLM replica, microbatch) -> the
+    encoder replicas sending it rows, (encoder, encoder replica, microbatch) -> the LLM replicas
+    receiving its rows, each in order."""
+    to_llm: dict[tuple[str, int, int], list[int]] = {}
+    to_encoder: dict[tuple[str, int, int], list[int]] = {}
+    for enc, e, d, m in sorted(iw.boundary_bytes):
+        to_llm.setdefault((enc, d, m), []).append(e)
+        to_encoder.setdefault((enc, e, m), []).append(d)
+    return to_llm, to_encoder
 
 
 def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[int, list[Action]],
-                graph: StageGraph, cluster: ClusterSpec,
-                closed: bool = True) -> tuple[list[Task], dict[int, list[int]], dict[Hashable, list[int]]]:
+                graph: StageGraph, cluster: ClusterSpec, closed: bool = True, stand_in: Mapping[int, int] | None = None,
+                ) -> tuple[list[Task], dict[int, list[int]], dict[Hashable, list[int]]]:
     """Tasks, per-rank compute queues and communication queues (per rank, and one per lockstep
     barrier: `_lockstep`) for `harmonia.sim.engine.replay`.
 
@@ -304,8 +342,11 @@ def build_tasks(plan: Plan, cost: CostModel, iw: IterationWork, actions: dict[in
         closed: every message a receive of ``actions`` waits for is sent by a rank of ``actions``
             (a KeyError otherwise); False: a message from another rank is taken as arrived at the
             start, so every task starts no later than among all ranks (`harmonia.sim.parts.column_s`).
+        stand_in: rank -> the rank of ``actions`` replayed in its stead, for ranks that run in
+            lockstep with it (`harmonia.sim.lockstep`): their messages come from it, and a barrier
+            over a DP group waits for the group's representatives.
     """
-    b = _Builder(plan, cost, iw, graph, cluster)
+    b = _Builder(plan, cost, iw, graph, cluster, stand_in)
     queue: dict[int, list[int]] = {}
     comm: dict[Hashable, list[int]] = {}
     gathers = step_gathers(cost, cluster, plan)
@@ -328,7 +369,8 @@ all-reduces and CP K/V all-gathers run inside."""
 
 def _lockstep(b: _Builder, queue: dict[int, list[int]], comm: dict) -> None:
     """Couple the ranks that meet in one phase's collectives (module docstring): the DP group of
-    every resharded chunk's phase, per (chunk, microbatch, sub-microbatch, phase, cp, tp), and the
+    every resharded chunk's phase, per (chunk, microbatch, sub-microbatch, phase, DP group: the
+    ranks standing in for its members, where representatives replay for groups), and the
     TP x CP group of an LLM phase where the group's ranks hold different encoder replicas (so run
     different work between its phases; `_uneven_groups`). Per group with more than one member among
     the built ranks: a start barrier after each member's previous task, which every member waits
@@ -336,19 +378,24 @@ def _lockstep(b: _Builder, queue: dict[int, list[int]], comm: dict) -> None:
     barriers take no time and run on queues of their own (keys ``("sync", i)`` of ``comm``); a
     member's compute stays its own, so the wait shows as idle time."""
     groups: dict[tuple, list[tuple[int, int, int]]] = {}  # group -> (rank, position in its queue, task)
-    reshards: dict[str, bool] = {}
+    resharded = {m for m, layout in b.plan.layouts.items() if b.cost.reshards(layout)}
     uneven = _uneven_groups(b.plan)
+    dp_groups: dict[tuple, int] = {}  # (module, pipeline rank, cp, tp) -> its DP group's lowest stand-in
     for rank, q in queue.items():
+        coupled = resharded | {LLM} if rank in uneven else resharded  # the modules whose phases it syncs
+        if not coupled:
+            continue
         for at, i in enumerate(q):
             a = b.tasks[i].action
-            if a is None or a.kind not in _GATHERED:
+            if a is None or a.module not in coupled or a.kind not in _GATHERED:
                 continue
-            if a.module not in reshards:
-                reshards[a.module] = b.cost.reshards(b.plan.layouts[a.module])
-            if reshards[a.module] or (a.module == LLM and rank in uneven):
-                me = b.plan.layouts[a.module].coords(rank)
-            if reshards[a.module]:
-                groups.setdefault(("dp", a.module, a.stage, a.microbatch, a.sub, a.kind, me["cp"], me["tp"]),
+            me = b.coords(a.module, rank)
+            if a.module in resharded:
+                where = (a.module, me["pp"], me["cp"], me["tp"])
+                if where not in dp_groups:
+                    group = stage_group(b.plan.layouts[a.module], me["pp"], "dp", 0, me["cp"], me["tp"])
+                    dp_groups[where] = min(b.stand_in.get(r, r) for r in group)
+                groups.setdefault(("dp", a.module, a.stage, a.microbatch, a.sub, a.kind, dp_groups[where]),
                                   []).append((rank, at, i))
             if a.module == LLM and rank in uneven:
                 groups.setdefault(("tp x cp", a.module, a.stage, a.microbatch, a.sub, a.kind, me["dp"]),
@@ -393,11 +440,47 @@ def _uneven(layouts: tuple[tuple[str, Layout], ...]) -> frozenset[int]:
 
 
 def simulate_schedule(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork,
-                      schedule: IterationSchedule) -> Timeline:
+                      schedule: IterationSchedule, lockstep: bool = True) -> Timeline:
     """One iteration of ``schedule`` as the executor runs it: every rank's action list
-    (`plan_rank_actions`), timed with the stage work ``iw`` on the cluster model."""
-    actions = plan_rank_actions(plan.layouts, schedule)
-    return replay_on(cluster, cost, *build_tasks(plan, cost, iw, actions, schedule.graph, cluster))
+    (`plan_rank_actions`), timed with the stage work ``iw`` on the cluster model; ``lockstep``:
+    each group of ranks that run in lockstep replayed once (`simulate_ranks`), else every rank."""
+    return simulate_ranks(plan, cost, cluster, iw, schedule, lockstep=lockstep)
+
+
+def simulate_ranks(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: IterationWork, schedule: IterationSchedule,
+                   ranks: Iterable[int] | None = None, closed: bool = True, lockstep: bool = True) -> Timeline:
+    """The action lists of ``ranks`` (default: every rank) timed with the stage work ``iw``.
+
+    With ``lockstep`` (and ``closed``: ``ranks`` are every rank, or a part no message leaves), the
+    ranks that run in lockstep replay once, one representative per group
+    (`harmonia.sim.lockstep`): the result is the whole replay's, every rank's tasks, times and peak,
+    at the cost of the distinct ranks. ``closed=False`` as `build_tasks` takes it."""
+    with _no_cycle_collection():
+        groups = {}
+        if lockstep and closed and not cluster.shares_cores:
+            groups = lockstep_groups(plan, cost, cluster, iw, rank_compute_actions(plan.layouts, schedule, ranks))
+        if not groups:
+            actions = plan_rank_actions(plan.layouts, schedule, ranks)
+            return replay_on(cluster, cost, *build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed))
+        stand_in = stand_ins(groups)
+        wanted = {r for lay in plan.layouts.values() for r in lay.rank_list()} if ranks is None else set(ranks)
+        actions = plan_rank_actions(plan.layouts, schedule, [r for r in wanted if stand_in.get(r, r) == r])
+        timeline = replay(*build_tasks(plan, cost, iw, actions, schedule.graph, cluster, closed, stand_in))
+        return with_copies(timeline, groups, plan)
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Keep the cyclic garbage collector off while a replay is built and run: it allocates hundreds
+    of thousands of actions, tasks and lists, none in a reference cycle, and the collector's
+    repeated scans of them would cost a third of its time (reference counting still frees them)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def replay_on(cluster: ClusterSpec, cost: CostModel, tasks: list[Task], queue: dict[int, list[int]],

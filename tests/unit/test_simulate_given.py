@@ -125,3 +125,16 @@ def test_simulate_refuses_mixed_or_mismatched_inputs(tmp_path, capsys) -> None:
     assert main(["simulate", "--model", "llama3-8b", "--cluster", "h100:1x8", "--trace", "text:1024",
                  "--global-batch", "16", "--layout", "llm tp1 pp1 dp8", "--device-set", "flops=0.6"]) == 2
     assert "device setting 'flops=0.6': expected FIELD=VALUE" in capsys.readouterr().out
+
+
+def test_simulate_refuses_a_layout_off_the_cluster_before_loading_anything(tmp_path, capsys) -> None:
+    missing = str(tmp_path / "no-such-trace.csv")  # never read: the sizes are refused first
+    assert main(["simulate", "--model", "llama3-70b", "--cluster", "h100:8x8", "--trace", missing,
+                 "--global-batch", "256", "--layout", "llm tp8 cp2 pp8 v2 dp4"]) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "{'llm': 512} ranks on a cluster of 64" in out and "no-such-trace" not in out
+    plan = plan_from_layouts(mllm_preset("llama3-8b"), "llama3-8b", parse_layouts("llm tp1 pp1 dp8"), 8, 16)
+    plan.save(tmp_path / "plan.json")
+    assert main(["simulate", "--plan", str(tmp_path / "plan.json"), "--cluster", "h100:2x8", "--trace", missing]) == 2
+    out = capsys.readouterr().out.replace("\n", " ")
+    assert "the plan uses 8 ranks but cluster h100:2x8 has 16" in out and "no-such-trace" not in out
