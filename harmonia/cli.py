@@ -370,7 +370,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from harmonia.plan.scenario import Scenario, parse_device_changes
     from harmonia.workload.devices import cluster_from_string
 
+    from harmonia.errors import ConfigError
+
     config = _job_config(args)
+    if args.json and not Path(args.json).resolve().parent.is_dir():  # refused before minutes of search
+        raise ConfigError(f"--json {args.json}: its directory {Path(args.json).parent} does not exist; create it "
+                          "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
     scenario = Scenario("plan", model, cluster, _trace_path(args.trace), batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,

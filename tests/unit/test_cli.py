@@ -49,3 +49,11 @@ def test_simulate_writes_the_comparison_json(tmp_path) -> None:
         r = result["recipes"][recipe]
         assert r["iteration_s"] >= result["lower_bound_s"] * 0.99
         assert 0 <= r["bubble_frac"] < 1 and 0 < r["mfu"] < 1
+
+
+def test_a_plan_into_a_missing_directory_is_refused_before_the_search(tmp_path, capsys) -> None:
+    out = tmp_path / "missing" / "plan.json"
+    assert main(["plan", "--json", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert f"--json {out}: its directory {out.parent} does not exist" in printed.out + printed.err
+    assert not out.parent.exists()
