@@ -234,7 +234,8 @@ class SampleBuilder:
 
     def n_targets(self, conv: Conversation, shape: SampleShape) -> int:
         """Tokens with a next-token label of a sample of ``shape`` (from the token cache when it holds it)."""
-        items = [self.item_shape(r, conv) for r in conv.media()] if self.truncate else list(shape.items)
+        items = list(shape.items)  # a truncated sample's shape lacks the items after the cut: their headers
+        items += [self.item_shape(r, conv) for r in conv.media()[len(items):]]
         return self._fitted(conv, self.render(conv, self._lengths(items))).n_targets
 
     def outline(self, shape: SampleShape, n_targets: int) -> SampleOutline:

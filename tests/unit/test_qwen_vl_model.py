@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 from harmonia.errors import ConfigError, SampleError  # noqa: E402
 from harmonia.model.batch import pack_samples  # noqa: E402
 from harmonia.model.families.qwen_vl import tokenized_sample  # noqa: E402
-from harmonia.model.hf.mllm import export_hf, load_module_state, mllm_spec_from_hf  # noqa: E402
-from harmonia.model.mllm import MLLM  # noqa: E402
+from harmonia.model.hf.mllm import export_hf, mllm_spec_from_hf  # noqa: E402
 from harmonia.workload.cost import CostModel  # noqa: E402
 from harmonia.workload.devices import device_preset  # noqa: E402
+from tests.unit.test_model_hf_llava import load_whole  # noqa: E402
 
 TOL = {"atol": 2e-5, "rtol": 1e-5}
 VOCAB, IMAGE, VIDEO, START, END = 300, 290, 291, 292, 293
@@ -59,14 +59,6 @@ def make_qwen_vl(path, family: str, tied: bool = False):
         "image_processor_type": "Qwen2VLImageProcessor", "patch_size": PATCH, "merge_size": MERGE,
         "temporal_patch_size": 2, "min_pixels": 8 * 8, "max_pixels": 64 * 64}))
     return model.eval()
-
-
-def load_whole(source, spec) -> MLLM:
-    model = MLLM(spec).eval()
-    for name in spec.module_names:
-        module = model.module(name)
-        module.load_state_dict(load_module_state(source, spec, name, None, set(module.state_dict())), strict=True)
-    return model
 
 
 def sample(seed: int, images: list, videos: list = (), text=(3, 2, 4, 3, 2)):

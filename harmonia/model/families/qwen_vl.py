@@ -32,7 +32,7 @@ from harmonia.model.families.base import Family
 from harmonia.model.hf.llama import llm_spec_from_hf
 from harmonia.model.hf.qwen_vision import merger_names
 from harmonia.model.llm import IGNORE_INDEX
-from harmonia.model.mrope import rope_index
+from harmonia.model.mrope import item_tokens, rope_index
 from harmonia.model.qwen_spec import MAX_PIXELS, MIN_PIXELS, native_encoder_spec, spec_from_hf
 from harmonia.model.qwen_vit import projector_spec
 from harmonia.model.spec import MLLMSpec
@@ -132,8 +132,8 @@ def _items(spec: MLLMSpec, input_ids: torch.Tensor, pixels: dict[str, torch.Tens
             raise SampleError(f"sample {sample_id}: more {mod} token runs than {mod}s")
         rows, grid = queues[mod].pop(0)
         grid = tuple(int(v) for v in grid)
-        if grid[0] * grid[1] * grid[2] // (m * m) != length:
-            raise SampleError(f"sample {sample_id}: a {mod} of grid {grid} has {grid[0] * grid[1] * grid[2] // (m * m)} "
+        if item_tokens(grid, m) != length:
+            raise SampleError(f"sample {sample_id}: a {mod} of grid {grid} has {item_tokens(grid, m)} "
                               f"tokens but its run has {length}")
         if start > pos:
             segments.append(("text", start - pos))
@@ -182,14 +182,9 @@ def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torc
     shifted = torch.full_like(input_ids, IGNORE_INDEX)
     if labels is not None:
         shifted[:-1] = labels[1:]
-    runs = [("item", n) if kind != "text" else (kind, n) for kind, n in _lengths(segments, spec)]
+    runs = [("text", v) if kind == "text" else ("item", item_tokens(v, tower.merge_size)) for kind, v in segments]
     return TokenizedSample(input_ids, shifted, runs, items, sample_id=sample_id, causal_items=True,
                            rope_positions=positions)
-
-
-def _lengths(segments: list[tuple[str, object]], spec: MLLMSpec) -> list[tuple[str, int]]:
-    m = spec.encoders["vision"].native.merge_size
-    return [(kind, v if kind == "text" else v[0] * v[1] * v[2] // (m * m)) for kind, v in segments]
 
 
 QWEN_VL = Family("Qwen-VL", MODEL_TYPES, qwen_vl_spec_from_hf, non_llm_parts=("visual.",),
