@@ -173,13 +173,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float | None
     Labels are already aligned with the logits (the collator shifts them); positions with
     ``IGNORE_INDEX`` (prompt, items, padding) do not count. Pass the global count of target tokens as
     ``normalizer`` so that every DP rank and microbatch scales its gradients alike; None = mean.
+    Logits split over the vocabulary (a tensor-parallel head's DTensor) need torch's
+    ``loss_parallel`` context around this call and its backward (`harmonia.runtime.mllm_executor`).
 
     Args:
-        logits: ``(B, T, V)``.
+        logits: ``(B, T, V)``, or a DTensor sharded over ``V``.
         labels: ``(B, T)``.
         normalizer: divisor of the summed loss.
     """
     loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    if hasattr(loss, "to_local"):  # vocabulary-parallel: a DTensor replicated over the TP group
+        loss = loss.to_local()
     n = normalizer if normalizer is not None else max(int((labels != IGNORE_INDEX).sum()), 1)
     return loss / n
 

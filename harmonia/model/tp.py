@@ -3,7 +3,9 @@
 `plan_tp` walks a built module (whole or one stage, LoRA or not) and returns ``{FQN pattern: style}``
 with styles ``colwise``, ``rowwise``, ``embedding``, ``head`` and ``head_norm``, layer indices replaced
 by ``*`` (Megatron's split: q/k/v and MLP up-projections column-wise, output and down-projections
-row-wise). Per-head q/k norms (Qwen3) see whole heads on every rank: their weight is replicated and
+row-wise). The LM head's logits stay split over the vocabulary (a DTensor ``Shard(-1)``): the loss
+is computed vocabulary-parallel (`harmonia.model.llm.lm_loss` under torch's ``loss_parallel``), so no
+rank ever holds a microbatch's whole ``(T, V)`` logits, as the cost model prices it. Per-head q/k norms (Qwen3) see whole heads on every rank: their weight is replicated and
 their input is sharded over the head dimension (``head_norm``: torch's ``SequenceParallel`` on dim 2
 of ``(B, T, heads, head_dim)``, torchtitan's Qwen3 plan), so DTensor sums the weight's partial
 gradients over the TP group.
@@ -88,14 +90,15 @@ def _out_features(linear: nn.Module) -> int:
 
 def tp_styles(plan: dict[str, str]) -> dict:
     """``torch.distributed.tensor.parallel`` styles for a plan from `plan_tp`."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     make = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
         "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "head": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # the logits stay split over the vocabulary: `harmonia.model.llm.lm_loss` is vocabulary-parallel
+        "head": lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         "head_norm": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),  # (B, T, nh, hd)
     }
     unknown = set(plan.values()) - set(make)

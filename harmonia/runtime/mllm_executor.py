@@ -184,6 +184,15 @@ class MLLMExecutor:
         self.optimizer_step()
         return StepResult(loss, norm, batch.n_targets)
 
+    def _vocabulary_parallel(self) -> contextlib.AbstractContextManager:
+        """torch's ``loss_parallel`` where this rank's LLM head is split over the vocabulary (LLM
+        ``tp > 1``, `harmonia.model.tp`): the loss and its backward read only the rank's logits."""
+        if LLM not in self.runners or self.meshes.layouts[LLM].tp <= 1:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
     def forward_backward(self, schedule: IterationSchedule, batch: RankBatch) -> float:
         """The actions and the gradient reduction; returns the global loss (the same on every rank)."""
         graph = schedule.graph
@@ -210,7 +219,8 @@ class MLLMExecutor:
                     else:
                         r.gathers[c] = start_fsdp_backward(module)
         run = _MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
-        run.execute(actions)
+        with self._vocabulary_parallel():
+            run.execute(actions)
         for r in self.runners.values():
             r.p2p.wait_sends()
             r.finish_reduction()

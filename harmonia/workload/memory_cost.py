@@ -161,16 +161,26 @@ class MemoryCosts:
         as it keeps (the largest block with a backward), or under ``recompute`` its recomputed
         activations (`recompute_transient_bytes`), whichever is larger: autograd frees each kept
         (or recomputed) tensor once the gradient through it is made, so the two together stay about
-        one block's activations. 0 without a backward."""
+        one block's activations; under TP also one reduction's result (`_tp_reduced_bytes`). 0
+        without a backward."""
         lo, hi, n, _ = self._backward_blocks(module, start, stop)
         if not n:
             return 0.0
         key = ("grads", module, lo, hi, tp, cp)
         if key not in self._largest:
             self._largest[key] = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
-                                     if self.layers[module][i].kind == "block")
+                                     if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
         again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
         return max(self._largest[key] * tokens, again)
+
+    def _tp_reduced_bytes(self, module: str, tp: int, cp: int) -> float:
+        """Bytes per token of one tensor-parallel reduction's result, held beside its input: DTensor
+        all-reduces a block's partial sums (forward) and its input gradient (backward) out of place,
+        ``hidden`` elements per token (over ``tp`` under sequence parallelism's reduce-scatter); 0
+        without TP."""
+        if tp <= 1:
+            return 0.0
+        return self.hidden(module) * self.act_bytes / (cp * self._sp(tp))
 
     def forward_transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                                 tp: int = 1, cp: int = 1) -> float:

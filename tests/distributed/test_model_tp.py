@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor.parallel import loss_parallel
 
 from harmonia.model.batch import ItemInputs, TokenizedSample, pack_samples
 from harmonia.model.mllm import build_mllm_model
@@ -53,8 +54,9 @@ def _worker(rank: int, world: int, port: int, lora: bool, out: dict) -> None:
     from torch.distributed.tensor import DTensor
 
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    loss = model.loss(batch)
-    loss.backward()
+    with loss_parallel():  # the TP head's logits are split over the vocabulary
+        loss = model.loss(batch)
+        loss.backward()
     worst = 0.0
     for n, p in model.named_parameters():
         if p.grad is None:
@@ -117,8 +119,9 @@ def _qwen3_worker(rank: int, world: int, port: int, out: dict) -> None:
     model.zero_grad()
     plan = plan_tp(model)
     parallelize_module(model, init_device_mesh("cpu", (world,)), tp_styles(plan))
-    got = loss()
-    got.backward()
+    with loss_parallel():
+        got = loss()
+        got.backward()
     worst = max(float(((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) - ref_grads[n])
                       .abs().max()) for n, p in model.named_parameters())
     norm_grads = [float(p.grad.full_tensor().abs().sum()) for n, p in model.named_parameters() if "q_norm" in n]
