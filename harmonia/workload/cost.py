@@ -125,6 +125,7 @@ class CostModel(MemoryCosts):
         self._flat: dict[tuple[str, int, int], tuple[float, ...]] = {}  # FLOP coefficients as floats
         self._loads: dict[SampleShape, dict[str, ModuleLoad]] = {}
         self._largest: dict[tuple, float] = {}  # a range's largest transient block's bytes per token
+        self._dispatches: dict[tuple, tuple[int, int, int]] = {}  # layers running F, B, W per range
 
     def _range(self, module: str, start: int, stop: int | None) -> tuple[np.ndarray, int, float]:
         """Per-layer sums over layers [start, stop) of ``module``, computed once per range: FLOP
@@ -257,10 +258,27 @@ class CostModel(MemoryCosts):
             times = times + self.stage_times(proj, proj_load, cp=cp)  # whole on every TP rank
             flops += sum(self.phase_flops(proj, proj_load))
             act += self.activation_bytes(proj, proj_load.tokens, cp=cp)
+        if self.calibration is None and self.device.dispatch_s:
+            times = self._dispatched(times, module, start, stop, proj_load is not None)
         if len(self._units) >= UNIT_CACHE:
             self._units.clear()
         self._units[key] = (times, flops, act, transient, f_transient)
         return self._units[key]
+
+    def _dispatched(self, times: PhaseTimes, module: str, start: int, stop: int, projector: bool) -> PhaseTimes:
+        """``times`` with each phase's operator dispatch (`DeviceSpec.dispatch_s` per layer that runs
+        the phase; the projector's layers too where it follows): added where the host runs the
+        kernels, the longer of the two where it dispatches ahead of an accelerator. A calibration
+        measures whole actions, dispatch included, so it is priced only without one."""
+        key = (module, start, stop, projector)
+        counts = self._dispatches.get(key)
+        if counts is None:
+            layers = self.layers[module][start:stop] + (self.layers[f"{module}_proj"] if projector else [])
+            counts = self._dispatches[key] = (len(layers), sum(x.needs_b for x in layers),
+                                              sum(x.needs_w for x in layers))
+        d, on_host = self.device.dispatch_s, self.device.kernels_on_host
+        return PhaseTimes(*((t + n * d if on_host else max(t, n * d)) if t > 0 else t
+                            for t, n in zip((times.F, times.B, times.W), counts)))
 
     def _uncalibrated_unit(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int, cp: int,
                            recompute: float) -> tuple[PhaseTimes, float, float, float]:

@@ -65,6 +65,13 @@ class DeviceSpec:
             a unit's compute (`harmonia.sim.tasks.collective_extra`).
         mixed_precision: trains in bf16 mixed precision (frozen weights held in bf16, 2 B each)
             rather than fp32 throughout (4 B); what `harmonia.train.rank` runs on the device kind.
+        dispatch_s: host seconds eager PyTorch spends dispatching one layer's operators in one
+            phase (F, B or W), whatever its size: Python, autograd and the dispatcher per operator,
+            about twenty operators a transformer block. A small model's microbatch costs this more
+            than its FLOPs, so it decides how many microbatches pay (`CostModel.unit_cost`).
+        kernels_on_host: the host thread that dispatches also runs the kernels (the CPU), so a
+            phase takes its kernels' time plus its dispatch; on an accelerator the host dispatches
+            ahead of the kernels and a phase takes the longer of the two.
     """
 
     name: str
@@ -80,6 +87,8 @@ class DeviceSpec:
     attention_efficiency: float | None = None
     overlap_slowdown: float = 0.0
     mixed_precision: bool = True
+    dispatch_s: float = 0.0
+    kernels_on_host: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_efficiency is None:
@@ -90,11 +99,19 @@ class DeviceSpec:
         for field in ("flops_efficiency", "bw_efficiency", "attention_efficiency"):
             if not 0 < getattr(self, field) <= 1:
                 raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
+        if self.dispatch_s < 0:
+            raise ConfigError(f"device {self.name!r}: dispatch_s={self.dispatch_s} must be >= 0")
         if self.overlap_slowdown < 0:
             raise ConfigError(f"device {self.name!r}: overlap_slowdown={self.overlap_slowdown} must be >= 0")
 
 
 GB = 1e9
+CPU_DISPATCH_S = 3e-4
+"""Host seconds per layer and phase on the CPU (`DeviceSpec.dispatch_s`), from
+`benchmarks/dispatch.py` (`benchmarks/results/dispatch-2026-11-27.txt`): a tiny LLM's layer at 4
+tokens, where its kernels take 8-16 us, measured 0.37 ms forward and 0.43 ms backward (B and W
+together) on one thread of this machine's cores; 0.3 ms per phase prices the pair 0.9 ms against
+0.8 measured."""
 OVERLAP_SLOWDOWN = 0.189
 """Compute's average slowdown beside a collective on a GPU (module docstring)."""
 DEVICES: dict[str, DeviceSpec] = {
@@ -105,7 +122,8 @@ DEVICES: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB, overlap_slowdown=OVERLAP_SLOWDOWN),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
     "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
-                      flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6, mixed_precision=False),
+                      flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6, mixed_precision=False,
+                      dispatch_s=CPU_DISPATCH_S, kernels_on_host=True),
 }
 
 
