@@ -16,6 +16,14 @@ attention FLOPs its pair terms, elementwise bytes the memory-bound kernels' traf
 measured step) is the achieved fraction of peak of a whole block, all its kernels together: with one,
 a phase takes ``max(flops / (peak * eff_measured), weight_bytes / bw)``.
 
+Without a calibration, each layer that runs a phase also costs the host ``dispatch_s`` to dispatch
+its operators in eager PyTorch, whatever its size (`DeviceSpec.dispatch_s`): on the CPU, where the
+same thread runs the kernels, the phase takes ``t + n_layers * dispatch_s``; on an accelerator,
+which the host feeds ahead, ``max(t, n_layers * dispatch_s)``. On a small model this is most of a
+microbatch, so it decides how many microbatches (and pipeline stages, and zero-bubble B/W splits)
+pay: `benchmarks/dispatch.py` measures it (0.3 ms per layer and phase on this machine's CPU, where
+the kernels of a tiny layer take 8-16 us). The GPU presets price none until measured there.
+
 Tensor parallelism divides FLOPs and weights by ``tp``; context parallelism divides tokens and pairs
 by ``cp`` (balanced shards). The elementwise kernels and activations inside TP's sharded region
 divide by ``tp``; the norms and residual adds, and the activations they keep, are replicated over
