@@ -428,7 +428,7 @@ def _train(config) -> int:
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
         return 0
     if result.records:
-        console.print(summary_table(result.records, result.accuracy))
+        console.print(summary_table(result.records, result.accuracy, result.evals))
         events = "TensorBoard events, " if config.log.tensorboard else ""
         console.print(f"metrics.jsonl, {events}timeline.png and summary.json in {config.log.dir}/",
                       markup=False)

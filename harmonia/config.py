@@ -140,6 +140,8 @@ class DataConfig:
     synthesize: int = _f(0, "write a synthetic learnable set of this many training samples at `path` (which must "
                          "not exist yet, or hold one harmonia wrote from the same request); 0 = train on `path`")
     heldout: int = _f(96, "held-out samples synthesized beside the training set")
+    eval_path: str = _f("", "the evaluation set of train.eval_every: a file or directory in a format data.path "
+                        "takes (empty = the held-out split beside a synthesized set, where there is one)")
     trace: str = _f("", "size mix of synthesized samples: a trace CSV path, or empty for the default mix")
     max_tokens: int = _f(512, "longest sample in LLM tokens; what happens to a longer one is data.truncation")
     truncation: str = _f("skip", "a sample longer than data.max_tokens: skip (a counted bad record, too_long) or "
@@ -246,6 +248,8 @@ class TrainConfig:
                         "per-segment kernel on CPU), segments, varlen or flex")
     compile: str = _f("auto", "torch.compile each transformer block (dynamic shapes, no recompilation as "
                       "microbatch lengths change): auto (on GPUs), on or off")
+    eval_every: int = _f(0, "steps between evaluations of the loss over the evaluation set (data.eval_path), "
+                         "and one after the last step; 0 = none")
     on_nonfinite: str = _f("stop", "a step whose loss or gradient norm is not finite: stop (before the weights "
                            "change) or skip its update (the job still stops after 3 such steps in a row)")
     assignment: str = _f("balanced", "how each step's batch becomes microbatches: balanced (every module's work "
@@ -262,6 +266,7 @@ class TrainConfig:
                  "auto, segments, varlen or flex")
         _require(self.compile in ("auto", "on", "off"), "train.compile", self.compile, "auto, on or off")
         _require(self.global_batch >= 1, "train.global_batch", self.global_batch, "an integer >= 1")
+        _require(self.eval_every >= 0, "train.eval_every", self.eval_every, "an integer >= 0 (0 = no evaluation)")
         _require(self.n_microbatches >= 1, "train.n_microbatches", self.n_microbatches, "an integer >= 1")
         _require(_finite(self.lr) and self.lr > 0, "train.lr", self.lr, "a finite positive number")
         _require(_finite(self.weight_decay) and self.weight_decay >= 0, "train.weight_decay", self.weight_decay,

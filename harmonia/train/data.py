@@ -75,17 +75,24 @@ def open_split(config: Config, split: str = "train", spec=None, tokenizer=None, 
         cache_dir: where its shape index and token counts are cached (None: not cached).
         log_skips: log each bad record (False: count them only).
     """
-    from harmonia.data.loader import open_dataset
     from harmonia.data.sources import dataset_splits
 
     train, heldout = dataset_splits(config.data.path)
     path = train if split == "train" else heldout
     if path is None:
         return None
+    return _open(config, path, split == "train", spec, tokenizer, cache_dir, log_skips)
+
+
+def _open(config: Config, path: Path, training: bool, spec, tokenizer, cache_dir, log_skips: bool):
+    """The dataset at ``path`` as the job reads its data (`open_split`); bad records of a set it
+    does not train on are skipped and counted whatever ``data.on_error`` says."""
+    from harmonia.data.loader import open_dataset
+
     spec = spec or model_spec(config)
     d = config.data
     return open_dataset(path, spec, tokenizer=tokenizer or job_tokenizer(config), format=d.format,
-                        max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if split == "train" else "skip",
+                        max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if training else "skip",
                         media_root=d.media_root or None, allow_outside_root=d.allow_outside_root,
                         seed=config.train.seed, num_workers=d.num_workers, truncate=d.truncation == "truncate",
                         preprocessors=job_preprocessors(config, spec), log_skips=log_skips,
@@ -102,6 +109,39 @@ def open_training_data(config: Config, spec, rank: int):
     shapes = {s.sample_id: s for s in dataset.shapes()}
     dataset.log_skips = rank == 0
     return dataset, shapes
+
+
+def open_eval_data(config: Config, spec, rank: int):
+    """The evaluation set of ``train.eval_every`` and the shape of each usable sample: ``data.eval_path``,
+    else the held-out split beside a synthesized set; ``(None, {})`` where the job has none."""
+    if config.data.eval_path:
+        dataset = _open(config, Path(config.data.eval_path), False, spec, None, data_cache_dir(config), rank == 0)
+    else:
+        dataset = open_split(config, "heldout", spec, cache_dir=data_cache_dir(config), log_skips=rank == 0)
+    if dataset is None:
+        return None, {}
+    return dataset, {s.sample_id: s for s in dataset.shapes()}
+
+
+def check_eval_path(config: Config) -> None:
+    """Fail before anything starts where ``train.eval_every`` asks for an evaluation set the job
+    lacks, or ``data.eval_path`` holds no dataset.
+
+    Raises:
+        ConfigError: naming the path or the missing set.
+    """
+    from harmonia.data.sources import dataset_splits, is_dataset
+    from harmonia.errors import ConfigError
+
+    path = config.data.eval_path
+    if path and not Path(path).exists():
+        raise ConfigError(f"data.eval_path={path!r} does not exist; point it at a dataset in a format data.path takes")
+    if path and not is_dataset(Path(path)):
+        raise ConfigError(f"data.eval_path={path!r} is an empty directory; point it at a dataset")
+    if config.train.eval_every and not path and (config.data.synthesize == 0 and (
+            not Path(config.data.path).exists() or dataset_splits(config.data.path)[1] is None)):
+        raise ConfigError(f"train.eval_every={config.train.eval_every} evaluates on data.eval_path, which is not set, "
+                          f"and data.path={config.data.path!r} holds no held-out split; set data.eval_path")
 
 
 SYNTHETIC_MARKER = "synthetic.json"

@@ -25,7 +25,7 @@ from harmonia.config import Config
 from harmonia.schedule.plan import Plan
 from harmonia.plan.search import PlanReport
 from harmonia.train.backend import backend_of, hang_timeout
-from harmonia.train.data import check_data_path, data_cache_dir, open_split, prepare_data
+from harmonia.train.data import check_data_path, check_eval_path, data_cache_dir, open_split, prepare_data
 from harmonia.train.planning import (check_cluster, check_model_files, load_training_plan, model_spec,
                                      search_training_plan, with_world_size)
 
@@ -42,6 +42,7 @@ class TrainResult:
     start_step: int
     accuracy: dict[str, tuple[float, float, int, float]] = field(default_factory=dict)
     report: PlanReport | None = None
+    evals: list[dict] = field(default_factory=list)  # train.eval_every's: step, loss, batches, samples
 
 
 def dataset_shapes(config: Config) -> list:
@@ -171,6 +172,7 @@ def run_training(config: Config, console) -> TrainResult | None:
     phases = PhaseClock()
     check_cluster(config)
     check_data_path(config)
+    check_eval_path(config)
     check_model_files(config)
     phases.mark("checks")
     with preflight(config) as checked:
@@ -220,6 +222,7 @@ def prepare_shared(config: Config):
     from harmonia.train.report import best_effort, console
 
     check_data_path(config)
+    check_eval_path(config)
     check_model_files(config)
     checked = preflight(config)
     try:
@@ -254,9 +257,10 @@ def _finish(config: Config, plan: Plan, out: dict, report: PlanReport | None) ->
 
     phase_line("held-out evaluation and summary")
     accuracy = evaluate(config, latest_step(config.checkpoint.dir))
-    result = TrainResult(plan, out["records"], out["losses"], out["start_step"], accuracy, report)
+    result = TrainResult(plan, out["records"], out["losses"], out["start_step"], accuracy, report, out.get("evals", []))
     summary = json.dumps({
         "plan": json.loads(plan.to_json()), "losses": result.losses, "start_step": result.start_step,
+        "eval_losses": result.evals,
         "accuracy": {t: dict(zip(("before", "after", "n", "chance"), v)) for t, v in accuracy.items()},
         "throughput": _throughput(result.records), "startup": out.get("startup"),
         "last": result.records[-1] if result.records else None}, indent=1, default=float)

@@ -208,6 +208,8 @@ class Trainer:
                                         agree=lambda failed: agree_failures(failed, self.data_group),
                                         assignment=tc.assignment,
                                         predict_peaks=self.device.type == "cuda" or config.log.memory)
+        self.evaluation = self._evaluation(cost, cluster) if tc.eval_every else None
+        self.report_eval = lambda record: None
         self.modules = [LLM, *plan.encoders]
         self.fingerprint = run_fingerprint(config)
         self.faults = Faults(rank)
@@ -218,6 +220,34 @@ class Trainer:
         self.first_step_at: float | None = None  # time.time() when this run's first step began
         self.exports = BackgroundExports(config.checkpoint.dir, config.checkpoint.export_every)
         self.timeline: tuple | None = None  # rank 0: the measured step drawn beside its simulation, after training
+
+    def _evaluation(self, cost, cluster):
+        """The evaluation set's batches (`harmonia.train.eval_loss.EvalLoss`), prepared like the
+        training's with the order search off."""
+        from harmonia.data.decode import SampleDecoder
+        from harmonia.train.data import open_eval_data
+        from harmonia.train.eval_loss import EvalLoss
+        from harmonia.train.rank_data import agree_failures
+
+        tc = self.config.train
+        dataset, shapes = open_eval_data(self.config, self.spec, self.rank)
+        where = self.config.data.eval_path or f"beside data.path={self.config.data.path!r}"
+        if dataset is None:
+            raise HarmoniaError(f"train.eval_every={tc.eval_every}: no evaluation set {where}; set data.eval_path")
+        n_batches, left_out = EvalLoss.batches_of(len(shapes), tc.global_batch, where)
+        builder = IterationBuilder(self.spec, self.plan, dataset, EvalLoss.order(shapes, tc.global_batch, tc.seed),
+                                   cost, cluster, schedule_graph(self.spec, self.plan), self.rank,
+                                   search_evaluations=0, shapes=shapes, decoder=SampleDecoder(dataset, 0),
+                                   agree=lambda failed: agree_failures(failed, self.data_group),
+                                   assignment=tc.assignment)
+        return EvalLoss(builder, n_batches, left_out)
+
+    def _evaluate(self, done: int) -> None:
+        """The evaluation loss after ``done`` steps (collective), reported by rank 0."""
+        result = self.evaluation.run(self.model, self.device)
+        if self.rank == 0:
+            self.report_eval({"step": done, "loss": result.loss, "batches": result.batches,
+                              "samples": result.samples, "left_out": self.evaluation.left_out})
 
     def resume(self) -> None:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
@@ -239,7 +269,7 @@ class Trainer:
         if self.rank == 0:
             self.exports.after_save(step)
 
-    def run(self, report, stops: StopSignals | None = None, progress=None) -> None:
+    def run(self, report, stops: StopSignals | None = None, progress=None, report_eval=None) -> None:
         """Train from ``start_step`` to ``train.steps``.
 
         Args:
@@ -247,9 +277,12 @@ class Trainer:
             stops: the stop signals of this process; a signal stops every rank at the next step
                 boundary (`StopRequested` is raised after the optional checkpoint).
             progress: called with the number of finished steps after each step (the heartbeat).
+            report_eval: receives rank 0's evaluation records (``train.eval_every``).
         """
         from harmonia.schedule.prefetch import SchedulePrefetcher
 
+        if report_eval is not None:
+            self.report_eval = report_eval
         tc = self.config.train
         # step start+1 (warm) fits the simulation's cost model; start+4, prepared after that (the
         # prefetcher works a step ahead), is drawn measured beside simulated
@@ -259,6 +292,8 @@ class Trainer:
                 self._steps(report, stops, progress, prefetch, calibration_step, timeline_step)
             finally:
                 self.builder.close()
+                if self.evaluation is not None:
+                    self.evaluation.close()
         if tc.steps > self.saved_step:
             self._save(tc.steps)
         if self.timeline is not None:
@@ -306,6 +341,8 @@ class Trainer:
                 progress(step + 1)
             if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
                 self._save(step + 1)
+            if self.evaluation is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
+                self._evaluate(step + 1)
 
     @contextlib.contextmanager
     def _peak_count(self):

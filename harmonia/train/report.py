@@ -51,6 +51,7 @@ class ProgressReporter:
         self.lines = enabled and not console.is_terminal
         self.start_step, self.started = start_step, time.perf_counter()
         self.records: list[dict] = []
+        self.evals: list[dict] = []  # `evaluation`'s records
         self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard,
                                     start_step=start_step)
         self.progress = Progress(TextColumn("[bold]train[/] step {task.completed}/{task.total}"), BarColumn(),
@@ -79,6 +80,22 @@ class ProgressReporter:
                                         done - self.start_step), markup=False, highlight=False)
         self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
                              tps=record["tokens_per_s"])
+
+
+    def evaluation(self, record: dict) -> None:
+        """One evaluation's record (`harmonia.train.eval_loss`): ``step`` (steps trained), ``loss``,
+        ``batches``, ``samples``; printed, and logged as ``eval/loss`` at the last step trained."""
+        if not self.enabled:
+            return
+        self.evals.append(record)
+        self.writer.log(record["step"] - 1, {"eval": {k: v for k, v in record.items() if k != "step"}})
+        console.print(eval_line(record), markup=False, highlight=False)
+
+
+def eval_line(record: dict) -> str:
+    """``eval after step 40: loss 2.1234 over 96 samples (3 batches)``."""
+    return (f"eval after step {record['step']}: loss {record['loss']:.4f} over {record['samples']} samples "
+            f"({record['batches']} batches)")
 
 
 def phase_line(text: str) -> None:
@@ -163,8 +180,9 @@ def simulated_row(records: list[dict]) -> tuple[str, str]:
     return ("step time simulated (mean, " + ("fitted cost model)" if fitted else "nominal cost model)"), value)
 
 
-def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
-    """The final table: loss first vs last, throughput, measured vs simulated step time, balance, data."""
+def summary_table(records: list[dict], accuracy: dict | None = None, evals: list[dict] | None = None) -> Table:
+    """The final table: loss first vs last (and the evaluation loss), throughput, measured vs simulated
+    step time, balance, data."""
     table = Table(title="harmonia train: summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -180,6 +198,8 @@ def summary_table(records: list[dict], accuracy: dict | None = None) -> Table:
         ("steps", f"{first['step']}..{last['step']}"),
         ("loss (first -> last)", f"{first['loss']:.4f} -> {last['loss']:.4f}"),
         ("loss curve", sparkline([r["loss"] for r in records])),
+        *([(f"eval loss (after step {evals[0]['step']} -> {evals[-1]['step']}, {evals[-1]['samples']} samples)",
+            f"{evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")] if evals else []),
         ("tokens/s (wall clock, all steps)", f"{last['tokens_per_s']:,.0f}"),
         ("samples/s (wall clock, all steps)", f"{last['samples_per_s']:.2f}"),
         ("tokens/s in steps' compute (mean)", f"{mean('step_tokens_per_s'):,.0f}"),

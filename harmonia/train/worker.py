@@ -126,7 +126,7 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
             built = time.time()
             reporter = ProgressReporter(config, trainer.start_step, enabled=rank == 0)
             with reporter:
-                trainer.run(reporter.step, stops, beat.progress)
+                trainer.run(reporter.step, stops, beat.progress, reporter.evaluation)
             dist.barrier()
             if rank == 0:
                 phase_line(f"trained to step {config.train.steps}; checkpoint step-{trainer.saved_step} in "
@@ -136,6 +136,7 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
         if trainer.first_step_at is not None:
             phases["to the first step"] = trainer.first_step_at - built
         return {"start_step": trainer.start_step, "losses": trainer.losses, "records": reporter.records,
+                "evals": reporter.evals,
                 "data": trainer.dataset.stats.metrics(), "plan": plan_json, "config": config, "startup": phases}
     finally:
         dist.destroy_process_group()
