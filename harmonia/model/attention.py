@@ -45,11 +45,6 @@ QUERY_BLOCK = 256
 keys per query; the transient mask is this many rows."""
 
 
-BIAS_CACHE_BYTES = 1 << 20
-"""Bytes of block masks a microbatch's attention keeps for its layers and backward (`PackedAttention.block_bias`):
-a few blocks of a short microbatch, whose masks cost a handful of operators each time they are built."""
-
-
 CAUSAL = "causal packed documents"
 SEQUENCES = "bidirectional packed sequences"
 MIXED = "bidirectional items in causal text"
@@ -247,21 +242,7 @@ class PackedAttention:
         return self._cache[key]
 
     def block_bias(self, b: QueryBlock, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """``(1, 1, bq, lk)`` additive mask of one block: 0 where kept, -inf elsewhere. Kept for the
-        microbatch's other layers and its backward while the kept masks stay within `BIAS_CACHE_BYTES`
-        (a short microbatch, where building them again costs more than their bytes); built anew
-        otherwise."""
-        key = ("bias", b, window, dtype)
-        found = self._cache.get(key)
-        if found is not None:
-            return found
-        bias = self._block_bias(b, window, dtype)
-        held = self._cache.get("bias bytes", 0) + bias.numel() * bias.element_size()
-        if held <= BIAS_CACHE_BYTES:
-            self._cache[key], self._cache["bias bytes"] = bias, held
-        return bias
-
-    def _block_bias(self, b: QueryBlock, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(1, 1, bq, lk)`` additive mask of one block: 0 where kept, -inf elsewhere."""
         first, ends = self.bounds(window)
         keys = torch.arange(b.k0, b.k1, device=first.device)  # (lk,)
         dropped = (keys < first[b.q0:b.q1, None]) | (keys >= ends[b.q0:b.q1, None])  # (bq, lk)
@@ -337,7 +318,7 @@ class _SegmentAttention(torch.autograd.Function):
     tokens); the output is laid out token-major, so the output projection's input is a view of it,
     not a second copy kept for its weight's gradient. Each block's mask is built again in backward
     rather than kept (SDPA's own autograd would keep every block's mask: memory growing with the
-    pairs), except a short microbatch's few (`BIAS_CACHE_BYTES`). The kernel takes grouped
+    pairs). The kernel takes grouped
     key/value heads as they are, and strided blocks without copies.
     """
 
