@@ -25,7 +25,9 @@ recompute (`MemoryCosts.recompute_transient_bytes`). With or without recompute, 
 holds the gradients of what it kept, as many elements, while it frees what it kept
 (`MemoryCosts.backward_transient_bytes`), and a block that keeps nothing (frozen, nothing upstream
 trains) still holds its intermediates while its forward runs (`MemoryCosts.forward_transient_bytes`):
-each phase's peak is the level it starts at plus these.
+each phase's peak is the level it starts at plus these. The LLM head's backward holds the loss's
+fp32 gradients, ``2 V`` per token over the vocabulary's TP shards, beside the log-softmax it kept
+(`MemoryCosts._loss_gradient_bytes`): for a 128k vocabulary 1 MB per token, more than any block's.
 """
 
 from __future__ import annotations
@@ -161,17 +163,31 @@ class MemoryCosts:
         as it keeps (the largest block with a backward), or under ``recompute`` its recomputed
         activations (`recompute_transient_bytes`), whichever is larger: autograd frees each kept
         (or recomputed) tensor once the gradient through it is made, so the two together stay about
-        one block's activations; under TP also one reduction's result (`_tp_reduced_bytes`). 0
-        without a backward."""
+        one block's activations; under TP also one reduction's result (`_tp_reduced_bytes`); where
+        the range ends with the LLM head, the loss's gradients if larger (`_loss_gradient_bytes`).
+        0 without a backward."""
         lo, hi, n, _ = self._backward_blocks(module, start, stop)
         if not n:
             return 0.0
-        key = ("grads", module, lo, hi, tp, cp)
+        key = ("grads", module, lo, hi, tp, cp, start, stop)
         if key not in self._largest:
-            self._largest[key] = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
-                                     if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
+            blocks = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
+                         if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
+            self._largest[key] = max(blocks, self._loss_gradient_bytes(module, start, stop, tp, cp))
         again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
         return max(self._largest[key] * tokens, again)
+
+    def _loss_gradient_bytes(self, module: str, start: int, stop: int | None, tp: int, cp: int) -> float:
+        """Bytes per token the loss's backward holds beside the head's kept logits, where layers
+        [start, stop) end with the LLM head: the fp32 gradients of the log-softmax output and of the
+        logits, ``2 V`` (over the vocabulary's ``tp`` shards; `harmonia.model.llm.lm_loss`). Beside
+        a block's transient it is small for a small vocabulary and the largest of the step for a
+        large one (``V = 128k``: 1 MB per token)."""
+        layers = self.layers[module]
+        stop = len(layers) if stop is None else stop
+        if module != "llm" or stop < len(layers) or layers[-1].kind != "head":
+            return 0.0
+        return 2.0 * self.mllm.llm.vocab_size * GRAD_BYTES / (tp * cp)
 
     def _tp_reduced_bytes(self, module: str, tp: int, cp: int) -> float:
         """Bytes per token of one tensor-parallel reduction's result, held beside its input: DTensor

@@ -138,3 +138,16 @@ def test_a_unit_from_its_range_factors_equals_the_general_path_bit_for_bit() -> 
                         cost.backward_transient_bytes(module, load.tokens, a, b, tp, cp, share),
                         cost.forward_transient_bytes(module, load.tokens, a, b, tp, cp))
                 assert cost.unit_cost(module, load, a, b, tp, cp, share) == want
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_the_last_llm_stage_holds_the_loss_gradients_in_its_backward(tp) -> None:
+    """The head's backward holds two fp32 (T, V / tp) gradients (log-softmax output and logits):
+    with a 152k vocabulary more than any block's transient, and only on the stage holding the head."""
+    cost = CostModel(mllm_preset("internvl-8b"), H100)
+    n = len(cost.layers["llm"])
+    vocab = cost.mllm.llm.vocab_size
+    last = cost.backward_transient_bytes("llm", 1000, n // 2, n, tp=tp)
+    first = cost.backward_transient_bytes("llm", 1000, 0, n // 2, tp=tp)
+    assert last == pytest.approx(1000 * 2 * vocab * 4 / tp)
+    assert first < last and first == cost.backward_transient_bytes("llm", 1000, 1, n // 2, tp=tp)

@@ -126,19 +126,19 @@ def test_recompute_lowers_the_simulated_peak_and_the_estimate_bounds_it(setup, r
 
 
 def test_plan_that_fits_only_with_recompute_gets_it(tmp_path) -> None:
-    """internvl-8b, every module trained, with a 64-sample batch on 2 H100s: no layout fits without recompute."""
+    """internvl-8b, every module trained, with a 64-sample batch on 4 H100s: no layout fits without recompute."""
     out = tmp_path / "plan.json"
-    assert main(["plan", "--model", "internvl-8b", "--frozen", "", "--cluster", "h100:1x2", "--trace",
+    assert main(["plan", "--model", "internvl-8b", "--frozen", "", "--cluster", "h100:1x4", "--trace",
                  "synthetic:image=1", "--global-batch", "64", "--batches", "1", "--top", "3", "--json", str(out)]) == 0
     plan = Plan.load(out)
-    assert "llm" in plan.recompute
+    assert plan.recompute
     # and without it the same plan is over the device
     from harmonia.plan.scenario import Scenario, ScenarioRun
 
-    run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x2", "synthetic:image=1", 64, iterations=1,
+    run = ScenarioRun(Scenario("s", "internvl-8b", "h100:1x4", "synthetic:image=1", 64, iterations=1,
                                search_batches=1))
     cap = run.cluster.device.mem_bytes * 0.9
-    assert max(plan_peak_bytes(run.cost, replace(plan, recompute=()), run.profile).values()) > cap
+    assert max(plan_peak_bytes(run.cost, replace(plan, recompute=(), recompute_fraction={}), run.profile).values()) > cap
     assert max(plan_peak_bytes(run.cost, plan, run.profile).values()) <= cap
 
 
@@ -213,8 +213,9 @@ def test_recompute_options_cover_every_share_of_each_module_least_work_first(set
 
 def test_fitting_recomputes_only_the_encoder_when_that_is_the_least_that_fits() -> None:
     """Long videos on 64 H100s: the vision encoder's activations (every frame's 1025 tokens) do not
-    fit beside the LLM's, whose own fit; recomputing three quarters of the encoder is the least
-    that fits, and whole-module options recomputing more follow it (heavier batches than the mean)."""
+    fit beside the LLM's (its loss's gradients included), whose own fit; recomputing the whole encoder
+    is the least that fits (three quarters of it is not), and whole-module options recomputing more
+    follow it (heavier batches than the mean)."""
     from harmonia.plan.recipes import Candidate, fitting, recompute_options
     from harmonia.plan.scenario import Scenario, ScenarioRun
 
@@ -223,17 +224,17 @@ def test_fitting_recomputes_only_the_encoder_when_that_is_the_least_that_fits() 
     plan = Plan("internvl-8b", {"vision": Layout(dp=64), "llm": Layout(tp=4, dp=16, fsdp=True)}, "colocated",
                 "1f1b", 4, 128)
     got = [c.plan for c in fitting(iter([Candidate("harmonia", plan)]), run.cost, run.cluster, run.profile)]
-    assert [p.recompute_text() for p in got[:3]] == [["vision:0.75"], ["vision"], ["llm", "vision"]]
-    assert not any(p.layouts["llm"].reshard for p in got[:3])
+    assert [p.recompute_text() for p in got[:2]] == [["vision"], ["llm", "vision"]]
+    assert not any(p.layouts["llm"].reshard for p in got[:2])
     # the LLM resharding per microbatch frees room for more encoder activations: less recompute
-    assert [(p.recompute_text(), p.layouts["llm"].reshard) for p in got[3:]] == [(["vision:0.5"], True)]
+    assert [(p.recompute_text(), p.layouts["llm"].reshard) for p in got[2:]] == [(["vision:0.75"], True)]
     cap = run.cluster.device.mem_bytes * 0.9
     peak = {(m, tuple(s.items())): max(plan_peak_bytes(run.cost, replace(plan, recompute=m, recompute_fraction=s),
                                                        run.profile).values())
             for m, s in recompute_options(run.cost, plan)}
-    assert peak[((), ())] > cap and peak[(("vision",), (("vision", 0.75),))] <= cap
+    assert peak[((), ())] > cap and peak[(("vision",), (("vision", 0.75),))] > cap >= peak[(("vision",), ())]
     options = recompute_options(run.cost, plan, run.profile.mean_costs())
-    first = options.index((("vision",), {"vision": 0.75}))
+    first = options.index((("vision",), {}))
     assert all(peak[(m, tuple(s.items()))] > cap for m, s in options[:first])
 
 
