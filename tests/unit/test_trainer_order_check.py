@@ -13,11 +13,13 @@ from harmonia.train import iteration
 from harmonia.train.iteration import DataOrder, IterationBuilder
 from harmonia.train.rank import schedule_graph
 from harmonia.workload.cost import CostModel
-from tests.unit.test_sequential_assignment import BATCH, CLUSTER, PLAN, SPEC, dataset  # noqa: F401
+from tests.unit.test_sequential_assignment import BATCH, PLAN, SPEC, dataset  # noqa: F401
+from tests.unit.test_sequential_assignment import CLUSTER as CPU
 
 N_MB = 6  # one sample per microbatch of each LLM replica: orders differ most
 STEPS = range(6)
 SEARCHED = replace(PLAN, n_microbatches=N_MB)
+CLUSTER = CPU.with_device(dispatch_s=0.0)  # kernels only: on the CPU's dispatch the tiny model's orders tie
 
 
 def _builder(ds) -> IterationBuilder:
