@@ -109,11 +109,21 @@ class MemoryCosts:
         return dp > 1 and self.state_bytes(module, fsdp_shards=dp, reshard=reshard) < self.state_bytes(module)
 
     def reshard_transient_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1) -> float:
-        """What FSDP resharding per microbatch holds beyond the shards while a block of layers
-        [start, stop) runs its backward: its whole bf16 weights and fp32 gradients, and the next
-        block's bf16 weights, gathered ahead (FSDP2's prefetch); counted with the largest layer."""
-        largest = max(((x.params, x.trainable_params) for x in self.layers[module][start:stop]), default=(0, 0))
-        return (2 * largest[0] * self.weight_bytes + largest[1] * GRAD_BYTES) / tp
+        """What FSDP resharding per microbatch holds beyond the shards while a unit of layers
+        [start, stop) runs its backward. FSDP2's units are the stage's blocks and its root, every
+        other layer of the stage together (embedding, final norm and head, projector:
+        `harmonia.runtime.parallelize.apply_fsdp`). A gather fills a flat buffer and copies it out
+        into the unit's whole weights, so at the next unit's gather (prefetched) a rank holds the
+        running unit's whole weights and the next one's twice: counted with the two largest units,
+        both with their buffers, ``2 (u1 + u2)`` weights (measured at 2B: the root and a block, 1.4
+        GiB of 1.5 priced), and the running unit's fp32 gradients."""
+        layers = self.layers[module][start:stop]
+        units = sorted([(x.params, x.trainable_params) for x in layers if x.kind == "block"]
+                       + [(sum(x.params for x in layers if x.kind != "block"),
+                           sum(x.trainable_params for x in layers if x.kind != "block"))], reverse=True)
+        units += [(0, 0)] * (2 - len(units))
+        (u1, t1), (u2, _) = units[0], units[1]
+        return (2 * (u1 + u2) * self.weight_bytes + t1 * GRAD_BYTES) / tp
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
