@@ -365,7 +365,7 @@ def _write_timelines(directory: str, name: str, results: dict) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Search one static layout for a model, cluster and trace; write plan.json."""
+    """Search one static layout for a model, cluster and trace; write the best plan where ``--json`` says."""
     from harmonia.plan.search import search_plan
     from harmonia.plan.scenario import Scenario, parse_device_changes
     from harmonia.workload.devices import cluster_from_string
@@ -408,8 +408,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console.print(f"{report.simulated + report.pruned} candidates: {report.simulated} simulated "
                   f"({report.timelines} single-batch simulations), {report.pruned} pruned by lower bounds; "
                   f"rejected: {rejected}; {report.seconds:.1f} s")
-    report.best.save(args.json)
-    console.print(f"plan written to {args.json}")
+    if args.json:
+        report.best.save(args.json)
+        console.print(f"plan written to {args.json}")
+    else:
+        console.print("plan not written: give --json PATH to write the best plan for `harmonia train "
+                      "--parallel.plan=PATH`", markup=False)
     return 0
 
 
@@ -528,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=3,
                    help="plans ranked exactly (the best is always exact; each further one may cost simulations, "
                    "about a second each on 64 GPUs)")
-    p.add_argument("--json", default="plan.json", help="where the best plan is written")
+    p.add_argument("--json", default=None, help="where the best plan is written (default: not written)")
     p.add_argument("--device-set", default="", help=DEVICE_SET_HELP)
     p.set_defaults(func=cmd_plan)
 
