@@ -5,7 +5,8 @@ with styles ``colwise``, ``rowwise``, ``embedding``, ``head`` and ``head_norm``,
 by ``*`` (Megatron's split: q/k/v and MLP up-projections column-wise, output and down-projections
 row-wise). The LM head's logits stay split over the vocabulary (a DTensor ``Shard(-1)``): the loss
 is computed vocabulary-parallel (`harmonia.model.llm.lm_loss` under torch's ``loss_parallel``), so no
-rank ever holds a microbatch's whole ``(T, V)`` logits, as the cost model prices it. Per-head q/k norms (Qwen3) see whole heads on every rank: their weight is replicated and
+rank ever holds a microbatch's whole ``(T, V)`` logits, as the cost model prices it. Per-head q/k
+norms (Qwen3) see whole heads on every rank: their weight is replicated and
 their input is sharded over the head dimension (``head_norm``: torch's ``SequenceParallel`` on dim 2
 of ``(B, T, heads, head_dim)``, torchtitan's Qwen3 plan), so DTensor sums the weight's partial
 gradients over the TP group.

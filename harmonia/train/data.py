@@ -138,8 +138,9 @@ def check_eval_path(config: Config) -> None:
         raise ConfigError(f"data.eval_path={path!r} does not exist; point it at a dataset in a format data.path takes")
     if path and not is_dataset(Path(path)):
         raise ConfigError(f"data.eval_path={path!r} is an empty directory; point it at a dataset")
-    if config.train.eval_every and not path and (config.data.synthesize == 0 and (
-            not Path(config.data.path).exists() or dataset_splits(config.data.path)[1] is None)):
+    d = config.data
+    held_out = d.heldout > 0 if d.synthesize else (Path(d.path).exists() and dataset_splits(d.path)[1] is not None)
+    if config.train.eval_every and not path and not held_out:
         raise ConfigError(f"train.eval_every={config.train.eval_every} evaluates on data.eval_path, which is not set, "
                           f"and data.path={config.data.path!r} holds no held-out split; set data.eval_path")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.train.iteration import DataOrder, IterationBuilder
+from harmonia.train.iteration import IterationBuilder
 from harmonia.train.rank import RankModel, to_device
 
 
@@ -37,7 +37,8 @@ class EvalLoss:
     model as training, order search off: evaluation has no step to hide it behind).
 
     Args:
-        builder: prepares evaluation batch ``k`` (its `DataOrder` over the evaluation set).
+        builder: prepares evaluation batch ``k`` (its `DataOrder` over the evaluation set: one fixed
+            permutation, the same on every rank and run).
         n_batches: whole batches of the evaluation set.
         left_out: usable samples beyond those batches.
     """
@@ -56,11 +57,6 @@ class EvalLoss:
             raise SampleError(f"the evaluation set {path} has {n_usable} usable samples, fewer than "
                               f"train.global_batch={global_batch}; give a larger one (data.eval_path)")
         return n_usable // global_batch, n_usable % global_batch
-
-    @staticmethod
-    def order(shapes: dict, global_batch: int, seed: int) -> DataOrder:
-        """The evaluation batches' samples: one fixed permutation, the same on every rank and run."""
-        return DataOrder(list(shapes), global_batch, seed)
 
     def run(self, model: RankModel, device: torch.device) -> EvalResult:
         """Every evaluation batch through ``model`` (collective over all ranks); the gradients are dropped."""

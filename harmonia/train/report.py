@@ -81,7 +81,6 @@ class ProgressReporter:
         self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
                              tps=record["tokens_per_s"])
 
-
     def evaluation(self, record: dict) -> None:
         """One evaluation's record (`harmonia.train.eval_loss`): ``step`` (steps trained), ``loss``,
         ``batches``, ``samples``; printed, and logged as ``eval/loss`` at the last step trained."""

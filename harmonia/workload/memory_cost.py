@@ -179,17 +179,18 @@ class MemoryCosts:
         lo, hi, n, _ = self._backward_blocks(module, start, stop)
         if not n:
             return 0.0
-        key = ("grads", module, lo, hi, tp, cp, start, stop)
+        loss = self._loss_gradient_bytes(module, stop, tp, cp)
+        key = ("grads", module, lo, hi, tp, cp, loss)
         if key not in self._largest:
             blocks = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
                          if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
-            self._largest[key] = max(blocks, self._loss_gradient_bytes(module, start, stop, tp, cp))
+            self._largest[key] = max(blocks, loss)
         again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
         return max(self._largest[key] * tokens, again)
 
-    def _loss_gradient_bytes(self, module: str, start: int, stop: int | None, tp: int, cp: int) -> float:
-        """Bytes per token the loss's backward holds beside the head's kept logits, where layers
-        [start, stop) end with the LLM head: the fp32 gradients of the log-softmax output and of the
+    def _loss_gradient_bytes(self, module: str, stop: int | None, tp: int, cp: int) -> float:
+        """Bytes per token the loss's backward holds beside the head's kept logits, where a range of
+        layers ending at ``stop`` ends with the LLM head: the fp32 gradients of the log-softmax output and of the
         logits, ``2 V`` (over the vocabulary's ``tp`` shards; `harmonia.model.llm.lm_loss`). Beside
         a block's transient it is small for a small vocabulary and the largest of the step for a
         large one (``V = 128k``: 1 MB per token)."""
