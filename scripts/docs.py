@@ -206,7 +206,7 @@ def gen_cli(args: str) -> str:
 
 def gen_job_flags(args: str) -> str:
     """The flags `plan` and `simulate` share with `train`, each a config field's override."""
-    from harmonia.cli import JOB_FLAGS
+    from harmonia.cli.job import JOB_FLAGS
     from harmonia.config import ModelConfig, config_fields
 
     defaults = {name: default for name, default, _ in config_fields()}
