@@ -5,7 +5,10 @@ and under context parallelism how the gathered keys map to sequence order) and s
 layer; each layer calls `PackedAttention.attend` with its queries, keys, values and sliding window.
 The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
 
-- ``segments`` (any device; the CPU's): the queries in blocks of at most `QUERY_BLOCK` tokens that
+- ``segments`` (any device; the CPU's): where every sample is causal text (no window, no CP shard),
+  the samples as padded batches (`PaddedGroups`: samples of similar length padded to the longest of
+  their group, each group one causal FlashAttention call with no mask at all, as a padded batch of
+  HF runs it); otherwise the queries in blocks of at most `QUERY_BLOCK` tokens that
   never straddle a packed sample or an item's start (short samples share a block), each block against
   the one key range its queries may reach (from its sample's start, or the window's, to its last query
   or the end of the last item it attends). The rule keeps an interval of keys per query
@@ -43,6 +46,8 @@ BACKENDS = ("auto", "segments", "varlen", "flex", "dense")
 QUERY_BLOCK = 256
 """Queries per block of the ``segments`` kernel: the waste past the kept pairs is at most this many
 keys per query; the transient mask is this many rows."""
+PADDING_WASTE = 1.5
+"""Causal samples padded together compute at most this many times their own causal pairs."""
 
 
 CAUSAL = "causal packed documents"
@@ -174,7 +179,22 @@ class PackedAttention:
 
     def computed_pairs(self, window: int | None = None) -> int:
         """(query, key) pairs the ``segments`` kernel computes, masked ones included."""
+        padded = self.padded_groups(window)
+        if padded is not None:
+            return sum(n * L * (L + 1) // 2 for n, L in padded.shapes)
         return sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in self.blocks(window))
+
+    def padded_groups(self, window: int | None = None) -> PaddedGroups | None:
+        """The ``segments`` kernel's padded batches where every query attends causally within its
+        sample with no window and every key is local (no CP shard); None otherwise (blocks)."""
+        if self.kind != CAUSAL or window is not None or self.query_index is not None:
+            return None
+        if "padded" not in self._cache:
+            starts = self._starts.tolist()
+            heads = [i for i, s in enumerate(starts) if s == i]  # each sample's first token
+            lengths = [b - a for a, b in zip(heads, heads[1:] + [len(starts)])]
+            self._cache["padded"] = PaddedGroups.plan(heads, lengths, PADDING_WASTE, self._starts.device)
+        return self._cache["padded"]
 
     def _first_key(self, window: int | None) -> torch.Tensor:
         if window is None:
@@ -295,6 +315,79 @@ class PackedAttention:
 
 
 @dataclass(frozen=True)
+class PaddedGroups:
+    """Causal samples as padded batches: group ``g`` holds ``n_g`` samples of at most ``L_g`` tokens,
+    each padded at its end to ``L_g`` (a causal query never reaches the padding after it).
+
+    Attributes:
+        shapes: ``(n_g, L_g)`` of each group, in slot order.
+        index: ``(P,)`` token in each padded slot (``P = sum n_g L_g``; padding slots repeat token 0).
+        valid: ``(P,)`` whether a slot holds a token.
+    """
+
+    shapes: list[tuple[int, int]]
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def plan(cls, heads: list[int], lengths: list[int], waste: float, device) -> PaddedGroups:
+        """Samples longest first, each joining the current group while the group padded to its
+        longest computes at most ``waste`` times its samples' own causal pairs ``l (l + 1) / 2``.
+
+        Args:
+            heads: first token of each sample.
+            lengths: tokens of each sample.
+            waste: see `PADDING_WASTE`.
+            device: where the index tensors go.
+        """
+        pairs = [n * (n + 1) // 2 for n in lengths]
+        groups: list[list[int]] = []
+        own = 0
+        for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+            if groups and (len(groups[-1]) + 1) * pairs[groups[-1][0]] <= waste * (own + pairs[i]):
+                groups[-1].append(i)
+                own += pairs[i]
+            else:
+                groups.append([i])
+                own = pairs[i]
+        index, valid, shapes = [], [], []
+        for g in groups:
+            L = lengths[g[0]]
+            shapes.append((len(g), L))
+            for i in g:
+                index += list(range(heads[i], heads[i] + lengths[i])) + [0] * (L - lengths[i])
+                valid += [True] * lengths[i] + [False] * (L - lengths[i])
+        index_t = torch.tensor(index, dtype=torch.long, device=device)
+        valid_t = torch.tensor(valid, dtype=torch.bool, device=device)
+        return cls(shapes, index_t, valid_t)
+
+    def pad(self, x: torch.Tensor, group: int) -> torch.Tensor:
+        """Group ``group`` of ``(B, h, T, *F)`` in token order: ``(B n_g, h, L_g, *F)``, padding rows
+        repeating token 0. Rows are gathered token-major (``(B, T, h, *F)``, as projections lay them
+        out)."""
+        at, (n, L) = self._at(group), self.shapes[group]
+        rows = x.transpose(1, 2).index_select(1, self.index[at:at + n * L])  # (B, n L, h, *F)
+        return rows.unflatten(1, (n, L)).flatten(0, 1).transpose(1, 2)
+
+    def put(self, dst: torch.Tensor, group: int, part: torch.Tensor) -> None:
+        """Write group ``group``'s ``(B n_g, h, L_g, *F)`` rows (padding dropped) into ``dst``
+        ``(B, T, h, *F)``, token-major."""
+        at, (n, L) = self._at(group), self.shapes[group]
+        valid = self.valid[at:at + n * L]
+        rows = part.transpose(1, 2).unflatten(0, (-1, n)).flatten(1, 2)  # (B, n L, h, *F)
+        dst.index_copy_(1, self.index[at:at + n * L][valid], rows[:, valid])
+
+    def zero_padding(self, part: torch.Tensor, group: int) -> torch.Tensor:
+        """Group ``group``'s ``(B n_g, h, L_g, *F)`` rows with the padding rows 0."""
+        at, (n, L) = self._at(group), self.shapes[group]
+        valid = self.valid[at:at + n * L].view(1, n, 1, L, *([1] * (part.dim() - 3)))
+        return part.unflatten(0, (-1, n)).masked_fill(~valid, 0).flatten(0, 1)
+
+    def _at(self, group: int) -> int:
+        return sum(n * L for n, L in self.shapes[:group])
+
+
+@dataclass(frozen=True)
 class LayerAttention:
     """`PackedAttention` as one layer runs it: with that layer's sliding window (None = none)."""
 
@@ -325,6 +418,17 @@ class _SegmentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, packed: PackedAttention, window: int | None):
         B, nh, t, hd = q.shape
+        ctx.packed, ctx.window = packed, window
+        padded = packed.padded_groups(window)
+        if padded is not None:  # causal samples: one unmasked causal call per group of padded samples
+            out, lse = q.new_empty(B, t, nh, hd), q.new_empty(B, t, nh)  # token-major
+            for g in range(len(padded.shapes)):
+                o, l = _flash_cpu(padded.pad(q, g), padded.pad(k, g), padded.pad(v, g), None, causal=True)
+                padded.put(out, g, o)
+                padded.put(lse, g, l)
+            out, lse = out.transpose(1, 2), lse.transpose(1, 2)  # (B, nh, t, hd), (B, nh, t)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         out = q.new_empty(B, t, nh, hd).transpose(1, 2)  # (B, nh, t, hd) laid out as (B, t, nh, hd)
         lse = []
         for b in packed.blocks(window):
@@ -333,13 +437,23 @@ class _SegmentAttention(torch.autograd.Function):
             lse.append(l)
         lse = torch.cat(lse, dim=2)  # (B, nh, t)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.packed, ctx.window = packed, window
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         packed, window = ctx.packed, ctx.window
+        padded = packed.padded_groups(window)
+        if padded is not None:
+            grads = tuple(x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3]) for x in (q, k, v))
+            for g in range(len(padded.shapes)):
+                # a padding row's output gradient is 0, so its query adds nothing to any key's gradient
+                parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    padded.zero_padding(padded.pad(grad, g), g), *(padded.pad(x, g) for x in (q, k, v, out, lse)),
+                    0.0, True)
+                for dst, part in zip(grads, parts):
+                    padded.put(dst, g, part)
+            return (*(x.transpose(1, 2) for x in grads), None, None)  # (B, h, t, hd) each
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for b in packed.blocks(window):
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -356,9 +470,9 @@ def _block_inputs(q, k, v, b: QueryBlock) -> tuple[torch.Tensor, torch.Tensor, t
     return q[:, :, b.q0:b.q1], k[:, :, b.k0:b.k1], v[:, :, b.k0:b.k1]
 
 
-def _flash_cpu(q, k, v, bias) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_cpu(q, k, v, bias, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention's CPU kernel: ``(B, nh, bq, hd)`` output and ``(B, nh, bq)`` log-sum-exp."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
 
 
 def _run_starts(ids: torch.Tensor) -> torch.Tensor:

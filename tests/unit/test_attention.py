@@ -102,6 +102,45 @@ def test_blocks_cover_every_query_once_and_compute_about_the_kept_pairs() -> Non
             assert kept <= packed.computed_pairs(window) <= kept + attention.QUERY_BLOCK * len(layout)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_causal_samples_run_as_padded_groups_equal_to_the_dense_reference(seed) -> None:
+    """Causal text samples of mixed lengths (1 to 300 tokens): padded groups, outputs and gradients
+    as the dense rule's; a window or bidirectional items fall back to blocks."""
+    rng = random.Random(seed)
+    lengths = [rng.choice([1, rng.randint(2, 40), rng.randint(41, 300)]) for _ in range(rng.randint(1, 12))]
+    layout = TokenLayout.from_segments([[("text", n)] for n in lengths])
+    packed = PackedAttention(layout)
+    assert packed.padded_groups() is not None and packed.padded_groups(8) is None
+    T, nh, nkv = len(layout), 4, rng.choice([4, 2, 1])
+    torch.manual_seed(seed)
+    q = torch.randn(1, nh, T, 8, requires_grad=True)
+    k, v = (torch.randn(1, nkv, T, 8, requires_grad=True) for _ in range(2))
+    want = dense(q, k, v, layout, layout, None)
+    got = packed.attend(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(want)
+    for a, b in zip(_grads(got, (q, k, v), g), _grads(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    mixed = TokenLayout.from_segments([[("text", 3), ("item", 4), ("text", 2)]])
+    assert PackedAttention(mixed).padded_groups() is None
+
+
+def test_padded_groups_hold_every_token_once_and_bound_their_waste() -> None:
+    rng = random.Random(3)
+    for _ in range(50):
+        lengths = [rng.randint(1, 500) for _ in range(rng.randint(1, 20))]
+        packed = PackedAttention(TokenLayout.from_segments([[("text", n)] for n in lengths]))
+        groups = packed.padded_groups()
+        assert sorted(groups.index[groups.valid].tolist()) == list(range(sum(lengths)))
+        at = 0
+        for n, L in groups.shapes:
+            own = groups.valid[at:at + n * L].view(n, L).sum(1).tolist()
+            assert max(own) == L
+            assert n * L * (L + 1) / 2 <= attention.PADDING_WASTE * sum(m * (m + 1) / 2 for m in own) or n == 1
+            at += n * L
+        assert packed.computed_pairs() == sum(n * L * (L + 1) // 2 for n, L in groups.shapes)
+
+
 def test_short_samples_share_a_block_and_long_ones_are_cut() -> None:
     starts = [0] * 3 + [3] * 2 + [5] * 10  # samples of 3, 2 and 10 queries
     first, ends = starts, [i + 1 for i in range(15)]
