@@ -421,11 +421,11 @@ class _SegmentAttention(torch.autograd.Function):
         ctx.packed, ctx.window = packed, window
         padded = packed.padded_groups(window)
         if padded is not None:  # causal samples: one unmasked causal call per group of padded samples
-            out, lse = q.new_empty(B, t, nh, hd), q.new_empty(B, t, nh)  # token-major
+            out, lse = q.new_empty(B, t, nh, hd), q.new_empty(B, t, nh, dtype=torch.float32)  # token-major
             for g in range(len(padded.shapes)):
                 o, l = _flash_cpu(padded.pad(q, g), padded.pad(k, g), padded.pad(v, g), None, causal=True)
                 padded.put(out, g, o)
-                padded.put(lse, g, l)
+                padded.put(lse, g, l.float())
             out, lse = out.transpose(1, 2), lse.transpose(1, 2)  # (B, nh, t, hd), (B, nh, t)
             ctx.save_for_backward(q, k, v, out, lse)
             return out

@@ -216,16 +216,20 @@ def squared_norm_share(params: list[nn.Parameter], replication: int) -> torch.Te
     so each shard is held ``replication / shards``
     times and weighs ``shards / replication``.
     """
-    total = torch.zeros((), dtype=torch.float64)
+    by_weight: dict[tuple[float, torch.device], list[torch.Tensor]] = {}  # (weight, device) -> local grads
     for p in params:
         g = local_grad(p)
-        if g is None:
+        if g is None or g.numel() == 0:
             continue
         shards = 1
         if isinstance(p.grad, DTensor):
             mesh = p.grad.device_mesh
             shards = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if not pl.is_replicate())
-        total += g.detach().double().pow(2).sum().cpu() * (shards / replication)
+        by_weight.setdefault((shards / replication, g.device), []).append(g.detach())
+    total = torch.zeros((), dtype=torch.float64)
+    for (weight, _), grads in by_weight.items():  # one fused norm per group, one host copy
+        norms = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float64))
+        total += norms.pow(2).sum().cpu() * weight
     return total
 
 
@@ -250,7 +254,7 @@ def clip_grad_norm(shares: torch.Tensor, params: list[nn.Parameter], max_norm: f
     if max_norm is not None:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    local_grad(p).mul_(coef)
+            grads = [g for g in map(local_grad, (p for p in params if p.grad is not None)) if g.numel()]
+            for device in {g.device for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.device == device], coef)
     return norm

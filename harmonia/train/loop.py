@@ -80,11 +80,19 @@ def learning_rate(config: Config, step: int, module: str | None = None) -> float
 
 def build_optimizer(config: Config, param_groups: list[dict]) -> torch.optim.Optimizer:
     """AdamW over one runner's param groups (`ModuleRunner.param_groups`), each at its module's peak
-    lr and weight decay (`TrainConfig.lr_of`, `TrainConfig.weight_decay_of`)."""
+    lr and weight decay (`TrainConfig.lr_of`, `TrainConfig.weight_decay_of`): torch's fused kernel
+    (one pass over each parameter, no temporaries the size of the states; about 3.5x faster per
+    step than the per-parameter loop on a small model's ~50 tensors) where the parameters are all
+    plain tensors or all DTensors of one mesh, which it takes together; the per-parameter loop
+    otherwise (TP keeps norms whole beside its sharded weights)."""
     tc = config.train
     groups = [{**g, "lr": tc.lr_of(g.get("module")), "weight_decay": tc.weight_decay_of(g.get("module"))}
               for g in param_groups]
-    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, foreach=False)
+    from torch.distributed.tensor import DTensor
+
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for g in groups for p in g["params"]}
+    fused = {"fused": True} if len(meshes) <= 1 else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, **fused)
 
 
 def set_learning_rates(optimizers: dict[str, torch.optim.Optimizer], config: Config, step: int) -> None:
