@@ -295,7 +295,9 @@ class Trainer:
         # step start+1 (warm) fits the simulation's cost model; start+4, prepared after that (the
         # prefetcher works a step ahead), is drawn measured beside simulated
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
-        with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps) as prefetch:
+        # on CPU the preparation competes with the step for the GIL and the cores (`SchedulePrefetcher`)
+        with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps,
+                                background=self.device.type != "cpu") as prefetch:
             try:
                 self._steps(report, stops, progress, prefetch, calibration_step, timeline_step)
             finally:

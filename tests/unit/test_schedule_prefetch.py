@@ -38,3 +38,25 @@ def test_steps_must_be_consumed_in_order() -> None:
         assert pre.get(0) == 0
         with pytest.raises(ValueError, match="in order"):
             pre.get(5)
+
+
+def test_inline_preparation_runs_in_the_consumers_thread_when_asked() -> None:
+    import threading
+
+    seen = []
+
+    def prepare(step):
+        seen.append((step, threading.current_thread() is threading.main_thread()))
+        if step == 2:
+            raise RuntimeError("sample 7 is over the token cap")
+        return step * 10
+
+    with SchedulePrefetcher(prepare, last_step=4, background=False) as pre:
+        assert seen == []  # nothing prepared before it is asked for
+        assert pre.get(0) == 0 and pre.get(1) == 10
+        with pytest.raises(RuntimeError, match="token cap"):
+            pre.get(2)
+        with pytest.raises(ValueError, match="in order"):
+            pre.get(5)
+    assert seen == [(0, True), (1, True), (2, True)]
+    assert pre.stats.steps == 3 and pre.stats.hidden_frac == 0.0
