@@ -206,7 +206,8 @@ def summary_table(records: list[dict], accuracy: dict | None = None, evals: list
         simulated_row(steady),
         ("bubble measured (mean)", f"{mean('bubble_frac'):.1%}"),
         ("microbatch work max/mean (mean)", f"{np.mean([r['balance']['microbatch_imbalance'] for r in steady]):.3f}"),
-        ("scheduling hidden behind training", f"{last['schedule_hidden_frac']:.0%}"),
+        ("step preparation, mean (share hidden)",
+         f"{mean('schedule_prepare_s') * 1e3:.1f} ms; {last['schedule_hidden_frac']:.0%}"),
         ("samples skipped (bad data)", f"{last.get('data/skipped', 0)}"),
         ("peak memory (rank 0)", f"{last['peak_memory_bytes'] / 2**20:,.0f} MiB"),
     ]
