@@ -13,7 +13,13 @@ the processes, which run ``target(*args)``:
 - the ranks exit when the launcher dies (`harmonia.runtime.watchdog.exit_with_parent`);
 - with ``hang_timeout``, a rank whose heartbeat stops (stopped, frozen) is named and the job ends.
 
-Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process.
+Under torchrun (``RANK`` already set) nothing is spawned: the target runs in this process. A job of
+one process (``in_process``) runs there too, as rank 0 of the launcher's own store: a second
+interpreter would import torch and transformers again (3-5 s of a 1-process job's start-up, and its
+memory beside the launcher's). Its stop signals are the rank's own (it stops at a step boundary; a
+second one kills the job without saving, as the launcher does), the time limit sends it SIGTERM,
+and a watch thread ends the process with the hang's one line when its heartbeat stops. What only a
+second process can name, the rank's own death by a signal, is the command's death.
 """
 
 from __future__ import annotations
@@ -137,7 +143,7 @@ class _Job:
 
 def launch(target: Callable, world_size: int, args: tuple = (), timeout: float | None = None,
            grace_s: float = 5.0, settle_s: float = 0.5, hang_timeout: float | None = None,
-           stop_grace_s: float = 120.0) -> Any:
+           stop_grace_s: float = 120.0, in_process: bool = False) -> Any:
     """Run ``target(*args)`` on ``world_size`` local processes; returns rank 0's return value.
 
     Args:
@@ -150,6 +156,7 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
         hang_timeout: seconds without a heartbeat after which a rank is named as hung and the job
             ends (None = no heartbeat watch; the target must run `harmonia.runtime.watchdog.Heartbeat`).
         stop_grace_s: seconds the ranks have to stop after a forwarded signal before being killed.
+        in_process: run a 1-process job in this process (module docstring).
 
     Raises:
         LaunchError: a rank failed, died or hung (the root cause is named).
@@ -157,6 +164,8 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
     """
     if under_torchrun():
         return target(*args)
+    if in_process and world_size == 1:
+        return _in_this_process(target, args, timeout, hang_timeout, stop_grace_s)
     from multiprocessing.reduction import ForkingPickler  # with torch's reductions, as Process args have
 
     import torch.distributed as dist
@@ -325,3 +334,99 @@ def _stop(job: _Job, grace_s: float) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _in_this_process(target: Callable, args: tuple, timeout: float | None, hang_timeout: float | None,
+                     stop_grace_s: float) -> Any:
+    """``target(*args)`` as the only rank, in this process (module docstring); the same errors as
+    `launch`'s: `LaunchError` naming rank 0's failure, `JobStopped` for a signal or the time limit."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), LAUNCHER_ENV: str(os.getpid()), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    main = threading.current_thread() is threading.main_thread()
+    saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS} if main else {}
+    watch = _Watch(store, hang_timeout, timeout, stop_grace_s)
+    os.environ.update(env)
+    try:
+        if main:
+            stops = _SecondSignalKills(raise_now=True)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, stops._handle)
+        watch.start()
+        return target(*args)
+    except StopRequested as stop:
+        if watch.timed_out:
+            raise JobStopped(f"the job ran past its time limit (parallel.timeout_s={timeout:g}): {stop}", stop.signum,
+                             exit_code=124) from None
+        raise JobStopped(str(stop), stop.signum) from None
+    except Exception as err:  # noqa: BLE001 -- said as the launcher says a rank's failure
+        raise LaunchError(f"rank 0 failed: {type(err).__name__}: {err}\n--- rank 0 traceback ---\n"
+                          f"{traceback.format_exc()}") from None
+    finally:
+        watch.stop()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for sig, handler in saved_signals.items():
+            signal.signal(sig, handler)
+
+
+class _SecondSignalKills(StopSignals):
+    """The in-process rank's stop signals: the first asks for a stop at a step boundary, a second ends
+    the process at once (as the launcher kills its ranks on a second signal)."""
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum:
+            _last_words(f"stopped by a second {signal_name(signum)}: the job was killed without saving")
+            os._exit(128 + signum)
+        super()._handle(signum, frame)
+
+
+class _Watch:
+    """The in-process rank's watch thread: the time limit (SIGTERM to this process, then the end of it
+    ``stop_grace_s`` later) and its heartbeat (a hang ends the process with its one line)."""
+
+    def __init__(self, store, hang_timeout: float | None, timeout: float | None, stop_grace_s: float) -> None:
+        self.detector = HangDetector(store, 1, hang_timeout, pids={0: os.getpid()}) if hang_timeout else None
+        self.timeout, self.stop_grace_s = timeout, stop_grace_s
+        self.timed_out = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="harmonia-watch", daemon=True)
+
+    def start(self) -> None:
+        if self.detector is not None or self.timeout is not None:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        poll_s = beat_interval(self.detector.hang_timeout) if self.detector is not None else 1.0
+        deadline = None
+        while not self._done.wait(poll_s):
+            now = time.monotonic()
+            if self.timeout is not None and not self.timed_out and now - start > self.timeout:
+                self.timed_out, deadline = True, now + self.stop_grace_s
+                os.kill(os.getpid(), signal.SIGTERM)
+            hung = self.detector.poll() if self.detector is not None else None
+            if hung is not None or (deadline is not None and now > deadline):
+                why = f"{hung[1]}; the job was stopped" if hung is not None else (
+                    f"the job ran past its time limit (parallel.timeout_s={self.timeout:g}) and did not stop within "
+                    f"{self.stop_grace_s:g} s; it was killed")
+                _last_words(why)
+                os._exit(1)
+
+
+def _last_words(message: str) -> None:
+    """``error: message`` on stderr from a thread that ends the process (nothing else may run)."""
+    try:
+        os.write(2, f"error: {message}\n".encode())
+    except OSError:
+        pass

@@ -194,10 +194,12 @@ def run_training(config: Config, console) -> TrainResult | None:
         print_plan(plan, report, console, model_spec(config))
         from harmonia.train.report import phase_line
 
-        phase_line(f"starting {config.parallel.world_size} processes ({backend_of(config)} backend)")
+        n = config.parallel.world_size
+        phase_line(f"starting {n} processes ({backend_of(config)} backend)" if n > 1 else
+                   f"running as one process in this one ({backend_of(config)} backend)")
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
         out = launch(train_worker, config.parallel.world_size, (config, plan.to_json(), None, time.time()),
-                     timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config))
+                     timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config), in_process=True)
         out["startup"] = {**phases.seconds, **out.get("startup", {})}
         return _finish(config, plan, out, report)
 

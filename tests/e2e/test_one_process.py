@@ -1,0 +1,100 @@
+"""A job of one process runs in the command's own process: no rank process is started, and what a user
+sees when it fails or is stopped is what the launcher says of a spawned rank (the exit code, the one
+line, the checkpoint left behind)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harmonia.config import load_config
+from harmonia.train.faults import FAULT_ENV
+from harmonia.train.job import prepare_data
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(tmp: Path, run: str, *extra: str) -> list[str]:
+    return [f"--data.path={tmp / 'data'}", "--data.synthesize=32", "--data.heldout=8", "--model.preset=tiny-vlm",
+            "--train.global_batch=8", "--train.warmup=1", "--train.steps=4", "--parallel.world_size=1",
+            "--parallel.cluster=cpu:1x1", "--log.tensorboard=false", f"--log.dir={tmp / run}",
+            f"--checkpoint.dir={tmp / run / 'ck'}", *extra]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    prepare_data(load_config(None, _args(tmp, "prep")))
+    return tmp
+
+
+def _start(args: list[str], fault: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", FAULT_ENV: fault}
+    return subprocess.Popen([sys.executable, "-m", "harmonia", "train", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` and that run harmonia (not the data workers' helpers)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn" in cmd:
+            out.append(int(proc.name))
+    return out
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, out
+
+
+def test_a_one_process_job_trains_in_the_commands_process(tmp) -> None:
+    proc = _start(_args(tmp, "plain"))
+    spawned = set()
+    while proc.poll() is None:  # no spawned interpreter at any time
+        spawned.update(_children(proc.pid))
+        time.sleep(0.2)
+    code, out = _finish(proc)
+    assert code == 0, out[-3000:]
+    assert not spawned, spawned
+    assert "running as one process in this one" in out and "starting 1 processes" not in out
+    summary = json.loads((tmp / "plain" / "summary.json").read_text())
+    assert len(summary["losses"]) == 4 and summary["startup"]["process start"] < 0.5
+
+
+def test_a_failing_rank_is_named_and_its_last_checkpoint_stays(tmp) -> None:
+    code, out = _finish(_start(_args(tmp, "raise", "--checkpoint.every=2"), fault="raise:0:3"))
+    assert code == 1, out[-3000:]
+    assert "error: rank 0 failed: RuntimeError: injected fault on rank 0 at step 3" in out
+    assert sorted(p.name for p in (tmp / "raise" / "ck").glob("step-*")) == ["step-2"]
+
+
+def test_a_stop_signal_stops_at_a_step_boundary_and_saves(tmp) -> None:
+    code, out = _finish(_start(_args(tmp, "term"), fault="term:0:2"))
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("error") or "stopped" in line]
+    assert any("SIGTERM" in line for line in lines), out[-3000:]
+    assert sorted(p.name for p in (tmp / "term" / "ck").glob("step-*")) == ["step-2"]
+
+
+def test_the_time_limit_stops_the_job_with_its_own_exit_code(tmp) -> None:
+    code, out = _finish(_start(_args(tmp, "late", "--train.steps=100000", "--parallel.timeout_s=20")))
+    assert code == 124, out[-3000:]
+    assert "the job ran past its time limit (parallel.timeout_s=20)" in out
