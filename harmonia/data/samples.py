@@ -22,6 +22,7 @@ import torch
 
 from harmonia.data import media as M
 from harmonia.data.conversation import Conversation, MediaRef
+from harmonia.data.encoded_cache import EncodedCache
 from harmonia.data.records import DataError, TarSource
 from harmonia.data.shape_index import MediaFile
 from harmonia.data.token_cache import Rendered, TokenCountCache
@@ -128,6 +129,7 @@ class SampleBuilder:
     sampling: M.FrameSampling = field(default_factory=M.FrameSampling)
     token_cache: TokenCountCache | None = None
     truncate: bool = False
+    encoded: EncodedCache = field(default_factory=EncodedCache, compare=False, repr=False)
 
     def _module(self, ref: MediaRef, where: str) -> str:
         try:
@@ -203,7 +205,10 @@ class SampleBuilder:
 
     def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
         lengths = self._lengths(items)
-        enc = self.tokenizer.encode_conversation(conv, lengths)
+        enc = self.encoded.get(index, lengths)  # a sample decoded before (an earlier epoch)
+        if enc is None:
+            enc = self.tokenizer.encode_conversation(conv, lengths)
+            self.encoded.put(index, lengths, enc)
         return self._shape_of(conv, index, items, lengths, Rendered.of(enc)), enc
 
     def render(self, conv: Conversation, lengths: list[int]) -> Rendered:

@@ -109,3 +109,31 @@ def test_decoded_samples_are_transformers(ckpt, tmp_path):
         (item,) = built.tokens.items
         assert torch.equal(item.inputs, media["pixel_values"]) and torch.equal(item.grid, media["image_grid_thw"])
         assert built.tokens.rope_positions.shape == (3, len(built.tokens))
+
+
+def test_a_sample_decoded_again_takes_its_tokens_from_memory(ckpt, tmp_path, monkeypatch):
+    """A later epoch's decode neither renders nor tokenizes the conversation again, and gives the same
+    sample; a cache with no room keeps nothing and changes nothing."""
+    spec = mllm_spec_from_hf(ckpt)
+    Image.fromarray(np.zeros((32, 48, 3), dtype=np.uint8)).save(tmp_path / "0.png")
+    (tmp_path / "data.json").write_text(json.dumps([{"id": 0, "image": "0.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "red"},
+        {"from": "human", "value": "And now?"}, {"from": "gpt", "value": "blue"}]}]))
+    (conv,), _, _ = read_conversations(tmp_path / "data.json")
+    tokenizer = HFTokenizer.from_pretrained(ckpt)
+    calls = []
+    encode = tokenizer.encode_conversation
+    monkeypatch.setattr(tokenizer, "encode_conversation", lambda *a: calls.append(1) or encode(*a))
+    prep = build_media_preprocessors(spec, {"vision": ckpt})
+    builder = SampleBuilder(spec, tokenizer, preprocessors=prep)
+    first, again = builder.build(conv, 0), builder.build(conv, 0)
+    assert len(calls) == 1 and len(builder.encoded) == 1
+    for a, b in ((first.tokens.input_ids, again.tokens.input_ids), (first.tokens.labels, again.tokens.labels),
+                 (first.tokens.rope_positions, again.tokens.rope_positions)):
+        assert torch.equal(a, b)
+    assert first.tokens.segments == again.tokens.segments and first.shape == again.shape
+    from harmonia.data.encoded_cache import EncodedCache
+
+    full = SampleBuilder(spec, tokenizer, preprocessors=prep, encoded=EncodedCache(limit=0))
+    assert torch.equal(full.build(conv, 0).tokens.labels, first.tokens.labels) and len(full.encoded) == 0
+    assert len(calls) == 2
