@@ -196,7 +196,7 @@ def run_training(config: Config, console) -> TrainResult | None:
 
         n = config.parallel.world_size
         phase_line(f"starting {n} processes ({backend_of(config)} backend)" if n > 1 else
-                   f"running as one process in this one ({backend_of(config)} backend)")
+                   f"training in this process: one rank ({backend_of(config)} backend)")
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
         out = launch(train_worker, config.parallel.world_size, (config, plan.to_json(), None, time.time()),
                      timeout=config.parallel.timeout_s or None, hang_timeout=hang_timeout(config), in_process=True)

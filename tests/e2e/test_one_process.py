@@ -74,7 +74,7 @@ def test_a_one_process_job_trains_in_the_commands_process(tmp) -> None:
     code, out = _finish(proc)
     assert code == 0, out[-3000:]
     assert not spawned, spawned
-    assert "running as one process in this one" in out and "starting 1 processes" not in out
+    assert "training in this process: one rank (gloo backend)" in out and "starting 1 processes" not in out
     summary = json.loads((tmp / "plain" / "summary.json").read_text())
     assert len(summary["losses"]) == 4 and summary["startup"]["process start"] < 0.5
 
