@@ -6,9 +6,10 @@ the same schedule family, kernels and collectives, with every module in eval mod
 no optimizer update. A batch's loss is the step's (summed over its target tokens, divided by their
 number); the evaluation loss weighs the batches by their target tokens, so it is the mean over every
 target token of the ``n_batches x train.global_batch`` samples evaluated (the usable samples in a
-fixed order, the remainder beyond whole batches left out and counted). The executor has no
-forward-only pass, so each batch also runs its backward and the gradients it makes are dropped: an
-evaluation costs about one training step per batch.
+fixed order, the remainder beyond whole batches left out and counted). Its schedules come from the
+stage graph with nothing trained (`harmonia.train.rank.schedule_graph` ``forward_only``): forward
+actions alone, run without autograd, so a batch costs about a third of a training step and keeps no
+activation for a backward.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class EvalLoss:
         return n_usable // global_batch, n_usable % global_batch
 
     def run(self, model: RankModel, device: torch.device) -> EvalResult:
-        """Every evaluation batch through ``model`` (collective over all ranks); the gradients are dropped."""
+        """Every evaluation batch through ``model``, forward only (collective over all ranks)."""
         ex = model.executor
         chunks = [c for r in ex.runners.values() for c in r.chunks.values()]
         modes = [c.training for c in chunks]
@@ -78,8 +79,6 @@ class EvalLoss:
         finally:
             for c, training in zip(chunks, modes):
                 c.train(training)
-            for opt in ex.optimizers.values():
-                opt.zero_grad(set_to_none=True)
         return EvalResult(loss_sum / max(targets, 1.0), self.n_batches, samples, targets)
 
     def close(self) -> None:

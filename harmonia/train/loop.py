@@ -244,7 +244,7 @@ class Trainer:
             raise HarmoniaError(f"train.eval_every={tc.eval_every}: no evaluation set {where}; set data.eval_path")
         n_batches, left_out = EvalLoss.batches_of(len(shapes), tc.global_batch, where)
         builder = IterationBuilder(self.spec, self.plan, dataset, DataOrder(list(shapes), tc.global_batch, tc.seed),
-                                   cost, cluster, schedule_graph(self.spec, self.plan), self.rank,
+                                   cost, cluster, schedule_graph(self.spec, self.plan, forward_only=True), self.rank,
                                    search_evaluations=0, shapes=shapes, decoder=SampleDecoder(dataset, 0),
                                    agree=lambda failed: agree_failures(failed, self.data_group),
                                    assignment=tc.assignment)

@@ -62,9 +62,11 @@ def stage_flags(spec: MLLMSpec, plan: Plan) -> dict[str, tuple[bool, ...] | bool
     return flags
 
 
-def schedule_graph(spec: MLLMSpec, plan: Plan) -> StageGraph:
-    """One LLM replica's stage graph: trainable chunks from the spec, fused backwards by `fused_backward`."""
-    return StageGraph.from_layouts(plan.layouts, stage_flags(spec, plan), replica=0,
+def schedule_graph(spec: MLLMSpec, plan: Plan, forward_only: bool = False) -> StageGraph:
+    """One LLM replica's stage graph: trainable chunks from the spec (none with ``forward_only``: an
+    evaluation's schedules hold forward actions alone), fused backwards by `fused_backward`."""
+    flags = {m: False for m in plan.layouts} if forward_only else stage_flags(spec, plan)
+    return StageGraph.from_layouts(plan.layouts, flags, replica=0,
                                    fused=fused_backward(plan.layouts, spec.llm.tie_embeddings))
 
 

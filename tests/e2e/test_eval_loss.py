@@ -18,6 +18,7 @@ from harmonia.model.batch import pack_samples
 from harmonia.model.llm import lm_loss
 from harmonia.train import run_training
 from harmonia.train.data import open_split
+from harmonia.train.job import prepare_data
 from harmonia.train.planning import model_spec
 from harmonia.train.report import summary_table
 from harmonia.train.weights import initial_model
@@ -80,6 +81,38 @@ def test_the_eval_loss_is_the_checkpoints_and_leaves_training_alone(tmp_path, ca
     assert got["samples"] == 20 and got["left_out"] == 0
     want, n = _checkpoint_loss(config16, 2)
     assert n == 20 and got["loss"] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("layouts", ["vision dp2 fsdp; llm dp2 fsdp reshard", "vision dp2; llm dp2 fsdp",
+                                     "vision dp2; llm pp2", "vision tp2; llm tp2"])
+def test_the_forward_only_evaluation_is_the_checkpoints_loss_under_every_layout_kind(tmp_path, layouts) -> None:
+    """Evaluation batches run forward actions alone (no backward, no gradient): under FSDP, a pipeline
+    and TP's vocabulary-parallel loss, the loss is still the checkpoint's."""
+    from harmonia.model.presets import mllm_preset
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+
+    plan = plan_from_layouts(mllm_preset("tiny-vlm"), "tiny-vlm", parse_layouts(layouts), 2, 4, microbatch_size=2)
+    plan.save(tmp_path / "plan.json")
+    prepare_data(_config(tmp_path, "data"))
+    config = _config(tmp_path, "eval", "--train.eval_every=2", f"--data.eval_path={tmp_path / 'data' / 'heldout'}",
+                     "--train.global_batch=4", f"--parallel.plan={tmp_path / 'plan.json'}")
+    got = run_training(config, Console(file=io.StringIO(), width=200)).evals[-1]
+    want, n = _checkpoint_loss(config, 2)
+    assert got["samples"] == n == 20 and got["loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_evaluation_schedules_hold_forward_actions_only() -> None:
+    from harmonia.model.presets import mllm_preset
+    from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
+    from harmonia.schedule.actions import Kind
+    from harmonia.schedule.families import build_schedule
+    from harmonia.train.rank import schedule_graph
+
+    spec = mllm_preset("tiny-vlm")
+    plan = plan_from_layouts(spec, "tiny-vlm", parse_layouts("vision dp2; llm pp2"), 2, 8, microbatch_size=2)
+    kinds = lambda graph: {a.kind for acts in build_schedule(graph, 4, "1f1b").orders.values() for a in acts}  # noqa: E731
+    assert Kind.F in kinds(schedule_graph(spec, plan)) and Kind.BW in kinds(schedule_graph(spec, plan))
+    assert kinds(schedule_graph(spec, plan, forward_only=True)) == {Kind.F}
 
 
 def test_an_eval_path_that_does_not_exist_is_refused(tmp_path) -> None:
