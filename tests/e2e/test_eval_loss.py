@@ -110,7 +110,10 @@ def test_evaluation_schedules_hold_forward_actions_only() -> None:
 
     spec = mllm_preset("tiny-vlm")
     plan = plan_from_layouts(spec, "tiny-vlm", parse_layouts("vision dp2; llm pp2"), 2, 8, microbatch_size=2)
-    kinds = lambda graph: {a.kind for acts in build_schedule(graph, 4, "1f1b").orders.values() for a in acts}  # noqa: E731
+
+    def kinds(graph):
+        return {a.kind for actions in build_schedule(graph, 4, "1f1b").orders.values() for a in actions}
+
     assert Kind.F in kinds(schedule_graph(spec, plan)) and Kind.BW in kinds(schedule_graph(spec, plan))
     assert kinds(schedule_graph(spec, plan, forward_only=True)) == {Kind.F}
 
