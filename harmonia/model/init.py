@@ -51,7 +51,7 @@ def _rule(owner: nn.Module, parent: nn.Module | None, leaf: str, shape: torch.Si
         return "zeros", 0.0
     if isinstance(owner, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)):
         return ("normal", STD) if leaf == "weight" else ("zeros", 0.0)
-    if isinstance(owner, nn.LayerNorm) or type(owner).__name__ == "RMSNorm":
+    if isinstance(owner, nn.LayerNorm) or any(c.__name__ == "RMSNorm" for c in type(owner).__mro__):
         return ("ones", 1.0) if leaf == "weight" else ("zeros", 0.0)
     table = getattr(owner, "param_init", {})
     if leaf in table:

@@ -84,14 +84,32 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     parallelize_module(module, tp_mesh, tp_styles(plan_tp(module)))
 
 
+def fsdp_units(module: nn.Module) -> list:
+    """FSDP2's units of a stage chunk before its root (torchtitan's): each block, and on an LLM stage
+    its embedding and its final norm with the head, each a unit of its own, so resharding gathers a
+    vocabulary-sized matrix only while it runs; an embedding the stage's head also multiplies by
+    (tied on one stage) stays in the root with the head."""
+    from harmonia.model.llm import DecoderLM
+
+    units = list(getattr(module, "layers", {}).values())
+    if isinstance(module, DecoderLM):
+        tied_here = module.is_last and module.spec.tie_embeddings
+        if module.embed is not None and not tied_here:
+            units.insert(0, module.embed)
+        if module.head is not None:
+            units.append([module.norm, module.head])
+    return units
+
+
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, mixed_precision: bool = False) -> None:
-    """FSDP2 per block, then the chunk; gradients are summed over ``dp`` (the loss is already global).
-    ``mixed_precision``: bf16 parameters in forward and backward, fp32 gradient reduction."""
+    """FSDP2 per unit (`fsdp_units`), then the chunk; gradients are summed over ``dp`` (the loss is
+    already global). ``mixed_precision``: bf16 parameters in forward and backward, fp32 gradient
+    reduction."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
-    for block in getattr(module, "layers", {}).values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    for unit in fsdp_units(module):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, mp_policy=policy)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):  # each fully_shard unit reduces its own gradients
