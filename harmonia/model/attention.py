@@ -314,7 +314,7 @@ class PackedAttention:
         return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class PaddedGroups:
     """Causal samples as padded batches: group ``g`` holds ``n_g`` samples of at most ``L_g`` tokens,
     each padded at its end to ``L_g`` (a causal query never reaches the padding after it).
@@ -328,6 +328,18 @@ class PaddedGroups:
     shapes: list[tuple[int, int]]
     index: torch.Tensor
     valid: torch.Tensor
+
+    def __post_init__(self) -> None:  # per group, once: its slots, its filled slots and their tokens
+        self._slots, self._filled, self._tokens, self._valid = [], [], [], []
+        at = 0
+        for n, L in self.shapes:
+            index, valid = self.index[at:at + n * L], self.valid[at:at + n * L]
+            filled = torch.nonzero(valid).flatten()
+            self._slots.append(index)
+            self._filled.append(filled)
+            self._tokens.append(index[filled])
+            self._valid.append(valid.view(n, L))
+            at += n * L
 
     @classmethod
     def plan(cls, heads: list[int], lengths: list[int], waste: float, device) -> PaddedGroups:
@@ -365,26 +377,22 @@ class PaddedGroups:
         """Group ``group`` of ``(B, h, T, *F)`` in token order: ``(B n_g, h, L_g, *F)``, padding rows
         repeating token 0. Rows are gathered token-major (``(B, T, h, *F)``, as projections lay them
         out)."""
-        at, (n, L) = self._at(group), self.shapes[group]
-        rows = x.transpose(1, 2).index_select(1, self.index[at:at + n * L])  # (B, n L, h, *F)
+        n, L = self.shapes[group]
+        rows = x.transpose(1, 2).index_select(1, self._slots[group])  # (B, n L, h, *F)
         return rows.unflatten(1, (n, L)).flatten(0, 1).transpose(1, 2)
 
     def put(self, dst: torch.Tensor, group: int, part: torch.Tensor) -> None:
         """Write group ``group``'s ``(B n_g, h, L_g, *F)`` rows (padding dropped) into ``dst``
         ``(B, T, h, *F)``, token-major."""
-        at, (n, L) = self._at(group), self.shapes[group]
-        valid = self.valid[at:at + n * L]
+        n, _ = self.shapes[group]
         rows = part.transpose(1, 2).unflatten(0, (-1, n)).flatten(1, 2)  # (B, n L, h, *F)
-        dst.index_copy_(1, self.index[at:at + n * L][valid], rows[:, valid])
+        dst.index_copy_(1, self._tokens[group], rows.index_select(1, self._filled[group]))
 
     def zero_padding(self, part: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group``'s ``(B n_g, h, L_g, *F)`` rows with the padding rows 0."""
-        at, (n, L) = self._at(group), self.shapes[group]
-        valid = self.valid[at:at + n * L].view(1, n, 1, L, *([1] * (part.dim() - 3)))
+        n, L = self.shapes[group]
+        valid = self._valid[group].view(1, n, 1, L, *([1] * (part.dim() - 3)))
         return part.unflatten(0, (-1, n)).masked_fill(~valid, 0).flatten(0, 1)
-
-    def _at(self, group: int) -> int:
-        return sum(n * L for n, L in self.shapes[:group])
 
 
 @dataclass(frozen=True)
