@@ -63,13 +63,17 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _rank_env(rank: int, world: int, port: int, launcher: int) -> dict[str, str]:
+    """What torchrun's agent gives a rank, the launcher hosting the store."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), LAUNCHER_ENV: str(launcher),
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports) -> None:
     """One rank: stop signals handled first, then the target and its arguments unpickled (their imports
     take seconds) and run; what happened goes to ``reports``."""
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       LAUNCHER_ENV: str(launcher),
-                       "TORCHELASTIC_USE_AGENT_STORE": "True"})  # the launcher hosts the store
+    os.environ.update(_rank_env(rank, world, port, launcher))
     code = 0
     try:
         StopSignals.install(raise_now=True)
@@ -344,8 +348,7 @@ def _in_this_process(target: Callable, args: tuple, timeout: float | None, hang_
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(store.port), LAUNCHER_ENV: str(os.getpid()), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = _rank_env(0, 1, store.port, os.getpid())
     saved_env = {k: os.environ.get(k) for k in env}
     main = threading.current_thread() is threading.main_thread()
     saved_signals = {s: signal.getsignal(s) for s in STOP_SIGNALS} if main else {}

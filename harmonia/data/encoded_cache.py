@@ -34,12 +34,10 @@ class EncodedCache:
         return Encoded(ids.tolist(), targets.tolist(), [tuple(r) for r in items])
 
     def put(self, index: int, lengths: list[int], enc: Encoded) -> None:
-        ids = np.asarray(enc.ids, dtype=np.int32)
+        ids = np.asarray(enc.ids, dtype=np.int32)  # an id past int32 raises OverflowError, never wraps
         targets = np.asarray(enc.targets, dtype=bool)
         size = ids.nbytes + targets.nbytes
         if self.bytes + size > self.limit:
-            return
-        if not np.array_equal(ids, enc.ids):  # an id past int32: not kept
             return
         self._entries[(index, tuple(lengths))] = (ids, targets, tuple(map(tuple, enc.items)))
         self.bytes += size

@@ -104,11 +104,7 @@ class SchedulePrefetcher(Generic[T]):
             result, error, took = self._results.pop(step)
             self._consumed = step + 1
             self._cond.notify_all()
-        waited = time.perf_counter() - t0
-        self.stats.prepared_s += took
-        self.stats.waited_s += min(waited, took)
-        self.stats.steps += 1
-        self.stats.per_step.append((step, took, waited))
+        self._record(step, took, time.perf_counter() - t0)
         if error is not None:
             raise error
         return result
@@ -121,10 +117,13 @@ class SchedulePrefetcher(Generic[T]):
             return self._prepare(step)
         finally:
             took = time.perf_counter() - t0
-            self.stats.prepared_s += took
-            self.stats.waited_s += took
-            self.stats.steps += 1
-            self.stats.per_step.append((step, took, took))
+            self._record(step, took, took)
+
+    def _record(self, step: int, took: float, waited: float) -> None:
+        self.stats.prepared_s += took
+        self.stats.waited_s += min(waited, took)
+        self.stats.steps += 1
+        self.stats.per_step.append((step, took, waited))
 
     def close(self) -> None:
         """Stop the worker (pending preparations are dropped)."""

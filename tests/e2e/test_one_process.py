@@ -5,28 +5,22 @@ line, the checkpoint left behind)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from harmonia.config import load_config
-from harmonia.train.faults import FAULT_ENV
 from harmonia.train.job import prepare_data
+from tests.e2e.test_faults import _args as faults_args
+from tests.e2e.test_faults import _finish, _ranks_of, _start
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(tmp: Path, run: str, *extra: str) -> list[str]:
-    return [f"--data.path={tmp / 'data'}", "--data.synthesize=32", "--data.heldout=8", "--model.preset=tiny-vlm",
-            "--train.global_batch=8", "--train.warmup=1", "--train.steps=4", "--parallel.world_size=1",
-            "--parallel.cluster=cpu:1x1", "--log.tensorboard=false", f"--log.dir={tmp / run}",
-            f"--checkpoint.dir={tmp / run / 'ck'}", *extra]
+    return faults_args(tmp, run, "--parallel.world_size=1", "--parallel.cluster=cpu:1x1", "--train.steps=4", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -36,40 +30,11 @@ def tmp(tmp_path_factory) -> Path:
     return tmp
 
 
-def _start(args: list[str], fault: str = "") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", FAULT_ENV: fault}
-    return subprocess.Popen([sys.executable, "-m", "harmonia", "train", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` and that run harmonia (not the data workers' helpers)."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-            cmd = (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if proc.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn" in cmd:
-            out.append(int(proc.name))
-    return out
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, out
-
-
 def test_a_one_process_job_trains_in_the_commands_process(tmp) -> None:
     proc = _start(_args(tmp, "plain"))
     spawned = set()
     while proc.poll() is None:  # no spawned interpreter at any time
-        spawned.update(_children(proc.pid))
+        spawned.update(_ranks_of(proc.pid))
         time.sleep(0.2)
     code, out = _finish(proc)
     assert code == 0, out[-3000:]
