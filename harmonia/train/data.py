@@ -111,13 +111,15 @@ def open_training_data(config: Config, spec, rank: int):
     return dataset, shapes
 
 
-def open_eval_data(config: Config, spec, rank: int):
+def open_eval_data(config: Config, spec, log_skips: bool = False):
     """The evaluation set of ``train.eval_every`` and the shape of each usable sample: ``data.eval_path``,
-    else the held-out split beside a synthesized set; ``(None, {})`` where the job has none."""
+    else the held-out split beside a synthesized set; ``(None, {})`` where the job has none. The
+    launcher opens it first (`harmonia.train.job.check_eval_data`: its bad records logged there, its
+    shapes cached for the ranks, which log nothing)."""
     if config.data.eval_path:
-        dataset = _open(config, Path(config.data.eval_path), False, spec, None, data_cache_dir(config), rank == 0)
+        dataset = _open(config, Path(config.data.eval_path), False, spec, None, data_cache_dir(config), log_skips)
     else:
-        dataset = open_split(config, "heldout", spec, cache_dir=data_cache_dir(config), log_skips=rank == 0)
+        dataset = open_split(config, "heldout", spec, cache_dir=data_cache_dir(config), log_skips=log_skips)
     if dataset is None:
         return None, {}
     return dataset, {s.sample_id: s for s in dataset.shapes()}

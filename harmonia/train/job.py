@@ -51,6 +51,16 @@ def dataset_shapes(config: Config) -> list:
     return open_split(config, "train", cache_dir=data_cache_dir(config)).shapes()
 
 
+def check_eval_data(config: Config) -> None:
+    """With ``train.eval_every``, read the evaluation set before any rank starts: a set in no format
+    the job reads stops it here with one line (as the training set does), its bad records are
+    reported once, and its shapes are cached for the ranks."""
+    if config.train.eval_every:
+        from harmonia.train.data import open_eval_data
+
+        open_eval_data(config, model_spec(config), log_skips=True)
+
+
 def with_epochs(config: Config, console=None) -> Config:
     """The config with ``train.steps`` set from ``train.epochs`` (when given): ``ceil(epochs x usable
     samples / global_batch)``, said once on ``console``.
@@ -190,6 +200,7 @@ def run_training(config: Config, console) -> TrainResult | None:
         config = with_epochs(config, console)
         phases.mark("data")
         plan, report = resolve_plan(config)
+        check_eval_data(config)
         phases.mark("shape pass and plan")
         print_plan(plan, report, console, model_spec(config))
         from harmonia.train.report import phase_line
@@ -231,6 +242,7 @@ def prepare_shared(config: Config):
         prepare_data(checked.config)
         config = with_epochs(checked.config, console)
         plan, report = resolve_plan(config)
+        check_eval_data(config)
         print_plan(plan, report, console, model_spec(config))
         best_effort("plan.json", plan.save, Path(config.log.dir) / "plan.json")
         return plan, config, checked

@@ -238,7 +238,7 @@ class Trainer:
         from harmonia.train.rank_data import agree_failures
 
         tc = self.config.train
-        dataset, shapes = open_eval_data(self.config, self.spec, self.rank)
+        dataset, shapes = open_eval_data(self.config, self.spec)
         where = self.config.data.eval_path or f"beside data.path={self.config.data.path!r}"
         if dataset is None:
             raise HarmoniaError(f"train.eval_every={tc.eval_every}: no evaluation set {where}; set data.eval_path")

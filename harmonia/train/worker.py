@@ -116,7 +116,7 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
             built = time.time()
             if rank == 0:
                 since = f" {built - launched_at:.1f} s after the launch" if launched_at is not None else ""
-                phase_line(f"{world} processes up{since}; building the model and its data")
+                phase_line(f"{world} process{'es' if world > 1 else ''} up{since}; building the model and its data")
             trainer = Trainer(config, Plan.from_json(plan_json), rank)
             trainer.resume()
             phases["model build and resume"] = time.time() - built

@@ -118,6 +118,13 @@ def test_evaluation_schedules_hold_forward_actions_only() -> None:
     assert kinds(schedule_graph(spec, plan, forward_only=True)) == {Kind.F}
 
 
+def test_an_eval_set_in_no_known_format_stops_the_job_before_any_rank_starts(tmp_path) -> None:
+    (tmp_path / "eval.jsonl").write_text('{"foo": 1}\n')
+    config = _config(tmp_path, "badformat", "--train.eval_every=1", f"--data.eval_path={tmp_path / 'eval.jsonl'}")
+    with pytest.raises(ConfigError, match=r"eval.jsonl: its first 1 records match no format: keys found \['foo'\]"):
+        run_training(config, Console(file=io.StringIO(), width=200))
+
+
 def test_an_eval_path_that_does_not_exist_is_refused(tmp_path) -> None:
     config = _config(tmp_path, "bad", "--train.eval_every=1", f"--data.eval_path={tmp_path / 'nope.jsonl'}")
     with pytest.raises(ConfigError, match="data.eval_path=.*nope.jsonl.* does not exist"):
