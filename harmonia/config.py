@@ -341,6 +341,14 @@ class LogConfig:
     dir: str = _f("runs/demo", "metrics.jsonl, TensorBoard events, timelines and the summary go here")
     every: int = _f(1, "log every N steps")
     tensorboard: bool = _f(True, "also write TensorBoard events")
+    wandb: bool = _f(False, "also log to Weights & Biases (the wandb package; WANDB_MODE=offline keeps the run in "
+                            "<dir>/wandb, WANDB_* variables apply)")
+    mlflow: bool = _f(False, "also log to MLflow (mlflow or mlflow-skinny) at log.mlflow_uri")
+    mlflow_uri: str = _f("", "MLflow tracking URI (http://host:5000, sqlite:///path/mlflow.db, ...); empty: "
+                             "MLFLOW_TRACKING_URI")
+    project: str = _f("harmonia", "the W&B project and MLflow experiment the run is logged to")
+    run_name: str = _f("", "the W&B / MLflow run name (empty: the last part of log.dir); a resumed job logs "
+                           "to a new run '<name> from step-N' beside it")
     memory: bool = _f(False, "on CPU, count each step's tensor bytes per rank (every operator pays a Python call) "
                              "and record them beside the planner's prediction; GPUs always record their "
                              "allocator's peak")

@@ -1,13 +1,14 @@
-"""Run metrics: JSON lines and TensorBoard scalars, written by rank 0 only.
+"""Run metrics: JSON lines, TensorBoard scalars and experiment trackers, written by rank 0 only.
 
 Each logged step is one JSON object per line in ``metrics.jsonl`` (loss; ``tokens_per_s`` and
 ``samples_per_s``, real tokens and samples over wall-clock time since the run's first step began,
 everything between steps included; ``step_tokens_per_s`` and ``step_samples_per_s``, the step's
 own compute time only; per-module time, bubble fraction, balance statistics, peak memory, skipped samples, ...), and the
-same numbers as TensorBoard scalars under their names when TensorBoard is installed and enabled.
+same numbers as TensorBoard scalars under their names when TensorBoard is installed and enabled, and
+to each experiment tracker handed in (`harmonia.train.trackers`: Weights & Biases, MLflow).
 
 Metrics never stop training: a write that fails (a full or unwritable disk) warns once and
-metrics of that kind are no longer written in this run. A resumed run first cuts
+metrics of that kind are no longer written in this run (a tracker that raises is dropped the same way). A resumed run first cuts
 ``metrics.jsonl`` back to the steps before the one it resumes at (and TensorBoard purges the
 same), so no step appears twice.
 """
@@ -50,14 +51,17 @@ class MetricsWriter:
         enabled: False on ranks other than 0 (then every call is a no-op).
         tensorboard: also write TensorBoard events.
         start_step: the step the run starts at; records of this step and later are removed first.
+        trackers: objects with ``name``, ``log(step, scalars)`` and ``close(failed)``, each sent the
+            same finite scalars as TensorBoard and closed by `close`.
     """
 
     def __init__(self, directory: str | Path, enabled: bool = True, tensorboard: bool = True,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, trackers: list | None = None) -> None:
         self.enabled = enabled
         self.path = Path(directory) / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._trackers = list(trackers or [])
         if not enabled:
             return
         try:
@@ -78,7 +82,7 @@ class MetricsWriter:
                     self._warn("TensorBoard events", err)
 
     @staticmethod
-    def _warn(what: str, err: OSError) -> None:
+    def _warn(what: str, err: Exception) -> None:
         log.warning("could not write %s (%s): no more of it is written in this run; training goes on", what, err)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
@@ -93,14 +97,21 @@ class MetricsWriter:
             except OSError as err:
                 self._warn(str(self.path), err)
                 self._close_file()
+        scalars = {name: value for name, value in _flatten(values)
+                   if isinstance(value, (int, float)) and math.isfinite(value)}
         if self._tb is not None:
             try:
-                for name, value in _flatten(values):
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        self._tb.add_scalar(name, value, step)
+                for name, value in scalars.items():
+                    self._tb.add_scalar(name, value, step)
             except OSError as err:
                 self._warn("TensorBoard events", err)
                 self._tb = None
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(step, scalars)
+            except Exception as err:  # noqa: BLE001 - a tracker never stops training
+                self._warn(f"{tracker.name} metrics", err)
+                self._trackers.remove(tracker)
 
     def _close_file(self) -> None:
         file, self._file = self._file, None
@@ -109,9 +120,16 @@ class MetricsWriter:
         except OSError:
             pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the files and end each tracker's run (``failed``: the run ended in an error)."""
         if not self.enabled:
             return
+        for tracker in self._trackers:
+            try:
+                tracker.close(failed)
+            except Exception as err:  # noqa: BLE001 - closing never hides the run's own outcome
+                log.warning("could not close the %s run (%s)", tracker.name, err)
+        self._trackers = []
         if self._file is not None:
             self._close_file()
         if self._tb is not None:

@@ -104,7 +104,9 @@ def _train(config) -> int:
     if result.records:
         console.print(summary_table(result.records, result.accuracy, result.evals))
         events = "TensorBoard events, " if config.log.tensorboard else ""
-        console.print(f"metrics.jsonl, {events}timeline.png and summary.json in {config.log.dir}/",
+        trackers = "".join(f"; also logged to {name}" for key, name in (("wandb", "Weights & Biases"),
+                                                                        ("mlflow", "MLflow")) if getattr(config.log, key))
+        console.print(f"metrics.jsonl, {events}timeline.png and summary.json in {config.log.dir}/{trackers}",
                       markup=False)
     else:
         console.print(f"nothing to train: the checkpoint in {config.checkpoint.dir} is already at step "

@@ -28,6 +28,7 @@ from harmonia.train.backend import backend_of, hang_timeout
 from harmonia.train.data import check_data_path, check_eval_path, data_cache_dir, open_split, prepare_data
 from harmonia.train.planning import (check_cluster, check_model_files, load_training_plan, model_spec,
                                      search_training_plan, with_world_size)
+from harmonia.train.trackers import check_trackers
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ def run_training(config: Config, console) -> TrainResult | None:
     check_data_path(config)
     check_eval_path(config)
     check_model_files(config)
+    check_trackers(config)
     phases.mark("checks")
     with preflight(config) as checked:
         config = checked.config
@@ -237,6 +239,7 @@ def prepare_shared(config: Config):
     check_data_path(config)
     check_eval_path(config)
     check_model_files(config)
+    check_trackers(config)
     checked = preflight(config)
     try:
         prepare_data(checked.config)

@@ -26,6 +26,7 @@ from harmonia.config import Config
 from harmonia.metrics import MetricsWriter
 from harmonia.sim.engine import Task, Timeline
 from harmonia.train.calibrate import MeasuredAction
+from harmonia.train.trackers import open_trackers
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 log = logging.getLogger(__name__)
@@ -52,8 +53,9 @@ class ProgressReporter:
         self.start_step, self.started = start_step, time.perf_counter()
         self.records: list[dict] = []
         self.evals: list[dict] = []  # `evaluation`'s records
+        trackers = open_trackers(config, start_step) if enabled else []
         self.writer = MetricsWriter(config.log.dir, enabled=enabled, tensorboard=config.log.tensorboard,
-                                    start_step=start_step)
+                                    start_step=start_step, trackers=trackers)
         self.progress = Progress(TextColumn("[bold]train[/] step {task.completed}/{task.total}"), BarColumn(),
                                  TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
                                  TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -65,9 +67,9 @@ class ProgressReporter:
         self.progress.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         self.progress.stop()
-        self.writer.close()
+        self.writer.close(failed=kind is not None)
 
     def step(self, record: dict) -> None:
         self.records.append(record)
