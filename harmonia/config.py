@@ -15,7 +15,7 @@ from typing import Any, get_type_hints
 
 from harmonia.data.formats import FORMATS
 from harmonia.errors import ConfigError
-from harmonia.model.spec import LORA_TARGETS, ModuleTraining
+from harmonia.model.training_mode import LORA_TARGETS, ModuleTraining
 from harmonia.schedule.generators import FAMILIES as SCHEDULE_FAMILIES
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from harmonia.errors import ConfigError
-from harmonia.model.spec import LORA_TARGETS, ModuleTraining, Trainability
+from harmonia.model.training_mode import LORA_TARGETS, ModuleTraining, Trainability
 
 DEFAULT_TARGETS = LORA_TARGETS
 

@@ -173,7 +173,7 @@ def trainable_counts(spec) -> dict[str, tuple[int, int]]:
         ConfigError: a LoRA target that names no linear of its module.
     """
     from harmonia.model.lora import apply_training, check_lora_targets
-    from harmonia.model.spec import Trainability
+    from harmonia.model.training_mode import Trainability
 
     out = {}
     for name in spec.module_names:

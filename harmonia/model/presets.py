@@ -9,14 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harmonia.errors import ConfigError
-from harmonia.model.spec import (
-    EncoderSpec,
-    LLMSpec,
-    MLLMSpec,
-    ModuleTraining,
-    ProjectorSpec,
-    TransformerSpec,
-)
+from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, TransformerSpec
+from harmonia.model.training_mode import ModuleTraining
 
 
 @dataclass(frozen=True)

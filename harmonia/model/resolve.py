@@ -18,7 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from harmonia.errors import ConfigError
-from harmonia.model.spec import MLLMSpec, ModuleTraining
+from harmonia.model.spec import MLLMSpec
+from harmonia.model.training_mode import ModuleTraining
 
 ModelSource = str | dict
 

@@ -12,7 +12,8 @@ from dataclasses import replace
 
 from harmonia.config import PRECISION_MIXED, Config
 from harmonia.errors import ConfigError
-from harmonia.model.spec import MLLMSpec, ModuleTraining
+from harmonia.model.spec import MLLMSpec
+from harmonia.model.training_mode import ModuleTraining
 from harmonia.schedule.plan import Plan
 from harmonia.plan.candidates import check_states_fit
 from harmonia.plan.search import PlanReport, search_plan

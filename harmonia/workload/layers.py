@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, Trainability, TransformerSpec
+from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, TransformerSpec
+from harmonia.model.training_mode import Trainability
 from harmonia.workload.shapes import windowed_blocks
 
 

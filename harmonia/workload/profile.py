@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from harmonia.model.spec import TransformerSpec, Trainability
+from harmonia.model.spec import TransformerSpec
+from harmonia.model.training_mode import Trainability
 from harmonia.workload.calibration import Calibration
 from harmonia.workload.devices import DeviceSpec
 from harmonia.workload.layers import block_cost

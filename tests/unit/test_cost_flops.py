@@ -6,7 +6,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from harmonia.model.presets import TINY_LLMS, encoder_preset, projector_for
-from harmonia.model.spec import TransformerSpec, Trainability
+from harmonia.model.spec import TransformerSpec
+from harmonia.model.training_mode import Trainability
 from harmonia.workload.layers import _dense, block_cost, encoder_layers, projector_layers
 from harmonia.workload.profile import ProbeBlock
 

@@ -11,7 +11,7 @@ from harmonia.model.batch import TokenLayout
 from harmonia.model.layers import Block, rope_cos_sin
 from harmonia.model.lean_ops import rms_norm, silu_mul
 from harmonia.model.presets import mllm_preset
-from harmonia.model.spec import Trainability
+from harmonia.model.training_mode import Trainability
 from harmonia.workload.layers import block_cost
 
 

@@ -19,7 +19,7 @@ from harmonia.model.hf.adapter import export_peft_adapter  # noqa: E402
 from harmonia.model.hf.mllm import mllm_spec_from_hf  # noqa: E402
 from harmonia.model.lora import LoRALinear  # noqa: E402
 from harmonia.model.mllm import build_mllm_model  # noqa: E402
-from harmonia.model.spec import ModuleTraining  # noqa: E402
+from harmonia.model.training_mode import ModuleTraining  # noqa: E402
 from harmonia.train.planning import model_spec  # noqa: E402
 from tests.unit.test_model_hf_llava import load_whole, make_llava, sample_inputs  # noqa: E402
 

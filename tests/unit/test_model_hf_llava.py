@@ -16,7 +16,7 @@ from harmonia.model.hf.mllm import export_hf, load_module_state, mllm_spec_from_
 from harmonia.model.hf.siglip import load_hf_siglip
 from harmonia.model.lora import apply_lora
 from harmonia.model.mllm import MLLM, build_module, encode_media
-from harmonia.model.spec import ModuleTraining
+from harmonia.model.training_mode import ModuleTraining
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import device_preset
 from tests.unit._hf_load import load_cleanly

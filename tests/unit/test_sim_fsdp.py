@@ -175,7 +175,7 @@ def test_fsdp_where_it_saves_memory() -> None:
     only pay the gather; held in bf16 (a GPU's mixed precision) never (2 + 2/dp instead of 2), but
     resharding per microbatch pays over any dp > 1 (2/dp)."""
     from harmonia.model.presets import mllm_preset
-    from harmonia.model.spec import ModuleTraining
+    from harmonia.model.training_mode import ModuleTraining
     from harmonia.plan.candidates import llm_layouts
 
     mllm = mllm_preset("internvl-8b")
@@ -195,7 +195,7 @@ def test_fsdp_where_it_saves_memory() -> None:
 
 def test_frozen_weights_cost_two_bytes_under_mixed_precision_four_in_fp32() -> None:
     from harmonia.model.presets import mllm_preset
-    from harmonia.model.spec import ModuleTraining
+    from harmonia.model.training_mode import ModuleTraining
 
     frozen = replace(mllm_preset("internvl-8b"), training={"llm": ModuleTraining("frozen")})
     n = CostModel(frozen, device_preset("h100")).param_count("llm")[0]

@@ -24,7 +24,8 @@ from harmonia.errors import ConfigError
 from harmonia.model.hf.lazy import load_many
 from harmonia.model.hf.names import module_names
 from harmonia.model.hf.source import parse_source
-from harmonia.model.spec import MLLMSpec, Trainability
+from harmonia.model.spec import MLLMSpec
+from harmonia.model.training_mode import Trainability
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
