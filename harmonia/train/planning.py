@@ -111,8 +111,9 @@ def check_model_files(config: Config) -> None:
         CheckpointFiles(where).check()
 
 
-def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanReport:
-    """Search a plan for the job, profiling whole global batches of its dataset's shapes."""
+def search_training_plan(config: Config, shapes: list[SampleShape], top: int = 1) -> PlanReport:
+    """Search a plan for the job, profiling whole global batches of its dataset's shapes (``top``:
+    plans ranked exactly, `harmonia.plan.search.search_plan`)."""
     check_cluster(config)
     share = rank_memory_bytes(config)
     scenario = Scenario(name="train", model=config.model.source, cluster=config.parallel.cluster,
@@ -120,7 +121,7 @@ def search_training_plan(config: Config, shapes: list[SampleShape]) -> PlanRepor
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
                         mixed_precision=PRECISION_MIXED[config.train.precision],
                         device={} if share is None else {"mem_bytes": share})
-    return search_plan(scenario, accept=_constraints(config), samples=shapes)
+    return search_plan(scenario, top=top, accept=_constraints(config), samples=shapes)
 
 
 def load_training_plan(config: Config) -> Plan:
