@@ -111,24 +111,32 @@ class MemoryCosts:
     def reshard_transient_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1) -> float:
         """What FSDP resharding per microbatch holds beyond the shards while a unit of layers
         [start, stop) runs its backward. FSDP2's units are the stage's blocks, the LLM's embedding
-        and its final norm with the head (one unit with the other layers where the embedding is the
-        tied head of the same stage), and the root, every other layer of the stage together
-        (`harmonia.runtime.parallelize.fsdp_units`). A gather fills a flat buffer and copies it out
-        into the unit's whole weights, so at the next unit's gather (prefetched) a rank holds the
-        running unit's whole weights and the next one's twice: counted with the largest two units
-        that run one after the other (the root first), both with their buffers, ``2 (u1 + u2)``
-        weights (measured at 2B: the root and a block, 1.4 GiB of 1.5 priced), and the larger one's
-        fp32 gradients."""
-        layers = self.layers[module][start:stop]
-        kinds = {x.kind for x in layers}
-        tied_here = module == "llm" and self.mllm.llm.tie_embeddings and {"embed", "head"} <= kinds
-        own = {"block"} | ({"embed", "head"} if module == "llm" and not tied_here else set())
-        root = (sum(x.params for x in layers if x.kind not in own),
-                sum(x.trainable_params for x in layers if x.kind not in own))
-        units = [root] + [(x.params, x.trainable_params) for x in layers if x.kind in own] + [(0, 0)]
+        and its final norm with the head, and the root, every other layer of the stage together
+        (`fsdp_unit_counts`: a tied embedding, or its copy on the last stage, is the root's). A
+        gather fills a flat buffer and copies it out into the unit's whole weights, so at the next
+        unit's gather (prefetched) a rank holds the running unit's whole weights and the next one's
+        twice: counted with the largest two units that run one after the other (the root first),
+        both with their buffers, ``2 (u1 + u2)`` weights (measured at 2B: the root and a block, 1.4
+        GiB of 1.5 priced), and the larger one's fp32 gradients."""
+        units = [*self.fsdp_unit_counts(module, start, stop), (0, 0)]
         pairs = [(max(a, b), min(a, b)) for a, b in zip(units, units[1:])]  # ((u1, t1), (u2, t2))
         (u1, t1), (u2, _) = max(pairs, key=lambda p: p[0][0] + p[1][0])
         return (2 * (u1 + u2) * self.weight_bytes + t1 * GRAD_BYTES) / tp
+
+    def fsdp_unit_counts(self, module: str, start: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
+        """(all, trainable) parameters of each FSDP2 unit of layers [start, stop) in the order they
+        run, the root first (`harmonia.runtime.parallelize.fsdp_units`): on the LLM's last stage a
+        tied embedding (the head, or the stage's copy of it) stays in the root with the final norm."""
+        layers = self.layers[module][start:stop]
+        kinds = {x.kind for x in layers}
+        tied_here = module == "llm" and self.mllm.llm.tie_embeddings and "head" in kinds
+        own = {"block"} | ({"embed", "head"} if module == "llm" and not tied_here else set())
+        root = [sum(x.params for x in layers if x.kind not in own),
+                sum(x.trainable_params for x in layers if x.kind not in own)]
+        if tied_here and "embed" not in kinds:  # the last stage's copy of the first stage's embedding
+            root[0] += self.layers[module][0].params
+            root[1] += self.layers[module][0].trainable_params
+        return [tuple(root)] + [(x.params, x.trainable_params) for x in layers if x.kind in own]
 
     def activation_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                          tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:

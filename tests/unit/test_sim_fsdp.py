@@ -347,3 +347,25 @@ def test_a_jobs_precision_sets_what_a_frozen_weight_costs_the_plan() -> None:
 
     assert [frozen_bytes("h100:1x8", p) for p in ("auto", "bf16", "fp32")] == [2, 2, 4]
     assert [frozen_bytes("cpu:1x4", p) for p in ("auto", "bf16", "fp32")] == [4, 2, 4]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("pp", [1, 2])
+def test_fsdp_units_priced_are_the_runtimes(tied: bool, pp: int) -> None:
+    """Each FSDP2 unit the runtime wraps (`fsdp_units`, then the root with the rest) holds the
+    parameters the cost model prices for it, a last stage's copy of a tied embedding in its head's."""
+    from harmonia.model.presets import mllm_preset
+    from harmonia.runtime.parallelize import build_stage_modules, fsdp_units
+    from harmonia.schedule.stagework import stage_layer_range
+
+    spec = mllm_preset("tiny-vlm")
+    spec = replace(spec, llm=replace(spec.llm, tie_embeddings=tied))
+    cost = CostModel(spec, device_preset("h100"))
+    plan = Plan("tiny-vlm", {"vision": Layout(), "llm": Layout(pp=pp)})
+    for chunk in range(pp):
+        (module,) = build_stage_modules(spec, "llm", plan.layouts["llm"], chunk).values()
+        units = [sum(p.numel() for u in (unit if isinstance(unit, list) else [unit]) for p in u.parameters())
+                 for unit in fsdp_units(module)]
+        root = sum(p.numel() for p in module.parameters()) - sum(units)
+        priced = [n for n, _ in cost.fsdp_unit_counts("llm", *stage_layer_range(cost, plan, "llm", chunk))]
+        assert [root, *units] == priced, f"chunk {chunk}"
