@@ -34,7 +34,10 @@ simulation.
 The frozen-aware stage split evens out compute alone; where messages decide (the last stage sends
 nothing on) the even split every baseline uses can simulate faster. So when harmonia's best plan
 splits the LLM unevenly, the same plan split evenly is simulated too and ranked first if faster:
-harmonia's plan is never slower than its own layout under the baselines' split.
+harmonia's plan is never slower than its own layout under the baselines' split. Likewise, where the
+best plan runs FSDP or zero-bubble, the same plan without them is simulated too and ranked first
+unless it is more than `PLAINER_TOLERANCE` slower or does not fit: the runtime pays for both
+beyond what they are priced (measured in `benchmarks/pick.py`).
 
 Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
 of every module, activations of the microbatches its schedule keeps in flight:
@@ -169,6 +172,8 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
     twins = 0  # even-split twins of the ranked plans, each simulated: candidates of their own
     if recipe == "harmonia" and ranked:
         ranked, twins = _even_split_first(scorer, ranked, top)
+        ranked, plainer = _plainer_first(scorer, ranked, top, accept)
+        twins += plainer
         simulated += twins
     if not ranked:
         memory = sum(n for why, n in rejected.items() if why.startswith("memory"))
@@ -355,7 +360,7 @@ class _Scorer:
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
-        busiest, *rest = independent_parts(cand.plan, self.run.cost, iw, busy)
+        busiest, *rest = independent_parts(cand.plan, self.run.cost, iw, busy, self.run.cluster)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest],
                                       column=busiest_column(cand.plan, busiest, busy))
         return bound
@@ -368,7 +373,7 @@ class _Scorer:
         memory is not timed."""
         run, iw = self.run, self._iteration(cand, j)
         if (key, j) not in self.parts:  # not bounded first: every part at once
-            self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, run.cost, iw))])
+            self.parts[(key, j)] = _Parts([_union(independent_parts(cand.plan, run.cost, iw, cluster=run.cluster))])
         parts = self.parts[(key, j)]
         if parts.schedule is None:
             self.timelines += 1
@@ -442,6 +447,51 @@ def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidat
     if scorer.over_memory(key) or score >= ranked[0][0] or scorer.heavier_batches_over(twin, key):
         return ranked, 1
     return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
+
+
+PLAINER_TOLERANCE = 0.02
+"""How much slower than the best plan its plainer twin (`_plainer_first`) may simulate and still be
+picked: FSDP and zero-bubble's split backward cost the runtime per-step work the simulator prices
+as free or does not see (FSDP2's per-unit hooks and gathers, a second autograd pass for W). Measured
+in `benchmarks/pick.py` (pick-2026-11-28): at LLM pp1, the zero-bubble pick ran 0.70-0.83x the
+samples/s of the same plan under 1F1B, and LLM FSDP on 4 CPU ranks 0.56-0.77x of plain data
+parallelism, where the search scored them within 1% of each other."""
+
+
+def _plainer(plan: Plan) -> list[Plan]:
+    """The plan without FSDP and with 1F1B for zero-bubble (both first, then each alone), where it has
+    them: what the same layout runs without features the runtime pays for beyond their price."""
+    no_fsdp = {m: replace(lay, fsdp=False, reshard=False) for m, lay in plan.layouts.items()}
+    sharded = no_fsdp != plan.layouts
+    zb = plan.schedule == "zb"
+    forms = [(sharded, zb), (sharded, False), (False, zb)] if sharded and zb else [(sharded, zb)]
+    return [replace(plan, layouts=no_fsdp if drop_fsdp else plan.layouts, schedule="1f1b" if to_1f1b else plan.schedule)
+            for drop_fsdp, to_1f1b in forms if drop_fsdp or to_1f1b]
+
+
+def _plainer_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]], top: int,
+                   accept: Callable[[Plan], str | None] | None) -> tuple[list[tuple[float, float, Candidate]], int]:
+    """The ranked plans with the best one's plainer twin (`_plainer`) ranked first where it is
+    accepted, fits memory on every batch and simulates at most `PLAINER_TOLERANCE` slower; and the
+    twins simulated."""
+    best_score, _, best = ranked[0]
+    tried = 0
+    for plan in _plainer(best.plan):
+        if accept is not None and accept(plan) is not None:
+            continue
+        twin = replace(best, plan=plan)
+        key = simulation_key(twin, scorer.run.cost)
+        tried += 1
+        try:
+            score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
+        except HarmoniaError:
+            continue
+        if scorer.over_memory(key) or score > best_score * (1 + PLAINER_TOLERANCE) or \
+                scorer.heavier_batches_over(twin, key):
+            continue
+        rest = [r for r in ranked if simulation_key(r[2], scorer.run.cost) != key]
+        return [(score, scorer.run.scenario.global_batch / score, twin), *rest][:top], tried
+    return ranked, tried
 
 
 def simulation_key(cand: Candidate, cost: CostModel) -> tuple:

@@ -8,7 +8,8 @@ group whose ranks hold different encoder replicas (inside one LLM replica). A DP
 reduction, a step's FSDP gather and the other TP/CP collectives are priced into a rank's own tasks
 and wait for no other rank. So the ranks fall into parts: each LLM replica joined with the encoder replicas that feed
 it, joined again wherever a rank holds stages of several replicas (a colocated encoder) and across
-the replicas of a resharded chunk. Parts replay independently: the iteration lasts as long as its
+the replicas of a resharded chunk, and where a node's ranks share its cores (a CPU job), every rank of the
+node. Parts replay independently: the iteration lasts as long as its
 longest part, and any part's time is a lower bound on it. The planner simulates a candidate's
 busiest part first and drops the candidate once a part exceeds the best score
 (`harmonia.plan.search`), at a fraction of a whole simulation.
@@ -35,10 +36,12 @@ from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 
 
-def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork,
-                      busy: Mapping[int, float] | None = None) -> list[tuple[int, ...]]:
+def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork, busy: Mapping[int, float] | None = None,
+                      cluster: ClusterSpec | None = None) -> list[tuple[int, ...]]:
     """The iteration's parts (see the module docstring), each its ranks in order; the parts ordered
-    by their busiest rank's seconds in ``busy``, most first (default: by their first rank)."""
+    by their busiest rank's seconds in ``busy``, most first (default: by their first rank). On a
+    ``cluster`` whose nodes' ranks share fewer cores than they are, a node's ranks are one part:
+    each computes at a rate set by how many of them compute at once (`harmonia.sim.shared`)."""
     parent: dict[tuple[str, int], tuple[str, int]] = {}  # over module replicas: a rank joins those it holds
 
     def root(x: tuple[str, int]) -> tuple[str, int]:
@@ -64,6 +67,14 @@ def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork,
                 join((module, 0), (module, d))
     for enc, e, d in {(enc, e, d) for enc, e, d, _ in iw.boundary_bytes}:  # every microbatch alike
         join((enc, e), (LLM, d))
+    if cluster is not None and cluster.shares_cores:
+        first: dict[int, tuple[str, int]] = {}  # node -> the replica of its first rank
+        for r in sorted(held):
+            node = cluster.node_of(r)
+            if node in first:
+                join(first[node], held[r])
+            else:
+                first[node] = held[r]
     parts: dict[tuple[str, int], list[int]] = {}
     for r in sorted(held):
         parts.setdefault(root(held[r]), []).append(r)

@@ -87,3 +87,25 @@ def _times(timelines, which: str) -> dict[tuple[int, str], list[float]]:
         for task, at in zip(tl.tasks, getattr(tl, which)):
             out.setdefault((task.rank, task.name), []).append(float(at))
     return out
+
+
+def test_ranks_that_share_a_nodes_cores_are_one_part_and_replay_as_the_whole() -> None:
+    """Four ranks on two cores compute at a rate set by how many compute at once: split into data-parallel
+    parts, each would have the cores to itself and replay faster than the whole iteration does."""
+    from harmonia.plan.recipes import candidates
+    from harmonia.plan.scenario import Scenario
+
+    run = ScenarioRun(Scenario("cores", "tiny-vlm", "cpu:1x4@2", "synthetic:image=0.7,text=0.3", 32,
+                               {"vision": "frozen"}, iterations=1, search_batches=1))
+    args = (run.cost, run.cluster, run.profile, 32, "tiny-vlm")
+    cand = next(c for c in candidates("harmonia", *args) if c.plan.layouts[LLM].dp == 4)
+    iw = run.iteration_work(cand, 1)
+    whole = simulate_work(cand, iw, run.cost, run.cluster, 0.0)
+    apart = independent_parts(cand.plan, run.cost, iw)
+    assert len(apart) == 4  # no message crosses the replicas
+    assert independent_parts(cand.plan, run.cost, iw, cluster=run.cluster) == [(0, 1, 2, 3)]
+    schedule = candidate_schedule(cand, run.cost, iw)
+    alone = max(simulate_part(cand.plan, run.cost, run.cluster, iw, schedule, p).iteration_s for p in apart)
+    assert alone < 0.9 * whole.iteration_s  # what the search took for the iteration before
+    together = simulate_part(cand.plan, run.cost, run.cluster, iw, schedule, (0, 1, 2, 3)).iteration_s
+    assert together == whole.iteration_s
