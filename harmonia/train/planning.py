@@ -19,7 +19,7 @@ from harmonia.plan.candidates import check_states_fit
 from harmonia.plan.search import PlanReport, search_plan
 from harmonia.plan.scenario import Scenario
 from harmonia.workload.cost import CostModel
-from harmonia.train.backend import rank_memory_bytes
+from harmonia.train.backend import job_cluster, rank_memory_bytes
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.shapes import SampleShape
 
@@ -113,10 +113,11 @@ def check_model_files(config: Config) -> None:
 
 def search_training_plan(config: Config, shapes: list[SampleShape], top: int = 1) -> PlanReport:
     """Search a plan for the job, profiling whole global batches of its dataset's shapes (``top``:
-    plans ranked exactly, `harmonia.plan.search.search_plan`)."""
+    plans ranked exactly, `harmonia.plan.search.search_plan`), on the cluster its steps are
+    simulated on (`job_cluster`: a CPU job's ranks sharing this machine's cores)."""
     check_cluster(config)
     share = rank_memory_bytes(config)
-    scenario = Scenario(name="train", model=config.model.source, cluster=config.parallel.cluster,
+    scenario = Scenario(name="train", model=config.model.source, cluster=job_cluster(config).describe(),
                         trace=config.data.path, global_batch=config.train.global_batch,
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
                         mixed_precision=PRECISION_MIXED[config.train.precision],
