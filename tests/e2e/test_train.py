@@ -104,8 +104,9 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
 
     # ... and under a plan file with tensor parallelism (LLM tp2 x pp2, audio tp2 x dp2)
     plan = json.loads((tmp / "ref" / "plan.json").read_text())
-    plan["layouts"]["llm"].update(tp=2, dp=1, fsdp=False, ranks=None)  # all 4 ranks in grid order
-    plan["layouts"]["audio"].update(tp=2, dp=2, pp=1, ranks=None)
+    plan["layouts"]["llm"].update(tp=2, dp=1, fsdp=False, ranks=None, rank_offset=0)  # all 4 ranks in grid order
+    plan["layouts"]["audio"].update(tp=2, dp=2, pp=1, ranks=None, rank_offset=0)
+    plan["placement"] = "colocated"
     (tmp / "tp-plan.json").write_text(json.dumps(plan))
     shutil.copytree(tmp / "other" / "ck" / "step-2", tmp / "tp" / "ck" / "step-2")
     tp, _ = _run(_config(tmp, "tp", f"--parallel.plan={tmp / 'tp-plan.json'}"))
@@ -113,7 +114,7 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     assert tp.losses[2:] == pytest.approx(ref.losses[2:], rel=1e-5)
 
     # ... and under a plan file with context parallelism (LLM cp2 x pp2: balanced CP token shards)
-    plan["layouts"]["llm"].update(tp=1, cp=2, dp=1, fsdp=False, ranks=None)
+    plan["layouts"]["llm"].update(tp=1, cp=2, dp=1, fsdp=False, ranks=None, rank_offset=0)
     (tmp / "cp-plan.json").write_text(json.dumps(plan))
     shutil.copytree(tmp / "other" / "ck" / "step-2", tmp / "cp" / "ck" / "step-2")
     cp, _ = _run(_config(tmp, "cp", f"--parallel.plan={tmp / 'cp-plan.json'}"))
