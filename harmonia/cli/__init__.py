@@ -97,6 +97,7 @@ DEMO_FRESH = ["--checkpoint.resume=false", "--checkpoint.on_existing=replace"]
 def _train(config) -> int:
     from harmonia.train import run_training
     from harmonia.train.report import summary_table
+    from harmonia.train.trackers import TRACKERS, enabled_trackers
 
     result = run_training(config, console)
     if result is None:  # a rank other than 0 under torchrun: rank 0 reports
@@ -104,8 +105,7 @@ def _train(config) -> int:
     if result.records:
         console.print(summary_table(result.records, result.accuracy, result.evals))
         events = "TensorBoard events, " if config.log.tensorboard else ""
-        trackers = "".join(f"; also logged to {name}" for key, name in (("wandb", "Weights & Biases"),
-                                                                        ("mlflow", "MLflow")) if getattr(config.log, key))
+        trackers = "".join(f"; also logged to {TRACKERS[key].name}" for key in enabled_trackers(config))
         console.print(f"metrics.jsonl, {events}timeline.png and summary.json in {config.log.dir}/{trackers}",
                       markup=False)
     else:

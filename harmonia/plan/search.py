@@ -439,14 +439,24 @@ def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidat
     if even is None:
         return ranked, 0
     twin = replace(best, plan=replace(best.plan, layouts={**best.plan.layouts, "llm": even}))
+    score = _twin_score(scorer, twin, lambda t: t < ranked[0][0])
+    if score is None:
+        return ranked, 1
+    return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
+
+
+def _twin_score(scorer: _Scorer, twin: Candidate, fast_enough: Callable[[float], bool]) -> float | None:
+    """A ranked plan's twin's mean simulated seconds over the search batches; None where it cannot
+    be scheduled, is not ``fast_enough``, or exceeds device memory on a search batch or (checked
+    last, the dearest) a heavier one."""
     key = simulation_key(twin, scorer.run.cost)
     try:
         score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
     except HarmoniaError:
-        return ranked, 1
-    if scorer.over_memory(key) or score >= ranked[0][0] or scorer.heavier_batches_over(twin, key):
-        return ranked, 1
-    return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
+        return None
+    if scorer.over_memory(key) or not fast_enough(score) or scorer.heavier_batches_over(twin, key):
+        return None
+    return score
 
 
 PLAINER_TOLERANCE = 0.02
@@ -480,15 +490,11 @@ def _plainer_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]]
         if accept is not None and accept(plan) is not None:
             continue
         twin = replace(best, plan=plan)
-        key = simulation_key(twin, scorer.run.cost)
         tried += 1
-        try:
-            score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
-        except HarmoniaError:
+        score = _twin_score(scorer, twin, lambda t: t <= best_score * (1 + PLAINER_TOLERANCE))
+        if score is None:
             continue
-        if scorer.over_memory(key) or score > best_score * (1 + PLAINER_TOLERANCE) or \
-                scorer.heavier_batches_over(twin, key):
-            continue
+        key = simulation_key(twin, scorer.run.cost)
         rest = [r for r in ranked if simulation_key(r[2], scorer.run.cost) != key]
         return [(score, scorer.run.scenario.global_batch / score, twin), *rest][:top], tried
     return ranked, tried
