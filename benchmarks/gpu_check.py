@@ -14,19 +14,29 @@
    peak), peak memory; beside them the cost model's predicted step (the simulator's single-GPU,
    single-microbatch time: every module's F, B and W) and the planner's peak-memory estimate for
    the same plan and batch.
+3. The whole runtime: ``harmonia train`` started as a user starts it, one process on this device
+   (NCCL, bf16, attention and compilation ``auto``, then compilation off), read back from its
+   metrics: wall-clock tokens/s, the last step beside the simulator's, the allocator's peak beside
+   the planner's estimate, start-up.
 
-``--tiny`` runs both parts on CPU with tiny widths (CI runs it, so the script never rots); on a GPU
-the table is saved under ``benchmarks/results/gpu-check-DATE.txt``. The script fails fast: a kernel
-out of tolerance exits 1 after the table.
+``--tiny`` runs every part on CPU with tiny widths (CI runs it, so the script never rots); on a GPU
+the tables are saved under ``benchmarks/results/gpu-check-DATE.txt`` (after part 2, then again at
+the end). A kernel out of tolerance, a step or a run that fails exits 1 after the tables; each part
+stops where ``--budget`` seconds are spent.
 
-    python benchmarks/gpu_check.py [--tiny]
+    python benchmarks/gpu_check.py [--tiny] [--budget SECONDS]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -61,6 +71,19 @@ def kernel_cases(n_tokens: int, seed: int = 0) -> list[tuple[str, TokenLayout, i
             ("encoder sequences", TokenLayout.from_segments(images), None)]
 
 
+def _timed_kernel(packed: PackedAttention, qkv, g, window, dtype):
+    """Output, input gradients and ms of one forward and backward after a warm-up (which compiles flex)."""
+    inputs = [t.to(dtype).clone().requires_grad_() for t in qkv]
+    y = packed.attend(*inputs, window)
+    torch.autograd.grad(y, inputs, g.to(dtype))
+    _sync(g.device)
+    t0 = time.perf_counter()
+    y = packed.attend(*inputs, window)
+    grads = torch.autograd.grad(y, inputs, g.to(dtype))
+    _sync(g.device)
+    return y, grads, (time.perf_counter() - t0) * 1e3
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -87,16 +110,13 @@ def kernel_parity(device: torch.device, dtype: torch.dtype, n_tokens: int, tol: 
             except ConfigError as e:
                 table.add_row(name, kernel, "", "", "", f"not run: {e}".split(";")[0])
                 continue
-            inputs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
-            packed = PackedAttention(layout, backend=kernel)
-            y = packed.attend(*inputs, window)  # warm-up (compiles flex)
-            torch.autograd.grad(y, inputs, g.to(dtype))
-            _sync(device)
-            t0 = time.perf_counter()
-            y = packed.attend(*inputs, window)
-            grads = torch.autograd.grad(y, inputs, g.to(dtype))
-            _sync(device)
-            ms = (time.perf_counter() - t0) * 1e3
+            try:
+                y, grads, ms = _timed_kernel(PackedAttention(layout, backend=kernel), (q, k, v), g, window, dtype)
+            except Exception as e:  # noqa: BLE001 - the table says which kernel failed and why
+                ok = False
+                traceback.print_exc()
+                table.add_row(name, kernel, "", "", "", f"FAIL: {type(e).__name__}: {e}"[:160])
+                continue
             errors = [_rel(y, want)] + [_rel(a, b) for a, b in zip(grads, want_grads)]
             passed = max(errors) <= tol
             ok &= passed
@@ -164,7 +184,7 @@ def harmonia_step(config, samples, device, dtype):
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    return spec, timed(step, device), batch.n_tokens
+    return timed(step, device)
 
 
 def transformers_step(config, samples, device, dtype):
@@ -191,7 +211,7 @@ def transformers_step(config, samples, device, dtype):
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    return timed(step, device), ids.numel()
+    return timed(step, device)
 
 
 def timed(step, device) -> dict:
@@ -235,14 +255,19 @@ def predicted(spec, shapes, device_name: str) -> tuple[float, float, float]:
     return step, cost.model_flops(shapes), peak
 
 
-def training_table(tiny: bool, device: torch.device) -> Table:
+def training_table(tiny: bool, device: torch.device) -> tuple[Table, bool]:
     dtype = torch.float32 if tiny else torch.bfloat16
     config = llava_config(tiny)
     samples = make_samples(config, 4 if tiny else 16, (16, 64) if tiny else (64, 1024))
-    spec, ours, packed_tokens = harmonia_step(config, samples, device, dtype)
+    packed_tokens = sum(ids.numel() for ids, _, _ in samples)
+    padded_tokens = len(samples) * max(ids.numel() for ids, _, _ in samples)
+    ours = _guarded(lambda: harmonia_step(config, samples, device, dtype))
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    theirs, padded_tokens = transformers_step(config, samples, device, dtype)
+    theirs = _guarded(lambda: transformers_step(config, samples, device, dtype))
     device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
+    from harmonia.model.families.llava import llava_spec_from_hf
+
+    spec = llava_spec_from_hf(config.to_dict()).with_training(vision="frozen")
     step_s, flops, peak_bytes = predicted(spec, shapes_of(config, samples), device_name)
     peak_flops = _peak(device_name)
     n_params = sum(spec.n_params().values())
@@ -252,15 +277,28 @@ def training_table(tiny: bool, device: torch.device) -> Table:
     for col in ("", "step s", "tokens/s", "MFU", "peak GiB", "loss (own random weights)"):
         table.add_column(col, justify="left" if not col else "right")
 
-    def row(name, secs, peak, loss):
+    def row(name, result):
+        if isinstance(result, str):
+            table.add_row(name, result, "", "", "", "")
+            return
+        secs, peak, loss = result["s"], result["peak"], result["loss"]
         mfu = f"{flops / secs / peak_flops:.1%}" if peak_flops else "-"
         table.add_row(name, f"{secs:.3f}", f"{packed_tokens / secs:,.0f}", mfu,
                       "-" if peak != peak else f"{peak / 2**30:.1f}", "-" if loss is None else f"{loss:.3f}")
 
-    row("harmonia (packed, attention auto)", ours["s"], ours["peak"], ours["loss"])
-    row("transformers (padded, sdpa)", theirs["s"], theirs["peak"], theirs["loss"])
-    row("cost model's prediction (simulator, planner memory)", step_s, peak_bytes, None)
-    return table
+    row("harmonia (packed, attention auto)", ours)
+    row("transformers (padded, sdpa)", theirs)
+    row("cost model's prediction (simulator, planner memory)", {"s": step_s, "peak": peak_bytes, "loss": None})
+    return table, not isinstance(ours, str)
+
+
+def _guarded(run):
+    """``run()``'s timing, or the line its exception says (printed with its traceback)."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - the table says which side failed and why
+        traceback.print_exc()
+        return f"FAIL: {type(e).__name__}: {e}"[:160]
 
 
 def _peak(device_name: str) -> float:
@@ -269,22 +307,88 @@ def _peak(device_name: str) -> float:
     return device_preset(device_name).peak_flops
 
 
+def runtime_runs(tiny: bool, device_name: str) -> list[tuple[str, list[str], float]]:
+    """(row, `harmonia train` flags, seconds allowed) of the runs through the whole runtime on this device:
+    the same job with its blocks compiled (``auto`` on a GPU) and eager."""
+    flags = [f"--parallel.cluster={device_name}:1x1", "--parallel.world_size=1", "--log.every=1",
+             "--model.preset=tiny-vlm", "--data.synthesize=256", "--data.heldout=32",
+             f"--train.steps={6 if tiny else 30}", "--train.global_batch=16"]
+    return [("tiny-vlm (attention auto, compile auto)", flags, 150.0),
+            ("tiny-vlm (attention auto, compile off)", [*flags, "--train.compile=off"], 150.0)][:1 if tiny else 2]
+
+
+def runtime_table(tiny: bool, device_name: str, deadline: float) -> tuple[Table, bool]:
+    """Each run of `runtime_runs` as a user starts it (one process, this device), read back from its
+    metrics.jsonl: wall-clock throughput, the last step measured beside the simulator, the allocator's
+    peak beside the planner's estimate, start-up."""
+    table = Table(title=f"harmonia train through the whole runtime, one process on {device_name}")
+    for col in ("run", "exit", "steps", "loss first -> last", "tokens/s (wall)", "last step s (simulated)",
+                "peak GiB (planned)", "start-up s"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    ok = True
+    for name, flags, allowed in runtime_runs(tiny, device_name):
+        allowed = min(allowed, deadline - time.monotonic() - 15)
+        if allowed < 60:
+            table.add_row(name, "not run: the check's time is spent", *[""] * 6)
+            continue
+        rc, records, startup = _train(flags, allowed)
+        ok &= rc == 0
+        if not records:
+            table.add_row(name, str(rc), "0", *[""] * 5)
+            continue
+        last = records[-1]
+        peak, planned = (last.get(k, [0])[0] for k in ("memory_peak_bytes", "memory_predicted_bytes"))
+        table.add_row(name, str(rc), str(len(records)), f"{records[0]['loss']:.3f} -> {last['loss']:.3f}",
+                      f"{last['tokens_per_s']:,.0f}", f"{last['step_s']:.3f} ({last.get('simulated_step_s', 0):.3f})",
+                      f"{peak / 2**30:.2f} ({planned / 2**30:.2f})" if peak else "-", f"{sum(startup.values()):.1f}")
+    return table, ok
+
+
+def _train(flags: list[str], allowed: float) -> tuple[int, list[dict], dict]:
+    """Exit code, metrics.jsonl's records and the start-up phases of one `harmonia train` in a scratch dir."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "harmonia", "train", *flags, f"--data.path={tmp}/data",
+               f"--log.dir={tmp}/log", f"--checkpoint.dir={tmp}/checkpoints", "--log.tensorboard=false"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        try:
+            run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=allowed)
+            rc, out = run.returncode, run.stdout + run.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out = 124, (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        print(out[-6000:] if rc else out[-1500:], file=sys.stderr)
+        log = Path(tmp) / "log"
+        records = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()
+                   if '"loss"' in line] if (log / "metrics.jsonl").exists() else []
+        summary = json.loads((log / "summary.json").read_text()) if (log / "summary.json").exists() else {}
+        return rc, records, summary.get("startup") or {}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny widths on CPU (CI)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole check (default 420)")
     args = parser.parse_args()
+    deadline = time.monotonic() + args.budget
     console = Console(record=True, width=170)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     if device.type == "cpu" and not args.tiny:
         console.print("no GPU here: run with --tiny for the CPU smoke run")
         return 2
     dtype, tol = (torch.float32, 1e-5) if device.type == "cpu" else (torch.bfloat16, 2e-2)
+    console.print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
     parity, ok = kernel_parity(device, dtype, 512 if args.tiny else 8192, tol)
     console.print(parity)
-    console.print(training_table(args.tiny, device))
+    table, stepped = training_table(args.tiny, device)
+    console.print(table)
+    if device.type == "cuda":
+        save_table(console, "gpu-check")  # what is measured so far is kept, whatever the runs below do
+        torch.cuda.empty_cache()
+    device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
+    runtime, ran = runtime_table(args.tiny, device_name, deadline)
+    console.print(runtime)
     if device.type == "cuda":
         save_table(console, "gpu-check")
-    return 0 if ok else 1
+    return 0 if ok and stepped and ran else 1
 
 
 if __name__ == "__main__":

@@ -289,8 +289,9 @@ class PackedAttention:
         return self._cache[key]
 
     def _varlen(self, q, k, v, window, gqa) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-
+        varlen_attn, takes_gqa = _varlen_kernel()
+        if gqa and not takes_gqa:  # a torch whose varlen_attn has no enable_gqa: every query head its own keys
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         (k_index, cu_q, cu_k, max_q, max_k), window_size = self.varlen_runs(window)
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"attention backend 'varlen' runs in bf16 or fp16, not {q.dtype} (train.precision="
@@ -302,7 +303,7 @@ class PackedAttention:
             if k_index is not None:
                 ki, vi = ki[k_index], vi[k_index]  # (sum lk, nkv, hd): each run's key range
             y = varlen_attn(qi, ki.contiguous(), vi.contiguous(), cu_q.to(q.device), cu_k.to(q.device), max_q, max_k,
-                            window_size=window_size, enable_gqa=gqa)
+                            window_size=window_size, **({"enable_gqa": gqa} if takes_gqa else {}))
             out.append(y.transpose(0, 1))  # (nh, t, hd)
         # one sequence (the LLM's packed microbatch): a view, so the output projection keeps no copy
         return out[0][None] if len(out) == 1 else torch.stack(out)
@@ -585,6 +586,16 @@ def flex_mask(queries: TokenLayout, keys: TokenLayout, window: int | None, block
         return kept
 
     return create_block_mask(mask_mod, 1, 1, len(qs), len(ks), device=str(ks.sample.device), BLOCK_SIZE=block)
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable, bool]:
+    """torch's ``varlen_attn`` and whether it takes ``enable_gqa`` (torch 2.13 does, 2.11 does not)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 @functools.cache

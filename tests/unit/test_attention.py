@@ -293,3 +293,43 @@ def test_a_packed_microbatch_of_32k_tokens_trains_on_cpu() -> None:
         opt.zero_grad()
         losses.append(float(loss))
     assert len(layout) == 32768 and losses[1] < losses[0]
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+    """FlashAttention's varlen rule, per sequence: query ``r`` of ``lq`` against keys ``lk - lq + r -
+    left .. lk - lq + r + right`` (bottom-right aligned; -1 = unbounded). q (tq, nh, hd), k/v (tk, nkv, hd)."""
+    assert enable_gqa or k.shape[1] == q.shape[1], "keys need every query head without enable_gqa"
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and max_q == max(cu_q.diff()) and max_k == max(cu_k.diff())
+    left, right = window_size
+    out = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]]
+        r = torch.arange(len(qi))[:, None] + len(ki) - len(qi)
+        j = torch.arange(len(ki))[None]
+        kept = (j <= r + right if right >= 0 else j >= 0) & (j >= r - left if left >= 0 else j >= 0)
+        y = F.scaled_dot_product_attention(*(t.transpose(0, 1).float() for t in (qi, ki, vi)), attn_mask=kept,
+                                           enable_gqa=enable_gqa)
+        out.append(y.transpose(0, 1).to(q.dtype))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False])
+@pytest.mark.parametrize("seed", range(6))
+def test_varlen_calls_equal_the_dense_reference(seed, takes_gqa, monkeypatch) -> None:
+    """The ``varlen`` path's sequences, key ranges and windows, through a kernel with FlashAttention's
+    rule (with or without ``enable_gqa``, as torch 2.13 and 2.11 ship it), in bf16 as it runs."""
+    kernel = flash_varlen if takes_gqa else (lambda *a, **kw: flash_varlen(*a, **kw))
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda: (kernel, takes_gqa))
+    rng = random.Random(seed)
+    if seed % 3 == 2:
+        layout, window = PackedAttention.sequences([rng.randint(1, 40) for _ in range(4)]).queries, None
+    else:
+        layout = TokenLayout.from_segments([[(rng.choice(["text", "item"]), rng.randint(1, 30))
+                                             for _ in range(rng.randint(1, 3))] for _ in range(4)], causal_items=True)
+        window = rng.choice([None, 3, 17])
+    torch.manual_seed(seed)
+    q = torch.randn(1, 4, len(layout), 8)
+    k, v = torch.randn(2, 1, 2, len(layout), 8).unbind(0)
+    want = dense(q, k, v, layout, layout, window)
+    got = PackedAttention(layout, backend="varlen").attend(*(t.bfloat16() for t in (q, k, v)), window)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

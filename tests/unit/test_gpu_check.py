@@ -1,5 +1,6 @@
 """`make gpu-check`'s script in its CPU mode (``--tiny``), so it runs the day a GPU is lent: every
-kernel that runs here matches the dense reference, and the training-step table is printed."""
+kernel that runs here matches the dense reference, the training-step table is printed, and a
+`harmonia train` run goes through the whole runtime."""
 
 import os
 import subprocess
@@ -23,4 +24,6 @@ def test_the_gpu_check_runs_on_cpu_in_its_tiny_mode() -> None:
     assert "not run: attention backend 'varlen' runs on CUDA only" in out
     for row in ("harmonia (packed, attention auto)", "transformers (padded, sdpa)", "cost model's prediction"):
         assert row in out
+    run_row = next(line for line in out.splitlines() if "tiny-vlm (attention auto, compile auto)" in line)
+    assert run_row.split("│")[2].strip() == "0" and run_row.split("│")[3].strip() == "6"  # exit 0, six steps
     assert sorted((ROOT / "benchmarks" / "results").iterdir()) == results  # a table is saved from a GPU run only
