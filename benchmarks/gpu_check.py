@@ -187,31 +187,41 @@ def harmonia_step(config, samples, device, dtype):
     return timed(step, device)
 
 
-def transformers_step(config, samples, device, dtype):
+def transformers_step(config, samples, device, dtype, accumulate: int = 1):
+    """transformers' LLaVA on the samples as a Trainer feeds them: ``accumulate`` padded batches (each
+    right-padded to its longest sample, as the Trainer's collators pad) whose losses are averaged."""
     import transformers
 
     model = transformers.LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").to(device)
     model.model.vision_tower.requires_grad_(False)
+    per = -(-len(samples) // accumulate)
+    batches = [padded_inputs(samples[i:i + per], device) for i in range(0, len(samples), per)]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        total = 0.0
+        for inputs in batches:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = model(**inputs).loss / len(batches)
+            loss.backward()
+            total += float(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return timed(step, device)
+
+
+def padded_inputs(samples, device) -> dict[str, torch.Tensor]:
     width = max(ids.numel() for ids, _, _ in samples)
     ids = torch.zeros(len(samples), width, dtype=torch.long)
     labels = torch.full((len(samples), width), -100)
     mask = torch.zeros(len(samples), width, dtype=torch.long)
-    for i, (x, y, _) in enumerate(samples):  # right padding, as the Trainer's collators pad
+    for i, (x, y, _) in enumerate(samples):
         ids[i, :x.numel()], labels[i, :x.numel()], mask[i, :x.numel()] = x, y, 1
     pixels = torch.cat([px for _, _, px in samples])
-    inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
-              "pixel_values": pixels.to(device)}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=device.type == "cuda")
-
-    def step():
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = model(**inputs).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
-
-    return timed(step, device)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device),
+            "pixel_values": pixels.to(device)}
 
 
 def timed(step, device) -> dict:
@@ -262,8 +272,12 @@ def training_table(tiny: bool, device: torch.device) -> tuple[Table, bool]:
     packed_tokens = sum(ids.numel() for ids, _, _ in samples)
     padded_tokens = len(samples) * max(ids.numel() for ids, _, _ in samples)
     ours = _guarded(lambda: harmonia_step(config, samples, device, dtype))
-    torch.cuda.empty_cache() if device.type == "cuda" else None
+    held = _free(device)
     theirs = _guarded(lambda: transformers_step(config, samples, device, dtype))
+    theirs_2 = None
+    if isinstance(theirs, str):  # what a Trainer user does when the batch does not fit: two half batches
+        _free(device)
+        theirs_2 = _guarded(lambda: transformers_step(config, samples, device, dtype, accumulate=2))
     device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
     from harmonia.model.families.llava import llava_spec_from_hf
 
@@ -273,7 +287,8 @@ def training_table(tiny: bool, device: torch.device) -> tuple[Table, bool]:
     n_params = sum(spec.n_params().values())
     table = Table(title=f"one training step, LLaVA {n_params / 1e9:.2f}B (vision frozen), {len(samples)} samples, "
                         f"{packed_tokens} tokens ({padded_tokens} padded), {str(dtype).removeprefix('torch.')} on "
-                        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+                        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+                        + ("" if not held else f" ({held / 2**30:.1f} GiB still allocated after harmonia's step)"))
     for col in ("", "step s", "tokens/s", "MFU", "peak GiB", "loss (own random weights)"):
         table.add_column(col, justify="left" if not col else "right")
 
@@ -288,8 +303,21 @@ def training_table(tiny: bool, device: torch.device) -> tuple[Table, bool]:
 
     row("harmonia (packed, attention auto)", ours)
     row("transformers (padded, sdpa)", theirs)
+    if theirs_2 is not None:
+        row("transformers (padded, sdpa), 2 x half batch accumulated", theirs_2)
     row("cost model's prediction (simulator, planner memory)", {"s": step_s, "peak": peak_bytes, "loss": None})
     return table, not isinstance(ours, str)
+
+
+def _free(device: torch.device) -> int | None:
+    """Collect what the last step left and return the bytes still allocated (None on CPU)."""
+    import gc
+
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
 
 
 def _guarded(run):

@@ -66,32 +66,49 @@ def mask_kind(layout: TokenLayout) -> str:
     return MIXED
 
 
-def choose_backend(requested: str, device: torch.device | str, kind: str) -> str:
+def takes_head_dim(kernel: str, head_dim: int) -> bool:
+    """Whether a kernel runs heads of ``head_dim`` channels: FlashAttention (``varlen``) a multiple
+    of 8 up to 256, compiled ``flex`` at least 16; the others any."""
+    if kernel == "varlen":
+        return head_dim % 8 == 0 and head_dim <= 256
+    if kernel == "flex":
+        return head_dim >= 16
+    return True
+
+
+def choose_backend(requested: str, device: torch.device | str, kind: str, head_dim: int | None = None) -> str:
     """The kernel for a mask on a device.
 
     Args:
         requested: one of `BACKENDS`; ``auto`` = ``varlen`` on CUDA for `CAUSAL` and `SEQUENCES`
-            masks, ``flex`` on CUDA for `MIXED` ones, ``segments`` elsewhere.
+            masks, ``flex`` on CUDA for `MIXED` ones (each where it takes ``head_dim``, else the
+            other where it can express the mask, else ``segments``), ``segments`` elsewhere.
         device: where attention runs.
         kind: the mask's kind, one of `MASK_KINDS` (`mask_kind`).
+        head_dim: channels per head (`takes_head_dim`); None = not checked.
 
     Raises:
-        ConfigError: ``requested`` cannot run this mask on this device.
+        ConfigError: ``requested`` cannot run this mask or these heads on this device.
     """
     device_type = torch.device(device).type
     if requested not in BACKENDS:
         raise ConfigError(f"attention backend {requested!r} is not one of {BACKENDS}")
     if kind not in MASK_KINDS:
         raise ConfigError(f"attention mask kind {kind!r} is not one of {MASK_KINDS}")
+    takes = (lambda kernel: True) if head_dim is None else (lambda kernel: takes_head_dim(kernel, head_dim))
     if requested == "auto":
-        if device_type == "cuda":
-            return "flex" if kind == MIXED else "varlen"
-        return "segments"
+        if device_type != "cuda":
+            return "segments"
+        fits = [k for k in (("flex",) if kind == MIXED else ("varlen", "flex")) if takes(k)]
+        return fits[0] if fits else "segments"
     if requested in ("varlen", "flex") and device_type != "cuda":
         raise ConfigError(f"attention backend {requested!r} runs on CUDA only, not on {device_type} ({kind}); "
                           "use 'segments' or 'auto'")
     if requested == "varlen" and kind == MIXED:
         raise ConfigError(f"attention backend 'varlen' cannot express {kind} on {device_type}; use 'flex' or 'auto'")
+    if not takes(requested):
+        raise ConfigError(f"attention backend {requested!r} cannot run heads of {head_dim} channels "
+                          "(varlen: a multiple of 8 up to 256; flex: at least 16); use 'segments' or 'auto'")
     return requested
 
 
@@ -142,8 +159,8 @@ class PackedAttention:
         self.kind = mask_kind(self.keys)
 
     @classmethod
-    def sequences(cls, lengths: list[int], requested: str = "auto",
-                  device: torch.device | str = "cpu") -> PackedAttention:
+    def sequences(cls, lengths: list[int], requested: str = "auto", device: torch.device | str = "cpu",
+                  head_dim: int | None = None) -> PackedAttention:
         """Packed encoder sequences (images or frames of different sizes in one call): the tokens of
         ``lengths[i]`` follow those of ``lengths[i - 1]``, and each attends its whole sequence.
 
@@ -151,12 +168,13 @@ class PackedAttention:
             lengths: tokens of each sequence, in packing order (all positive).
             requested: a kernel of `BACKENDS` (`choose_backend` with the `SEQUENCES` kind).
             device: where the tokens are.
+            head_dim: channels per head (`choose_backend`).
         """
         if not lengths or min(lengths) <= 0:
             raise ConfigError(f"packed sequences need positive lengths, got {list(lengths)}")
         layout = TokenLayout.from_segments([[("item", n)] for n in lengths])
         layout = TokenLayout(*(t.to(device) for t in (layout.sample, layout.segment, layout.is_item, layout.position)))
-        return cls(layout, backend=choose_backend(requested, device, SEQUENCES))
+        return cls(layout, backend=choose_backend(requested, device, SEQUENCES, head_dim))
 
     def for_window(self, window: int | None) -> LayerAttention:
         """What a layer with sliding window ``window`` (None = none) attends with."""

@@ -209,14 +209,15 @@ class PackedBatch:
         """Tokens that carry a loss (the normaliser's share of this microbatch)."""
         return int((self.labels != -100).sum())
 
-    def attention(self, backend: str = "auto") -> PackedAttention:
+    def attention(self, backend: str = "auto", head_dim: int | None = None) -> PackedAttention:
         """The microbatch's attention, built once and shared by every LLM layer (no ``(T, T)`` tensor).
 
         Args:
             backend: a kernel of `harmonia.model.attention.BACKENDS`, chosen for the batch's device
                 and mask kind (`choose_backend`).
+            head_dim: the LLM's channels per head (`choose_backend`).
         """
-        kernel = choose_backend(backend, self.input_ids.device, mask_kind(self.layout))
+        kernel = choose_backend(backend, self.input_ids.device, mask_kind(self.layout), head_dim)
         return PackedAttention(self.layout, backend=kernel)
 
     def mask(self) -> torch.Tensor:

@@ -264,12 +264,12 @@ class QwenVisionEncoder(nn.Module):
         """Attention sequences and rotary tables of the grids (the same on every stage)."""
         spec = self.spec
         positions = plan_positions(grid, spec.merge_size).to(device)  # (N, 2)
-        frames = PackedAttention.sequences(frame_lengths(grid), self.attention, device).for_window(None)
+        frames = PackedAttention.sequences(frame_lengths(grid), self.attention, device, spec.body.dim_head).for_window(None)
         windows = order = None
         if spec.window_size is not None:
             order, lengths = plan_windows(grid, spec.merge_size, spec.window_tokens)
             order = order.to(device)
-            windows = PackedAttention.sequences(lengths, self.attention, device).for_window(None)
+            windows = PackedAttention.sequences(lengths, self.attention, device, spec.body.dim_head).for_window(None)
             positions = positions[order]
         return StagePlan(frames, windows, order, rope_tables(positions, spec.body.dim_head, spec.rope_theta))
 

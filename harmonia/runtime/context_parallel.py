@@ -103,7 +103,7 @@ class CPShard:
 
 
 def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group: dist.ProcessGroup,
-                   cp: int, backend: str = "auto") -> CPShard:
+                   cp: int, backend: str = "auto", head_dim: int | None = None) -> CPShard:
     """The shard of microbatch ``mb`` that CP rank ``rank`` holds under the assignment ``token_ranks``.
 
     Args:
@@ -113,6 +113,7 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
         group: the ``cp`` group.
         cp: CP ranks.
         backend: the attention kernel (`harmonia.model.attention.choose_backend`).
+        head_dim: the LLM's channels per head (`choose_backend`).
 
     Raises:
         SampleError: the assignment does not cover the sequence or leaves a CP rank without tokens.
@@ -130,6 +131,6 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     local_of = torch.full((mb.n_tokens,), -1, dtype=torch.long, device=tokens.device)
     local_of[tokens] = torch.arange(tokens.numel(), device=tokens.device)
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
-    kernel = choose_backend(backend, tokens.device, mask_kind(mb.layout))
+    kernel = choose_backend(backend, tokens.device, mask_kind(mb.layout), head_dim)
     attention = PackedAttention(mb.layout, query_index=tokens, backend=kernel, gather=gather, key_order=order)
     return CPShard(tokens, mb.positions()[..., tokens], attention, local_of, token_ranks)

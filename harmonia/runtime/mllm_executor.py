@@ -109,6 +109,7 @@ class MLLMExecutor:
             stay fp32); None = the parameters' dtype.
         attention: the LLM's attention kernel (`harmonia.model.attention.choose_backend`: ``auto``
             picks by device and each microbatch's mask kind).
+        head_dim: the LLM's channels per head, which the kernel must take (None = not checked).
         row_widths: encoder -> width of its boundary rows where it is not ``hidden`` (a projector
             with DeepStack mergers sends ``hidden * (1 + k)``, `harmonia.model.spec.ProjectorSpec`).
     """
@@ -117,9 +118,10 @@ class MLLMExecutor:
                  projectors: dict[str, nn.Module] | None = None, optimizer: OptimizerFactory | None = None,
                  max_norm: float | None = 1.0, norm_group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-                 attention: str = "auto", row_widths: dict[str, int] | None = None) -> None:
+                 attention: str = "auto", row_widths: dict[str, int] | None = None,
+                 head_dim: int | None = None) -> None:
         projectors = projectors or {}
-        self.autocast, self.attention = autocast, attention
+        self.autocast, self.attention, self.head_dim = autocast, attention, head_dim
         self.meshes, self.rank, self.max_norm, self.norm_group = meshes, meshes.rank, max_norm, norm_group
         self.hidden = hidden
         self.row_widths = dict(row_widths or {})
@@ -430,13 +432,13 @@ class _MLLMIteration:
         if m not in self.masks:
             mb, mesh = self.batch.llm[m], self.ex.runners[LLM].mesh
             if mesh.layout.cp == 1:
-                self.masks[m] = (mb.positions(), mb.attention(self.ex.attention), None)  # (1, T)
+                self.masks[m] = (mb.positions(), mb.attention(self.ex.attention, self.ex.head_dim), None)  # (1, T)
             else:
                 if m >= len(self.batch.llm_cp):
                     raise ScheduleError(f"LLM microbatch {m}: cp={mesh.layout.cp} but the batch has no CP "
                                         "assignment for it; build it with build_rank_batch from the same layouts")
                 shard = build_cp_shard(mb, self.batch.llm_cp[m], mesh.coords["cp"], mesh.group_of("cp"),
-                                       mesh.layout.cp, self.ex.attention)
+                                       mesh.layout.cp, self.ex.attention, self.ex.head_dim)
                 self.masks[m] = (shard.positions, shard.attention, shard)  # (1, t), local queries vs all keys
         return self.masks[m]
 

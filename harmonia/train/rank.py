@@ -160,7 +160,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
             keep(proj, prefix_of(f"{name}_proj"), name)
     executor = MLLMExecutor(meshes, chunks, spec.llm.hidden, projectors, optimizer=optimizer, max_norm=max_norm,
                             autocast=torch.bfloat16 if mixed else None, attention=attention,
-                            row_widths=boundary_widths(spec))
+                            row_widths=boundary_widths(spec), head_dim=spec.llm.body.dim_head)
     return RankModel(executor, named, owner)
 
 

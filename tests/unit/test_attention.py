@@ -333,3 +333,28 @@ def test_varlen_calls_equal_the_dense_reference(seed, takes_gqa, monkeypatch) ->
     want = dense(q, k, v, layout, layout, window)
     got = PackedAttention(layout, backend="varlen").attend(*(t.bfloat16() for t in (q, k, v)), window)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_picks_a_cuda_kernel_that_takes_the_heads_and_an_explicit_one_that_cannot_is_refused() -> None:
+    """flex needs 16 channels per head or more, FlashAttention's varlen a multiple of 8 up to 256."""
+    assert choose_backend("auto", "cuda", CAUSAL, 64) == "varlen"
+    assert choose_backend("auto", "cuda", CAUSAL, 20) == "flex"  # not a multiple of 8
+    assert choose_backend("auto", "cuda", CAUSAL, 12) == "segments"  # neither
+    assert choose_backend("auto", "cuda", MIXED, 12) == "segments"
+    assert choose_backend("auto", "cuda", SEQUENCES, 512) == "flex"
+    assert choose_backend("auto", "cpu", CAUSAL, 12) == "segments"
+    with pytest.raises(ConfigError, match="'flex' cannot run heads of 12 channels"):
+        choose_backend("flex", "cuda", MIXED, 12)
+    with pytest.raises(ConfigError, match="'varlen' cannot run heads of 300 channels"):
+        choose_backend("varlen", "cuda", CAUSAL, 300)
+
+
+def test_a_gpu_job_asking_for_a_kernel_its_heads_do_not_fit_stops_before_it_starts(monkeypatch) -> None:
+    from harmonia.config import load_config
+    from harmonia.train import planning
+
+    monkeypatch.setattr("harmonia.train.backend.backend_of", lambda config: "nccl")
+    config = load_config(None, ["--model.preset=tiny-vlm", "--train.attention=flex", "--parallel.cluster=h100:1x1",
+                                "--parallel.world_size=1"])
+    with pytest.raises(ConfigError, match="'flex' cannot run heads of 12 channels"):
+        planning.check_cluster(config)
