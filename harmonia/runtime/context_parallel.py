@@ -27,8 +27,9 @@ from harmonia.errors import SampleError
 from harmonia.model.attention import PackedAttention, choose_backend, mask_kind
 from harmonia.model.batch import PackedBatch
 
-# The newer names where torch has them (the older ones are deprecated there); same arguments.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The newer names where torch has them (2.13; the older ones are deprecated there, and 2.11 has only
+# those); same arguments.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -42,7 +43,7 @@ class _GatherTokens(torch.autograd.Function):
         if x.shape[0] < width:
             x = torch.cat([x, x.new_zeros(width - x.shape[0], *x.shape[1:])])  # (width, *F)
         out = x.new_empty(n * width, *x.shape[1:])  # (cp * width, *F)
-        _all_gather(out, x.contiguous(), group=group)
+        all_gather_flat(out, x.contiguous(), group=group)
         if all(c == width for c in counts):
             return out
         return torch.cat([out[r * width:r * width + c] for r, c in enumerate(counts)])  # (T, *F)

@@ -233,7 +233,9 @@ class MLLMExecutor:
                 r.tied.run()
         # TP ranks repeat the loss; CP ranks each hold the loss of their own tokens.
         counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0
-        total = run.loss_sum.detach().double().clone() if counts else torch.zeros((), dtype=torch.float64)
+        # on the host, as the caller reads it (a process group on GPUs has gloo beside NCCL for this)
+        total = (run.loss_sum.detach().to("cpu", torch.float64, copy=True) if counts
+                 else torch.zeros((), dtype=torch.float64))
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
 
@@ -266,7 +268,7 @@ class _MLLMIteration:
         self.enc_rows: dict[tuple[str, int], dict[int, torch.Tensor]] = {}  # encoder output rows per sub
         self.enc_grads: dict[tuple[str, int], list[torch.Tensor]] = {}
         self.leaves: dict[int, dict[str, torch.Tensor]] = {}  # microbatch -> encoder -> LLM input rows
-        self.loss_sum = torch.zeros(())
+        self.loss_sum = torch.zeros((), device=ex.device)
         self.enc_sizes: dict[tuple[str, int], list[int]] = {}
         self.pending_g: dict[Key, torch.Tensor | None] = {}
         self.masks: dict[int, tuple[torch.Tensor, PackedAttention, CPShard | None]] = {}

@@ -19,6 +19,13 @@ def backend_of(config: Config) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def process_group_backend(backend: str) -> str:
+    """What `torch.distributed.init_process_group` is given: on GPUs NCCL for CUDA tensors and gloo
+    beside it for the host-side ones (the loss, the gradient norm, step timings), which every group
+    made from the default one inherits; gloo alone on CPUs."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def job_cluster(config: Config) -> ClusterSpec:
     """The cluster the job's simulated steps run on: ``parallel.cluster``; for a CPU job (gloo on CPU
     devices) whose ranks outnumber the cores this machine gives the process, and that names no

@@ -34,6 +34,7 @@ from harmonia.config import Config
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
+from harmonia.runtime.context_parallel import all_gather_flat
 from harmonia.runtime.grads import clip_grad_norm
 from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_parent, signal_name
 from harmonia.schedule.graph import LLM
@@ -160,7 +161,7 @@ def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...]
                         *map(int, peaks)], dtype=torch.float64)
     world = dist.get_world_size()
     rows = torch.empty(world * row.numel(), dtype=torch.float64)
-    dist.all_gather_single(rows, row)
+    all_gather_flat(rows, row)
     rows = rows.view(world, row.numel())  # (world, modules + 2 + peaks)
     n = len(modules)
     slowest = rows[:, :n].max(dim=0).values

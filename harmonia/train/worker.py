@@ -21,7 +21,7 @@ from harmonia.config import Config
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.watchdog import StopSignals
-from harmonia.train.backend import backend_of, cpu_threads, hang_timeout
+from harmonia.train.backend import backend_of, cpu_threads, hang_timeout, process_group_backend
 from harmonia.train.loop import Trainer
 
 
@@ -105,7 +105,7 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
         logging.getLogger(__name__).warning(oversubscribed)
     timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
     store, attempt = _attempt_store(rank, world, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world, timeout=timeout)
     phases = {"process start": entered - launched_at} if launched_at is not None else {}
     phases["process group"] = time.time() - entered
     checked = None
