@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from harmonia.config import Config
+from harmonia.config import PRECISION_MIXED, Config
 from harmonia.errors import ConfigError
 from harmonia.runtime.checkpoint import (complete_steps, read_trainer_state, remove_partial, step_dir,
                                          verify_checkpoint)
@@ -77,11 +77,16 @@ def fingerprint_differences(saved: dict, current: dict) -> list[str]:
 
 
 def checkpoint_bytes(config: Config) -> int:
-    """About the size of one checkpoint: fp32 weights, plus AdamW's two fp32 states of trained ones."""
-    spec = model_spec(config)
-    counts = spec.n_params()
-    trained = sum(n for m, n in counts.items() if spec.training_of(m).trains)
-    return 4 * sum(counts.values()) + 8 * trained
+    """About the size of one checkpoint: every weight as the job holds it (trained ones, LoRA adapters
+    included, in fp32; frozen ones, a LoRA module's base included, in bf16 under mixed precision and
+    fp32 otherwise), plus AdamW's two fp32 states of each trained weight."""
+    from harmonia.model.mllm import trainable_counts
+    from harmonia.train.backend import backend_of
+
+    mixed = PRECISION_MIXED[config.train.precision]
+    frozen = 2 if (backend_of(config) == "nccl" if mixed is None else mixed) else 4
+    counts = trainable_counts(model_spec(config)).values()
+    return sum(12 * trained + frozen * (whole - trained) for trained, whole in counts)
 
 
 def check_writable(path: Path, what: str, need_bytes: int) -> None:

@@ -15,6 +15,7 @@ from harmonia.runtime.dirlock import DirectoryLock, DirectoryLocked
 from harmonia.train.preflight import fingerprint_differences, preflight, run_fingerprint
 
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -75,3 +76,38 @@ def test_directories_must_be_writable_with_room(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 2**20})())
     with pytest.raises(ConfigError, match=r"log.dir .* has 1 MiB free but the job needs about 64 MiB"):
         preflight(_config(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("training", [[], ["--model.lora=llm"], ["--model.lora=llm", "--train.precision=bf16"]])
+def test_the_room_asked_for_a_checkpoint_is_about_what_the_job_writes(tmp_path, training) -> None:
+    """The tensors a checkpoint stores, in full training and under LoRA (its frozen base stored as
+    held, Adam states for the adapters only)."""
+    from harmonia.train.preflight import checkpoint_bytes
+
+    flags = ["--model.preset=tiny-vlm", f"--log.dir={tmp_path / 'log'}", f"--checkpoint.dir={tmp_path / 'ck'}",
+             "--parallel.world_size=1", "--train.steps=1", "--train.global_batch=8", "--data.synthesize=16",
+             "--data.heldout=0", f"--data.path={tmp_path / 'data'}", "--log.tensorboard=false", *training]
+    run = subprocess.run([sys.executable, "-m", "harmonia", "train", *flags], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(tmp_path / "ck" / "step-1")).read_metadata().state_dict_metadata
+    held = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in stored.values() if hasattr(m, "size"))
+    estimate = checkpoint_bytes(load_config(None, flags))
+    assert 0.98 * held <= estimate <= 1.02 * held, (estimate, held)  # files add a fixed few hundred KB
+
+
+def test_lora_on_a_large_llm_asks_for_its_base_as_held_and_adam_states_for_its_adapters_only() -> None:
+    from harmonia.train.preflight import checkpoint_bytes
+
+    def size(*extra: str) -> int:
+        return checkpoint_bytes(load_config(None, ["--model.preset=llava-siglip-8b", *extra]))
+
+    full, lora = size("--train.precision=bf16"), size("--train.precision=bf16", "--model.lora=llm")
+    # a bf16 base of 8.48B (16.96 GB) and about 0.5 GB of trained adapters, projector and their states
+    assert full > 12 * 8.0e9 and 16.96e9 < lora < 18e9
+    assert size("--train.precision=fp32", "--model.lora=llm") > 4 * 8.4e9
