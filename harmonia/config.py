@@ -152,6 +152,8 @@ class DataConfig:
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
     num_workers: int = _f(0, "worker processes reading media headers for the shape index and decoding each "
                            "rank's samples one step ahead (0 = in the job's process)")
+    cache_mb: int = _f(1024, "decoded samples each rank keeps in memory, least recently used dropped first, so a "
+                       "sample it trains again (a later epoch) is not decoded again (0 = none)")
 
     def __post_init__(self) -> None:
         _require(self.format in FORMATS, "data.format", self.format, _spelled(FORMATS))
@@ -165,6 +167,7 @@ class DataConfig:
         _require(self.max_pixels > 0, "data.max_pixels", self.max_pixels, "a positive integer")
         _require(self.on_error in ("skip", "fail"), "data.on_error", self.on_error, "'skip' or 'fail'")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")
+        _require(self.cache_mb >= 0, "data.cache_mb", self.cache_mb, ">= 0")
 
 
 @dataclass(frozen=True)

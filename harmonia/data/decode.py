@@ -5,17 +5,20 @@
 forked processes (started once, with the dataset inherited rather than pickled, as
 ``torch.utils.data.DataLoader``'s workers are). Results come back in order, decoded samples or
 `harmonia.data.loader.Failed` values; nothing is counted here (the caller agrees on failures with
-the other ranks first). Tensors travel as plain pickles, so no shared-memory handle outlives a
+the other ranks first). Decoded samples are kept up to ``cache_bytes`` of their tensors, least
+recently used dropped first (`DecodedCache`), so a sample decoded again in a later epoch is not. Tensors travel as plain pickles, so no shared-memory handle outlives a
 worker; a worker exits with its parent where the caller passes how (``worker_init``: the trainer
 gives `harmonia.runtime.watchdog.exit_with_parent`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import pickle
 import signal
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -55,6 +58,48 @@ def _runs(indices: list[int], n: int) -> list[list[int]]:
     return out
 
 
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors held by ``value`` (dataclasses, lists, tuples and dicts walked)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return sum(tensor_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    return 0
+
+
+class DecodedCache:
+    """Decoded samples by dataset index, at most ``limit`` bytes of tensors, least recently used
+    dropped first; a sample larger than the limit is not kept. The training path only reads a
+    sample's tensors (packing copies them), so a kept sample is handed out again as it is."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self.hits, self.misses = limit, 0, 0, 0
+        self._kept: OrderedDict[int, tuple[LoadedSample, int]] = OrderedDict()
+
+    def get(self, index: int) -> LoadedSample | None:
+        found = self._kept.get(index)
+        if found is None:
+            self.misses += 1
+            return None
+        self._kept.move_to_end(index)
+        self.hits += 1
+        return found[0]
+
+    def put(self, sample: LoadedSample) -> None:
+        size = tensor_bytes(sample)
+        if size > self.limit or sample.index in self._kept:
+            return
+        self._kept[sample.index] = (sample, size)
+        self.held += size
+        while self.held > self.limit:
+            _, (_, dropped) = self._kept.popitem(last=False)
+            self.held -= dropped
+
+
 class SampleDecoder:
     """Decodes dataset indices, in ``num_workers`` processes (0: in this process).
 
@@ -63,11 +108,13 @@ class SampleDecoder:
         num_workers: worker processes.
         worker_init: called in each worker with this process's pid as it starts (forked, so not
             pickled), e.g. to end the worker with its parent.
+        cache_bytes: decoded samples kept (`DecodedCache`; 0 = none).
     """
 
     def __init__(self, dataset: MultimodalDataset, num_workers: int = 0,
-                 worker_init: Callable[[int], None] | None = None) -> None:
+                 worker_init: Callable[[int], None] | None = None, cache_bytes: int = 0) -> None:
         self.dataset, self.num_workers = dataset, num_workers
+        self.cache = DecodedCache(cache_bytes) if cache_bytes > 0 else None
         self._pool: ProcessPoolExecutor | None = None
         if num_workers > 0:
             self._pool = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("fork"),
@@ -76,7 +123,18 @@ class SampleDecoder:
             self._pool.submit(int).result()  # fork the workers now, from the constructing thread
 
     def decode(self, indices: list[int]) -> list[LoadedSample | Failed]:
-        """Decoded samples (or `Failed`) of ``indices``, in order."""
+        """Decoded samples (or `Failed`) of ``indices``, in order; kept ones from the cache."""
+        if self.cache is None:
+            return self._decode(indices)
+        found = {i: s for i in indices if (s := self.cache.get(i)) is not None}
+        todo = [i for i in indices if i not in found]
+        for i, sample in zip(todo, self._decode(todo)):
+            found[i] = sample
+            if isinstance(sample, LoadedSample):
+                self.cache.put(sample)
+        return [found[i] for i in indices]
+
+    def _decode(self, indices: list[int]) -> list[LoadedSample | Failed]:
         if not indices:
             return []
         if self._pool is None:

@@ -213,7 +213,8 @@ class Trainer:
                                         schedule_graph(self.spec, plan), rank,
                                         search_evaluations=schedule_search(config), simulate=rank == 0,
                                         shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
-                                                                             _worker_exits_with_rank),
+                                                                             _worker_exits_with_rank,
+                                                                             config.data.cache_mb * 2**20),
                                         agree=lambda failed: agree_failures(failed, self.data_group),
                                         assignment=tc.assignment,
                                         predict_peaks=self.device.type == "cuda" or config.log.memory)

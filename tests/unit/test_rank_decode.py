@@ -218,3 +218,53 @@ def test_a_killed_data_worker_is_a_clear_error(data):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(SampleError, match="data worker process died"):
             decoder.decode([0, 1])
+
+
+def test_kept_samples_are_not_decoded_again_and_the_cache_holds_its_byte_limit(data):
+    from harmonia.data.decode import tensor_bytes
+
+    root, tok = data
+    ds = _open(root, tok)
+    calls: list[int] = []
+    decode = ds.decode
+    ds.decode = lambda indices: calls.extend(indices) or decode(indices)
+    sizes = [tensor_bytes(s) for s in decode(list(range(6)))]
+    decoder = SampleDecoder(ds, cache_bytes=sum(sizes[:3]))  # room for samples 0-2 exactly
+    first = decoder.decode([0, 1, 2])
+    again = decoder.decode([2, 0, 1])
+    assert calls == [0, 1, 2] and [s.index for s in again] == [2, 0, 1] and again[1] is first[0]
+    decoder.decode([3])  # over the limit: the least recently used go first (recency 2, 0, 1, 3)
+    recency, fits = [2, 0, 1, 3], []
+    for i in reversed(recency):
+        if sum(sizes[j] for j in fits) + sizes[i] > sum(sizes[:3]):
+            break
+        fits.insert(0, i)
+    assert list(decoder.cache._kept) == fits and decoder.cache.held == sum(sizes[i] for i in fits)
+    calls.clear()
+    assert_identical(decoder.decode([2, 4]), decode([2, 4]), "decoded again")
+    assert calls == [2, 4] and 2 not in fits
+    assert SampleDecoder(ds).cache is None  # cache_bytes 0: every call decodes
+
+
+def test_a_job_trains_the_same_with_its_decoded_samples_kept(tmp_path):
+    """Two epochs on one process: the second takes every sample from the cache; the losses are equal
+    bit for bit to a job that decodes every time (nothing on the training path writes into a sample)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    losses = {}
+    for cache in (0, 64):
+        run = tmp_path / f"cache-{cache}"
+        flags = ["--model.preset=tiny-vlm", "--parallel.world_size=1", "--train.epochs=2", "--train.global_batch=8",
+                 "--data.synthesize=24", "--data.heldout=0", f"--data.path={tmp_path / 'data'}",
+                 f"--data.cache_mb={cache}", f"--log.dir={run / 'log'}", f"--checkpoint.dir={run / 'ck'}",
+                 "--log.tensorboard=false"]
+        done = subprocess.run([sys.executable, "-m", "harmonia", "train", *flags], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        records = [json.loads(line) for line in (run / "log" / "metrics.jsonl").read_text().splitlines()]
+        losses[cache] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses[0]) == 6 and losses[0] == losses[64]
