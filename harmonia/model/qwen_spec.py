@@ -91,6 +91,11 @@ class QwenVisionSpec:
                               "grid of learned positions)")
         _check_layers("deepstack_layers", self.deepstack_layers, self.body.n_layers, self.family == "qwen3_vl")
 
+    def carried_taps(self, start: int) -> tuple[int, ...]:
+        """The deepstack blocks before block ``start``, whose outputs a pipeline stage starting there
+        receives beside the hidden state (each block's output is tapped after it runs)."""
+        return tuple(i for i in self.deepstack_layers if i < start)
+
     @property
     def patch_dim(self) -> int:
         """Values in one patch row of ``pixel_values``: ``C * tp * p * p``."""

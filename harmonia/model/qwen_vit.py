@@ -28,7 +28,8 @@ names (fused ``attn.qkv``).
 
 In an MLLM the tower is two modules, as for every encoder: `QwenVisionEncoder` (the blocks, split
 into pipeline stages like any encoder; its last stage returns each ``m x m`` square of patches as one
-row of ``m * m * h``) and the merger as the encoder's projector (a `harmonia.model.projector.Projector`
+row of ``m * m * h``; an inner stage sends on, beside its output, the outputs of the deepstack blocks
+it and the stages before it ran, ``(N, h (1 + k))``, `QwenVisionSpec.carried_taps`) and the merger as the encoder's projector (a `harmonia.model.projector.Projector`
 whose input norm normalises each patch apart, ``ProjectorSpec.norm_groups``). `QwenVisionTower` is
 the whole tower of transformers (merger and Qwen3-VL's deepstack mergers included), the reference the
 tests compare against.
@@ -43,7 +44,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from harmonia.errors import ConfigError, SampleError
+from harmonia.errors import SampleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import build_blocks, init_weights, layer_range, rope_inv_freq
 from harmonia.model.projector import Projector
@@ -213,9 +214,6 @@ class QwenVisionEncoder(nn.Module):
         self.indices = layer_range(body.n_layers, layers, f"{spec.family} vision tower")
         self.is_first = self.indices.start == 0
         self.is_last = self.indices.stop == body.n_layers
-        if spec.deepstack_layers and not (self.is_first and self.is_last):
-            raise ConfigError(f"a {spec.family} vision tower with DeepStack blocks {list(spec.deepstack_layers)} runs "
-                              "as one pipeline stage (vision pp=1)")
         self.patch_embed = self.pos_embed = None
         if self.is_first:
             kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
@@ -234,11 +232,27 @@ class QwenVisionEncoder(nn.Module):
             Qwen3-VL's DeepStack blocks' outputs after it, ``(N / m^2, m^2 h (1 + k))``.
         """
         x, plan = self._enter(x, grid_thw)
+        x, carried = self._unpack(x)
         x, tapped = self._blocks(x[None], plan)
+        tapped = {**carried, **tapped}  # (N, h) each, in the blocks' order
+        if not self.is_last:  # the deepstack outputs so far travel with the hidden state
+            return torch.cat([x[0], *(tapped[i] for i in sorted(tapped))], dim=-1)  # (N, h (1 + k))
         out = self._leave(x[0], plan)
-        if not self.is_last or not tapped:
+        if not tapped:
             return out
         return torch.cat([out, *(self._leave(tapped[i], plan) for i in self.spec.deepstack_layers)], dim=-1)
+
+    def _unpack(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """An inner stage's input: the previous stage's output, and the deepstack outputs it carries."""
+        if self.is_first:
+            return x, {}
+        h, carried = self.spec.body.hidden, self.spec.carried_taps(self.indices.start)
+        if x.dim() != 2 or x.shape[1] != h * (1 + len(carried)):
+            raise SampleError(f"{self.spec.family} vision stage from block {self.indices.start}: got "
+                              f"{tuple(x.shape)}, expected (N, {h * (1 + len(carried))}): hidden {h} plus "
+                              f"{len(carried)} carried deepstack outputs")
+        parts = x.split(h, dim=-1)
+        return parts[0], dict(zip(carried, parts[1:]))
 
     def _enter(self, x: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, StagePlan]:
         """The stage's plan, and its input in the blocks' order (embedded on the first stage)."""

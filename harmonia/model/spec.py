@@ -332,6 +332,14 @@ class EncoderSpec:
     def is_audio(self) -> bool:
         return "audio" in self.modalities
 
+    def carried_taps(self, start: int) -> tuple[int, ...]:
+        """The earlier blocks' outputs a pipeline stage starting at block ``start`` receives beside the
+        hidden state, one ``hidden`` wide each: a native tower's deepstack taps before it, or the
+        ``feature_layers`` before it (`harmonia.model.vit.VisionEncoder`)."""
+        if self.native is not None:
+            return tuple(i for i in self.native.deepstack_layers if i < start)
+        return tuple(k for k in self.feature_layers if k < start)
+
     @property
     def is_vision(self) -> bool:
         return not self.is_audio

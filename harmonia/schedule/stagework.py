@@ -304,9 +304,20 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
-        send = 0.0 if last else load.tokens * hidden * cost.act_bytes / (tp * cp)
+        # cost-model layer ``stop`` is block ``stop - 1`` (the front end is layer 0): the next chunk's first block
+        send = 0.0 if last else load.tokens * _send_width(cost, module, stop - 1, hidden) * cost.act_bytes / (tp * cp)
         out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient,
                                                  f_transient)
+
+
+def _send_width(cost: CostModel, module: str, next_block: int, hidden: int) -> int:
+    """Values per token an inner stage chunk sends to the chunk starting at block ``next_block``: the
+    LLM's hidden state, or an encoder's with the earlier blocks' outputs its later stages still need
+    (`harmonia.model.spec.EncoderSpec.carried_taps`)."""
+    if module == LLM:
+        return hidden
+    spec = cost.mllm.encoders[module]
+    return spec.body.hidden * (1 + len(spec.carried_taps(next_block)))
 
 
 def plan_graph(plan: Plan, cost: CostModel) -> StageGraph:

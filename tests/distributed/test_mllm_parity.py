@@ -94,6 +94,8 @@ QWEN_CASES = [  # Qwen2.5-VL: native-resolution images of several sizes, windows
     # Qwen3-VL: learned tower positions, interleaved rotary rows, DeepStack features across the boundary
     Case("qwen3-vl: vision dp2 -> llm pp2 zb", L(dp=2), L(), L(pp=2), "zb", training="qwen3"),
     Case("qwen3-vl: vision dp2 -> llm cp2", L(dp=2), L(), L(cp=2), training="qwen3"),
+    Case("qwen3-vl: vision pp2 (DeepStack carried across its stages) -> llm dp2", L(pp=2), L(), L(dp=2),
+         n_microbatches=2, training="qwen3"),
 ]
 
 CASES: dict[int, list[Case]] = {

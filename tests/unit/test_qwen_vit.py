@@ -203,3 +203,35 @@ def test_bad_grids_are_refused():
         ours(pixels[1:], grid_thw)
     with pytest.raises(SampleError, match="merge_size"):
         ours(pixels[:15], torch.tensor([[1, 3, 5]]))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("cuts", [(1,), (2,), (1, 2)])
+def test_pipeline_stages_carry_deepstack_outputs_and_equal_the_whole_encoder(family, cuts):
+    """The tower's blocks split into stages at ``cuts``: each inner stage sends its hidden state and the
+    deepstack outputs so far, and the last stage's rows equal the one-stage encoder's (gradients too)."""
+    from harmonia.model.qwen_vit import build_qwen_vision_encoder
+
+    _, _, spec = _pair(family)
+    whole = build_qwen_vision_encoder(spec)
+    bounds = [0, *cuts, spec.body.n_layers]
+    stages = [build_qwen_vision_encoder(spec, (a, b)) for a, b in zip(bounds, bounds[1:])]
+    state = whole.state_dict()
+    for stage in stages:
+        own = stage.state_dict()
+        stage.load_state_dict({k: state[k] for k in own}, strict=True)
+    pixels, grid_thw = _inputs(spec)
+    want = whole(pixels, grid_thw)
+    x = pixels
+    for a, stage in zip(bounds, stages):
+        if a:
+            assert x.shape[1] == spec.body.hidden * (1 + len(spec.carried_taps(a)))
+        x = stage(x, grid_thw)
+    torch.testing.assert_close(x, want, **TOL)
+    g = torch.randn_like(want)
+    grads_whole = torch.autograd.grad(want, list(whole.parameters()), g)
+    grads_staged = torch.autograd.grad(x, [p for s in stages for p in s.parameters()], g)
+    by_name = dict(zip([n for n, _ in whole.named_parameters()], grads_whole))
+    staged = [n for s in stages for n, _ in s.named_parameters()]
+    for name, grad in zip(staged, grads_staged):
+        torch.testing.assert_close(grad, by_name[name], **TOL)

@@ -194,3 +194,26 @@ def test_token_runs_must_match_the_grids(tmp_path):
                                              "pixel_values": media["pixel_values"][:24]})
     with pytest.raises(SampleError, match="without placeholder"):
         ours_of(spec, ids[:3], labels[:3], media)
+
+
+def test_an_inner_vision_stage_is_priced_with_the_deepstack_outputs_it_sends(tmp_path):
+    """Qwen3-VL's tower (DeepStack taps after blocks 0 and 2 of 3) cut into pipeline stages: a stage
+    sends its hidden state and every tap before its end, as `QwenVisionEncoder` does."""
+    from harmonia.schedule.layout import Layout
+    from harmonia.schedule.plan import Plan
+    from harmonia.schedule.stagework import plan_iteration_work
+    from harmonia.schedule.iteration import assign_iteration, balancer_costs
+    from harmonia.workload.shapes import ModalityItem, SampleShape
+
+    make_qwen_vl(tmp_path / "hf", "qwen3_vl")
+    spec = mllm_spec_from_hf(tmp_path / "hf")
+    enc = spec.encoders["vision"]
+    assert [enc.carried_taps(s) for s in (0, 1, 2, 3)] == [(), (0,), (0,), (0, 2)]
+    cost = CostModel(spec, device_preset("h100"))
+    plan = Plan(spec.name, {"vision": Layout(pp=3), "llm": Layout()}, "colocated", "1f1b", 1, global_batch=1)
+    shapes = [SampleShape(12, (ModalityItem.image(height=64, width=48),), sample_id=0)]
+    costs, columns, tokens = balancer_costs(cost, shapes, plan.encoders)
+    iw = plan_iteration_work(shapes, plan, cost, assign_iteration(costs, columns, 1, {"vision": 1}, 1, tokens=tokens))
+    sends = {key.stage: w.send_bytes for (key, _, _), w in iw.work.items() if key.module == "vision"}
+    per_value = sends[0] / (enc.body.hidden * 2)  # tokens x activation bytes
+    assert per_value > 0 and sends == {0: per_value * enc.body.hidden * 2, 1: per_value * enc.body.hidden * 2, 2: 0.0}
