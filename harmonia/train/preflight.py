@@ -80,12 +80,18 @@ def checkpoint_bytes(config: Config) -> int:
     """About the size of one checkpoint: every weight as the job holds it (trained ones, LoRA adapters
     included, in fp32; frozen ones, a LoRA module's base included, in bf16 under mixed precision and
     fp32 otherwise), plus AdamW's two fp32 states of each trained weight."""
-    from harmonia.model.mllm import trainable_counts
+    from harmonia.model.training_mode import Trainability
     from harmonia.train.backend import backend_of
 
     mixed = PRECISION_MIXED[config.train.precision]
     frozen = 2 if (backend_of(config) == "nccl" if mixed is None else mixed) else 4
-    counts = trainable_counts(model_spec(config)).values()
+    spec = model_spec(config)
+    if any(spec.training_of(m).mode is Trainability.LORA for m in spec.module_names):
+        from harmonia.model.mllm import trainable_counts  # the adapters' sizes: the modules built on meta
+
+        counts = list(trainable_counts(spec).values())
+    else:
+        counts = [(n if spec.training_of(m).trains else 0, n) for m, n in spec.n_params().items()]
     return sum(12 * trained + frozen * (whole - trained) for trained, whole in counts)
 
 
