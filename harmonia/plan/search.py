@@ -37,7 +37,9 @@ splits the LLM unevenly, the same plan split evenly is simulated too and ranked 
 harmonia's plan is never slower than its own layout under the baselines' split. Likewise, where the
 best plan runs FSDP or zero-bubble, the same plan without them is simulated too and ranked first
 unless it is more than `PLAINER_TOLERANCE` slower or does not fit: the runtime pays for both
-beyond what they are priced (measured in `benchmarks/pick.py`).
+beyond what they are priced (measured in `benchmarks/pick.py`). And where the best plan's peak is
+above `MEMORY_HEADROOM` of the device's memory, the first ranked plan within the same tolerance
+whose peak is not goes first (`_roomier_first`): the memory estimate is not exact.
 
 Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
 of every module, activations of the microbatches its schedule keeps in flight:
@@ -69,7 +71,7 @@ from harmonia.plan.bounds import plan_bound, work_bound_busy
 from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.memory import work_peak_floor
-from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
+from harmonia.plan.recipes import (MEMORY_HEADROOM, Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.graph import IterationSchedule
@@ -88,7 +90,8 @@ class PlanReport:
     """The chosen plan, the ranked candidates and why others were dropped.
 
     Attributes:
-        best: the plan with the smallest mean simulated iteration time.
+        best: the first ranked plan: the fastest simulated, or one within `PLAINER_TOLERANCE` of it
+            that is plainer or leaves more memory free.
         ranked: the ``top`` best candidates, best first, as (iteration s, samples/s, candidate).
         peak_bytes: per ranked candidate, the most bytes one rank holds in its simulations:
             weights, gradients and optimizer states of its stages plus its activation peak.
@@ -175,6 +178,8 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
         ranked, plainer = _plainer_first(scorer, ranked, top, accept)
         twins += plainer
         simulated += twins
+        ranked = _roomier_first(ranked, [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked],
+                                run.cluster.device.mem_bytes)
     if not ranked:
         memory = sum(n for why, n in rejected.items() if why.startswith("memory"))
         raise LayoutError(f"no plan fits: none of the {len(cands)} candidate layouts of {scenario.model} on "
@@ -498,6 +503,24 @@ def _plainer_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]]
         rest = [r for r in ranked if simulation_key(r[2], scorer.run.cost) != key]
         return [(score, scorer.run.scenario.global_batch / score, twin), *rest][:top], tried
     return ranked, tried
+
+
+def _roomier_first(ranked: list[tuple[float, float, Candidate]], peaks: list[float],
+                   capacity: float) -> list[tuple[float, float, Candidate]]:
+    """The ranked plans with the first one whose peak is within `MEMORY_HEADROOM` of the device's
+    memory moved to the front, where the best's is not and it simulates at most `PLAINER_TOLERANCE`
+    slower:
+    the planner's peak estimate is not exact (on an H200 a 2B LLaVA's step peaked 9.6% above it,
+    benchmarks/results/gpu-check-2026-11-28.txt), so a plan within a few percent of the device may
+    not start, and a percent of speed does not pay for that."""
+    room = capacity * MEMORY_HEADROOM
+    if not ranked or peaks[0] <= room:
+        return ranked
+    best = ranked[0][0]
+    for i in range(1, len(ranked)):
+        if peaks[i] <= room and ranked[i][0] <= best * (1 + PLAINER_TOLERANCE):
+            return [ranked[i], *ranked[:i], *ranked[i + 1:]]
+    return ranked
 
 
 def simulation_key(cand: Candidate, cost: CostModel) -> tuple:

@@ -117,7 +117,9 @@ OVERLAP_SLOWDOWN = 0.189
 DEVICES: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", 989e12, 3.35e12, 80 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.60,
                        attention_efficiency=0.55, overlap_slowdown=OVERLAP_SLOWDOWN),
-    "h200": DeviceSpec("h200", 989e12, 4.8e12, 141 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.60,
+    # memory: what torch's allocator reports on one (139.80 GiB, torch 2.11; the 141 GB of the data sheet
+    # are decimal and include what the driver keeps)
+    "h200": DeviceSpec("h200", 989e12, 4.8e12, 139.8 * 2**30, 450 * GB, 50 * GB, flops_efficiency=0.60,
                        attention_efficiency=0.55, overlap_slowdown=OVERLAP_SLOWDOWN),
     "a100": DeviceSpec("a100", 312e12, 2.039e12, 80 * 2**30, 300 * GB, 25 * GB, overlap_slowdown=OVERLAP_SLOWDOWN),
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.

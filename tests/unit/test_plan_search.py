@@ -157,3 +157,22 @@ def test_the_plainer_twin_of_the_best_plan_is_picked_within_the_tolerance() -> N
     best = free.best
     assert not best.layouts["llm"].fsdp and best.schedule != "zb"
     assert free.ranked[0][0] <= min(r[0] for r in free.ranked) * (1 + PLAINER_TOLERANCE)
+
+
+def test_a_plan_near_the_device_memory_gives_way_to_a_roomier_one_within_the_tolerance() -> None:
+    """An 8B LLaVA with LoRA on one H200: the fastest plan peaks above 90% of the device, so the
+    fastest one within PLAINER_TOLERANCE that stays below it is picked."""
+    from harmonia.plan.recipes import MEMORY_HEADROOM
+    from harmonia.plan.search import _roomier_first
+
+    scenario = Scenario("room", "llava-siglip-8b", "h200:1x1", "synthetic:image", 8, {"vision": "frozen", "llm": "lora"},
+                        iterations=1, search_batches=2)
+    report = search_plan(scenario, top=3)
+    capacity = ScenarioRun(scenario).cluster.device.mem_bytes
+    assert max(report.peak_bytes) > MEMORY_HEADROOM * capacity  # a faster plan nearer the limit was found
+    assert report.peak_bytes[0] <= MEMORY_HEADROOM * capacity
+    assert report.ranked[0][0] <= min(r[0] for r in report.ranked) * (1 + PLAINER_TOLERANCE)
+    ranked = [(1.0, 0, "a"), (1.01, 0, "b"), (1.03, 0, "c")]
+    assert _roomier_first(ranked, [95, 80, 50], 100) == [ranked[1], ranked[0], ranked[2]]
+    assert _roomier_first(ranked, [95, 92, 50], 100) == ranked  # the roomy one is too slow
+    assert _roomier_first(ranked, [85, 95, 50], 100) == ranked  # the best has room
