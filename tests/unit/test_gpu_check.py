@@ -27,3 +27,18 @@ def test_the_gpu_check_runs_on_cpu_in_its_tiny_mode() -> None:
     run_row = next(line for line in out.splitlines() if "tiny-vlm (attention auto, compile auto)" in line)
     assert run_row.split("│")[2].strip() == "0" and run_row.split("│")[3].strip() == "6"  # exit 0, six steps
     assert sorted((ROOT / "benchmarks" / "results").iterdir()) == results  # a table is saved from a GPU run only
+
+
+def test_the_gpu_runs_are_jobs_the_config_takes() -> None:
+    """The runs part 3 starts on a GPU (not run here) parse as `harmonia train` reads them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import runtime_runs
+
+    from harmonia.config import load_config
+
+    runs = runtime_runs(False, "h200")
+    assert [name.split(" ")[0] for name, _, _ in runs] == ["tiny-vlm", "tiny-vlm", "llava-siglip-8b,"]
+    for _, flags, allowed in runs:
+        config = load_config(None, [*flags, "--data.path=/nonexistent/data", "--log.dir=/nonexistent/log"])
+        assert config.parallel.world_size == 1 and allowed >= 60
+    assert load_config(None, runs[-1][1]).model.lora == ["llm"]
