@@ -412,7 +412,8 @@ def main() -> int:
         console.print("no GPU here: run with --tiny for the CPU smoke run")
         return 2
     dtype, tol = (torch.float32, 1e-5) if device.type == "cpu" else (torch.bfloat16, 2e-2)
-    console.print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}")
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    console.print(f"torch {torch.__version__}, {label}")
     parts = args.parts.split(",")
     name = "gpu-check" if set(parts) == {"kernels", "step", "runtime"} else "gpu-check-" + "-".join(parts)
     ok = stepped = ran = True

@@ -6,8 +6,9 @@ forked processes (started once, with the dataset inherited rather than pickled, 
 ``torch.utils.data.DataLoader``'s workers are). Results come back in order, decoded samples or
 `harmonia.data.loader.Failed` values; nothing is counted here (the caller agrees on failures with
 the other ranks first). Decoded samples are kept up to ``cache_bytes`` of their tensors, least
-recently used dropped first (`DecodedCache`), so a sample decoded again in a later epoch is not. Tensors travel as plain pickles, so no shared-memory handle outlives a
-worker; a worker exits with its parent where the caller passes how (``worker_init``: the trainer
+recently used dropped first (`DecodedCache`), so a sample trained again in a later epoch is not
+decoded again. Tensors travel as plain pickles, so no shared-memory handle outlives a worker; a
+worker exits with its parent where the caller passes how (``worker_init``: the trainer
 gives `harmonia.runtime.watchdog.exit_with_parent`).
 """
 

@@ -147,8 +147,8 @@ class MLLM(nn.Module):
             index.append(media.index)
         item_embeds = torch.cat(embeds) if embeds else None
         item_index = torch.cat(index) if index else None
-        return self.llm(batch.input_ids, batch.positions(), batch.attention(self.attention, self.spec.llm.body.dim_head),
-                        item_embeds, item_index)
+        attention = batch.attention(self.attention, self.spec.llm.body.dim_head)
+        return self.llm(batch.input_ids, batch.positions(), attention, item_embeds, item_index)
 
     def loss(self, batch: PackedBatch, normalizer: float | None = None) -> torch.Tensor:
         """Summed token loss of the batch divided by ``normalizer`` (global target count)."""

@@ -29,8 +29,9 @@ names (fused ``attn.qkv``).
 In an MLLM the tower is two modules, as for every encoder: `QwenVisionEncoder` (the blocks, split
 into pipeline stages like any encoder; its last stage returns each ``m x m`` square of patches as one
 row of ``m * m * h``; an inner stage sends on, beside its output, the outputs of the deepstack blocks
-it and the stages before it ran, ``(N, h (1 + k))``, `QwenVisionSpec.carried_taps`) and the merger as the encoder's projector (a `harmonia.model.projector.Projector`
-whose input norm normalises each patch apart, ``ProjectorSpec.norm_groups``). `QwenVisionTower` is
+it and the stages before it ran, ``(N, h (1 + k))``, `QwenVisionSpec.carried_taps`) and the merger
+as the encoder's projector (a `harmonia.model.projector.Projector` whose input norm normalises each
+patch apart, ``ProjectorSpec.norm_groups``). `QwenVisionTower` is
 the whole tower of transformers (merger and Qwen3-VL's deepstack mergers included), the reference the
 tests compare against.
 """
@@ -278,12 +279,13 @@ class QwenVisionEncoder(nn.Module):
         """Attention sequences and rotary tables of the grids (the same on every stage)."""
         spec = self.spec
         positions = plan_positions(grid, spec.merge_size).to(device)  # (N, 2)
-        frames = PackedAttention.sequences(frame_lengths(grid), self.attention, device, spec.body.dim_head).for_window(None)
+        head_dim = spec.body.dim_head
+        frames = PackedAttention.sequences(frame_lengths(grid), self.attention, device, head_dim).for_window(None)
         windows = order = None
         if spec.window_size is not None:
             order, lengths = plan_windows(grid, spec.merge_size, spec.window_tokens)
             order = order.to(device)
-            windows = PackedAttention.sequences(lengths, self.attention, device, spec.body.dim_head).for_window(None)
+            windows = PackedAttention.sequences(lengths, self.attention, device, head_dim).for_window(None)
             positions = positions[order]
         return StagePlan(frames, windows, order, rope_tables(positions, spec.body.dim_head, spec.rope_theta))
 

@@ -91,8 +91,8 @@ def check_cluster(config: Config) -> None:
         raise ConfigError(f"parallel.cluster={config.parallel.cluster!r} models CPUs but this job runs on GPUs "
                           f"(nccl); name its cluster, e.g. --parallel.cluster=h100:1x{config.parallel.world_size}")
     spec = model_spec(config)
-    choose_backend(config.train.attention, device, MIXED if spec.item_attention != "causal" and spec.encoders else CAUSAL,
-                   spec.llm.body.dim_head)
+    kind = MIXED if spec.item_attention != "causal" and spec.encoders else CAUSAL
+    choose_backend(config.train.attention, device, kind, spec.llm.body.dim_head)
 
 
 def check_model_files(config: Config) -> None:
