@@ -190,6 +190,19 @@ def _write_timelines(directory: str, name: str, results: dict) -> None:
     console.print(f"timelines in {out}")
 
 
+def _job_cluster(config) -> str:
+    """The cluster `harmonia train` would plan the job for (`harmonia.train.backend.job_cluster`): a CPU
+    cluster whose ranks outnumber this machine's cores, naming no ``@cores``, shares those cores."""
+    from harmonia.train.backend import job_cluster
+
+    named, spec = config.parallel.cluster, job_cluster(config)
+    if spec.describe() != named:
+        console.print(f"{named}: {spec.world_size} ranks on this machine's {spec.cores} cores, planned as "
+                      f"{spec.describe()} as harmonia train plans it; name @CORES (e.g. {named}@8) to plan for "
+                      "another machine")
+    return spec.describe()
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write the best plan where ``--json`` says."""
     from harmonia.plan.search import search_plan
@@ -203,7 +216,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json {args.json}: its directory {Path(args.json).parent} does not exist; create it "
                           "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
-    scenario = Scenario("plan", model, cluster, _trace_path(args.trace), batch, config.model.training_modes,
+    scenario = Scenario("plan", model, _job_cluster(config), _trace_path(args.trace), batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
                         seed=config.train.seed, mixed_precision=config.train.mixed_precision,
                         device=parse_device_changes(args.device_set))

@@ -176,3 +176,17 @@ def test_a_plan_near_the_device_memory_gives_way_to_a_roomier_one_within_the_tol
     assert _roomier_first(ranked, [95, 80, 50], 100) == [ranked[1], ranked[0], ranked[2]]
     assert _roomier_first(ranked, [95, 92, 50], 100) == ranked  # the roomy one is too slow
     assert _roomier_first(ranked, [85, 95, 50], 100) == ranked  # the best has room
+
+
+def test_cli_plans_a_cpu_cluster_on_the_cores_train_would_give_it(monkeypatch, capsys) -> None:
+    """`harmonia plan --cluster cpu:1x4` on a machine of 2 cores plans for 4 ranks sharing them, as
+    `harmonia train` does (and says so); a cluster naming its cores is planned as named."""
+    monkeypatch.setattr("harmonia.train.backend.process_cores", lambda: 2)
+    args = ["plan", "--model", "tiny-vlm", "--trace", "synthetic:image", "--global-batch", "32", "--batches", "1"]
+    assert main([*args, "--cluster", "cpu:1x4", "--parallel.backend=gloo"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "cpu:1x4: 4 ranks on this machine's 2 cores, planned as cpu:1x4@2" in printed
+    assert "plans for tiny-vlm on cpu:1x4 (global batch 32)" in printed
+    assert main([*args, "--cluster", "cpu:1x4@4", "--parallel.backend=gloo"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "planned as" not in printed and "plans for tiny-vlm on cpu:1x4@4" in printed
