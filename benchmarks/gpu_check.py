@@ -278,7 +278,7 @@ def training_table(tiny: bool, device: torch.device) -> tuple[Table, bool]:
     if isinstance(theirs, str):  # what a Trainer user does when the batch does not fit: two half batches
         _free(device)
         theirs_2 = _guarded(lambda: transformers_step(config, samples, device, dtype, accumulate=2))
-    device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device) else "h100")
+    device_name = preset_of(device)
     from harmonia.model.families.llava import llava_spec_from_hf
 
     spec = llava_spec_from_hf(config.to_dict()).with_training(vision="frozen")
@@ -327,6 +327,13 @@ def _guarded(run):
     except Exception as e:  # noqa: BLE001 - the table says which side failed and why
         traceback.print_exc()
         return f"FAIL: {type(e).__name__}: {e}"[:160]
+
+
+def preset_of(device: torch.device) -> str:
+    """The device preset (`harmonia.workload.devices`) of this machine's device."""
+    if device.type == "cpu":
+        return "cpu"
+    return "h200" if "H200" in torch.cuda.get_device_name(device) else "h100"
 
 
 def _peak(device_name: str) -> float:
@@ -427,8 +434,7 @@ def main() -> int:
         save_table(console, name)  # what is measured so far is kept, whatever the runs below do
         torch.cuda.empty_cache()
     if "runtime" in parts:
-        device_name = "cpu" if device.type == "cpu" else ("h200" if "H200" in torch.cuda.get_device_name(device)
-                                                          else "h100")
+        device_name = preset_of(device)
         runtime, ran = runtime_table(args.tiny, device_name, deadline)
         console.print(runtime)
         if device.type == "cuda":

@@ -216,7 +216,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json {args.json}: its directory {Path(args.json).parent} does not exist; create it "
                           "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
-    scenario = Scenario("plan", model, _job_cluster(config), _trace_path(args.trace), batch, config.model.training_modes,
+    planned = _job_cluster(config)
+    scenario = Scenario("plan", model, planned, _trace_path(args.trace), batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
                         seed=config.train.seed, mixed_precision=config.train.mixed_precision,
                         device=parse_device_changes(args.device_set))

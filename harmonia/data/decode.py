@@ -78,16 +78,14 @@ class DecodedCache:
     sample's tensors (packing copies them), so a kept sample is handed out again as it is."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.held, self.hits, self.misses = limit, 0, 0, 0
+        self.limit, self.held = limit, 0
         self._kept: OrderedDict[int, tuple[LoadedSample, int]] = OrderedDict()
 
     def get(self, index: int) -> LoadedSample | None:
         found = self._kept.get(index)
         if found is None:
-            self.misses += 1
             return None
         self._kept.move_to_end(index)
-        self.hits += 1
         return found[0]
 
     def put(self, sample: LoadedSample) -> None:

@@ -509,8 +509,7 @@ def _roomier_first(ranked: list[tuple[float, float, Candidate]], peaks: list[flo
                    capacity: float) -> list[tuple[float, float, Candidate]]:
     """The ranked plans with the first one whose peak is within `MEMORY_HEADROOM` of the device's
     memory moved to the front, where the best's is not and it simulates at most `PLAINER_TOLERANCE`
-    slower:
-    the planner's peak estimate is not exact (on an H200 a 2B LLaVA's step peaked 9.6% above it,
+    slower: the planner's peak estimate is not exact (on an H200 a 2B LLaVA's step peaked 9.6% above it,
     benchmarks/results/gpu-check-2026-11-28.txt), so a plan within a few percent of the device may
     not start, and a percent of speed does not pay for that."""
     room = capacity * MEMORY_HEADROOM

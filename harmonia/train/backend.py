@@ -19,6 +19,12 @@ def backend_of(config: Config) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def runs_mixed(precision: str, device_type: str) -> bool:
+    """Whether ``train.precision`` runs bf16 mixed precision on a device kind: ``bf16``, or ``auto``
+    on GPUs (frozen weights then held in bf16)."""
+    return precision == "bf16" or (precision == "auto" and device_type == "cuda")
+
+
 def process_group_backend(backend: str) -> str:
     """What `torch.distributed.init_process_group` is given: on GPUs NCCL for CUDA tensors and gloo
     beside it for the host-side ones (the loss, the gradient norm, step timings), which every group

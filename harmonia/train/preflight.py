@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from harmonia.config import PRECISION_MIXED, Config
+from harmonia.config import Config
 from harmonia.errors import ConfigError
 from harmonia.runtime.checkpoint import (complete_steps, read_trainer_state, remove_partial, step_dir,
                                          verify_checkpoint)
@@ -81,10 +81,9 @@ def checkpoint_bytes(config: Config) -> int:
     included, in fp32; frozen ones, a LoRA module's base included, in bf16 under mixed precision and
     fp32 otherwise), plus AdamW's two fp32 states of each trained weight."""
     from harmonia.model.training_mode import Trainability
-    from harmonia.train.backend import backend_of
+    from harmonia.train.backend import backend_of, runs_mixed
 
-    mixed = PRECISION_MIXED[config.train.precision]
-    frozen = 2 if (backend_of(config) == "nccl" if mixed is None else mixed) else 4
+    frozen = 2 if runs_mixed(config.train.precision, "cuda" if backend_of(config) == "nccl" else "cpu") else 4
     spec = model_spec(config)
     if any(spec.training_of(m).mode is Trainability.LORA for m in spec.module_names):
         from harmonia.model.mllm import trainable_counts  # the adapters' sizes: the modules built on meta

@@ -113,6 +113,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     from harmonia.model.mllm import build_module
     from harmonia.runtime.materialize import materialize
     from harmonia.runtime.parallelize import hold_frozen_in, parallelize_stage, stage_layers
+    from harmonia.train.backend import runs_mixed
     from harmonia.train.weights import chunk_values
 
     rank = meshes.rank
@@ -120,7 +121,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     projectors: dict[str, nn.Module] = {}
     named: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
-    mixed = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    mixed = runs_mixed(precision, device.type)
     compiled = compile == "on" or (compile == "auto" and device.type == "cuda")
 
     def keep(module: nn.Module, prefix: str, owned_by: str) -> None:
