@@ -77,8 +77,8 @@ def with_world_size(config: Config) -> Config:
 
 
 def check_cluster(config: Config) -> None:
-    """The planner's cluster must have exactly ``parallel.world_size`` devices, and the attention
-    kernel asked for must run the model's mask on the job's devices."""
+    """The planner's cluster must have exactly ``parallel.world_size`` devices, the attention kernel
+    asked for must run the model's mask on the job's devices, and a GPU job must find CUDA and NCCL."""
     cluster = cluster_from_string(config.parallel.cluster)
     if cluster.world_size != config.parallel.world_size:
         raise ConfigError(f"config parallel.cluster={config.parallel.cluster!r} has {cluster.world_size} devices "
@@ -93,6 +93,13 @@ def check_cluster(config: Config) -> None:
     spec = model_spec(config)
     kind = MIXED if spec.item_attention != "causal" and spec.encoders else CAUSAL
     choose_backend(config.train.attention, device, kind, spec.llm.body.dim_head)
+    if device == "cuda":
+        import torch
+        import torch.distributed as dist
+
+        if not (torch.cuda.is_available() and dist.is_nccl_available()):
+            raise ConfigError(f"parallel.backend=nccl but this machine has no CUDA device with NCCL (torch "
+                              f"{torch.__version__}); run the job on GPUs, or use --parallel.backend=gloo")
 
 
 def check_model_files(config: Config) -> None:

@@ -25,3 +25,17 @@ def test_the_per_device_form_takes_host_tensors_in_the_default_group_and_its_sub
         assert float(total) == 1.0
     finally:
         dist.destroy_process_group()
+
+
+def test_an_nccl_job_without_a_gpu_stops_before_any_process_starts(monkeypatch) -> None:
+    import pytest
+
+    from harmonia.config import load_config
+    from harmonia.errors import ConfigError
+    from harmonia.train.planning import check_cluster
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = load_config(None, ["--model.preset=tiny-vlm", "--parallel.backend=nccl", "--parallel.cluster=h100:1x1",
+                                "--parallel.world_size=1"])
+    with pytest.raises(ConfigError, match="parallel.backend=nccl but this machine has no CUDA device with NCCL"):
+        check_cluster(config)
