@@ -263,15 +263,20 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
     backwards = {(ref.module, ref.stage): [(k.value, k.value == "W" and len(ks) == 1) for k in ks]
                  for ref, ks in kinds.items()}  # (phase, W-only stage's W: it backpropagates too)
     per_key: dict[StageKey, float] = {}  # a replica's stage chunk -> the seconds of all its tasks
-    tasks: dict = {}  # (stage key, microbatch, sub) -> {phase: seconds of its task}
+    tasks: dict = {}  # (LLM stage key, microbatch, sub) -> {phase: seconds of its task}
     gathers: dict = {}
     for (key, m, sub), work in iw.work.items():
-        phases = {"F": work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)}
+        seconds = work.times.F + collective_extra(plan, cost, key, work, "F", cluster, gathers)
+        phases = {"F": seconds}
         for kind, w_only in backwards[(key.module, key.stage)]:
-            phases[kind] = (compute_seconds(work, kind, w_only)
-                            + collective_extra(plan, cost, key, work, kind, cluster, gathers))
-        tasks[(key, m, sub)] = phases
-        per_key[key] = per_key.get(key, 0.0) + sum(phases.values())
+            phase = compute_seconds(work, kind, w_only)
+            if kind != "W":  # a W runs no collective
+                phase += collective_extra(plan, cost, key, work, kind, cluster, gathers)
+            phases[kind] = phase
+            seconds += phase
+        if key.module == "llm":  # the pipeline bound's tasks
+            tasks[(key, m, sub)] = phases
+        per_key[key] = per_key.get(key, 0.0) + seconds
     busy: dict[int, float] = {}
     for key, seconds in per_key.items():
         for rank in iw.stage_ranks[key]:
@@ -280,7 +285,7 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
               if graph.needs_w(StageRef("llm", c)) else 0.0 for c in range(plan.layouts["llm"].n_stages)]
     llm_gathers = {(rank, c): seconds for rank, found in step_gathers(cost, cluster, plan).items()
                    for module, c, seconds in found if module == "llm"}
-    pipeline = _pipeline_bound(plan, iw, kinds, tasks, reduce, llm_gathers, cluster.device.overlap_slowdown)
+    pipeline = _pipeline_bound(plan, iw, kinds, tasks, per_key, reduce, llm_gathers, cluster.device.overlap_slowdown)
     return max(max(busy.values(), default=0.0), pipeline), busy
 
 
@@ -304,8 +309,8 @@ def _encoder_chains(plan: Plan, iw: IterationWork, kinds: dict, feeders: dict, d
     return head, tail
 
 
-def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, reduce: list[float],
-                    gathers: dict[tuple[int, int], float], slowdown: float) -> float:
+def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, per_key: dict[StageKey, float],
+                    reduce: list[float], gathers: dict[tuple[int, int], float], slowdown: float) -> float:
     """Fill and drain of every LLM pipeline rank ``p`` of every replica, from the iteration's microbatches.
 
     The rank holds chunks ``p, p + pp, ...`` (one unless interleaved). Its first LLM task is a
@@ -337,8 +342,7 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, red
         grads: list[list[float | None]] = [[] for _ in ms]  # per microbatch, chunk c's input-gradient task
         for s in range(llm.pp):
             key = StageKey("llm", d, s)
-            own = sum(sum(tasks[(StageKey("llm", d, c), m, None)].values())
-                      for c in range(s, llm.n_stages, llm.pp) for m in ms)
+            own = sum(per_key[StageKey("llm", d, c)] for c in range(s, llm.n_stages, llm.pp))
             stage_kinds = [k.value for k in kinds[StageRef("llm", s)]]
             drains = bool(stage_kinds) and stage_kinds[0] in ("B", "BW") and len(stage_kinds) == 1
             if drains:

@@ -190,9 +190,13 @@ def work_peak_floor(cost: CostModel, plan: Plan, iw: IterationWork) -> dict[int,
     rank's states plus the largest activations one unit keeps from its forward to its backward,
     with the bytes its backward or forward holds on top (`harmonia.sim.engine` counts both)."""
     out = state_bytes_per_rank(cost, plan)
-    held: dict[int, float] = {}
+    per_key: dict = {}  # stage key -> its largest unit's bytes
     for (key, _, _), work in iw.work.items():
         nbytes = work.act_bytes + max(work.transient, work.f_transient)
+        if nbytes > per_key.get(key, 0.0):
+            per_key[key] = nbytes
+    held: dict[int, float] = {}
+    for key, nbytes in per_key.items():
         for rank in iw.stage_ranks.get(key, ()):
             if nbytes > held.get(rank, 0.0):
                 held[rank] = nbytes

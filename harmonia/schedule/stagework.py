@@ -54,7 +54,7 @@ WorkKey = tuple[StageKey, int, "int | None"]
 """(stage chunk of a replica, global microbatch, sub-microbatch or None)."""
 
 
-@dataclass
+@dataclass(slots=True)
 class MicrobatchWork:
     """What a stage does for one microbatch (or encoder sub-microbatch)."""
 
@@ -195,14 +195,14 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     """
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     h_llm = cost.mllm.llm.hidden
-    llm_ranges = chunk_ranges(cost, plan, LLM)
+    llm_chunks = _module_chunks(cost, plan, LLM)
     loads = [cost.sample_loads(s) for s in shapes]  # per module, of each sample of the batch
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
             load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
             owner.update((p, d) for p in positions)
-            _add_module_work(out, plan, cost, LLM, llm_ranges, d, m, None, load, ModuleLoad())
+            _add_module_work(out, plan, cost, LLM, llm_chunks, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
             every = assignment.encoder_cuts.get(enc)
             cuts = every[m] if every else {}
@@ -255,8 +255,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                       loads: Sequence[dict[str, ModuleLoad]]) -> None:
     """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost;
     ``loads``: the batch's `CostModel.sample_loads`, in sample order."""
-    assignment, dim = out.assignment, cost.mllm.encoders[enc].out_dim
-    ranges = chunk_ranges(cost, plan, enc)
+    assignment, chunks = out.assignment, _module_chunks(cost, plan, enc)
     every = assignment.encoder_cuts.get(enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
@@ -271,7 +270,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                     shared = _shares_load(out, cost, enc, m, e, [p for p in positions if p not in whole])
                     enc_load, proj_load = enc_load + shared[0], proj_load + shared[1]
                 if proj_load.sequences:  # one per item
-                    _add_module_work(out, plan, cost, enc, ranges, e, m, None, enc_load, proj_load, dim)
+                    _add_module_work(out, plan, cost, enc, chunks, e, m, None, enc_load, proj_load)
                 continue
             items = _replica_items(out, cost, enc, m, e, positions)
             runs = sub_runs.get((enc, e, m)) or item_runs(item_seconds(cost, enc, items), len(subs))
@@ -279,7 +278,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
             for sub, (a, b) in zip(subs, runs):
                 if a < b:
                     enc_load, proj_load = _item_load(cost, enc, items[a:b])
-                    _add_module_work(out, plan, cost, enc, ranges, e, m, sub, enc_load, proj_load, dim)
+                    _add_module_work(out, plan, cost, enc, chunks, e, m, sub, enc_load, proj_load)
 
 
 def chunk_ranges(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, int]]:
@@ -287,35 +286,42 @@ def chunk_ranges(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, in
     return [stage_layer_range(cost, plan, module, c) for c in range(plan.layouts[module].n_stages)]
 
 
-def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str, ranges: list[tuple[int, int]],
-                     replica: int, m: int, sub: int | None, load: ModuleLoad, proj_load: ModuleLoad,
-                     hidden: int | None = None) -> None:
+def _module_chunks(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, int, float]]:
+    """Per stage chunk of a module: its layer range (`chunk_ranges`) and the bytes per token it sends
+    to the next chunk, which the TP x CP group's ranks share (0 for the last)."""
+    ranges = chunk_ranges(cost, plan, module)
+    # cost-model layer ``stop`` is block ``stop - 1`` (the front end is layer 0): the next chunk's first block
+    return [(start, stop, 0.0 if c == len(ranges) - 1 else _send_width(cost, module, stop - 1) * cost.act_bytes)
+            for c, (start, stop) in enumerate(ranges)]
+
+
+def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: str,
+                     chunks: list[tuple[int, int, float]], replica: int, m: int, sub: int | None, load: ModuleLoad,
+                     proj_load: ModuleLoad) -> None:
     """One replica's unit of microbatch ``m`` (sub-microbatch ``sub``) on every stage chunk of a
-    module; ``ranges``: its chunks' layer ranges (`chunk_ranges`)."""
+    module; ``chunks``: its chunks' layer ranges and sends (`_module_chunks`)."""
     layout = plan.layouts[module]
     tp, cp = layout.tp, layout.cp
-    hidden = cost.mllm.llm.hidden if hidden is None else hidden
     recompute = plan.recompute_share(module)
-    for chunk, (start, stop) in enumerate(ranges):
-        last = chunk == len(ranges) - 1
+    tokens, group = load.tokens, tp * cp
+    for chunk, (start, stop, send_bytes) in enumerate(chunks):
+        last = chunk == len(chunks) - 1
         # the projector runs on the encoder's last stage
         times, flops, act, transient, f_transient = cost.unit_cost(
             module, load, start, stop, tp, cp, recompute, proj_load if last and module != LLM else None)
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
-        # cost-model layer ``stop`` is block ``stop - 1`` (the front end is layer 0): the next chunk's first block
-        send = 0.0 if last else load.tokens * _send_width(cost, module, stop - 1, hidden) * cost.act_bytes / (tp * cp)
-        out.work[(key, m, sub)] = MicrobatchWork(times, act, send, flops / (tp * cp), load.tokens, transient,
-                                                 f_transient)
+        out.work[(key, m, sub)] = MicrobatchWork(times, act, tokens * send_bytes / group, flops / group, tokens,
+                                                 transient, f_transient)
 
 
-def _send_width(cost: CostModel, module: str, next_block: int, hidden: int) -> int:
+def _send_width(cost: CostModel, module: str, next_block: int) -> int:
     """Values per token an inner stage chunk sends to the chunk starting at block ``next_block``: the
     LLM's hidden state, or an encoder's with the earlier blocks' outputs its later stages still need
     (`harmonia.model.spec.EncoderSpec.carried_taps`)."""
     if module == LLM:
-        return hidden
+        return cost.mllm.llm.hidden
     spec = cost.mllm.encoders[module]
     return spec.body.hidden * (1 + len(spec.carried_taps(next_block)))
 

@@ -144,7 +144,11 @@ def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: Clus
 def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
     """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward)."""
     t = work.times
-    return {"F": t.F, "B": t.B, "W": t.B + t.W if w_only else t.W, "BW": t.B + t.W}[kind]
+    if kind == "F":
+        return t.F
+    if kind == "B":
+        return t.B
+    return t.B + t.W if kind == "BW" or w_only else t.W
 
 
 _COMPUTE = frozenset(k for k in Kind if k.is_compute)
