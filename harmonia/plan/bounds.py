@@ -147,7 +147,7 @@ def _stage_ranks(plan: Plan, module: str, pp_rank: int) -> np.ndarray:
 def _chunk_bound(plan: Plan, cost: CostModel, cluster: ClusterSpec, graph: StageGraph, module: str, chunk: int,
                  load: ModuleLoad, proj_load: ModuleLoad) -> ChunkBound:
     layout = plan.layouts[module]
-    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    tp, cp = layout.tp, layout.cp
     start, stop = stage_layer_range(cost, plan, module, chunk)
     recompute = plan.recompute_share(module)
     times = cost.stage_times(module, load, start, stop, tp, cp, recompute)
