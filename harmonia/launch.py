@@ -70,14 +70,48 @@ def _rank_env(rank: int, world: int, port: int, launcher: int) -> dict[str, str]
             "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports) -> None:
-    """One rank: stop signals handled first, then the target and its arguments unpickled (their imports
-    take seconds) and run; what happened goes to ``reports``."""
+PRELOAD = ("torch", "torch.distributed", "harmonia.train.worker")
+"""What the ranks' fork server imports once, before it forks any rank (`rank_context`)."""
+
+
+def rank_context():
+    """Where ranks start from: a fork server that has imported `PRELOAD` (torch and the trainer, 3-5 s
+    a rank would otherwise spend again). It runs nothing else, so a rank forked from it is as fresh as
+    a spawned one; it starts with this process's first rank (or `warm_ranks`), serves every later
+    launch from this process, and exits with it. A rank takes this process's environment as it is at
+    its launch (`_entry`)."""
+    import torch.multiprocessing as mp
+
+    return mp.get_context("forkserver")
+
+
+HF_PRELOAD = ("transformers", "transformers.processing_utils")
+"""What a job from HF checkpoints also has its fork server import: its ranks load processors and
+tokenizers (1-2 s of imports each)."""
+
+
+def warm_ranks(hf: bool = False) -> None:
+    """Start the ranks' fork server now: it imports `PRELOAD` (and `HF_PRELOAD` for a job from HF
+    checkpoints) while this process goes on (reading the data, planning) instead of after it. The
+    first call in a process decides what its fork server holds."""
+    from multiprocessing import forkserver
+
+    rank_context().set_forkserver_preload(list(PRELOAD + (HF_PRELOAD if hf else ())))
+    forkserver.ensure_running()
+
+
+def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports, environ: dict[str, str]) -> None:
+    """One rank: the launcher's environment taken (not the fork server's, from when it started), stop
+    signals handled, then the target and its arguments unpickled and run; what happened goes to
+    ``reports``."""
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(_rank_env(rank, world, port, launcher))
     code = 0
     try:
         StopSignals.install(raise_now=True)
         exit_with_parent(launcher)
+        _threads_from_environment()
         target, args = pickle.loads(payload)
         value = target(*args)
         if value is not None:
@@ -90,6 +124,16 @@ def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, repo
         code = 1
     if code:
         raise SystemExit(code)
+
+
+def _threads_from_environment() -> None:
+    """``OMP_NUM_THREADS`` as the launcher's environment sets it: torch read the fork server's when it
+    was imported there."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        import torch
+
+        torch.set_num_threads(int(given))
 
 
 @dataclass
@@ -173,14 +217,15 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
     from multiprocessing.reduction import ForkingPickler  # with torch's reductions, as Process args have
 
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    warm_ranks()  # no-op when the job already started its fork server
+    ctx = rank_context()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     reports = ctx.Queue()
     payload = bytes(ForkingPickler.dumps((target, args)))
-    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), payload, reports),
+    environ = dict(os.environ)
+    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), payload, reports, environ),
                             daemon=False) for r in range(world_size)], reports)
     with _forwarded_signals(job):
         with _sigint_ignored():  # a Ctrl-C in a rank's first moments is the launcher's to forward

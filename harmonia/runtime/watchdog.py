@@ -2,9 +2,9 @@
 
 - `StopSignals`: SIGTERM, SIGINT and SIGHUP ask a rank to stop at the next step boundary instead
   of killing it mid-step (the training loop votes on it, so every rank stops at the same step).
-- `exit_with_parent`: a rank gets SIGTERM when the process that started it dies (Linux
-  ``prctl(PR_SET_PDEATHSIG)``), and a thread polling ``os.getppid()`` does the same everywhere,
-  then ends the process if it has not stopped within a grace period.
+- `exit_with_parent`: a rank gets SIGTERM when the process that started it (or the fork server it
+  forked from) dies (Linux ``prctl(PR_SET_PDEATHSIG)``), and a thread polling ``os.getppid()`` does
+  the same everywhere, then ends the process if it has not stopped within a grace period.
 - `Heartbeat` and `HangDetector`: every rank counts beats (and finished steps) in the job's
   rendezvous store from a thread; a rank whose count stops moving for ``hang_timeout`` seconds is
   stopped, frozen or stuck outside Python, and is named. The local launcher runs the detector; under
@@ -86,10 +86,12 @@ class StopSignals:
 def exit_with_parent(parent_pid: int, grace_s: float = 60.0, poll_s: float = 1.0) -> None:
     """Make this process stop when ``parent_pid`` (its launcher) dies.
 
-    The kernel sends SIGTERM at the parent's death on Linux; a daemon thread polls ``os.getppid()``
-    everywhere, sends SIGTERM itself if needed, and ends the process ``grace_s`` seconds later if
-    the graceful stop (a step boundary, a checkpoint) has not ended it.
+    This process's parent is ``parent_pid`` or a fork server that process started, which exits
+    with it (`harmonia.launch`). The kernel sends SIGTERM at that parent's death on Linux; a daemon
+    thread polls ``os.getppid()`` everywhere, sends SIGTERM itself if needed, and ends the process
+    ``grace_s`` seconds later if the graceful stop (a step boundary, a checkpoint) has not ended it.
     """
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -98,7 +100,7 @@ def exit_with_parent(parent_pid: int, grace_s: float = 60.0, poll_s: float = 1.0
             pass
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
+        while os.getppid() == parent:
             time.sleep(poll_s)
         log.warning("the launcher (pid %d) is gone: stopping this rank", parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -106,8 +108,19 @@ def exit_with_parent(parent_pid: int, grace_s: float = 60.0, poll_s: float = 1.0
         os._exit(1)
 
     threading.Thread(target=watch, name="harmonia-parent-watch", daemon=True).start()
-    if os.getppid() != parent_pid:  # the parent died before the watch began
+    if parent != parent_pid and not _alive(parent_pid):  # the launcher died before the watch began
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def beat_interval(hang_timeout: float) -> float:

@@ -75,17 +75,20 @@ def _in_process(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def _ranks_of(pid: int) -> list[int]:
-    """The launcher's rank processes (its spawned children, not multiprocessing's resource tracker)."""
-    ranks = []
+    """The launcher's rank processes: the children of its fork server (not multiprocessing's resource
+    tracker, nor the fork server itself)."""
+    children: dict[int, list[tuple[int, bytes]]] = {}
     for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[-1].split()[1])
             command = (proc / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in command:
-            ranks.append(int(proc.name))
-    return sorted(ranks)
+        children.setdefault(ppid, []).append((int(proc.name), command))
+    servers = [child for child, command in children.get(pid, []) if b"forkserver" in command]
+    return sorted(rank for server in servers for rank, _ in children.get(server, []))
 
 
 def _alive(pid: int) -> bool:
