@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from harmonia.errors import ConfigError  # noqa: E402
-from harmonia.model.attention import PackedAttention, choose_backend, mask_kind  # noqa: E402
+from harmonia.model.attention import PackedAttention  # noqa: E402
+from harmonia.model.attention_backend import choose_backend, mask_kind  # noqa: E402
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask  # noqa: E402
 
 IMAGE_TOKEN = 151646

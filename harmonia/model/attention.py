@@ -26,8 +26,8 @@ The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
 - ``dense``: the ``(Tq, Tk)`` boolean mask through SDPA; the reference tests compare against, never
   chosen by ``auto``.
 
-`choose_backend` picks by device and mask kind (`mask_kind`: `CAUSAL`, `SEQUENCES`, `MIXED`), and
-refuses a backend that cannot run the mask on the device, naming both.
+`harmonia.model.attention_backend.choose_backend` picks the kernel by device, mask kind and head
+width, and refuses one that cannot run them, naming both.
 """
 
 from __future__ import annotations
@@ -40,76 +40,14 @@ import torch
 import torch.nn.functional as F
 
 from harmonia.errors import ConfigError
+from harmonia.model.attention_backend import CAUSAL, SEQUENCES, choose_backend, mask_kind
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask
 
-BACKENDS = ("auto", "segments", "varlen", "flex", "dense")
 QUERY_BLOCK = 256
 """Queries per block of the ``segments`` kernel: the waste past the kept pairs is at most this many
 keys per query; the transient mask is this many rows."""
 PADDING_WASTE = 1.5
 """Causal samples padded together compute at most this many times their own causal pairs."""
-
-
-CAUSAL = "causal packed documents"
-SEQUENCES = "bidirectional packed sequences"
-MIXED = "bidirectional items in causal text"
-MASK_KINDS = (CAUSAL, SEQUENCES, MIXED)
-
-
-def mask_kind(layout: TokenLayout) -> str:
-    """`CAUSAL` where no token attends ahead (text, causal items), `SEQUENCES` where every sample is
-    one item attending its whole self (an encoder's packed sequences), `MIXED` otherwise."""
-    if not bool(layout.is_item.any()):
-        return CAUSAL
-    if bool(layout.is_item.all()) and torch.equal(layout.sample, layout.segment - layout.segment[0]):
-        return SEQUENCES
-    return MIXED
-
-
-def takes_head_dim(kernel: str, head_dim: int) -> bool:
-    """Whether a kernel runs heads of ``head_dim`` channels: FlashAttention (``varlen``) a multiple
-    of 8 up to 256, compiled ``flex`` at least 16; the others any."""
-    if kernel == "varlen":
-        return head_dim % 8 == 0 and head_dim <= 256
-    if kernel == "flex":
-        return head_dim >= 16
-    return True
-
-
-def choose_backend(requested: str, device: torch.device | str, kind: str, head_dim: int | None = None) -> str:
-    """The kernel for a mask on a device.
-
-    Args:
-        requested: one of `BACKENDS`; ``auto`` = ``varlen`` on CUDA for `CAUSAL` and `SEQUENCES`
-            masks, ``flex`` on CUDA for `MIXED` ones (each where it takes ``head_dim``, else the
-            other where it can express the mask, else ``segments``), ``segments`` elsewhere.
-        device: where attention runs.
-        kind: the mask's kind, one of `MASK_KINDS` (`mask_kind`).
-        head_dim: channels per head (`takes_head_dim`); None = not checked.
-
-    Raises:
-        ConfigError: ``requested`` cannot run this mask or these heads on this device.
-    """
-    device_type = torch.device(device).type
-    if requested not in BACKENDS:
-        raise ConfigError(f"attention backend {requested!r} is not one of {BACKENDS}")
-    if kind not in MASK_KINDS:
-        raise ConfigError(f"attention mask kind {kind!r} is not one of {MASK_KINDS}")
-    takes = (lambda kernel: True) if head_dim is None else (lambda kernel: takes_head_dim(kernel, head_dim))
-    if requested == "auto":
-        if device_type != "cuda":
-            return "segments"
-        fits = [k for k in (("flex",) if kind == MIXED else ("varlen", "flex")) if takes(k)]
-        return fits[0] if fits else "segments"
-    if requested in ("varlen", "flex") and device_type != "cuda":
-        raise ConfigError(f"attention backend {requested!r} runs on CUDA only, not on {device_type} ({kind}); "
-                          "use 'segments' or 'auto'")
-    if requested == "varlen" and kind == MIXED:
-        raise ConfigError(f"attention backend 'varlen' cannot express {kind} on {device_type}; use 'flex' or 'auto'")
-    if not takes(requested):
-        raise ConfigError(f"attention backend {requested!r} cannot run heads of {head_dim} channels "
-                          "(varlen: a multiple of 8 up to 256; flex: at least 16); use 'segments' or 'auto'")
-    return requested
 
 
 @dataclass(frozen=True)
@@ -509,7 +447,6 @@ def _run_starts(ids: torch.Tensor) -> torch.Tensor:
     new = torch.ones(T, dtype=torch.bool, device=ids.device)
     new[1:] = ids[1:] != ids[:-1]
     return torch.cummax(torch.where(new, index, torch.zeros_like(index)), 0).values
-
 
 
 def _item_ends(layout: TokenLayout) -> torch.Tensor:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.attention import PackedAttention, choose_backend, mask_kind
+from harmonia.model.attention import PackedAttention
+from harmonia.model.attention_backend import choose_backend, mask_kind
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask
 
 
@@ -213,7 +214,7 @@ class PackedBatch:
         """The microbatch's attention, built once and shared by every LLM layer (no ``(T, T)`` tensor).
 
         Args:
-            backend: a kernel of `harmonia.model.attention.BACKENDS`, chosen for the batch's device
+            backend: a kernel of `harmonia.model.attention_backend.BACKENDS`, chosen for the batch's device
                 and mask kind (`choose_backend`).
             head_dim: the LLM's channels per head (`choose_backend`).
         """

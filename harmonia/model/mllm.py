@@ -109,7 +109,7 @@ class MLLM(nn.Module):
 
     Args:
         spec: the MLLM.
-        attention: the LLM's attention kernel (`harmonia.model.attention.BACKENDS`; ``dense`` is the
+        attention: the LLM's attention kernel (`harmonia.model.attention_backend.BACKENDS`; ``dense`` is the
             reference the tests compare against).
 
     Attributes:

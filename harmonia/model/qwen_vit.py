@@ -203,7 +203,7 @@ class QwenVisionEncoder(nn.Module):
     Args:
         spec: the tower's architecture.
         layers: ``(a, b)`` global block range of this stage; None = all blocks.
-        attention: the `PackedAttention` kernel (`harmonia.model.attention.BACKENDS`); ``auto`` =
+        attention: the `PackedAttention` kernel (`harmonia.model.attention_backend.BACKENDS`); ``auto`` =
             ``segments`` on CPU, FlashAttention's varlen kernel on CUDA (bf16 / fp16).
     """
 

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import SampleError
-from harmonia.model.attention import PackedAttention, choose_backend, mask_kind
+from harmonia.model.attention import PackedAttention
+from harmonia.model.attention_backend import choose_backend, mask_kind
 from harmonia.model.batch import PackedBatch
 
 # The newer names where torch has them (2.13; the older ones are deprecated there, and 2.11 has only
@@ -113,7 +114,7 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
         rank: this rank's ``cp`` coordinate.
         group: the ``cp`` group.
         cp: CP ranks.
-        backend: the attention kernel (`harmonia.model.attention.choose_backend`).
+        backend: the attention kernel (`harmonia.model.attention_backend.choose_backend`).
         head_dim: the LLM's channels per head (`choose_backend`).
 
     Raises:

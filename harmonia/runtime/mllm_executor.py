@@ -107,7 +107,7 @@ class MLLMExecutor:
         autocast: compute dtype of every forward (``torch.bfloat16`` for mixed precision on GPUs:
             matmuls in bf16, reductions and the loss in fp32, parameters and their gradients
             stay fp32); None = the parameters' dtype.
-        attention: the LLM's attention kernel (`harmonia.model.attention.choose_backend`: ``auto``
+        attention: the LLM's attention kernel (`harmonia.model.attention_backend.choose_backend`: ``auto``
             picks by device and each microbatch's mask kind).
         head_dim: the LLM's channels per head, which the kernel must take (None = not checked).
         row_widths: encoder -> width of its boundary rows where it is not ``hidden`` (a projector

@@ -83,7 +83,7 @@ def check_cluster(config: Config) -> None:
     if cluster.world_size != config.parallel.world_size:
         raise ConfigError(f"config parallel.cluster={config.parallel.cluster!r} has {cluster.world_size} devices "
                           f"but parallel.world_size={config.parallel.world_size}; make them agree")
-    from harmonia.model.attention import CAUSAL, MIXED, choose_backend
+    from harmonia.model.attention_backend import CAUSAL, MIXED, choose_backend
     from harmonia.train.backend import backend_of
 
     device = "cuda" if backend_of(config) == "nccl" else "cpu"

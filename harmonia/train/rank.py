@@ -106,7 +106,7 @@ def build_rank_model(spec: MLLMSpec, plan: Plan, meshes: ModuleMeshes, seed: int
     states. Chunks are built on ``meta`` and sharded before any memory is allocated; each rank then
     fills only its shards, from ``source`` (an HF checkpoint directory or a composition: each tensor
     read alone) or from ``seed`` (`harmonia.train.weights.chunk_values`). ``attention``
-    is the LLM's kernel (`harmonia.model.attention.choose_backend`); ``compile`` ``on`` (``auto``: on
+    is the LLM's kernel (`harmonia.model.attention_backend.choose_backend`); ``compile`` ``on`` (``auto``: on
     GPUs) compiles every block (`harmonia.runtime.parallelize.apply_compile`).
     """
     from harmonia.model.lora import apply_training

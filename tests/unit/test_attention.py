@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import harmonia.model.attention as attention
 from harmonia.errors import ConfigError
-from harmonia.model.attention import (CAUSAL, MIXED, SEQUENCES, PackedAttention, choose_backend, mask_kind,
-                                      plan_query_blocks)
+from harmonia.model.attention import PackedAttention, plan_query_blocks
+from harmonia.model.attention_backend import CAUSAL, MIXED, SEQUENCES, choose_backend, mask_kind
 from harmonia.model.attention_mask import TokenLayout, count_pairs, multimodal_mask
 
 ROOT = Path(__file__).resolve().parents[2]
