@@ -274,6 +274,8 @@ def trainer_worker(settings_path: str) -> None:
     (out / f"rank-{rank}.json").write_text(json.dumps({
         "first_step_at": Clock.first, "end_at": Clock.end, "in_steps_s": Clock.in_steps, **seen,
         "trainable": trainable, "threads": torch.get_num_threads()}))
+    if torch.distributed.is_initialized():  # gloo's threads end before the interpreter does (else an abort at exit)
+        torch.distributed.destroy_process_group()
 
 
 # -- watching a command ------------------------------------------------------------------------------
