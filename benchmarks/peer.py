@@ -34,7 +34,8 @@ Measured per run, the same way for both (``OMP_NUM_THREADS`` set alike, cores //
 - start-up: from starting the command to the first step's start (harmonia: the first
   ``metrics.jsonl`` record seen less its ``elapsed_s``; Trainer: the callback);
 - CPU-s/step: CPU seconds of the whole process tree, sampled from ``/proc`` every 0.1 s, between
-  the first and the last step's record, per step; CPU-s command: ``RUSAGE_CHILDREN`` over the
+  the first and the last step's record, per step; CPU-s command: ``RUSAGE_CHILDREN`` (this process
+  adopts and reaps what the command leaves orphaned, e.g. harmonia's fork server) over the
   whole command (start-up and saving included);
 - peak RSS: the largest sum over the process tree of proportional resident memory (``Pss``: a page
   shared by processes counted once), sampled every 0.1 s;
@@ -56,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -65,9 +65,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from proctree import watch, window_cpu_per_step
+
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "<image>"
-POLL_S = 0.1
 ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 
@@ -274,105 +275,6 @@ def trainer_worker(settings_path: str) -> None:
     (out / f"rank-{rank}.json").write_text(json.dumps({
         "first_step_at": Clock.first, "end_at": Clock.end, "in_steps_s": Clock.in_steps, **seen,
         "trainable": trainable, "threads": torch.get_num_threads()}))
-
-
-# -- watching a command ------------------------------------------------------------------------------
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            kids.setdefault(int(fields[1]), []).append(int(d))
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += kids.get(p, [])
-    return out
-
-
-def tree_cpu_s(pids: list[int]) -> float:
-    """User + system seconds of ``pids`` and of the children they have reaped."""
-    ticks = 0
-    for p in pids:
-        try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        ticks += sum(int(x) for x in f[11:15])  # utime stime cutime cstime (fields 14-17)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def tree_pss_bytes(pids: list[int]) -> int:
-    """Summed proportional resident memory of ``pids``."""
-    total = 0
-    for p in pids:
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            continue
-    return total
-
-
-def _lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except OSError:
-        return 0
-
-
-def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float = 900.0) -> dict:
-    """Run ``cmd`` and sample its process tree until it exits.
-
-    Returns:
-        ``started`` (time.time()), ``wall_s``, ``cpu_command_s`` (RUSAGE_CHILDREN), ``peak_bytes``
-        and ``marks``: lines of ``steps_file`` -> (time first seen, the tree's CPU seconds then).
-
-    Raises:
-        RuntimeError: the command failed or ran past ``timeout`` (its log's tail in the message).
-    """
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.time()
-    peak, marks, seen = 0, {}, 0
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            pids = process_tree(proc.pid)
-            peak = max(peak, tree_pss_bytes(pids))
-            n = _lines(steps_file)
-            if n != seen:
-                marks[n], seen = (time.time(), tree_cpu_s(pids)), n
-            if time.time() - started > timeout:
-                proc.kill()
-                proc.wait()
-                break
-            time.sleep(POLL_S)
-    wall = time.time() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"{shlex.join(cmd)}: exit {proc.returncode} after {wall:.0f} s\n{tail}")
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"started": started, "wall_s": wall, "cpu_command_s": cpu, "peak_bytes": peak, "marks": marks}
-
-
-def window_cpu_per_step(marks: dict[int, tuple[float, float]]) -> float | None:
-    """CPU seconds per step between the first and the last step record seen."""
-    if len(marks) < 2:
-        return None
-    lo, hi = min(marks), max(marks)
-    return (marks[hi][1] - marks[lo][1]) / (hi - lo)
 
 
 # -- one run of each tool --------------------------------------------------------------------------
