@@ -35,9 +35,13 @@ from harmonia.workload.devices import cluster_from_string
 ROOT = Path(__file__).resolve().parents[1]
 LARGE = ("b-qwen72b-omni-256gpu.toml", "h100:128x8", 4)
 """The 1024-GPU row: scenario (b) on 128 nodes of 8, global batch scaled by 4."""
-COMMAND = ("llava-siglip-8b", {"vision": "frozen"}, "ai2d.csv", 512, ("h100:8x8", "h100:128x8", "h100:512x8"))
+COMMAND = ("llava-siglip-8b", {"vision": "frozen"}, "../shared/traces/ai2d.csv", 512,
+           ("h100:8x8", "h100:128x8", "h100:512x8"))
 """The rows of `harmonia plan --model llava-siglip-8b --frozen vision --trace ai2d.csv --global-batch
 512` on 64, 1024 and 4096 GPUs, with the command's defaults (2 profiled batches, the best 3 ranked)."""
+OMNI_COMMAND = ("omni-72b", {"vision": "frozen"}, "synthetic", 4096, ("h100:128x8",))
+"""`harmonia plan --model omni-72b --cluster h100:128x8 --trace synthetic --global-batch 4096` (its
+default training: the vision tower frozen)."""
 
 
 def layout_text(report: PlanReport | None) -> str:
@@ -86,9 +90,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenarios", nargs="*", help="scenario TOML files (default: configs/scenarios/*.toml)")
     parser.add_argument("--held-out", type=int, default=4, help="held-out iterations each chosen plan runs")
+    parser.add_argument("--commands", action="store_true",
+                        help="only the rows of `harmonia plan` commands (COMMAND, OMNI_COMMAND)")
     args = parser.parse_args(argv)
     console = Console(record=True, width=250)
     files = [Path(p) for p in args.scenarios] or sorted((ROOT / "configs" / "scenarios").glob("*.toml"))
+    files = [] if args.commands else files
     table = Table(title="planner: per-module layouts vs the best homogeneous plan, same search and simulator")
     for col in ("scenario", "GPUs", "chosen plan", "samples/s search", "held-out", "homogeneous plan",
                 "samples/s search", "held-out", "gain", "search s (cpu)", "homog. s (cpu)", "simulated/pruned"):
@@ -105,21 +112,22 @@ def main(argv: list[str]) -> int:
                       f"{h_rate:.1f}", f"{rate / h_rate:.2f}x", f"{wall:.1f} ({cpu:.1f})", f"{h_wall:.1f} ({h_cpu:.1f})",
                       counts_text(best))
         console.print(f"{path.name}: searched in {wall:.1f} s wall, {cpu:.1f} s cpu", highlight=False)
-    name, cluster, scale = LARGE
-    base = Scenario.load(ROOT / "configs" / "scenarios" / name)
-    large = replace(base, name=base.name.replace("256", "1024"), cluster=cluster,
-                    global_batch=base.global_batch * scale)
-    best, wall, cpu = timed_search(large)
-    table.add_row("b x4", "1024", layout_text(best), rate_text(best), "", "", "", "", "",
-                  f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
-    model, training, trace, batch, clusters = COMMAND
-    for cluster in clusters:
-        scenario = Scenario("plan", model, cluster, f"../shared/traces/{trace}", batch, training,
-                            iterations=1, search_batches=2)
-        best, wall, cpu = timed_search(scenario, top=3)
-        gpus = cluster_from_string(cluster).world_size
-        table.add_row(f"{model} top 3", str(gpus), layout_text(best), rate_text(best), "", "", "", "", "",
+    if not args.commands:
+        name, cluster, scale = LARGE
+        base = Scenario.load(ROOT / "configs" / "scenarios" / name)
+        large = replace(base, name=base.name.replace("256", "1024"), cluster=cluster,
+                        global_batch=base.global_batch * scale)
+        best, wall, cpu = timed_search(large)
+        table.add_row("b x4", "1024", layout_text(best), rate_text(best), "", "", "", "", "",
                       f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
+    for model, training, trace, batch, clusters in (COMMAND, OMNI_COMMAND):
+        for cluster in clusters:
+            scenario = Scenario("plan", model, cluster, trace, batch, training, iterations=1, search_batches=2)
+            best, wall, cpu = timed_search(scenario, top=3)
+            gpus = cluster_from_string(cluster).world_size
+            table.add_row(f"{model} top 3", str(gpus), layout_text(best), rate_text(best), "", "", "", "", "",
+                          f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
+            console.print(f"{model} on {gpus} GPUs: searched in {wall:.1f} s wall, {cpu:.1f} s cpu", highlight=False)
     console.print(table)
     console.print("targets: search <= 10 s on 64 GPUs, <= 60 s on 1024 GPUs, <= 300 s on 4096 GPUs (one core); "
                   f"'held-out' runs the scenario's first {args.held_out} sampled iterations, which the search never "
