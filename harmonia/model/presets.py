@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from harmonia.errors import ConfigError
-from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, TransformerSpec
+from harmonia.model.projector_spec import ProjectorSpec
+from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, TransformerSpec
 from harmonia.model.training_mode import ModuleTraining
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from harmonia.errors import SampleError
 from harmonia.model.layers import build_norm, init_weights
-from harmonia.model.spec import ProjectorSpec
+from harmonia.model.projector_spec import ProjectorSpec
 
 
 def activation(kind: str, x: torch.Tensor) -> torch.Tensor:

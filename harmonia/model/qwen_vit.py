@@ -49,8 +49,8 @@ from harmonia.errors import SampleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import build_blocks, init_weights, layer_range, rope_inv_freq
 from harmonia.model.projector import Projector
+from harmonia.model.projector_spec import ProjectorSpec
 from harmonia.model.qwen_spec import NORM_EPS, QwenVisionSpec
-from harmonia.model.spec import ProjectorSpec
 
 
 # -- plans: data from grid_thw alone ------------------------------------------------------------------------

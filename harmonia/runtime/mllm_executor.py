@@ -111,7 +111,7 @@ class MLLMExecutor:
             picks by device and each microbatch's mask kind).
         head_dim: the LLM's channels per head, which the kernel must take (None = not checked).
         row_widths: encoder -> width of its boundary rows where it is not ``hidden`` (a projector
-            with DeepStack mergers sends ``hidden * (1 + k)``, `harmonia.model.spec.ProjectorSpec`).
+            with DeepStack mergers sends ``hidden * (1 + k)``, `harmonia.model.projector_spec.ProjectorSpec`).
     """
 
     def __init__(self, meshes: ModuleMeshes, chunks: dict[str, dict[int, nn.Module]], hidden: int,

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, ProjectorSpec, TransformerSpec
+from harmonia.model.projector_spec import ProjectorSpec
+from harmonia.model.spec import EncoderSpec, LLMSpec, MLLMSpec, TransformerSpec
 from harmonia.model.training_mode import Trainability
 from harmonia.workload.shapes import windowed_blocks
 

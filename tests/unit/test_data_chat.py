@@ -14,7 +14,7 @@ from harmonia.data.loader import build_tokenizer, open_dataset
 from harmonia.data.media import write_wav
 from harmonia.errors import ConfigError
 from harmonia.model.presets import mllm_preset
-from harmonia.model.spec import ProjectorSpec
+from harmonia.model.projector_spec import ProjectorSpec
 from tests.unit._hf_tokenizer import END_OF_TURN, TEMPLATES, write_chat_tokenizer
 
 QUESTIONS = ["What colour is the square?", "How many squares are there?", "Describe the picture in detail."]

@@ -28,7 +28,8 @@ from harmonia.model.hf.clip import vision_spec_from_hf
 from harmonia.model.hf.io import find_prefix
 from harmonia.model.hf.llama import llm_spec_from_hf
 from harmonia.model.llm import IGNORE_INDEX
-from harmonia.model.spec import MLLMSpec, ProjectorSpec
+from harmonia.model.projector_spec import ProjectorSpec
+from harmonia.model.spec import MLLMSpec
 
 MODEL_TYPES = ("llava", "llava_next")
 PROJECTOR_ACTS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
