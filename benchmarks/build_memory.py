@@ -22,9 +22,11 @@ and trained by ``harmonia train`` for 2 steps on 4 processes with the LLM's base
 sharded build can start it. Shown: each rank's resident memory after the last step, the counted
 tensor peak of the step (``log.memory``) beside the planner's prediction, and the seconds; then
 ``harmonia export`` of its checkpoint to an HF directory in a process of its own: its peak anonymous
-memory beside the largest tensor plus the largest file it writes.
+memory beside the largest tensor plus the largest file it writes. ``--train-layouts``: the same two
+steps and export for the 0.5B LLM under each layout of the build rows (dp4, fsdp4, fsdp4 reshard,
+tp2 dp2, pp2 dp2), one row each.
 
-    python benchmarks/build_memory.py [--quick] [--train] [--dir DIR]
+    python benchmarks/build_memory.py [--quick] [--train | --train-layouts] [--dir DIR]
 
 ``--dir``: where the checkpoints go (default a temporary directory, removed at the end).
 """
@@ -231,58 +233,74 @@ def read_once_s(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def train_row(root: Path, console: Console) -> None:
-    """2 training steps of the 2B LLM (LoRA, base sharded over 4 ranks) with a small vision tower."""
-    import json
-    import subprocess
+TRAIN_LAYOUTS = {"dp4": "dp4", "fsdp4": "dp4 fsdp", "fsdp4 reshard": "dp4 fsdp reshard", "tp2 dp2": "tp2 dp2",
+                 "pp2 dp2": "pp2 dp2"}
+"""``--train-layouts``: the LLM's layout of each training row (its name as `LAYOUTS` names it)."""
 
+
+def train_row(root: Path, console: Console, size: str = "2B", layouts: tuple[str, ...] = ("fsdp4 reshard",)) -> None:
+    """2 training steps of an LLM of ``size`` (LoRA on its frozen base) with a small vision tower, under
+    each of ``layouts`` (`TRAIN_LAYOUTS`), then ``harmonia export`` of its checkpoint."""
     import transformers
 
     from harmonia.train.tiny_llava import build_tokenizer
 
-    llm, vision = root / "2B", root / "vision"
+    llm, vision = root / size, root / "vision"
     if not (llm / "config.json").is_file():
-        write_checkpoint(llm, "2B")
+        write_checkpoint(llm, size)
     build_tokenizer().save_pretrained(llm)
     if not (vision / "config.json").is_file():
         cfg = transformers.SiglipVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                               num_attention_heads=2, image_size=32, patch_size=8)
         transformers.SiglipVisionModel(cfg).save_pretrained(vision)
         transformers.SiglipImageProcessor(size={"height": 32, "width": 32}).save_pretrained(vision)
+    gib = 2**30
+    params = sum(int(t.numel()) for t in CheckpointFiles(llm).meta().values())
+    table = Table(title=f"training a LoRA-adapted {size} LLM (frozen base, fp32) with a small vision tower on 4 CPU "
+                        "processes: 2 steps of harmonia train, then harmonia export")
+    for col in ("LLM layout", "LLM fp32 weights x 4 ranks", "resident per rank after the step",
+                "tensor peak per rank (counted)", "planner's prediction per rank", "wall s (start to end)",
+                "export: peak anonymous", "export: largest tensor + largest file", "export s"):
+        table.add_column(col, justify="left" if col == "LLM layout" else "right")
+    for name in layouts:
+        last, seconds = _train(root, llm, vision, name)
+        export_peak, export_s, largest, biggest_file = export_row(root / name / "ck", root / name / "export")
+        table.add_row(name, f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
+                      " ".join(f"{r / gib:.2f}" for r in last["memory_peak_bytes"]),
+                      " ".join(f"{r / gib:.2f}" for r in last["memory_predicted_bytes"]), f"{seconds:.0f}",
+                      f"{export_peak / gib:.2f}", f"{(largest + biggest_file) / gib:.2f}", f"{export_s:.0f}")
+        console.print(f"{size} {name}: trained in {seconds:.0f} s, exported in {export_s:.0f} s", highlight=False)
+    console.print(table)
+
+
+def _train(root: Path, llm: Path, vision: Path, name: str) -> tuple[dict, float]:
+    """``harmonia train`` of the composition for 2 steps with the LLM laid out as ``TRAIN_LAYOUTS[name]``
+    (the vision tower dp4 beside it); its last memory record and wall seconds."""
+    import json
+    import subprocess
+
     from harmonia.model.hf.mllm import mllm_spec_from_hf
     from harmonia.plan.layout_text import parse_layouts, plan_from_layouts
 
     source = {"llm": str(llm), "encoders": {"vision": str(vision)}}
     spec = mllm_spec_from_hf(source).with_training(llm="lora", vision="frozen")
-    plan_from_layouts(spec, source, parse_layouts("vision dp4; llm dp4 fsdp reshard"), 4, 4,
-                      training={"llm": "lora", "vision": "frozen"}).save(root / "plan.json")
-    run = root / "train-run"
+    work = root / name
+    work.mkdir(parents=True, exist_ok=True)
+    plan_from_layouts(spec, source, parse_layouts(f"vision dp4; llm {TRAIN_LAYOUTS[name]}"), 4, 4,
+                      training={"llm": "lora", "vision": "frozen"}).save(work / "plan.json")
+    run = work / "run"
     cmd = [sys.executable, "-m", "harmonia", "train", f"--model.llm={llm}",
            f"--model.encoders={json.dumps({'vision': str(vision)})}", "--model.frozen=vision", "--model.lora=llm",
-           f"--parallel.plan={root / 'plan.json'}", "--parallel.world_size=4", f"--data.path={root / 'data'}",
+           f"--parallel.plan={work / 'plan.json'}", "--parallel.world_size=4", f"--data.path={root / 'data'}",
            "--data.synthesize=32", "--data.heldout=0", "--train.steps=2", "--train.global_batch=4",
-           "--log.memory=true", "--log.tensorboard=false", f"--log.dir={run}", f"--checkpoint.dir={run / 'ck'}",
+           "--log.memory=true", "--log.tensorboard=false", f"--log.dir={run}", f"--checkpoint.dir={work / 'ck'}",
            "--checkpoint.every=0"]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - t0
     if done.returncode:
-        raise RuntimeError(f"training row: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rss_bytes"' in x][-1]
-    export_peak, export_s, largest, biggest_file = export_row(run / "ck", root / "export")
-    gib = 2**30
-    params = sum(int(t.numel()) for t in CheckpointFiles(llm).meta().values())
-    table = Table(title="training a LoRA-adapted 2B LLM (frozen base sharded over 4 CPU processes, fp32) with a "
-                        "small vision tower: 2 steps of harmonia train, then harmonia export")
-    for col in ("LLM fp32 weights x 4 ranks", "resident per rank after the step", "tensor peak per rank (counted)",
-                "planner's prediction per rank", "wall s (start to end)", "export: peak anonymous",
-                "export: largest tensor + largest file", "export s"):
-        table.add_column(col, justify="right")
-    table.add_row(f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
-                  " ".join(f"{r / gib:.2f}" for r in last["memory_peak_bytes"]),
-                  " ".join(f"{r / gib:.2f}" for r in last["memory_predicted_bytes"]), f"{seconds:.0f}",
-                  f"{export_peak / gib:.2f}", f"{(largest + biggest_file) / gib:.2f}", f"{export_s:.0f}")
-    console.print(table)
+        raise RuntimeError(f"training row {name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rss_bytes"' in x][-1], seconds
 
 
 def export_row(checkpoint: Path, out: Path) -> tuple[int, float, int, int]:
@@ -318,6 +336,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the 0.5B model only")
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (kept)")
     parser.add_argument("--train", action="store_true", help="only the training row (2B LLM, LoRA, fsdp4 reshard)")
+    parser.add_argument("--train-layouts", action="store_true",
+                        help="only the training rows of the 0.5B LLM (LoRA) under every layout")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="harmonia-build-memory-"))
     console = Console(record=True, width=160)
@@ -327,13 +347,16 @@ def main() -> int:
                 "planner: step states", "build s", "read files once s"):
         table.add_column(col, justify="left" if col in ("model", "layout", "build") else "right")
     gib = 2**30
-    if args.train:
+    if args.train or args.train_layouts:
         try:
-            train_row(root, console)
+            if args.train:
+                train_row(root, console)
+            else:
+                train_row(root, console, "0.5B", tuple(TRAIN_LAYOUTS))
         finally:
             if not args.dir:
                 shutil.rmtree(root, ignore_errors=True)
-        save_table(console, "build-memory-train")
+        save_table(console, "build-memory-train" if args.train else "build-memory-layouts")
         return 0
     try:
         for size in (["0.5B"] if args.quick else list(SIZES)):
