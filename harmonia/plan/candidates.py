@@ -186,14 +186,15 @@ def even_split(cost: CostModel, module: str, layout: Layout) -> Layout | None:
 def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
     """Weights, gradients and optimizer states each rank holds: every stage chunk placed on it
     (FSDP shards over ``dp``; a projector lives whole on its encoder's last chunk), plus, on a rank with
-    chunks that reshard per microbatch, the largest block one of them gathers whole (a rank runs one
-    unit at a time: `CostModel.reshard_transient_bytes`)."""
+    FSDP chunks, what gathering them holds beyond that: where they reshard per microbatch the largest
+    block one of them gathers whole (a rank runs one unit at a time: `CostModel.reshard_transient_bytes`),
+    else the largest unit's buffer as it is copied out (`CostModel.gather_transient_bytes`)."""
     by_module, transient = _rank_states(cost, plan)
     return {rank: sum(modules.values()) + transient[rank] for rank, modules in by_module.items()}
 
 
 def _rank_states(cost: CostModel, plan: Plan) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
-    """Per rank, each module's states on it; and its resharding transient (`state_bytes_per_rank`)."""
+    """Per rank, each module's states on it; and its FSDP gathering transient (`state_bytes_per_rank`)."""
     out: dict[int, dict[str, float]] = {}
     transient: dict[int, float] = {}
     for module, layout in plan.layouts.items():
@@ -207,7 +208,8 @@ def _rank_states(cost: CostModel, plan: Plan) -> tuple[dict[int, dict[str, float
             nbytes = cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
             if module != "llm" and chunk == layout.n_stages - 1:
                 nbytes += cost.state_bytes(f"{module}_proj")  # held whole: no TP, no FSDP
-            held = cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else 0.0
+            held = (cost.reshard_transient_bytes(module, start, stop, layout.tp) if reshard else
+                    cost.gather_transient_bytes(module, start, stop, layout.tp) if layout.sharded else 0.0)
             states[chunk % layout.pp] += nbytes
             gathered[chunk % layout.pp] = max(gathered[chunk % layout.pp], held)
         for pp_rank in range(layout.pp):
@@ -234,7 +236,7 @@ def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str,
     gib = 2**30
     parts = ", ".join(f"{m} {b / gib:.1f} GiB" for m, b in by_module[rank].items())
     if transient[rank] > 0.05 * gib:
-        parts += f", a resharded block gathered whole {transient[rank] / gib:.1f} GiB"
+        parts += f", an FSDP unit gathered whole {transient[rank] / gib:.1f} GiB"
     raise LayoutError(f"{where}: rank {rank} would hold {most / gib:.1f} GiB of weights, gradients and optimizer "
                       f"states ({parts}) before any activation, over the {device}'s {mem_bytes / gib:.3g} GiB; shard "
                       "more (fsdp, tp, pp) or freeze more, or let the planner choose (parallel.plan=auto)")
