@@ -78,8 +78,8 @@ def rank_context():
     """Where ranks start from: a fork server that has imported `PRELOAD` (torch and the trainer, 3-5 s
     a rank would otherwise spend again). It runs nothing else, so a rank forked from it is as fresh as
     a spawned one; it starts with this process's first rank (or `warm_ranks`), serves every later
-    launch from this process, and exits with it. A rank takes this process's environment as it is at
-    its launch (`_entry`)."""
+    launch from this process, and exits with it. A rank takes this process's environment, standard
+    output and standard error as they are at its launch (`_entry`)."""
     import torch.multiprocessing as mp
 
     return mp.get_context("forkserver")
@@ -100,10 +100,32 @@ def warm_ranks(hf: bool = False) -> None:
     forkserver.ensure_running()
 
 
-def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports, environ: dict[str, str]) -> None:
-    """One rank: the launcher's environment taken (not the fork server's, from when it started), stop
-    signals handled, then the target and its arguments unpickled and run; what happened goes to
-    ``reports``."""
+class _LauncherFd:
+    """One of the launcher's file descriptors, which a rank takes as its own (its output goes where the
+    launcher's goes now, not where the fork server's went when it started): pickled as the rank
+    starts, when multiprocessing hands the fork server a duplicate to pass on."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return _received_fd, (DupFd(self.fd),)
+
+
+def _received_fd(dup) -> int:
+    return dup.detach()
+
+
+def _entry(rank: int, world: int, port: int, launcher: int, payload: bytes, reports, environ: dict[str, str],
+           stdout: int, stderr: int) -> None:
+    """One rank: the launcher's standard output and error and environment taken (not the fork
+    server's, from when it started), stop signals handled, then the target and its arguments
+    unpickled and run; what happened goes to ``reports``."""
+    for received, own in ((stdout, 1), (stderr, 2)):
+        os.dup2(received, own)
+        os.close(received)
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(_rank_env(rank, world, port, launcher))
@@ -225,8 +247,9 @@ def launch(target: Callable, world_size: int, args: tuple = (), timeout: float |
     reports = ctx.Queue()
     payload = bytes(ForkingPickler.dumps((target, args)))
     environ = dict(os.environ)
-    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), payload, reports, environ),
-                            daemon=False) for r in range(world_size)], reports)
+    job = _Job([ctx.Process(target=_entry, args=(r, world_size, store.port, os.getpid(), payload, reports, environ,
+                                                 _LauncherFd(1), _LauncherFd(2)), daemon=False)
+                for r in range(world_size)], reports)
     with _forwarded_signals(job):
         with _sigint_ignored():  # a Ctrl-C in a rank's first moments is the launcher's to forward
             for p in job.procs:
