@@ -32,7 +32,8 @@ class DirectoryLocked(ConfigError):
     """Another live job holds the directory's lock."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -104,7 +105,7 @@ class DirectoryLock:
             except BlockingIOError:
                 os.close(fd)
                 owners = _lock_owners(self.path)
-                if not owners or any(_pid_alive(pid) for pid in owners):
+                if not owners or any(pid_alive(pid) for pid in owners):
                     self._refuse(self._holder())
                 stale = stale or self._holder()  # its holder is dead; what it forked holds the old file
                 self.path.unlink(missing_ok=True)
@@ -114,7 +115,7 @@ class DirectoryLock:
                     os.close(fd)
                     raise
                 holder = self._holder()
-                if holder.get("host") == socket.gethostname() and _pid_alive(int(holder.get("pid", 0))) \
+                if holder.get("host") == socket.gethostname() and pid_alive(int(holder.get("pid", 0))) \
                         and holder.get("pid") != os.getpid():
                     os.close(fd)
                     self._refuse(holder)

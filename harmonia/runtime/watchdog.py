@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError
+from harmonia.runtime.dirlock import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -108,19 +109,8 @@ def exit_with_parent(parent_pid: int, grace_s: float = 60.0, poll_s: float = 1.0
         os._exit(1)
 
     threading.Thread(target=watch, name="harmonia-parent-watch", daemon=True).start()
-    if parent != parent_pid and not _alive(parent_pid):  # the launcher died before the watch began
+    if parent != parent_pid and not pid_alive(parent_pid):  # the launcher died before the watch began
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def beat_interval(hang_timeout: float) -> float:
