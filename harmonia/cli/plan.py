@@ -196,7 +196,7 @@ def _job_cluster(config) -> str:
     from harmonia.train.backend import job_cluster
 
     named, spec = config.parallel.cluster, job_cluster(config)
-    if spec.describe() != named:
+    if spec.describe() != named and spec.world_size > spec.cores:  # ranks sharing cores: say so
         console.print(f"{named}: {spec.world_size} ranks on this machine's {spec.cores} cores, planned as "
                       f"{spec.describe()} as harmonia train plans it; name @CORES (e.g. {named}@8) to plan for "
                       "another machine")
