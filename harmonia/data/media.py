@@ -11,7 +11,8 @@ Per modality (see each module):
   family's constants; EXIF orientation; InternVL tiling up to the spec's ``max_tiles``; ``max_pixels``.
 - audio (`harmonia.data.audio`): soundfile / PyAV, mono, polyphase resampling, WhisperFeatureExtractor.
 - video (`harmonia.data.video`): PyAV containers or frame lists, uniform sampling by count or fps, one
-  image tile per frame.
+  image tile per frame; for a native-resolution tower (Qwen2-VL, Qwen2.5-VL), its video processor's
+  sampling by rate and patch rows (`harmonia.data.native_video`, `decode_native_video`).
 
 A model's preprocessing is one `ImagePreprocessor` or `AudioPreprocessor` per encoder module
 (`build_media_preprocessors`); functions also accept a bare `EncoderSpec`, whose preset family gives it.
@@ -40,9 +41,9 @@ from harmonia.workload.shapes import ModalityItem
 
 __all__ = [
     "AudioPreprocessor", "FrameSampling", "ImagePreprocessor", "MediaError", "MediaFile", "audio_chunks",
-    "audio_header", "build_media_preprocessors", "build_shape_index", "decode_audio",
-    "decode_item", "frame_tiles", "image_size", "log_mel", "media_shape", "open_image", "sample_frame_indices",
-    "shape_cache_path", "shape_item", "tile_image", "write_wav",
+    "audio_header", "build_media_preprocessors", "build_shape_index", "decode_audio", "decode_item",
+    "decode_native_video", "frame_tiles", "image_size", "log_mel", "media_shape", "open_image",
+    "sample_frame_indices", "shape_cache_path", "shape_item", "tile_image", "write_wav",
 ]
 
 Preprocessor = ImagePreprocessor | NativeImagePreprocessor | AudioPreprocessor
@@ -97,10 +98,9 @@ def image_preprocessor(prep: ImagePreprocessor | NativeImagePreprocessor | Encod
     return prep if isinstance(prep, (ImagePreprocessor, NativeImagePreprocessor)) else _preset_image(prep)
 
 
-def _no_native_video(prep) -> None:
-    if isinstance(image_preprocessor(prep), NativeImagePreprocessor):
-        raise MediaError("unsupported_media", "video for a native-resolution tower (Qwen-VL) is not implemented in "
-                         "the data path; give images")
+def _native(prep) -> NativeImagePreprocessor | None:
+    p = image_preprocessor(prep)
+    return p if isinstance(p, NativeImagePreprocessor) else None
 
 
 def audio_preprocessor(prep: AudioPreprocessor | EncoderSpec) -> AudioPreprocessor:
@@ -133,7 +133,12 @@ def shape_item(kind: str, shape: dict, prep: Preprocessor | EncoderSpec,
         n = -(-shape["samples"] * rate // shape["rate"])  # resampled_length
         return ModalityItem.audio(n / rate)
     if kind in ("video", "frames"):
-        _no_native_video(prep)
+        native = _native(prep)
+        if native is not None:  # the video processor's rate sampling, frames sized from the header
+            check_pixels(shape["height"], shape["width"], native.max_pixels)
+            cap = (sampling or FrameSampling()).num_frames
+            n = len(native.video.indices(shape["frames"], shape.get("fps", fps), cap))
+            return ModalityItem.video(frames=n, height=shape["height"], width=shape["width"])
         indices = (sampling or FrameSampling()).indices(shape["frames"], shape.get("fps", fps))
         return ModalityItem.video(frames=len(indices), tiles=1)
     raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
@@ -164,8 +169,9 @@ def decode_item(kind: str, data: Source | list[Source], prep: Preprocessor | Enc
     if kind == "audio":
         chunks, seconds = audio_preprocessor(prep)(*decode_audio(data))
         return ModalityItem.audio(seconds), chunks
-    if kind in ("video", "frames"):
-        _no_native_video(prep)
+    if kind in ("video", "frames") and _native(prep) is not None:
+        item, rows, _ = decode_native_video(kind, data, _native(prep), sampling, fps)
+        return item, rows
     if kind == "video":
         info = video_header(data)
         frames = decode_frames(data, sampling.indices(info.frames, info.fps))
@@ -175,6 +181,36 @@ def decode_item(kind: str, data: Source | list[Source], prep: Preprocessor | Enc
     else:
         raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
     return ModalityItem.video(frames=len(frames), tiles=1), image_preprocessor(prep).frames(frames)
+
+
+def decode_native_video(kind: str, data: Source | list[Source], prep: NativeImagePreprocessor,
+                        sampling: FrameSampling | None = None, fps: float | None = None
+                        ) -> tuple[ModalityItem, torch.Tensor, float]:
+    """A video (container or frame list) for a native-resolution tower, sampled and sized by its video
+    processor: the item, its ``(t * h * w, C * tp * p * p)`` patch rows, and its seconds per
+    temporal grid step (Qwen2.5-VL's ``second_per_grid_ts`` entry).
+
+    Args:
+        kind: ``video`` or ``frames``.
+        data: the container's bytes or path, or the frame files'.
+        prep: the tower's preprocessor (`NativeImagePreprocessor.video` does the work).
+        sampling: its ``num_frames`` caps the frames sampled (the processor's ``max_frames``).
+        fps: a frame list's frame rate (a container's comes from its header).
+    """
+    video, cap = prep.video, (sampling or FrameSampling()).num_frames
+    if kind == "video":
+        info = video_header(data)
+        check_pixels(info.height, info.width, prep.max_pixels)
+        total, rate = info.frames, info.fps
+        indices = video.indices(total, rate, cap)
+        frames = decode_frames(data, indices)
+    else:
+        total, rate = len(data), fps
+        indices = video.indices(total, rate, cap)
+        frames = [load_image(data[i], prep.max_pixels) for i in indices]
+    rows, _ = video.patches(frames)
+    item = ModalityItem.video(frames=len(indices), height=frames[0].height, width=frames[0].width)
+    return item, rows, video.second_per_grid(len(indices), total, rate)
 
 
 # Item-level helpers (images, video frames, audio) for callers that hold decoded media.

@@ -12,6 +12,7 @@ counts are the model's.
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from PIL import Image
 
 from harmonia.data.image import DEFAULT_MAX_PIXELS, _processor_class, load_image
 from harmonia.data.media_errors import MediaError
+from harmonia.data.native_video import NativeVideoPreprocessor
 from harmonia.errors import ConfigError
 from harmonia.model.spec import EncoderSpec
 from harmonia.workload.shapes import ModalityItem, native_grid
@@ -32,9 +34,12 @@ class NativeImagePreprocessor:
         encoder: the tower's encoder spec; the processor's patch, merge and temporal patch sizes and
             pixel bounds must be its.
         max_pixels: images with more pixels are refused from their header (not the resize bound).
+        video_root: the checkpoint whose ``video_preprocessor_config.json`` gives the video
+            normalisation (None: transformers' defaults); the sampling numbers are the spec's.
     """
 
-    def __init__(self, processor, encoder: EncoderSpec, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    def __init__(self, processor, encoder: EncoderSpec, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 video_root: str | Path | None = None) -> None:
         if encoder.native is None:
             raise ConfigError(f"encoder {encoder.name!r} is not a native-resolution tower harmonia builds")
         size = processor.size if isinstance(processor.size, dict) else dict(processor.size)
@@ -49,6 +54,19 @@ class NativeImagePreprocessor:
             raise ConfigError(f"image processor {type(processor).__name__} has {wrong} but encoder {encoder.name!r} "
                               f"has {want}; use the checkpoint's own preprocessor_config.json")
         self.processor, self.encoder, self.max_pixels = processor, encoder, max_pixels
+        self._video_root = video_root
+
+    @cached_property
+    def video(self) -> NativeVideoPreprocessor:
+        """The tower's video preprocessing.
+
+        Raises:
+            MediaError: the tower's videos are not implemented in the data path (Qwen3-VL's).
+        """
+        try:
+            return NativeVideoPreprocessor.from_pretrained(self._video_root, self.encoder)
+        except ConfigError as e:
+            raise MediaError("unsupported_media", str(e)) from e
 
     @classmethod
     def for_encoder(cls, encoder: EncoderSpec, max_pixels: int = DEFAULT_MAX_PIXELS) -> NativeImagePreprocessor:
@@ -68,8 +86,10 @@ class NativeImagePreprocessor:
         from transformers import AutoImageProcessor
 
         if not (Path(path) / "preprocessor_config.json").is_file():
-            return cls.for_encoder(encoder, max_pixels)
-        return cls(AutoImageProcessor.from_pretrained(str(path), local_files_only=True), encoder, max_pixels)
+            out = cls.for_encoder(encoder, max_pixels)
+            out._video_root = path
+            return out
+        return cls(AutoImageProcessor.from_pretrained(str(path), local_files_only=True), encoder, max_pixels, path)
 
     def patches(self, img: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
         """An (oriented) image -> ``(t * h * w, C * tp * p * p)`` float32 rows and its ``(1, 3)`` grid.

@@ -163,14 +163,18 @@ class SampleBuilder:
         """An item's shape and encoder inputs; declared sizes are checked against the file."""
         module = self._module(ref, conv.where)
         where = f"{conv.where} ({ref.modality} {ref.name})"
+        enc, kind, step = self.mllm.encoders[module], _kind(ref), None
         try:
-            item, x = M.decode_item(_kind(ref), self._read(ref, conv), self._prep(module), self.sampling)
+            if enc.native is not None and kind in ("video", "frames"):
+                item, x, step = M.decode_native_video(kind, self._read(ref, conv), M.image_preprocessor(
+                    self._prep(module)), self.sampling)
+            else:
+                item, x = M.decode_item(kind, self._read(ref, conv), self._prep(module), self.sampling)
         except (M.MediaError, DataError) as e:  # the record's location, then the file's message
             raise DataError(e.kind, where, str(e)) from e
         _check_declared(ref, item, where)
-        enc = self.mllm.encoders[module]
-        if enc.native is not None:  # patch rows and their grid (Qwen-VL)
-            return item, ItemInputs(module, x, grid=torch.tensor([native_grid(item, enc)]))
+        if enc.native is not None:  # patch rows and their grid (Qwen-VL); a video's seconds per grid step
+            return item, ItemInputs(module, x, grid=torch.tensor([native_grid(item, enc)]), second_per_grid=step)
         groups = frame_groups(item.frames, 1, enc.temporal_merge) if item.modality == "video" else None
         order = anyres_order(item.height, item.width, enc) if enc.grid_pinpoints else None  # LLaVA-NeXT
         return item, ItemInputs(module, x, groups, order)

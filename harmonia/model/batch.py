@@ -34,6 +34,9 @@ class ItemInputs:
         grid: ``(1, 3)`` the item's patch grid ``(t, h, w)`` for a native-resolution encoder
             (`harmonia.model.qwen_vit`), whose ``inputs`` are then ``(t * h * w, C * tp * p * p)``
             patch rows in the processor's order; the item has no slots (``groups`` and ``order`` None).
+        second_per_grid: a native-resolution video's seconds of video per temporal grid step (the
+            processor's ``second_per_grid_ts`` entry, which Qwen2.5-VL's rotary positions read);
+            None for images.
     """
 
     module: str
@@ -41,6 +44,7 @@ class ItemInputs:
     groups: torch.Tensor | None = None
     order: torch.Tensor | None = None
     grid: torch.Tensor | None = None
+    second_per_grid: float | None = None
 
     def __post_init__(self) -> None:
         if self.grid is None:

@@ -223,11 +223,11 @@ def item_rope_positions(spec, segments: Sequence[tuple[str, int]], items: Sequen
         spec: the `harmonia.model.spec.MLLMSpec`; its native-resolution tower gives the variant and
             merge size.
         segments: the sample's ``(kind, length)`` runs, kind ``text`` or ``item``.
-        items: one `harmonia.model.batch.ItemInputs` per item run, each with its ``grid``.
+        items: one `harmonia.model.batch.ItemInputs` per item run, each with its ``grid`` (a video's
+            with its ``second_per_grid`` too).
 
     Raises:
-        SampleError: an item without a grid, or a video (whose positions need its seconds per
-            temporal patch, which a decoded image does not have).
+        SampleError: an item without a grid, or an image of more than one temporal patch.
     """
     if not spec.llm.multimodal_rope:
         return None
@@ -239,9 +239,16 @@ def item_rope_positions(spec, segments: Sequence[tuple[str, int]], items: Sequen
         if kind == "text":
             out.append(("text", n))
             continue
-        grid = next(it).grid
-        if grid is None or int(grid[0, 0]) != 1:
-            raise SampleError(f"multimodal rotary positions are computed here for images (grid t = 1), got grid "
-                              f"{None if grid is None else grid.tolist()}")
-        out.append(("image", tuple(int(v) for v in grid[0])))
+        item = next(it)
+        grid = item.grid
+        if grid is None:
+            raise SampleError("an item of a model with multimodal RoPE has no grid")
+        thw = tuple(int(v) for v in grid[0])
+        if item.second_per_grid is not None:  # a video
+            out.append(("video", thw, item.second_per_grid))
+        elif thw[0] != 1:
+            raise SampleError(f"an image of grid {list(thw)}: images have one temporal patch; a video's item needs its "
+                              "seconds per grid step")
+        else:
+            out.append(("image", thw))
     return rope_index(out, tower.merge_size, tower.family, tower.tokens_per_second)

@@ -14,6 +14,7 @@ from typing import Literal
 
 from harmonia.errors import ConfigError
 from harmonia.model.spec import EncoderSpec, TransformerSpec
+from harmonia.model.video_spec import VideoNumbers
 
 Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -230,9 +231,11 @@ TRACE_TILE = 448  # the side of a tile of a trace that counts images in tiles (I
 
 
 def native_encoder_spec(native: QwenVisionSpec, name: str, min_pixels: int = MIN_PIXELS,
-                        max_pixels: int = MAX_PIXELS, modalities: tuple[str, ...] = ("image", "video")) -> EncoderSpec:
+                        max_pixels: int = MAX_PIXELS, modalities: tuple[str, ...] = ("image", "video"),
+                        video: VideoNumbers | None = None) -> EncoderSpec:
     """The `EncoderSpec` of a Qwen-VL tower: its blocks, patch and merge sizes as the cost model reads
-    them, the processor's pixel bounds, and ``native`` for building it. Its ``image_size`` is only the
+    them, the processor's pixel bounds (its video processor's: ``video``, transformers' defaults when
+    None), and ``native`` for building it. Its ``image_size`` is only the
     side of a tile when a trace counts images in tiles (`harmonia.workload.shapes.native_grid`)."""
     return EncoderSpec(
         name, modalities, native.body, patch_size=native.patch_size, image_size=TRACE_TILE,
@@ -240,4 +243,5 @@ def native_encoder_spec(native: QwenVisionSpec, name: str, min_pixels: int = MIN
         pos_embed="learned" if native.num_position_embeddings else "none", token_merge=native.merge_size ** 2,
         temporal_merge=native.temporal_patch_size, native_resolution=True, max_tiles=1, native=native,
         min_pixels=min_pixels, max_pixels=max_pixels,
+        video=video if video is not None or native.family == "qwen3_vl" else VideoNumbers(),
     )

@@ -14,6 +14,7 @@ from typing import Literal, Protocol
 from harmonia.errors import ConfigError
 from harmonia.model.projector_spec import ProjectorSpec, check_positive
 from harmonia.model.training_mode import ModuleTraining, Trainability
+from harmonia.model.video_spec import VideoNumbers
 
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 
@@ -175,7 +176,8 @@ class EncoderSpec:
     made by `harmonia.model.qwen_spec.native_encoder_spec`): the processor resizes an image to
     multiples of ``patch_size * sqrt(token_merge)`` pixels with between ``min_pixels`` and
     ``max_pixels`` pixels (`harmonia.workload.shapes.smart_resize`), and ``temporal_merge`` frames make
-    one patch.
+    one patch; ``video`` holds its video processor's frame sampling and frame sizes
+    (`harmonia.model.video_spec.VideoNumbers`; None: videos sized as images).
     Video frames are merged ``temporal_merge`` at a time before the LLM.
 
     Audio (Whisper style): ``sample_rate / hop_length`` mel frames per second, two convolutions
@@ -226,6 +228,7 @@ class EncoderSpec:
     native: NativeTower | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
+    video: VideoNumbers | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -252,15 +255,16 @@ class EncoderSpec:
         self._check_output()
         if self.grid_pinpoints:
             self._check_grid()
-        if self.native is not None or self.min_pixels is not None or self.max_pixels is not None:
+        if self.native is not None or self.min_pixels is not None or self.max_pixels is not None \
+                or self.video is not None:
             self._check_native()
 
     def _check_native(self) -> None:
         """A built native-resolution tower: the fields the cost model reads agree with its architecture."""
         n, owner = self.native, f"encoder {self.name!r}"
         if n is None or not self.native_resolution:
-            raise ConfigError(f"{owner}: native (the tower's architecture), native_resolution=True, min_pixels and "
-                              "max_pixels go together")
+            raise ConfigError(f"{owner}: native (the tower's architecture), native_resolution=True, min_pixels, "
+                              "max_pixels and video go together")
         want = dict(body=n.body, patch_size=n.patch_size, channels=n.in_channels, token_merge=n.merge_size ** 2,
                     temporal_merge=n.temporal_patch_size, cls_token=False, pre_norm=False, post_norm=False,
                     feature_layers=(), grid_pinpoints=())

@@ -6,7 +6,8 @@ directory, so it exercises the whole real-model path (`harmonia plan` -> `harmon
 `harmonia export` -> transformers) on a laptop CPU: the native-resolution tower with windows, its
 merger, multimodal RoPE. The tokenizer is `harmonia.train.tiny_llava`'s byte-level BPE with Qwen-VL's
 special tokens and a ChatML template that writes each image as
-``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen-VL's does.
+``<|vision_start|><|image_pad|><|vision_end|>`` and each video as
+``<|vision_start|><|video_pad|><|vision_end|>``, as Qwen-VL's does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}"

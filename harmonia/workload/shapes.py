@@ -187,11 +187,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int]:
     """The ``(t, h, w)`` patch grid of an image or video for a native-resolution tower with the
     processor's numbers (`EncoderSpec.native`): ``t = ceil(frames / temporal_merge)``, each frame
-    resized by `smart_resize`. An item known by its tile count only (a trace's) is that many
+    resized by `smart_resize` (a video's frames with its video processor's bounds, `EncoderSpec.video`). An item known by its tile count only (a trace's) is that many
     ``image_size`` squares side by side, as its encoder saw them."""
     p, side = encoder.patch_size, encoder.patch_size * math.isqrt(encoder.token_merge)
     if item.tiles is not None:
         h, w = encoder.image_size, encoder.image_size * item.tiles
+    elif item.modality == "video" and encoder.video is not None:
+        h, w = encoder.video.frame_size(item.frames, item.height, item.width, side, encoder.temporal_merge)
     else:
         h, w = smart_resize(item.height, item.width, side, encoder.min_pixels, encoder.max_pixels)
     return math.ceil((item.frames or 1) / encoder.temporal_merge), h // p, w // p

@@ -10,7 +10,8 @@ tokens, and the text model with multimodal RoPE: three position rows per token
 The checkpoint: ``model.visual.*`` (``visual.*`` in older files) is the tower and its merger,
 ``model.language_model.*`` (``model.*``) and ``lm_head`` the LLM. The processor's numbers
 (``min_pixels`` / ``max_pixels``, patch, merge and temporal patch sizes) come from the
-checkpoint's ``preprocessor_config.json`` (`processor_numbers`).
+checkpoint's ``preprocessor_config.json``, the video processor's (frame rate and bounds, frame
+sizes) from its video processor config (`processor_numbers`).
 
 Qwen3-VL adds its learned position table to the tower, interleaves the LLM's rotary rows and adds
 DeepStack: the outputs of some tower blocks, merged by mergers of their own, are added at the item
@@ -36,6 +37,7 @@ from harmonia.model.mrope import item_tokens, rope_index
 from harmonia.model.qwen_spec import MAX_PIXELS, MIN_PIXELS, native_encoder_spec, spec_from_hf
 from harmonia.model.qwen_vit import projector_spec
 from harmonia.model.spec import MLLMSpec
+from harmonia.model.video_spec import VideoNumbers, video_config
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 QWEN3_MROPE = [24, 20, 20]  # transformers' Qwen3-VL default when rope_parameters leaves mrope_section out
@@ -86,13 +88,15 @@ def qwen_vl_spec_from_hf(config: dict, name: str = "qwen-vl") -> MLLMSpec:
 
 
 def processor_numbers(spec: MLLMSpec, root: Path) -> MLLMSpec:
-    """``spec`` with the pixel bounds of the checkpoint's ``preprocessor_config.json`` (transformers'
-    defaults without one); its patch, merge and temporal patch sizes must be the tower's."""
+    """``spec`` with the pixel bounds of the checkpoint's ``preprocessor_config.json`` and its video
+    processor's numbers (transformers' defaults without them); their patch, merge and temporal
+    patch sizes must be the tower's."""
+    enc = spec.encoders["vision"]
+    enc = replace(enc, video=_video_numbers(root, enc))
     path = Path(root) / "preprocessor_config.json"
     if not path.is_file():
-        return spec
+        return replace(spec, encoders={"vision": enc})
     numbers = json.loads(path.read_text())
-    enc = spec.encoders["vision"]
     size = numbers.get("size") or {}
     low = numbers.get("min_pixels", size.get("shortest_edge", MIN_PIXELS))
     high = numbers.get("max_pixels", size.get("longest_edge", MAX_PIXELS))
@@ -102,6 +106,24 @@ def processor_numbers(spec: MLLMSpec, root: Path) -> MLLMSpec:
     if wrong:
         raise ConfigError(f"{path}: {wrong} differ from the vision tower's {want} (config.json)")
     return replace(spec, encoders={"vision": replace(enc, min_pixels=int(low), max_pixels=int(high))})
+
+
+def _video_numbers(root: Path, enc) -> VideoNumbers | None:
+    """The video processor's numbers (`harmonia.model.video_spec.video_config`); its patch, merge and
+    temporal patch sizes must be the tower's. None for Qwen3-VL, whose video processor (frames
+    sampled and sized otherwise, timestamps between them) harmonia does not implement."""
+    if enc.native.family == "qwen3_vl":
+        return None
+    found = video_config(root)
+    if found is None:
+        return VideoNumbers()
+    path, numbers = found
+    want = {"patch_size": enc.patch_size, "merge_size": enc.native.merge_size,
+            "temporal_patch_size": enc.temporal_merge}
+    wrong = {k: numbers[k] for k, v in want.items() if k in numbers and numbers[k] != v}
+    if wrong:
+        raise ConfigError(f"{path}: {wrong} differ from the vision tower's {want} (config.json)")
+    return VideoNumbers.from_config(numbers, enc.patch_size * enc.native.merge_size, str(path))
 
 
 def projector_names(keys: list[str], module: str) -> dict[str, str]:

@@ -1,0 +1,158 @@
+"""Qwen-VL videos: harmonia's video processor equals transformers' (frame indices, sizes, grids, pixel
+values, ``second_per_grid_ts``) on the reference cases in tests/fixtures, and a decoded video sample
+has the header's shape, transformers' tokens and transformers' rotary positions."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from safetensors import safe_open  # noqa: E402
+
+from harmonia.data.chat import HFTokenizer  # noqa: E402
+from harmonia.data.loader import MultimodalDataset  # noqa: E402
+from harmonia.data.media import build_media_preprocessors  # noqa: E402
+from harmonia.data.native_video import NativeVideoPreprocessor  # noqa: E402
+from harmonia.data.samples import SampleBuilder  # noqa: E402
+from harmonia.data.sources import read_conversations  # noqa: E402
+from harmonia.errors import ConfigError  # noqa: E402
+from harmonia.model.hf.mllm import mllm_spec_from_hf  # noqa: E402
+from harmonia.model.qwen_spec import native_encoder_spec, spec_from_hf  # noqa: E402
+from harmonia.model.video_spec import VideoNumbers  # noqa: E402
+from harmonia.train.tiny_qwen_vl import VIDEO_PAD, write_tiny_qwen_vl  # noqa: E402
+from harmonia.workload.shapes import ModalityItem, llm_tokens_of_item, native_grid  # noqa: E402
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+from make_qwen_video_reference import frames  # noqa: E402
+
+REFERENCE = safe_open(FIXTURES / "qwen_video_reference.safetensors", "pt")
+CASES = json.loads(REFERENCE.metadata()["cases"])
+
+
+def _encoder(config: dict):
+    """A Qwen2-VL tower spec with the case's patch size and the case's video processor numbers."""
+    hf = transformers.Qwen2VLConfig(vision_config=dict(depth=1, embed_dim=32, mlp_ratio=2, hidden_size=64,
+                                                       num_heads=4, patch_size=config["patch_size"],
+                                                       spatial_merge_size=2, temporal_patch_size=2)).to_dict()
+    video = VideoNumbers.from_config(config, config["patch_size"] * 2, "case")
+    return native_encoder_spec(spec_from_hf(hf), "vision", video=video)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_video_processor_is_transformers(name):
+    case = CASES[name]
+    config = case["config"]
+    enc = _encoder(config)
+    prep = NativeVideoPreprocessor(enc, tuple(config["image_mean"]), tuple(config["image_std"]),
+                                   config["rescale_factor"])
+    total, fps, cap = case["total"], case["fps"], case["call"].get("max_frames")
+    indices = prep.indices(total, fps, cap)
+    assert indices == case["indices"]
+    rows, grid = prep.patches(frames(total, case["height"], case["width"])[indices])
+    assert list(grid) == case["grid"]
+    assert torch.equal(rows, REFERENCE.get_tensor(case["key"]))
+    assert prep.second_per_grid(len(indices), total, fps) == case["second_per_grid"]
+    item = ModalityItem.video(frames=len(indices), height=case["height"], width=case["width"])
+    assert native_grid(item, enc) == tuple(case["grid"])  # from the header alone
+    assert llm_tokens_of_item(item, enc) == int(np.prod(case["grid"])) // 4
+
+
+def test_video_numbers_refuse_what_harmonia_does_not_implement():
+    for bad, match in [({"num_frames": 8}, "samples a video's frames by rate"), ({"resample": 2}, "bicubic"),
+                       ({"do_center_crop": True}, "resize, rescale and normalise"),
+                       ({"frame_stride": 2}, "not understood")]:
+        with pytest.raises(ConfigError, match=match):
+            VideoNumbers.from_config(bad, 28, "video_preprocessor_config.json")
+
+
+def _mp4(n_frames: int, fps: int, height: int, width: int) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for k, frame in enumerate(frames(n_frames, height, width)):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode(None):
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def _record(k: int, media: dict, question: str = "<video>\nWhat moves?") -> dict:
+    return {"id": k, **media, "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": "x"}]}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_vl"])
+def test_a_video_sample_has_the_headers_shape_and_transformers_tokens_and_positions(family, tmp_path):
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt", family)
+    spec = mllm_spec_from_hf(ckpt)
+    (tmp_path / "v.mp4").write_bytes(_mp4(21, 10, 40, 24))
+    (tmp_path / "w.mp4").write_bytes(_mp4(9, 3, 24, 56))
+    (tmp_path / "data.json").write_text(json.dumps([
+        _record(0, {"video": "v.mp4"}),
+        _record(1, {"video": "w.mp4", "image": "v.png"}, "<image> then <video>\nWhich changed?")]))
+    from PIL import Image
+
+    Image.fromarray(frames(1, 30, 20)[0]).save(tmp_path / "v.png")
+    builder = SampleBuilder(spec, HFTokenizer.from_pretrained(ckpt),
+                            preprocessors=build_media_preprocessors(spec, {"vision": ckpt}))
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(ckpt).model
+    conversations, bad, _ = read_conversations(tmp_path / "data.json")
+    assert not bad
+    for k, conv in enumerate(conversations):
+        built = builder.build(conv, k)
+        assert builder.shape(conv, k) == built.shape  # headers only: the same frames and token counts
+        video = built.tokens.items[-1]
+        t, h, w = video.grid[0].tolist()
+        assert t == built.shape.items[-1].frames // 2 and video.inputs.shape == (t * h * w, 3 * 2 * 8 * 8)
+        ids = built.tokens.input_ids
+        assert int((ids == tok.convert_tokens_to_ids(VIDEO_PAD)).sum()) == t * h * w // 4
+        types = (ids == spec.item_token_ids["image"]).int() + 2 * (ids == spec.item_token_ids["video"]).int()
+        extra = {"second_per_grid_ts": torch.tensor([video.second_per_grid])} if family == "qwen2_5_vl" else {}
+        images = [i.grid[0].tolist() for i in built.tokens.items[:-1]]
+        want, _ = hf.get_rope_index(ids[None], types[None], image_grid_thw=torch.tensor(images) if images else None,
+                                    video_grid_thw=video.grid, **extra)
+        assert torch.equal(built.tokens.rope_positions, want[:, 0])
+    # 21 frames at 10 fps sampled at 2 per second: 4 frames (min_frames) at transformers' indices
+    assert conversations and builder.build(conversations[0], 0).shape.items[0].frames == 4
+
+
+def test_videos_that_cannot_be_read_are_counted_bad_records(tmp_path):
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt")
+    spec = mllm_spec_from_hf(ckpt)
+    (tmp_path / "one.mp4").write_bytes(_mp4(1, 4, 16, 16))  # one frame: no whole temporal patch
+    (tmp_path / "ok.mp4").write_bytes(_mp4(8, 4, 16, 16))
+    (tmp_path / "data.json").write_text(json.dumps([
+        _record(0, {"video": "one.mp4"}), _record(1, {"video": "ok.mp4"}),
+        _record(2, {"video": "ok.mp4"}, "no tag here")]))
+    data = MultimodalDataset(tmp_path / "data.json", spec, tokenizer=HFTokenizer.from_pretrained(ckpt),
+                             preprocessors=build_media_preprocessors(spec, {"vision": ckpt}), max_frames=2)
+    shapes = data.shapes()
+    assert [s.sample_id for s in shapes] == [1]
+    assert shapes[0].items[0].frames == 2  # data.max_frames caps the processor's frames
+    assert sum(data.stats.skipped.values()) == 2
+    assert "temporal patch" in " ".join(data.stats.examples["unsupported_media"])
+
+
+def test_qwen3_vl_videos_are_refused_naming_why(tmp_path):
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt", "qwen3_vl")
+    spec = mllm_spec_from_hf(ckpt)
+    assert spec.encoders["vision"].video is None
+    (tmp_path / "ok.mp4").write_bytes(_mp4(8, 4, 16, 16))
+    (tmp_path / "data.json").write_text(json.dumps([_record(0, {"video": "ok.mp4"})]))
+    data = MultimodalDataset(tmp_path / "data.json", spec, tokenizer=HFTokenizer.from_pretrained(ckpt),
+                             preprocessors=build_media_preprocessors(spec, {"vision": ckpt}))
+    assert not data.shapes()
+    assert "Qwen3-VL videos" in " ".join(data.stats.examples["unsupported_media"])
