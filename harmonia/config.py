@@ -147,7 +147,8 @@ class DataConfig:
     truncation: str = _f("skip", "a sample longer than data.max_tokens: skip (a counted bad record, too_long) or "
                          "truncate (cut to its first max_tokens tokens; items after the cut dropped, a cut inside "
                          "an item or one leaving nothing learned still skips)")
-    max_frames: int = _f(8, "frames sampled uniformly from each video")
+    max_frames: int = _f(8, "frames sampled uniformly from each video; for a Qwen2-VL / Qwen2.5-VL tower the most "
+                         "its video processor samples at its own rate (fps, min_frames, max_frames)")
     max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
     num_workers: int = _f(0, "worker processes reading media headers for the shape index and decoding each "

@@ -156,3 +156,28 @@ def test_qwen3_vl_videos_are_refused_naming_why(tmp_path):
                              preprocessors=build_media_preprocessors(spec, {"vision": ckpt}))
     assert not data.shapes()
     assert "Qwen3-VL videos" in " ".join(data.stats.examples["unsupported_media"])
+
+
+@pytest.mark.slow
+def test_harmonia_trains_a_qwen2_5_vl_on_videos(tmp_path):
+    import io as _io
+
+    from rich.console import Console
+
+    from harmonia.config import load_config
+    from harmonia.train import run_training
+
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt")
+    records = []
+    for k in range(12):
+        (tmp_path / f"v{k}.mp4").write_bytes(_mp4(8 + 3 * k, 4 + k % 3, 16 + 8 * (k % 3), 24))
+        records.append(_record(k, {"video": f"v{k}.mp4"}))
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    config = load_config(None, [
+        f"--model.hf={ckpt}", f"--data.path={tmp_path / 'data.json'}", "--data.max_frames=16", "--train.steps=4",
+        "--train.global_batch=6", "--train.warmup=1", "--train.lr=5e-3", "--parallel.world_size=1",
+        "--log.tensorboard=false", f"--log.dir={tmp_path / 'run'}", f"--checkpoint.dir={tmp_path / 'ck'}"])
+    result = run_training(config, Console(file=_io.StringIO(), width=200))
+    assert result.losses[-1] < result.losses[0]
+    last = result.records[-1]
+    assert last["data/skipped"] == 0 and last["data/loaded"] == 4 * 6  # every step's samples, every video decoded
