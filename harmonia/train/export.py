@@ -63,23 +63,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
     import torch
 
     from harmonia.model.hf.export import export_hf
-    from harmonia.model.resolve import is_checkpoint_dir, resolve_mllm
 
     if dtype not in DTYPES:
         raise ConfigError(f"export dtype {dtype!r}: expected one of {DTYPES}")
     step = _step_dir(Path(checkpoint))
-    fingerprint = json.loads((step / "trainer.json").read_text()).get("fingerprint") or {}
-    source = fingerprint.get("model")
-    if not (isinstance(source, dict) or (isinstance(source, str) and is_checkpoint_dir(source))):
-        raise ConfigError(f"{step} was trained from {source!r}, not from HF checkpoints (model.hf or model.llm): "
-                          "there is no HF format to export to")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory; pass a new directory to export to")
-    lora = {m: t for m, t in fingerprint["training"].items() if t != "full"}
-    spec = resolve_mllm(source, training=lora, lora_rank=fingerprint.get("lora_rank") or None,
-                        lora=fingerprint.get("lora"))
-    state = checkpoint_state(step, spec)
+    fingerprint, source, spec = _trained_from(step)
+    state = checkpoint_state(step, spec, source)
     written = _source_dtype(source) if dtype == "source" else getattr(torch, dtype)
     if adapter:
         from harmonia.model.hf.adapter import export_peft_adapter
@@ -90,9 +82,64 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "sou
     return out
 
 
-def checkpoint_state(step: Path, spec) -> LazyTensors:
+def _trained_from(step: Path) -> tuple[dict, str | dict, object]:
+    """A checkpoint step's fingerprint, HF source and model spec (its modules trained as they were).
+
+    Raises:
+        ConfigError: a checkpoint of a preset (no HF source), or a source whose files changed.
+    """
+    from harmonia.model.resolve import is_checkpoint_dir, resolve_mllm
+
+    fingerprint = json.loads((step / "trainer.json").read_text()).get("fingerprint") or {}
+    source = fingerprint.get("model")
+    if not (isinstance(source, dict) or (isinstance(source, str) and is_checkpoint_dir(source))):
+        raise ConfigError(f"{step} was trained from {source!r}, not from HF checkpoints (model.hf or model.llm): "
+                          "there is no HF format to export to")
+    lora = {m: t for m, t in fingerprint["training"].items() if t != "full"}
+    spec = resolve_mllm(source, training=lora, lora_rank=fingerprint.get("lora_rank") or None,
+                        lora=fingerprint.get("lora"))
+    _check_source_files(step, source, fingerprint)
+    return fingerprint, source, spec
+
+
+def checkpoint_model(checkpoint: str | Path):
+    """A training checkpoint of an HF-sourced run as one whole model in this process (fp32, CPU):
+    ``(spec, model)``, its frozen tensors read from the source as the ranks read them.
+
+    Args:
+        checkpoint: the checkpoint directory (its newest step) or one ``step-N``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from harmonia.train.weights import initial_model
+
+    step = _step_dir(Path(checkpoint))
+    _, source, spec = _trained_from(step)
+    model = initial_model(spec, 0, source)  # every tensor the checkpoint lacks is the source's
+    held = set(dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata)
+    checkpoint_state(step, spec, source)  # the tensors it lacks are the source's frozen ones, or it is refused
+    state = {"model": {k: t for k, t in model.state_dict().items() if f"model.{k}" in held}}
+    with warnings.catch_warnings():  # reading in one process is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(step), no_dist=True)
+    return spec, model.eval()
+
+
+def _check_source_files(step: Path, source, fingerprint: dict) -> None:
+    """Refuse a source whose files changed since training: the checkpoint lacks its frozen tensors."""
+    from harmonia.train.source_state import source_digest
+
+    if "model_files" in fingerprint and fingerprint["model_files"] != source_digest(source):
+        raise ConfigError(f"{step} was trained on {source} as it was then (digest {fingerprint['model_files']}); its "
+                          f"files changed since (digest {source_digest(source)}), and the checkpoint holds only what "
+                          "training changed: restore the source the run trained from")
+
+
+def checkpoint_state(step: Path, spec, source: str | dict | None = None) -> LazyTensors:
     """A training checkpoint's whole-model tensors, read from the distributed checkpoint a batch at a
-    time (`torch.distributed.checkpoint` reads each tensor's pieces from every rank's file).
+    time (`torch.distributed.checkpoint` reads each tensor's pieces from every rank's file). Frozen
+    tensors the ``source`` gives may be absent (`harmonia.train.source_state`): they are listed, with
+    their shapes, for `with_source_frozen` to read from the source.
 
     Raises:
         ConfigError: the checkpoint's tensors are not the model's (names as ``build_mllm_model(spec)``).
@@ -106,21 +153,31 @@ def checkpoint_state(step: Path, spec) -> LazyTensors:
     stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
     meta = {k.removeprefix("model."): m for k, m in stored.items()
             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    from harmonia.train.source_state import source_provided
+
     with torch.device("meta"):
         want = build_mllm_model(spec).state_dict()
-    differ = sorted(set(want) ^ set(meta))
+    given = source_provided(spec, source, set(want) - set(meta), ())
+    differ = sorted((set(want) - given) ^ set(meta))
     if differ:
         raise ConfigError(f"{step} holds other tensors than the model it was trained as (e.g. {differ[:3]}); "
                           "export the checkpoint with the code version that wrote it")
 
     def load(keys: list[str]) -> dict:
+        absent = [k for k in keys if k not in meta]
+        if absent:
+            raise ConfigError(f"{step} does not hold {absent[:3]}: frozen tensors its source gives; read them from "
+                              "the source (with_source_frozen)")
         state = {"model": {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}}
         with warnings.catch_warnings():  # reading in one process is the intent here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(step), no_dist=True)
         return state["model"]
 
-    return LazyTensors(meta, load, {k: m.properties.dtype for k, m in meta.items()}, {k: m.size for k, m in meta.items()})
+    keys = [*meta, *sorted(given - set(meta))]
+    dtypes = {**{k: m.properties.dtype for k, m in meta.items()}, **{k: torch.float32 for k in given - set(meta)}}
+    shapes = {**{k: m.size for k, m in meta.items()}, **{k: want[k].shape for k in given - set(meta)}}
+    return LazyTensors(keys, load, dtypes, shapes)
 
 
 def with_source_frozen(state: LazyTensors, spec, source: str | dict, frozen: list[str]) -> LazyTensors:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from harmonia.config import Config
+from harmonia.model.training_mode import Trainability
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
@@ -191,6 +192,7 @@ class Trainer:
         from harmonia.train.data import open_training_data
         from harmonia.train.rank_data import agree_failures
         from harmonia.train.preflight import run_fingerprint
+        from harmonia.train.source_state import source_provided
         from harmonia.workload.cost import CostModel
 
         self.config, self.plan, self.rank = config, plan, rank
@@ -222,6 +224,10 @@ class Trainer:
         self.report_eval = lambda record: None
         self.modules = [LLM, *plan.encoders]
         self.fingerprint = run_fingerprint(config)
+        source = config.model.source if config.model.from_checkpoint else None
+        self.from_source = frozenset(source_provided(self.spec, source, self.model.named, self.model.owner))
+        self.source_modules = [] if source is None else [  # the same list on every rank, for trainer.json
+            m for m in self.spec.module_names if self.spec.training_of(m).mode is not Trainability.FULL]
         self.faults = Faults(rank)
         self.start_step = 0
         self.saved_step = 0  # the newest step with a checkpoint (0: none, or the initial weights)
@@ -263,7 +269,7 @@ class Trainer:
         """Load the newest checkpoint of ``checkpoint.dir`` when resuming is on and one exists."""
         ck = self.config.checkpoint
         if ck.resume and latest_step(ck.dir) is not None:
-            state = load_training(ck.dir, self.model)
+            state = load_training(ck.dir, self.model, omit=self.from_source)
             self.start_step = self.saved_step = int(state["step"])
             self.losses = list(state.get("losses", []))
 
@@ -273,8 +279,9 @@ class Trainer:
             self.exports.wait()  # the export reads a checkpoint this save may delete
         save_training(ck.dir, step, self.model,
                       {"data_position": step * self.config.train.global_batch, "losses": self.losses,
-                       "plan": json.loads(self.plan.to_json()), "fingerprint": self.fingerprint},
-                      keep=ck.keep, before_commit=lambda: self.faults.inside_save(step))
+                       "plan": json.loads(self.plan.to_json()), "fingerprint": self.fingerprint,
+                       "from_source": self.source_modules},
+                      keep=ck.keep, before_commit=lambda: self.faults.inside_save(step), omit=self.from_source)
         self.saved_step = step
         if self.rank == 0:
             self.exports.after_save(step)

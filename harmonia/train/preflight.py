@@ -43,10 +43,12 @@ def run_fingerprint(config: Config) -> dict:
     """What a checkpoint must share with the job that resumes it: the model, how each module trains,
     the parameter counts and the tokenizer. JSON-able; compared key by key."""
     from harmonia.model.resolve import source_identity, tokenizer_identity
+    from harmonia.train.source_state import source_digest
 
     spec = model_spec(config)
     return {
         "model": source_identity(config.model.source),
+        "model_files": source_digest(config.model.source if config.model.from_checkpoint else None),
         "training": {m: spec.training_of(m).mode.value for m in spec.module_names},
         "lora_rank": config.model.lora_rank if config.model.lora else None,
         "lora": {m: spec.training_of(m).lora_options() for m in config.model.lora} or None,
@@ -64,10 +66,19 @@ def _file_digest(path: str) -> str | None:
 
 
 def fingerprint_differences(saved: dict, current: dict) -> list[str]:
-    """``key: saved vs current`` for every difference (one level into dicts)."""
+    """``key: saved vs current`` for every difference (one level into dicts). ``model_files`` is
+    compared only where the checkpoint has it (older ones do not)."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
+        if key == "model_files" and key not in saved:
+            continue
+        if key == "model_files":
+            if a != b:
+                out.append(f"model_files: the source's weights or config changed since the checkpoint (digest {a} "
+                           f"then, {b} now); the checkpoint holds only what training changed, so it needs the "
+                           "source it was trained from")
+            continue
         if isinstance(a, dict) and isinstance(b, dict):
             out += [f"{key}.{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now"
                     for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
@@ -79,7 +90,8 @@ def fingerprint_differences(saved: dict, current: dict) -> list[str]:
 def checkpoint_bytes(config: Config) -> int:
     """About the size of one checkpoint: every weight as the job holds it (trained ones, LoRA adapters
     included, in fp32; frozen ones, a LoRA module's base included, in bf16 under mixed precision and
-    fp32 otherwise), plus AdamW's two fp32 states of each trained weight."""
+    fp32 otherwise, none when the source gives them), plus AdamW's two fp32 states of each trained
+    weight."""
     from harmonia.model.training_mode import Trainability
     from harmonia.train.backend import backend_of, runs_mixed
 
@@ -91,6 +103,8 @@ def checkpoint_bytes(config: Config) -> int:
         counts = list(trainable_counts(spec).values())
     else:
         counts = [(n if spec.training_of(m).trains else 0, n) for m, n in spec.n_params().items()]
+    if config.model.from_checkpoint:  # frozen tensors stay in the source (`harmonia.train.source_state`)
+        frozen = 0
     return sum(12 * trained + frozen * (whole - trained) for trained, whole in counts)
 
 

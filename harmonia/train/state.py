@@ -1,6 +1,7 @@
 """Checkpoints of a training job: every rank's named parameters and optimizer states, by whole-model name.
 
-Keys are whole-model names, never stage or rank positions, so a checkpoint written under one plan
+Frozen tensors an HF source gives are left out of both (`harmonia.train.source_state`). Keys are
+whole-model names, never stage or rank positions, so a checkpoint written under one plan
 loads under any other (another DP degree, other stage boundaries, FSDP on or off): distributed
 checkpoint gives each rank exactly the slices it now holds. Optimizer states (AdamW's ``step``,
 ``exp_avg``, ``exp_avg_sq``) are created before loading so there is a tensor to load into.
@@ -36,14 +37,15 @@ def ensure_optimizer_state(model: RankModel) -> None:
                                     "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
-def rank_state(model: RankModel) -> dict:
-    """``{"model": {name: tensor}, "optim": {name: {state: tensor}}}`` of this rank (tensors shared, not copied)."""
+def rank_state(model: RankModel, omit: frozenset[str] = frozenset()) -> dict:
+    """``{"model": {name: tensor}, "optim": {name: {state: tensor}}}`` of this rank (tensors shared, not
+    copied), without the ``omit`` names (frozen tensors the source gives: `harmonia.train.source_state`)."""
     names = _param_names(model)
     optim = {}
     for opt in model.executor.optimizers.values():
         for p, s in opt.state.items():
             optim[names[id(p)]] = {k: s[k] for k in ADAM_STATE if k in s}
-    return {"model": {n: t.detach() for n, t in model.named.items()}, "optim": optim}
+    return {"model": {n: t.detach() for n, t in model.named.items() if n not in omit}, "optim": optim}
 
 
 class NonFiniteWeights(HarmoniaError):
@@ -75,16 +77,20 @@ def check_finite_weights(model: RankModel, step: int) -> None:
 
 
 def save_training(directory: str | Path, step: int, model: RankModel, trainer_state: dict, keep: int = 0,
-                  before_commit: Callable[[], None] | None = None) -> Path:
-    """Save the job after ``step`` (collective), refusing non-finite weights; keep the newest ``keep``."""
+                  before_commit: Callable[[], None] | None = None, omit: frozenset[str] = frozenset()) -> Path:
+    """Save the job after ``step`` (collective), refusing non-finite weights; keep the newest ``keep``.
+    The ``omit`` tensors (frozen, given by the source) are not written."""
     check_finite_weights(model, step)
     ensure_optimizer_state(model)
-    return save_state(directory, step, rank_state(model), trainer_state, keep=keep, before_commit=before_commit)
+    return save_state(directory, step, rank_state(model, omit), trainer_state, keep=keep,
+                      before_commit=before_commit)
 
 
-def load_training(directory: str | Path, model: RankModel, step: int | None = None) -> dict:
-    """Load the newest (or ``step``'s) checkpoint into ``model`` in place; returns the trainer state."""
+def load_training(directory: str | Path, model: RankModel, step: int | None = None,
+                  omit: frozenset[str] = frozenset()) -> dict:
+    """Load the newest (or ``step``'s) checkpoint into ``model`` in place; returns the trainer state.
+    The ``omit`` tensors keep the values the rank built them with (from the source)."""
     ensure_optimizer_state(model)
-    state = rank_state(model)
+    state = rank_state(model, omit)
     with torch.no_grad():
         return load_state(directory, state, step)

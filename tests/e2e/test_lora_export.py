@@ -94,3 +94,48 @@ def test_export_every_must_follow_the_checkpoints(tmp_path) -> None:
         load_config(None, ["--checkpoint.every=3", "--checkpoint.export_every=2"])
     with pytest.raises(ConfigError, match="a preset model"):
         load_config(None, ["--model.preset=tiny-vlm", "--checkpoint.every=2", "--checkpoint.export_every=2"])
+
+
+def test_the_checkpoint_holds_only_what_training_changed(job) -> None:
+    """The frozen tower, projector and LLM base stay in the source: the checkpoint holds the adapters
+    and their optimizer states (a quarter of the tiny base's bytes; a 7B base's LoRA: under 1%)."""
+    import torch.distributed.checkpoint as dcp
+
+    from harmonia.train.weights import is_adapter
+
+    step = sorted((job / "run" / "ck").glob("step-*"))[-1]
+    stored = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = [k.removeprefix("model.") for k in stored if k.startswith("model.")]
+    assert weights and all(is_adapter(k) for k in weights)
+    assert sorted(json.loads((step / "trainer.json").read_text())["from_source"]) == ["llm", "vision", "vision_proj"]
+    base = sum(p.stat().st_size for p in (job / "base").glob("*.safetensors"))
+    assert sum(p.stat().st_size for p in step.glob("*.distcp")) < base / 2  # adapters and Adam: 0.25x here
+
+
+def _lora_job(tmp, base, steps: int, resume: bool = True) -> list[float]:
+    config = load_config(None, [
+        f"--model.hf={base}", "--model.frozen=vision,vision_proj", "--model.lora=llm", "--model.lora_rank=4",
+        f"--data.path={tmp / 'data' / 'train' / 'llava.json'}", f"--train.steps={steps}", "--train.global_batch=4",
+        "--train.warmup=1", "--train.lr=1e-2", "--parallel.world_size=1", "--checkpoint.every=2",
+        f"--checkpoint.resume={str(resume).lower()}", "--checkpoint.on_existing=replace", "--log.tensorboard=false",
+        f"--log.dir={tmp / 'run'}", f"--checkpoint.dir={tmp / 'ck'}"])
+    return run_training(config, Console(file=io.StringIO(), width=200)).losses
+
+
+def test_resuming_from_the_source_continues_the_run_and_a_changed_source_is_refused(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    base = write_tiny_llava(tmp_path / "base")
+    write_synthetic_dataset(tmp_path / "data", 24, seed=0, heldout=1 / 6, tile=32, fmt="llava")
+    whole = _lora_job(tmp_path, base, 4, resume=False)
+    _lora_job(tmp_path, base, 2, resume=False)
+    assert _lora_job(tmp_path, base, 4) == pytest.approx(whole, rel=1e-5)  # steps 0-1 from the checkpoint
+    (weights,) = base.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(k for k in tensors if "layers.0" in k and k.endswith("q_proj.weight"))
+    tensors[name] = tensors[name] + 0.01  # the same shapes, other values: a different base model
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="model_files"):
+        _lora_job(tmp_path, base, 6)
+    with pytest.raises(ConfigError, match="files changed"):
+        export_checkpoint(tmp_path / "ck", tmp_path / "out")

@@ -74,13 +74,9 @@ def test_plan_gives_the_encoder_its_own_layout(job) -> None:
 
 
 def test_export_loads_cleanly_with_harmonia_logits(job, caplog) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from harmonia.model.batch import pack_samples
     from harmonia.model.families.llava import tokenized_sample
-    from harmonia.model.mllm import build_mllm_model
-    from harmonia.runtime.checkpoint import latest_step
-    from harmonia.train.planning import model_spec
+    from harmonia.train.export import checkpoint_model
 
     tmp, config, _ = job
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
@@ -92,13 +88,7 @@ def test_export_loads_cleanly_with_harmonia_logits(job, caplog) -> None:
     assert not [r.message for r in caplog.records if "weight" in r.message.lower()]
     processor = transformers.AutoProcessor.from_pretrained(tmp / "export")
 
-    spec = model_spec(config)
-    ours = build_mllm_model(spec).eval()
-    state = {"model": dict(ours.state_dict())}
-    step = latest_step(config.checkpoint.dir)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{step}"), no_dist=True)
+    spec, ours = checkpoint_model(config.checkpoint.dir)  # frozen tensors from the source, as training read them
     row = _conversations(tmp, 3)[0]
     batch = _inputs(processor, row, tmp / "data" / "train")
     sample = tokenized_sample(spec, batch["input_ids"][0], batch["pixel_values"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import warnings
 from pathlib import Path
 
 import pytest
@@ -77,25 +76,15 @@ def test_plan_gives_the_tower_its_own_layout(job) -> None:
 
 
 def test_export_loads_cleanly_with_harmonia_logits(job) -> None:
-    import torch.distributed.checkpoint as dcp
-
     from harmonia.model.batch import pack_samples
     from harmonia.model.families.qwen_vl import tokenized_sample
-    from harmonia.model.mllm import build_mllm_model
-    from harmonia.runtime.checkpoint import latest_step
-    from harmonia.train.planning import model_spec
+    from harmonia.train.export import checkpoint_model
 
     tmp, config, _ = job
     model, info = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
         tmp / "export", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    spec = model_spec(config)
-    ours = build_mllm_model(spec).eval()
-    state = {"model": dict(ours.state_dict())}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(Path(config.checkpoint.dir) / f"step-{latest_step(config.checkpoint.dir)}"),
-                 no_dist=True)
+    spec, ours = checkpoint_model(config.checkpoint.dir)  # frozen tensors from the source, as training read them
     batch = _inputs(tmp / "export", _rows(tmp, 1)[0], tmp / "data" / "train")
     sample = tokenized_sample(spec, batch["input_ids"][0], batch["pixel_values"],
                               image_grid_thw=batch["image_grid_thw"])
