@@ -78,7 +78,7 @@ from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, plan_graph, plan_iteration_work
-from harmonia.sim.memory import activation_peaks
+from harmonia.sim.memory import activation_peaks, input_bytes
 from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -333,10 +333,11 @@ class _Scorer:
                          ranks: tuple[int, ...] | None = None) -> None:
         """Record the peak of a schedule of stage work on ``ranks`` (default: all): each rank's
         states plus its activation peak (`activation_peaks`: what simulating it would report,
-        found from each rank's order alone)."""
+        found from each rank's order alone) plus the encoder inputs it holds (`input_bytes`)."""
         states = state_bytes_per_rank(self.run.cost, plan)
         peaks = activation_peaks(plan, iw, schedule, ranks)
-        self._record(key, max(states.get(r, 0.0) + peaks[r] for r in peaks))
+        inputs = input_bytes(self.run.cost.mllm, iw, ranks)
+        self._record(key, max(states.get(r, 0.0) + peaks[r] + inputs.get(r, 0.0) for r in peaks))
 
     def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None:
         """Why a scored candidate cannot train on the scenario's memory batches (None if it can):

@@ -23,7 +23,7 @@ boundary delivers each CP rank the item rows of its own tokens.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -203,7 +203,7 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         assign = _cp_assignment(llm.cp, replicas, None if llm_cp is None else llm_cp[m], m)
         if llm.holds(rank):
             d = llm.coords(rank)["dp"]
-            out.llm.append(pack_samples(replicas[d]))
+            out.llm.append(_positions_only(pack_samples(replicas[d])))
             if assign is not None:
                 out.llm_cp.append(torch.from_numpy(assign[d]))
         for e in encoders:
@@ -225,9 +225,24 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
                     for k, a, b in kept_parts(len(items[i]), cuts.get((replica, i)))]
             parts = (n_sub or {}).get(e, ())
             runs = (sub_runs or {}).get((e, replica, m)) or item_runs([1.0] * len(mine), parts[m] if parts else 1)
-            out.media.setdefault(e, []).append([gather_media(mine[a:b]) for a, b in runs])
+            media = [gather_media(mine[a:b]) for a, b in runs]
+            if layouts[e].coords(rank)["pp"]:  # a later stage takes the activations, not the inputs
+                media = [x if x is None else _without_inputs(x) for x in media]
+            out.media.setdefault(e, []).append(media)
     out.n_targets = float(total)
     return out
+
+
+def _without_inputs(media: MediaInputs) -> MediaInputs:
+    """``media`` with no rows of encoder inputs (its slots, positions and grids kept)."""
+    return replace(media, inputs=media.inputs.new_empty((0, *media.inputs.shape[1:])))
+
+
+def _positions_only(batch: PackedBatch) -> PackedBatch:
+    """An LLM microbatch without its items' encoder inputs: the LLM takes the encoders' outputs at
+    each item's positions (``index``) through the boundary, never the pixels or mel frames, which
+    would otherwise go to its device with the batch (every video's patch rows on every LLM rank)."""
+    return replace(batch, media={e: _without_inputs(m) for e, m in batch.media.items()})
 
 
 def _n_targets(sample: TokenizedSample) -> int:

@@ -8,6 +8,9 @@ activation peak depends on its order alone, not on when each action starts: `act
 finds what `harmonia.sim.tasks.simulate_schedule` reports as ``Timeline.peak_mem`` for the cost of
 ordering the actions, without building tasks, messages or collectives or replaying them (the plan
 search rejects a candidate that cannot fit before it is timed).
+
+Beside the activations, a rank holds its encoders' inputs for the whole step (`input_bytes`: the
+runtime moves a step's batch to the device before its first action).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import rank_compute_actions
 from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey
 from harmonia.sim.engine import running_peak
+
+INPUT_BYTES = 4
+"""Bytes of one encoder input value: pixel rows and mel frames arrive in fp32."""
 
 
 def phase(graph: StageGraph, a: Action) -> tuple[str, bool, bool]:
@@ -83,3 +89,29 @@ def _events(iw: IterationWork, spec: list[tuple], replicas: dict[str, int]) -> I
         work = iw.unit(key, m, sub)
         if work is not None:
             yield unit_memory(work, kind, w_only, has_w)
+
+
+def input_elems(encoder) -> int:
+    """Input values per encoder token (`harmonia.model.spec.EncoderSpec`): a patch's ``C p^2`` (times
+    the temporal patch of a native-resolution tower), or two mel frames (the conv stem's stride 2)."""
+    if encoder.is_audio:
+        return 2 * encoder.n_mels
+    return encoder.channels * encoder.patch_size ** 2 * (encoder.temporal_merge if encoder.native is not None else 1)
+
+
+def input_bytes(mllm, iw: IterationWork, ranks: Iterable[int] | None = None) -> dict[int, float]:
+    """Per rank (default: every rank that runs an encoder's first stage), the bytes of the encoder
+    inputs it holds through the step: every unit of its first stages, ``tokens x input_elems`` fp32
+    values each (a TP group's ranks each hold them whole)."""
+    wanted = None if ranks is None else set(ranks)
+    tokens: dict[StageKey, int] = {}
+    for (key, _, _), work in iw.work.items():
+        if key.stage == 0 and key.module in mllm.encoders:
+            tokens[key] = tokens.get(key, 0) + work.tokens
+    out: dict[int, float] = {}
+    for key, n in tokens.items():
+        nbytes = n * input_elems(mllm.encoders[key.module]) * INPUT_BYTES
+        for rank in iw.stage_ranks[key]:
+            if wanted is None or rank in wanted:
+                out[rank] = out.get(rank, 0.0) + nbytes
+    return out

@@ -55,7 +55,7 @@ from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
-from harmonia.sim.memory import activation_peaks
+from harmonia.sim.memory import activation_peaks, input_bytes
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.calibration import Calibration
@@ -274,7 +274,8 @@ class IterationBuilder:
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
         peak = 0.0
         if self.predict_peaks:
-            peak = self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule, [self.rank]).get(self.rank, 0.0)
+            peak = (self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule, [self.rank]).get(self.rank, 0.0)
+                    + input_bytes(self.spec, iw, [self.rank]).get(self.rank, 0.0))
         return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,
@@ -340,14 +341,16 @@ class IterationBuilder:
 
     def _peak(self, shapes: list[SampleShape], assignment: IterationAssignment,
               iw: IterationWork | None = None, schedule: IterationSchedule | None = None) -> tuple[int, float]:
-        """(rank, bytes) of the largest predicted peak of a step: states plus activation peak, under
-        ``schedule`` (default: the balancer's order, unsplit) of its stage work."""
+        """(rank, bytes) of the largest predicted peak of a step: states plus activation peak plus the
+        encoder inputs held, under ``schedule`` (default: the balancer's order, unsplit) of its stage
+        work."""
         plan = self.plan
         iw = iw or self._work(shapes, assignment)
         schedule = schedule or build_schedule(self.graph, assignment.n_microbatches, plan.schedule,
                                               costs=cost_table(plan, iw))
-        peaks = activation_peaks(plan, iw, schedule)
-        return max(((r, self.states.get(r, 0.0) + b) for r, b in peaks.items()), key=lambda x: x[1], default=(0, 0.0))
+        peaks, inputs = activation_peaks(plan, iw, schedule), input_bytes(self.spec, iw)
+        return max(((r, self.states.get(r, 0.0) + b + inputs.get(r, 0.0)) for r, b in peaks.items()),
+                   key=lambda x: x[1], default=(0, 0.0))
 
     def _work(self, shapes: list[SampleShape], assignment: IterationAssignment) -> IterationWork:
         """The step's stage work, unsplit, priced by the balancing cost model once per assignment (the

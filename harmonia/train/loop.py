@@ -144,6 +144,21 @@ class TrainingWindow:
         return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed, "samples_per_s": self.samples / elapsed}
 
 
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside ``obj`` (dataclasses, lists, tuples, dicts walked)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
 def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTimes:
     times = StepTimes(step_s, {m: 0.0 for m in modules})
     for a, start, end, _ in model.executor.action_times or []:
@@ -334,7 +349,7 @@ class Trainer:
             self.model.executor.action_times = []
             t0, cpu0 = time.perf_counter(), time.process_time()
             batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-            with self._peak_count() as measured:
+            with self._peak_count(batch) as measured:
                 result = self._step(step, it, batch)
             step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
             self.losses.append(result.loss)
@@ -364,10 +379,11 @@ class Trainer:
                 self._evaluate(step + 1)
 
     @contextlib.contextmanager
-    def _peak_count(self):
-        """Count the step's peak tensor bytes into the yielded dict's ``peak``: the CUDA allocator's, or
-        on the CPU with ``log.memory`` `harmonia.runtime.memory_count.TensorBytes` from what the rank
-        holds between steps (weights, gradients, optimizer states: ``held``); empty otherwise."""
+    def _peak_count(self, batch):
+        """Count the step's peak tensor bytes into the yielded dict's ``peak``: the CUDA allocator's
+        (the batch already on the device), or on the CPU with ``log.memory``
+        `harmonia.runtime.memory_count.TensorBytes` from what the rank holds between steps (weights,
+        gradients, optimizer states: ``held``) and the step's batch; empty otherwise."""
         out: dict[str, int] = {}
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -382,6 +398,7 @@ class Trainer:
         counter = TensorBytes()
         counter.begin(self._held())
         out["held"] = counter.live
+        counter.begin([*self._held(), *_tensors(batch)])
         with counter:
             yield out
         out["peak"] = counter.peak

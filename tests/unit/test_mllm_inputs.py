@@ -84,3 +84,21 @@ def test_encoder_inputs_follow_the_schedules_sub_microbatch_runs() -> None:
     even = build_rank_batch(*args, {"vision": (2,), "audio": (3,)}).media
     assert [p.n_groups for p in even["vision"][0]] == [2, 1]
     assert [None if p is None else p.n_groups for p in even["audio"][0]] == [1, 1, None]  # two audio items
+
+
+def test_only_an_encoders_first_stage_holds_its_inputs() -> None:
+    """The pixels and mel frames go to the ranks of an encoder's first pipeline stage alone: its later
+    stages take activations and the LLM the encoder's outputs, so their batches keep the items'
+    slots and positions without the rows (which would otherwise go to every such device)."""
+    layouts = {"vision": Layout(pp=2), "audio": Layout(pp=2), "llm": Layout(rank_offset=2)}
+    args = ([SAMPLES], [[[0, 1, 2, 3]]], {"vision": [[[0, 1, 2, 3]]], "audio": [[[0, 1, 2, 3]]]})
+    first, second, llm = (build_rank_batch(layouts, r, *args) for r in range(3))
+    vision = torch.cat([i.inputs for s in SAMPLES for i in s.items if i.module == "vision"])
+    assert torch.equal(first.media["vision"][0][0].inputs, vision)
+    kept, dropped = first.media["vision"][0][0], second.media["vision"][0][0]
+    assert dropped.inputs.shape == (0, 2) and dropped.n_groups == kept.n_groups
+    assert torch.equal(dropped.groups, kept.groups)
+    (packed,) = llm.llm
+    whole = pack_samples(SAMPLES)
+    for e, media in packed.media.items():
+        assert media.inputs.shape[0] == 0 and torch.equal(media.index, whole.media[e].index)
