@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harmonia.errors import ConfigError, SampleError
+from harmonia.model.native_resize import smart_resize
 
 # Qwen2VLVideoProcessor's class defaults (fps as its processor samples when asked to, and Qwen3-VL's).
 VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS = 128 * 28 * 28, 28 * 28 * 768
@@ -125,8 +126,6 @@ class VideoNumbers:
 
     def frame_size(self, frames: int, height: int, width: int, factor: int, temporal_patch: int) -> tuple[int, int]:
         """``(height, width)`` every sampled frame is resized to (``frames`` sampled frames)."""
-        from harmonia.workload.shapes import smart_resize
-
         high = self.max_pixels
         if self.pixel_budget is not None:
             high = max(min(high, self.pixel_budget * temporal_patch // frames), int(self.min_pixels * 1.05))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from harmonia.errors import SampleError
 from harmonia.model.anyres import anyres_tiles, anyres_tokens, unsized_tokens
+from harmonia.model.native_resize import smart_resize
 from harmonia.model.spec import MODALITIES, EncoderSpec
 
 
@@ -160,28 +161,6 @@ def image_tiles(item: ModalityItem, encoder: EncoderSpec, thumbnail: bool = True
     cols, rows = find_tile_grid(item.height, item.width, encoder.image_size, encoder.max_tiles)
     n = cols * rows
     return n + 1 if thumbnail and n > 1 else n
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """The ``(height, width)`` a Qwen-VL processor resizes an image to (transformers' ``smart_resize``):
-    each side rounded to a multiple of ``factor`` (patch x merge side), then scaled, keeping the aspect
-    ratio, to between ``min_pixels`` and ``max_pixels`` pixels.
-
-    Raises:
-        SampleError: an aspect ratio over 200, which the processor refuses.
-    """
-    if max(height, width) / min(height, width) > 200:
-        raise SampleError(f"an image of {height}x{width} has an aspect ratio over 200, which the Qwen-VL processor "
-                          "refuses")
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int]:
