@@ -170,11 +170,14 @@ def run_training(config: Config, console) -> TrainResult | None:
             when a signal or the time limit stops it.
     """
     from harmonia.launch import launch, under_torchrun, warm_ranks
+
+    config = with_world_size(config)
+    if config.parallel.world_size > 1 and not under_torchrun():  # the ranks' imports beside this process's
+        warm_ranks(hf=bool(config.model.hf or config.model.llm))
     from harmonia.train.preflight import preflight
     from harmonia.train.report import best_effort
     from harmonia.train.worker import train_worker
 
-    config = with_world_size(config)
     if under_torchrun():
         out = train_worker(config, None, prepare_shared)
         if out is None:
@@ -192,8 +195,6 @@ def run_training(config: Config, console) -> TrainResult | None:
         phases.mark("preflight")
         if checked.finished:
             return TrainResult(None, [], [], checked.start_step)
-        if config.parallel.world_size > 1:
-            warm_ranks(hf=bool(config.model.hf or config.model.llm))  # imports beside the data pass and planning
         if checked.start_step:
             console.print(f"resumed from step-{checked.start_step} in {config.checkpoint.dir} (train.steps="
                           f"{config.train.steps}; the learning-rate schedule runs to that step)", markup=False)
