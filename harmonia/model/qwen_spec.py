@@ -9,10 +9,11 @@ the cost model reads its blocks from the `EncoderSpec` as for any other tower.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from harmonia.errors import ConfigError
+from harmonia.model.projector_spec import ProjectorSpec
 from harmonia.model.spec import EncoderSpec, TransformerSpec
 from harmonia.model.video_spec import VideoNumbers
 
@@ -245,3 +246,19 @@ def native_encoder_spec(native: QwenVisionSpec, name: str, min_pixels: int = MIN
         min_pixels=min_pixels, max_pixels=max_pixels,
         video=video if video is not None or native.family == "qwen3_vl" else VideoNumbers(),
     )
+
+
+def merger_spec(spec: QwenVisionSpec, name: str = "merger", deepstack: bool = False) -> ProjectorSpec:
+    """The merger as a projector: norm (each patch apart, or the concatenation for Qwen3-VL's deepstack
+    mergers), ``Linear(m^2 h, m^2 h)``, exact GELU, ``Linear(m^2 h, out)``."""
+    width = spec.body.hidden * spec.merge_size ** 2
+    return ProjectorSpec(name, in_dim=width, out_dim=spec.out_dim, hidden=width, n_layers=2, input_norm=True,
+                         act="gelu", bias=True, norm=spec.merger_norm, norm_eps=NORM_EPS,
+                         norm_groups=1 if deepstack else spec.merge_size ** 2)
+
+
+def projector_spec(spec: QwenVisionSpec, name: str) -> ProjectorSpec:
+    """An MLLM's projector for the tower: the merger, and Qwen3-VL's DeepStack mergers after it."""
+    main = merger_spec(spec, name)
+    k = len(spec.deepstack_layers)
+    return replace(main, in_dim=main.in_dim * (1 + k), deepstack=k) if k else main

@@ -39,7 +39,6 @@ tests compare against.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -49,8 +48,7 @@ from harmonia.errors import SampleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import build_blocks, init_weights, layer_range, rope_inv_freq
 from harmonia.model.projector import Projector
-from harmonia.model.projector_spec import ProjectorSpec
-from harmonia.model.qwen_spec import NORM_EPS, QwenVisionSpec
+from harmonia.model.qwen_spec import QwenVisionSpec, merger_spec
 
 
 # -- plans: data from grid_thw alone ------------------------------------------------------------------------
@@ -166,22 +164,6 @@ def read_grid(grid_thw: torch.Tensor, n_patches: int, spec: QwenVisionSpec) -> l
 
 
 # -- the modules ----------------------------------------------------------------------------------------------
-
-
-def merger_spec(spec: QwenVisionSpec, name: str = "merger", deepstack: bool = False) -> ProjectorSpec:
-    """The merger as a projector: norm (each patch apart, or the concatenation for Qwen3-VL's deepstack
-    mergers), ``Linear(m^2 h, m^2 h)``, exact GELU, ``Linear(m^2 h, out)``."""
-    width = spec.body.hidden * spec.merge_size ** 2
-    return ProjectorSpec(name, in_dim=width, out_dim=spec.out_dim, hidden=width, n_layers=2, input_norm=True,
-                         act="gelu", bias=True, norm=spec.merger_norm, norm_eps=NORM_EPS,
-                         norm_groups=1 if deepstack else spec.merge_size ** 2)
-
-
-def projector_spec(spec: QwenVisionSpec, name: str) -> ProjectorSpec:
-    """An MLLM's projector for the tower: the merger, and Qwen3-VL's DeepStack mergers after it."""
-    main = merger_spec(spec, name)
-    k = len(spec.deepstack_layers)
-    return replace(main, in_dim=main.in_dim * (1 + k), deepstack=k) if k else main
 
 
 class StagePlan(NamedTuple):

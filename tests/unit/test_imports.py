@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2] / "harmonia"
 
 CHAIN = ("model", "workload", "schedule", "sim", "plan", "runtime", "train")
@@ -140,3 +142,23 @@ def test_the_checks_see_hidden_imports(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from harmonia.train.loop import Trainer\n")
     assert "harmonia.train.loop" in imported("harmonia.sim.fake", source)
+
+
+@pytest.mark.slow
+def test_reading_a_checkpoints_spec_loads_no_model_code(tmp_path: Path) -> None:
+    """Planning reads specs from HF checkpoints; the launcher process of a multi-process job does
+    too, while its ranks' fork server imports the model code beside it: the spec path must not
+    import harmonia's models (or torch._dynamo, which they pull in)."""
+    import subprocess
+    import sys
+
+    from harmonia.train.tiny_llava import write_tiny_llava
+    from harmonia.train.tiny_qwen_vl import write_tiny_qwen_vl
+
+    dirs = [write_tiny_llava(tmp_path / "llava"), write_tiny_qwen_vl(tmp_path / "qwen")]
+    code = ("import sys\nfrom harmonia.model.resolve import resolve_mllm\n"
+            f"for d in {[str(d) for d in dirs]!r}:\n    resolve_mllm(d)\n"
+            "print(sorted(m for m in sys.modules if m in ('harmonia.model.llm', 'harmonia.model.attention', "
+            "'harmonia.model.qwen_vit', 'harmonia.model.mllm', 'torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

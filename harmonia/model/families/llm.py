@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harmonia.model.families.base import Family
-from harmonia.model.hf.llama import MODEL_TYPES, llm_spec_from_hf
+from harmonia.model.hf.llama_config import MODEL_TYPES, llm_spec_from_hf
 from harmonia.model.spec import MLLMSpec
 
 

@@ -2,11 +2,19 @@
 (Llama / Qwen2 / Mistral) with encoders (CLIP / SigLIP vision, Whisper audio).
 
 The training job's interface is `harmonia.model.hf.mllm`: `mllm_spec_from_hf`,
-`load_module_state`, `export_hf`. The per-part loaders and savers below serve single modules.
+`load_module_state`, `export_hf`. The per-part loaders and savers below serve single modules; they
+load on first use, so reading a checkpoint's spec (planning) does not import torch.
 """
 
-from harmonia.model.hf.llama import load_hf_llm, save_hf_llm
-from harmonia.model.hf.siglip import load_hf_siglip, save_hf_siglip
-from harmonia.model.hf.whisper import load_hf_whisper, save_hf_whisper
+from importlib import import_module
 
-__all__ = ["load_hf_llm", "load_hf_siglip", "load_hf_whisper", "save_hf_llm", "save_hf_siglip", "save_hf_whisper"]
+_PARTS = {"load_hf_llm": "llama", "save_hf_llm": "llama", "load_hf_siglip": "siglip", "save_hf_siglip": "siglip",
+          "load_hf_whisper": "whisper", "save_hf_whisper": "whisper"}
+
+__all__ = sorted(_PARTS)
+
+
+def __getattr__(name: str):
+    if name in _PARTS:
+        return getattr(import_module(f"harmonia.model.hf.{_PARTS[name]}"), name)
+    raise AttributeError(f"module 'harmonia.model.hf' has no attribute {name!r}")

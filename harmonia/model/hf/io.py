@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import re
+from functools import cache
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from harmonia.errors import ConfigError
+
+if TYPE_CHECKING:  # torch loads when a tensor is read or written, not when a config is (planning)
+    import torch
 
 Table = list[tuple[str, str]]
 
@@ -43,9 +46,23 @@ def read_full_config(path: str | Path) -> dict:
                           f"{raw.get('model_type')!r}): {e}") from e
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+@cache
+def safetensors_dtypes() -> dict:
+    """torch dtype -> its safetensors name (``torch.bfloat16`` -> ``BF16``)."""
+    import torch
+
+    return {getattr(torch, name): code for code, name in _DTYPE_NAMES.items()}
+
+
+def torch_dtype(code: str):
+    """The torch dtype of a safetensors dtype name (float32 for one torch lacks)."""
+    import torch
+
+    return getattr(torch, _DTYPE_NAMES.get(code, "float32"))
 
 
 def _keys(file: Path) -> list[str]:
@@ -92,6 +109,7 @@ class CheckpointFiles:
 
     def meta(self) -> dict[str, torch.Tensor]:
         """Every tensor as a ``meta`` tensor of its shape and dtype (headers only, no data read)."""
+        import torch
         from safetensors import safe_open
 
         out = {}
@@ -99,7 +117,7 @@ class CheckpointFiles:
             with safe_open(str(self.path / file), framework="pt") as f:
                 for key in f.keys():
                     sl = f.get_slice(key)
-                    out[key] = torch.empty(sl.get_shape(), dtype=_DTYPES.get(sl.get_dtype(), torch.float32),
+                    out[key] = torch.empty(sl.get_shape(), dtype=torch_dtype(sl.get_dtype()),
                                            device="meta")
         return out
 
@@ -160,14 +178,11 @@ def write_checkpoint(path: str | Path, state: dict[str, torch.Tensor], config: d
     write_shards(path, layout, lambda keys: {k: state[k] for k in keys}, max_shard_bytes)
 
 
-SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
 WRITE_BATCH_BYTES = 256 * 2**20
 """Bytes of tensors asked for at once while a safetensors file is written: a writer holds one batch
 (and what its ``load`` computes for it), never a whole file."""
 
-Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+Layout = dict[str, tuple["torch.dtype", tuple[int, ...]]]
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -221,10 +236,10 @@ def write_safetensors(file: Path, layout: Layout, load, batch_bytes: int = WRITE
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, (dtype, shape) in layout.items():
-        if dtype not in SAFETENSORS_DTYPES:
+        if dtype not in safetensors_dtypes():
             raise ConfigError(f"{file}: tensor {key!r} of dtype {dtype} cannot be written to safetensors")
         n = _nbytes(dtype, shape)
-        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[key] = {"dtype": safetensors_dtypes()[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
@@ -245,6 +260,8 @@ def write_safetensors(file: Path, layout: Layout, load, batch_bytes: int = WRITE
 def _tensor_bytes(t: torch.Tensor, key: str, want: tuple[torch.dtype, tuple[int, ...]], file: Path) -> memoryview:
     """A tensor's bytes as safetensors stores them (little-endian, row-major), without a copy where
     it is already contiguous on the CPU."""
+    import torch
+
     if (t.dtype, tuple(t.shape)) != want:
         raise ConfigError(f"{file}: tensor {key!r} is {t.dtype} {tuple(t.shape)}, expected {want[0]} {want[1]}")
     flat = t.detach().cpu().contiguous().reshape(-1)

@@ -14,16 +14,25 @@ from pathlib import Path
 from harmonia.errors import ConfigError
 from harmonia.model.families import FAMILIES
 from harmonia.model.hf.clip import vision_spec_from_hf
-from harmonia.model.hf.export import export_hf
 from harmonia.model.hf.io import read_config, read_full_config
-from harmonia.model.hf.llama import llm_spec_from_hf
+from harmonia.model.hf.llama_config import llm_spec_from_hf
 from harmonia.model.hf.source import HFSource, parse_source
-from harmonia.model.hf.stages import load_module_state
-from harmonia.model.hf.whisper import whisper_spec_from_hf
+from harmonia.model.hf.whisper_config import whisper_spec_from_hf
 from harmonia.model.presets import projector_for
 from harmonia.model.spec import EncoderSpec, MLLMSpec
 
-__all__ = ["export_hf", "load_module_state", "mllm_spec_from_hf"]
+_LAZY = {"export_hf": "harmonia.model.hf.export", "load_module_state": "harmonia.model.hf.stages"}
+__all__ = ["mllm_spec_from_hf", *_LAZY]
+
+
+def __getattr__(name: str):
+    """`export_hf` and `load_module_state` load torch with their modules, on first use: reading a spec
+    (planning) does not."""
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'harmonia.model.hf.mllm' has no attribute {name!r}")
 
 
 def mllm_spec_from_hf(source, token_merge: dict[str, int] | None = None) -> MLLMSpec:

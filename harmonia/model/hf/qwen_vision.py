@@ -8,12 +8,14 @@ other tensor is a rename (`TABLES`), the patch embedding included (a ``Conv3d`` 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from harmonia.errors import ConfigError
 from harmonia.model.hf.io import Table, find_prefix, rename
 from harmonia.model.qwen_spec import Family, QwenVisionSpec
+
+if TYPE_CHECKING:  # torch loads when tensors are converted, not when names are (planning)
+    import torch
 
 def _blocks_table(mlp: dict[str, str]) -> Table:
     """Block names: ``mlp`` maps HF's MLP linears to ours."""
@@ -74,6 +76,8 @@ def state_from_hf(state: dict[str, torch.Tensor], spec: QwenVisionSpec) -> dict[
 
 def state_to_hf(state: dict[str, torch.Tensor], spec: QwenVisionSpec) -> dict[str, torch.Tensor]:
     """Our state dict -> transformers' ``model.visual`` names (qkv fused)."""
+    import torch
+
     out = {}
     for key, t in state.items():
         if _QKV.search(key):
