@@ -181,3 +181,22 @@ def test_harmonia_trains_a_qwen2_5_vl_on_videos(tmp_path):
     assert result.losses[-1] < result.losses[0]
     last = result.records[-1]
     assert last["data/skipped"] == 0 and last["data/loaded"] == 4 * 6  # every step's samples, every video decoded
+
+
+def test_messages_jsonl_videos_are_the_llava_json_ones(tmp_path):
+    """LLaMA-Factory / ms-swift records (``messages`` with ``<video>`` tags, a ``videos`` column) give
+    the samples LLaVA JSON gives for the same conversation and video."""
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt")
+    spec = mllm_spec_from_hf(ckpt)
+    (tmp_path / "v.mp4").write_bytes(_mp4(13, 5, 24, 40))
+    (tmp_path / "a.json").write_text(json.dumps([_record(0, {"video": "v.mp4"})]))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "<video>\nWhat moves?"}, {"role": "assistant", "content": "x"}],
+        "videos": ["v.mp4"]}) + "\n")
+    builder = SampleBuilder(spec, HFTokenizer.from_pretrained(ckpt),
+                            preprocessors=build_media_preprocessors(spec, {"vision": ckpt}))
+    (a,), (b,) = (read_conversations(tmp_path / name)[0] for name in ("a.json", "b.jsonl"))
+    one, two = builder.build(a, 0), builder.build(b, 0)
+    assert one.shape == two.shape and torch.equal(one.tokens.input_ids, two.tokens.input_ids)
+    assert torch.equal(one.tokens.items[0].inputs, two.tokens.items[0].inputs)
+    assert torch.equal(one.tokens.rope_positions, two.tokens.rope_positions)
