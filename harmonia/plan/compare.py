@@ -17,11 +17,12 @@ import numpy as np
 
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.plan.candidates import state_bytes_per_rank
-from harmonia.plan.recipes import Candidate, RECIPES
+from harmonia.plan.recipes import Candidate, RECIPES, simulate_work
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search import search_plan
 from harmonia.schedule.plan import Plan
 from harmonia.sim.engine import Timeline
+from harmonia.sim.memory import input_bytes
 
 MFU_NOTE = ("MFU: useful FLOPs per second (forward, input and weight gradients of every module, attention over "
             "the (query, key) pairs its mask keeps, as executed; recomputation not counted) over the devices' "
@@ -98,19 +99,23 @@ def score_plan(run: ScenarioRun, plan: Plan, recipe: str = "harmonia") -> Recipe
 def averages(run: ScenarioRun, cand: Candidate) -> RecipeResult:
     """A candidate simulated on the scenario's ``iterations`` batches: mean iteration time, bubble,
     MFU (FLOPs under the attention mask, as executed), samples and LLM tokens per second, and the
-    peak bytes of the busiest rank (states of its stages plus its activation peak). Only the first
+    peak bytes of the busiest rank (states of its stages, its activation peak and the encoder inputs
+    it holds, as the planner counts them: `harmonia.sim.memory.input_bytes`). Only the first
     iteration's timeline is kept (for its chart); the others leave their numbers."""
     states = state_bytes_per_rank(run.cost, cand.plan)
     flops = run.cluster.device.peak_flops
     first, seconds, bubbles, mfus, peak = None, [], [], [], 0.0
     for k in range(run.scenario.iterations):
-        t = run.timeline(cand, k)
+        iw = run.iteration_work(cand, k)  # what `run.timeline` simulates, kept for the inputs it holds
+        t = simulate_work(cand, iw, run.cost, run.cluster)
+        inputs = input_bytes(run.cost.mllm, iw)
         if first is None:
             first = t
         seconds.append(t.iteration_s)
         bubbles.append(t.bubble_frac)
         mfus.append(t.mfu(flops, run.cluster.units_of(t.ranks)))
-        peak = max(peak, max((states.get(r, 0.0) + t.peak_mem.get(r, 0.0) for r in states), default=0.0))
+        peak = max(peak, max((states.get(r, 0.0) + t.peak_mem.get(r, 0.0) + inputs.get(r, 0.0) for r in states),
+                             default=0.0))
     iteration = float(np.mean(seconds))
     tokens = float(np.mean([run.tokens[run.profile.batches[k]].sum() for k in range(run.scenario.iterations)]))
     return RecipeResult(
