@@ -1,5 +1,5 @@
 """The real-model path end to end for the Qwen-VL family: a tiny HF Qwen2.5-VL checkpoint and LLaVA
-JSON data through `harmonia train` (4 processes, the vision tower on a layout of its own beside the
+JSON data (images, and some short videos) through `harmonia train` (4 processes, the vision tower on a layout of its own beside the
 LLM's pipeline) -> `harmonia export` -> transformers, which must load the export with no missing or
 unexpected keys, give the same logits as harmonia's trained model, and score the training
 conversations better than the initial checkpoint.
@@ -30,6 +30,7 @@ def job(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qwen")
     base = write_tiny_qwen_vl(tmp / "base")
     write_synthetic_dataset(tmp / "data", 112, seed=0, heldout=1 / 7, tile=48, fmt="llava")
+    _add_videos(tmp / "data" / "train", 16)
     config = load_config(None, [
         f"--model.hf={base}", "--model.frozen=vision", f"--data.path={tmp / 'data' / 'train' / 'llava.json'}",
         "--train.steps=10", "--train.global_batch=16", "--train.warmup=1", "--train.lr=5e-3",
@@ -40,6 +41,20 @@ def job(tmp_path_factory):
 
     export_checkpoint(tmp / "run" / "ck", tmp / "export")
     return tmp, config, result
+
+
+def _add_videos(root: Path, n: int) -> None:
+    """``n`` records of a short mp4 each (a `<video>` question) beside the images: the tower's layout
+    takes videos through the video processor's sampling and sizing."""
+    from tests.unit.test_native_video import _mp4
+
+    records = json.loads((root / "llava.json").read_text())
+    for k in range(n):
+        (root / f"clip{k}.mp4").write_bytes(_mp4(6 + 2 * k, 4, 16 + 8 * (k % 3), 24 + 8 * (k % 2)))
+        records.append({"id": f"clip{k}", "video": f"clip{k}.mp4", "conversations": [
+            {"from": "human", "value": "<video>\nWhich way does it move?"},
+            {"from": "gpt", "value": ("left", "right")[k % 2]}]})
+    (root / "llava.json").write_text(json.dumps(records))
 
 
 def _inputs(path: Path, row: dict, root: Path) -> dict:
@@ -73,6 +88,7 @@ def test_plan_gives_the_tower_its_own_layout(job) -> None:
     llm = result.plan.layouts["llm"]
     assert llm.pp == 2 and result.plan.layouts["vision"] != llm
     assert result.losses[-1] < result.losses[0]
+    assert result.records[-1]["data/skipped"] == 0  # the videos' records too
 
 
 def test_export_loads_cleanly_with_harmonia_logits(job) -> None:
