@@ -274,8 +274,9 @@ class IterationBuilder:
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
         peak = 0.0
         if self.predict_peaks:
-            peak = (self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule, [self.rank]).get(self.rank, 0.0)
-                    + input_bytes(self.spec, iw, [self.rank]).get(self.rank, 0.0))
+            mine = [self.rank]
+            peak = (self.states.get(self.rank, 0.0) + activation_peaks(plan, iw, schedule, mine).get(self.rank, 0.0)
+                    + input_bytes(self.spec, iw, mine).get(self.rank, 0.0))
         return PreparedIteration(step, ids, len(wanted) - len(ids), assignment,
                                  schedule, batch, int(tokens.sum()), predicted, time.perf_counter() - t0,
                                  calibrated=sim_cost is not self.cost,

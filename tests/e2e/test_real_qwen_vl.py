@@ -1,8 +1,8 @@
 """The real-model path end to end for the Qwen-VL family: a tiny HF Qwen2.5-VL checkpoint and LLaVA
-JSON data (images, and some short videos) through `harmonia train` (4 processes, the vision tower on a layout of its own beside the
-LLM's pipeline) -> `harmonia export` -> transformers, which must load the export with no missing or
-unexpected keys, give the same logits as harmonia's trained model, and score the training
-conversations better than the initial checkpoint.
+JSON data (images, and some short videos) through `harmonia train` (4 processes, the vision tower on
+a layout of its own beside the LLM's pipeline) -> `harmonia export` -> transformers, which must load
+the export with no missing or unexpected keys, give the same logits as harmonia's trained model, and
+score the training conversations better than the initial checkpoint.
 """
 
 from __future__ import annotations
