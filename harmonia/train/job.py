@@ -55,11 +55,16 @@ def dataset_shapes(config: Config) -> list:
 def check_eval_data(config: Config) -> None:
     """With ``train.eval_every``, read the evaluation set before any rank starts: a set in no format
     the job reads stops it here with one line (as the training set does), its bad records are
-    reported once, and its shapes are cached for the ranks."""
+    reported once, its shapes are cached for the ranks, and a set of fewer usable samples than one
+    batch is refused here, not in every rank."""
     if config.train.eval_every:
         from harmonia.train.data import open_eval_data
+        from harmonia.train.eval_loss import EvalLoss
 
-        open_eval_data(config, model_spec(config), log_skips=True)
+        dataset, shapes = open_eval_data(config, model_spec(config), log_skips=True)
+        if dataset is not None:
+            where = config.data.eval_path or f"beside data.path={config.data.path!r}"
+            EvalLoss.batches_of(len(shapes), config.train.global_batch, where)
 
 
 def with_epochs(config: Config, console=None) -> Config:

@@ -129,3 +129,13 @@ def test_an_eval_path_that_does_not_exist_is_refused(tmp_path) -> None:
     config = _config(tmp_path, "bad", "--train.eval_every=1", f"--data.eval_path={tmp_path / 'nope.jsonl'}")
     with pytest.raises(ConfigError, match="data.eval_path=.*nope.jsonl.* does not exist"):
         run_training(config, Console(file=io.StringIO(), width=200))
+
+
+def test_an_eval_set_smaller_than_a_batch_stops_the_job_before_any_rank_starts(tmp_path) -> None:
+    """Counted by the launcher, with one line, not by every rank after it started (global batch 8)."""
+    from harmonia.errors import SampleError
+
+    config = _config(tmp_path, "small", "--train.eval_every=1", "--data.heldout=5")
+    with pytest.raises(SampleError, match="has 5 usable samples, fewer than train.global_batch=8"):
+        run_training(config, Console(file=io.StringIO(), width=200))
+    assert not (tmp_path / "small" / "metrics.jsonl").exists()  # no rank trained
