@@ -149,6 +149,9 @@ class DataConfig:
                          "an item or one leaving nothing learned still skips)")
     max_frames: int = _f(8, "frames sampled uniformly from each video; for a Qwen2-VL / Qwen2.5-VL tower the most "
                          "its video processor samples at its own rate (fps, min_frames, max_frames)")
+    frames_fps: float = _f(0.0, "frame rate of the videos given as lists of frame files, which have none of their "
+                           "own (0 = unknown: a tower that samples by rate, Qwen2-VL's and Qwen2.5-VL's, counts "
+                           "them as bad records)")
     max_pixels: int = _f(8192 * 8192, "images with more pixels are bad records, found from the header")
     on_error: str = _f("skip", "bad samples: skip (counted and reported) or fail")
     num_workers: int = _f(0, "worker processes reading media headers for the shape index and decoding each "
@@ -165,6 +168,7 @@ class DataConfig:
         _require(self.max_tokens > 0, "data.max_tokens", self.max_tokens, "a positive integer")
         _require(self.truncation in ("skip", "truncate"), "data.truncation", self.truncation, "'skip' or 'truncate'")
         _require(self.max_frames > 0, "data.max_frames", self.max_frames, "a positive integer")
+        _require(self.frames_fps >= 0, "data.frames_fps", self.frames_fps, "0 or a positive frame rate")
         _require(self.max_pixels > 0, "data.max_pixels", self.max_pixels, "a positive integer")
         _require(self.on_error in ("skip", "fail"), "data.on_error", self.on_error, "'skip' or 'fail'")
         _require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0")

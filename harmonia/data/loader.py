@@ -96,13 +96,15 @@ class MultimodalDataset(torch.utils.data.Dataset):
             reports it).
         truncate: cut samples longer than ``max_tokens`` instead of skipping them
             (`harmonia.data.samples.SampleBuilder`).
+        frames_fps: the frame rate of videos given as lists of frame files (None: unknown).
     """
 
     def __init__(self, path: str | Path, mllm: MLLMSpec, max_tokens: int = 4096, max_frames: int = 8,
                  on_error: str = "skip", *, format: str = "auto", tokenizer: Tokenizer | None = None,
                  media_root: str | Path | None = None, allow_outside_root: bool = False, seed: int = 0,
                  preprocessors: dict | None = None, shape_cache: str | Path | None = None,
-                 num_workers: int = 0, log_skips: bool = True, truncate: bool = False) -> None:
+                 num_workers: int = 0, log_skips: bool = True, truncate: bool = False,
+                 frames_fps: float | None = None) -> None:
         if on_error not in POLICIES:
             raise ConfigError(f"on_error={on_error!r} is invalid; expected one of {POLICIES}")
         self.path, self.mllm, self.on_error = Path(path), mllm, on_error
@@ -111,7 +113,7 @@ class MultimodalDataset(torch.utils.data.Dataset):
         tokens = None if identity is None else TokenCountCache(
             token_cache_path(shape_cache) if shape_cache is not None else None, identity)
         self.builder = SampleBuilder(mllm, self.tokenizer, max_tokens, preprocessors or {},
-                                     FrameSampling(num_frames=max_frames), tokens, truncate)
+                                     FrameSampling(num_frames=max_frames), tokens, truncate, frames_fps=frames_fps)
         self.shape_cache, self.num_workers, self.log_skips = shape_cache, num_workers, log_skips
         self.stats = DataStats()
         self._counted: set = set()  # a bad record is counted once, however often it is read
@@ -287,7 +289,7 @@ def open_dataset(path: str | Path, mllm: MLLMSpec, *, tokenizer: Tokenizer | Non
         max_frames: frames sampled from each video.
         on_error: ``skip`` or ``fail``.
         **options: `MultimodalDataset`'s keyword options (media_root, allow_outside_root, seed,
-            preprocessors, shape_cache, num_workers, truncate).
+            preprocessors, shape_cache, num_workers, truncate, frames_fps).
 
     Returns:
         The dataset: ``shapes()`` for the scheduler, ``load(indices)`` / ``iter_load(batches)`` for the

@@ -120,6 +120,8 @@ class SampleBuilder:
             instead of being a bad record (``too_long``).
         preprocessors: encoder module -> its media preprocessing (`M.build_media_preprocessors`).
         sampling: video frame sampling.
+        frames_fps: the frame rate of videos given as lists of frame files (None: unknown; a tower
+            that samples by rate refuses them).
     """
 
     mllm: MLLMSpec
@@ -130,6 +132,7 @@ class SampleBuilder:
     token_cache: TokenCountCache | None = None
     truncate: bool = False
     encoded: EncodedCache = field(default_factory=EncodedCache, compare=False, repr=False)
+    frames_fps: float | None = None
 
     def _module(self, ref: MediaRef, where: str) -> str:
         try:
@@ -155,7 +158,7 @@ class SampleBuilder:
         try:
             if header is None:
                 header = M.media_shape(_kind(ref), self._read(ref, conv))
-            return M.shape_item(_kind(ref), header, self._prep(module), self.sampling)
+            return M.shape_item(_kind(ref), header, self._prep(module), self.sampling, self.frames_fps or None)
         except (M.MediaError, DataError) as e:  # the record's location, then the file's message
             raise DataError(e.kind, where, str(e)) from e
 
@@ -167,9 +170,10 @@ class SampleBuilder:
         try:
             if enc.native is not None and kind in ("video", "frames"):
                 item, x, step = M.decode_native_video(kind, self._read(ref, conv), M.image_preprocessor(
-                    self._prep(module)), self.sampling)
+                    self._prep(module)), self.sampling, self.frames_fps or None)
             else:
-                item, x = M.decode_item(kind, self._read(ref, conv), self._prep(module), self.sampling)
+                item, x = M.decode_item(kind, self._read(ref, conv), self._prep(module), self.sampling,
+                                        self.frames_fps or None)
         except (M.MediaError, DataError) as e:  # the record's location, then the file's message
             raise DataError(e.kind, where, str(e)) from e
         _check_declared(ref, item, where)

@@ -92,7 +92,8 @@ def _open(config: Config, path: Path, training: bool, spec, tokenizer, cache_dir
     spec = spec or model_spec(config)
     d = config.data
     return open_dataset(path, spec, tokenizer=tokenizer or job_tokenizer(config), format=d.format,
-                        max_tokens=d.max_tokens, max_frames=d.max_frames, on_error=d.on_error if training else "skip",
+                        max_tokens=d.max_tokens, max_frames=d.max_frames, frames_fps=d.frames_fps or None,
+                        on_error=d.on_error if training else "skip",
                         media_root=d.media_root or None, allow_outside_root=d.allow_outside_root,
                         seed=config.train.seed, num_workers=d.num_workers, truncate=d.truncation == "truncate",
                         preprocessors=job_preprocessors(config, spec), log_skips=log_skips,

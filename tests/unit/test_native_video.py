@@ -200,3 +200,32 @@ def test_messages_jsonl_videos_are_the_llava_json_ones(tmp_path):
     assert one.shape == two.shape and torch.equal(one.tokens.input_ids, two.tokens.input_ids)
     assert torch.equal(one.tokens.items[0].inputs, two.tokens.items[0].inputs)
     assert torch.equal(one.tokens.rope_positions, two.tokens.rope_positions)
+
+
+def test_a_video_of_frame_files_is_sampled_at_data_frames_fps(tmp_path):
+    """A list of frame files has no frame rate of its own: with ``data.frames_fps`` the video
+    processor samples it as a container of that rate; without, it is a bad record naming why."""
+    from PIL import Image
+
+    ckpt = write_tiny_qwen_vl(tmp_path / "ckpt")
+    spec = mllm_spec_from_hf(ckpt)
+    clip = frames(10, 24, 40)
+    for k, frame in enumerate(clip):
+        Image.fromarray(frame).save(tmp_path / f"f{k}.png")
+    (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What moves?", "answer": "x", "media": [
+        {"type": "video", "frames": [f"f{k}.png" for k in range(10)]}]}) + "\n")
+    args = dict(tokenizer=HFTokenizer.from_pretrained(ckpt),
+                preprocessors=build_media_preprocessors(spec, {"vision": ckpt}))
+    unknown = MultimodalDataset(tmp_path / "data.jsonl", spec, **args)
+    assert not unknown.shapes() and "frame rate" in " ".join(unknown.stats.examples["unsupported_media"])
+    data = MultimodalDataset(tmp_path / "data.jsonl", spec, frames_fps=5.0, **args)
+    (shape,) = data.shapes()
+    (loaded,) = data.load([0])
+    assert loaded.shape == shape and shape.items[0].frames == 4  # 10 frames at 5 fps, sampled at 2 per second
+    video = NativeVideoPreprocessor(spec.encoders["vision"])
+    indices = video.indices(10, 5.0)
+    assert indices == [0, 2, 5, 7]
+    rows, grid = video.patches(clip[indices])
+    (item,) = loaded.tokens.items
+    assert torch.equal(item.inputs, rows) and item.grid[0].tolist() == list(grid)
+    assert item.second_per_grid == video.second_per_grid(4, 10, 5.0)
