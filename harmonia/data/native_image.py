@@ -69,7 +69,8 @@ class NativeImagePreprocessor:
             raise MediaError("unsupported_media", str(e)) from e
 
     @classmethod
-    def for_encoder(cls, encoder: EncoderSpec, max_pixels: int = DEFAULT_MAX_PIXELS) -> NativeImagePreprocessor:
+    def for_encoder(cls, encoder: EncoderSpec, max_pixels: int = DEFAULT_MAX_PIXELS,
+                    video_root: str | Path | None = None) -> NativeImagePreprocessor:
         """The processor with the spec's numbers (transformers' defaults for the rest)."""
         if encoder.native is None:
             raise ConfigError(f"encoder {encoder.name!r} is not a native-resolution tower harmonia builds")
@@ -77,7 +78,7 @@ class NativeImagePreprocessor:
             size={"shortest_edge": encoder.min_pixels, "longest_edge": encoder.max_pixels},
             patch_size=encoder.patch_size, merge_size=encoder.native.merge_size,
             temporal_patch_size=encoder.temporal_merge)
-        return cls(processor, encoder, max_pixels)
+        return cls(processor, encoder, max_pixels, video_root)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, encoder: EncoderSpec,
@@ -86,9 +87,7 @@ class NativeImagePreprocessor:
         from transformers import AutoImageProcessor
 
         if not (Path(path) / "preprocessor_config.json").is_file():
-            out = cls.for_encoder(encoder, max_pixels)
-            out._video_root = path
-            return out
+            return cls.for_encoder(encoder, max_pixels, video_root=path)
         return cls(AutoImageProcessor.from_pretrained(str(path), local_files_only=True), encoder, max_pixels, path)
 
     def patches(self, img: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:

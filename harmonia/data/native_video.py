@@ -82,11 +82,11 @@ class NativeVideoPreprocessor:
         """Indices of the frames sampled from a video of ``total`` frames at ``video_fps``.
 
         Raises:
-            MediaError: no frame rate (a frame list without ``fps``), or too few frames to merge.
+            MediaError: no frame rate (a frame list without ``data.frames_fps``), or too few frames to merge.
         """
         if not video_fps:
-            raise MediaError("unsupported_media", "a Qwen-VL video is sampled by rate and needs its frame rate; give "
-                             "'fps' for a list of frames")
+            raise MediaError("unsupported_media", "a Qwen-VL video is sampled by rate and needs its frame rate; for "
+                             "videos given as lists of frame files set data.frames_fps")
         try:
             return self.encoder.video.frame_indices(total, video_fps, self.temporal_patch, cap)
         except SampleError as e:
