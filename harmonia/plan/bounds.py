@@ -336,7 +336,7 @@ def _pipeline_bound(plan: Plan, iw: IterationWork, kinds: dict, tasks: dict, per
     feeders: dict[tuple[str, int, int], list[int]] = {}  # (encoder, LLM replica, microbatch) -> its encoder replicas
     for enc, e, d, m in sorted(iw.boundary_bytes):
         feeders.setdefault((enc, d, m), []).append(e)
-    for d in range(llm.dp):
+    for d in sorted({key.replica for key in per_key if key.module == "llm"}):  # those priced: all, or some
         chains = [_encoder_chains(plan, iw, kinds, feeders, d, m) for m in ms]
         head = [f for f, _ in chains]
         grads: list[list[float | None]] = [[] for _ in ms]  # per microbatch, chunk c's input-gradient task

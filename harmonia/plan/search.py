@@ -69,6 +69,7 @@ from dataclasses import dataclass, field, replace
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound_busy
 from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
+from harmonia.plan.heavy_replicas import heaviest_replicas
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.memory import work_peak_floor
 from harmonia.plan.recipes import (MEMORY_HEADROOM, Candidate, assign, assignment_key, candidate_schedule, candidates,
@@ -298,19 +299,36 @@ class _Scorer:
         run = self.run
         return plan_bound(cand.plan, run.cost, run.cluster, run.profile, [self.batches[j]]).lower_s
 
+    def _assignment(self, cand: Candidate, j: int) -> IterationAssignment:
+        """The recipe's assignment of batch ``j`` (kept: candidates with one `assignment_key` share it)."""
+        run, k = self.run, self.batches[j]
+        akey = (*assignment_key(cand), k)
+        if akey not in self.assignments:
+            batch = run.profile.batches[k]
+            self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost,
+                                            [run.samples[i] for i in batch])
+        return self.assignments[akey]
+
+    def _heaviest_work(self, cand: Candidate, j: int) -> IterationWork:
+        """Batch ``j``'s stage work of the heaviest replicas alone (`heaviest_replicas`): what its
+        bound is taken over (every replica's where those are all)."""
+        run, batch = self.run, self.run.profile.batches[self.batches[j]]
+        assignment = self._assignment(cand, j)
+        replicas = heaviest_replicas(cand.plan, assignment, run.costs[batch], run.cost.modules)
+        if replicas is None:
+            return self._iteration(cand, j)
+        return plan_iteration_work([run.samples[i] for i in batch], cand.plan, run.cost, assignment,
+                                   replicas=replicas)
+
     def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
         wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches, _layouts_key(plan, self.run.cost),
                 plan.recompute_key, j)
         if wkey in self.work_cache:
             return self.work_cache[wkey]
-        run, k = self.run, self.batches[j]
-        batch = run.profile.batches[k]
-        akey = (*assignment_key(cand), k)
-        shapes = [run.samples[i] for i in batch]
-        if akey not in self.assignments:
-            self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost, shapes)
-        iw = plan_iteration_work(shapes, plan, run.cost, self.assignments[akey])
+        run = self.run
+        batch = run.profile.batches[self.batches[j]]
+        iw = plan_iteration_work([run.samples[i] for i in batch], plan, run.cost, self._assignment(cand, j))
         if len(self.work_cache) >= self.keep:
             self.work_cache.pop(next(iter(self.work_cache)))
         self.work_cache[wkey] = iw
@@ -357,11 +375,12 @@ class _Scorer:
         return f"{over} on a heavier batch" if over else None
 
     def work(self, cand: Candidate, key: tuple, j: int) -> float:
-        """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`); the
-        iteration's independent parts are queued for simulation: the busiest part's busiest column,
-        the busiest part, then the others together (one replay of a few ranks costs little beside
-        building the schedule's lists)."""
-        iw = self._iteration(cand, j)
+        """The bound of batch ``j``'s actual stage work (`harmonia.plan.bounds.work_bound`) on its
+        heaviest replicas (`_heaviest_work`); the iteration's independent parts are queued for
+        simulation: the busiest part's busiest column, the busiest part, then the others together
+        (one replay of a few ranks costs little beside building the schedule's lists), the parts
+        ordered by the busy seconds of the ranks priced."""
+        iw = self._heaviest_work(cand, j)
         self._record(key, max(work_peak_floor(self.run.cost, cand.plan, iw).values(), default=0.0))
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0

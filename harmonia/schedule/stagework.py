@@ -21,7 +21,7 @@ LLM replica, so each stage and microbatch takes the slowest replica's work.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -181,7 +181,8 @@ def _item_load(cost: CostModel, encoder: str, items: list) -> tuple[ModuleLoad, 
 
 def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostModel, assignment: IterationAssignment,
                         n_sub: Mapping[str, Sequence[int]] | None = None,
-                        sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]] | None = None) -> IterationWork:
+                        sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]] | None = None,
+                        replicas: Mapping[str, Collection[int]] | None = None) -> IterationWork:
     """Stage work of every module for an iteration (see the module docstring).
 
     Args:
@@ -192,6 +193,10 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         n_sub: encoder -> sub-microbatches per microbatch (the schedule's ``n_sub``; default 1).
         sub_runs: the split items' runs to use (another cost model's `IterationWork.sub_runs`, so a
             calibrated simulation prices the cut the executor runs); default: cut by ``cost``.
+        replicas: per module, the replicas whose units are priced (default: every one; the boundary
+            bytes are always whole). A bound on the work of some replicas is a bound on the whole
+            (`harmonia.plan.bounds.work_bound_busy`), found without pricing the thousands of units
+            of a large cluster's other replicas.
     """
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     h_llm = cost.mllm.llm.hidden
@@ -200,9 +205,10 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     for m, samples in enumerate(assignment.microbatches):
         owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
-            load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
             owner.update((p, d) for p in positions)
-            _add_module_work(out, plan, cost, LLM, llm_chunks, d, m, None, load, ModuleLoad())
+            if replicas is None or d in replicas[LLM]:
+                load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
+                _add_module_work(out, plan, cost, LLM, llm_chunks, d, m, None, load, ModuleLoad())
         for enc in plan.encoders:
             every = assignment.encoder_cuts.get(enc)
             cuts = every[m] if every else {}
@@ -218,23 +224,31 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         if sub_runs:
             _add_encoder_work(out, plan, cost, enc, sub_runs, loads)
         else:
-            _kept_encoder_work(out, plan, cost, enc, loads)
+            _kept_encoder_work(out, plan, cost, enc, loads, None if replicas is None else replicas[enc])
     return out
 
 
 def _kept_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
-                       loads: Sequence[dict[str, ModuleLoad]]) -> None:
+                       loads: Sequence[dict[str, ModuleLoad]], replicas: Collection[int] | None = None) -> None:
     """`_add_encoder_work`, or its entries kept on the assignment from an earlier plan with the same
     encoder layout, recomputation and sub-microbatches priced by the same cost model (plans that
-    differ in the LLM's layout alone share an assignment and so every encoder unit)."""
+    differ in the LLM's layout alone share an assignment and so every encoder unit); only those of
+    ``replicas`` where given."""
     key = ("encoder work", cost, enc, plan.layouts[enc], plan.recompute_share(enc), out.n_sub.get(enc))
     kept = out.assignment.memo.get(key)
     if kept is None:
         part = IterationWork(out.assignment, out.shapes, out.n_sub)
         _add_encoder_work(part, plan, cost, enc, {}, loads)
-        kept = out.assignment.memo[key] = (part.work, part.stage_ranks, part.sub_runs)
-    work, ranks, runs = kept
-    out.work.update(work)
+        by_replica: dict[int, dict[WorkKey, MicrobatchWork]] = {}
+        for unit, w in part.work.items():
+            by_replica.setdefault(unit[0].replica, {})[unit] = w
+        kept = out.assignment.memo[key] = (part.work, part.stage_ranks, part.sub_runs, by_replica)
+    work, ranks, runs, by_replica = kept
+    if replicas is None:
+        out.work.update(work)
+    else:
+        for e in replicas:
+            out.work.update(by_replica.get(e, {}))
     out.stage_ranks.update(ranks)
     out.sub_runs.update(runs)
 

@@ -67,7 +67,7 @@ UNIT_CACHE = 1 << 16
 """Most `CostModel.unit_cost` results one cost model keeps (about 25 MB)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PhaseTimes:
     """Seconds of forward, input-gradient and weight-gradient work."""
 

@@ -11,12 +11,14 @@ from dataclasses import replace
 import pytest
 
 import harmonia.plan.bounds as bounds
-from harmonia.plan.bounds import plan_bound, work_bound
+from harmonia.plan.bounds import plan_bound, work_bound, work_bound_busy
 from harmonia.plan.candidates import lower_bound_s
-from harmonia.plan.recipes import (RECIPES, Candidate, candidates, homogeneous_candidates, recompute_options,
+from harmonia.plan.heavy_replicas import heaviest_replicas
+from harmonia.plan.recipes import (RECIPES, Candidate, assign, candidates, homogeneous_candidates, recompute_options,
                                    simulate_work)
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.layout import Layout
+from harmonia.schedule.stagework import plan_iteration_work
 
 TOLERANCE = 1e-9
 
@@ -106,3 +108,52 @@ def test_bounds_never_exceed_the_simulated_time(name: str, shared_traces, monkey
     # the pipeline fill and drain raise the work bound, interleaved chunks included: the check exercises them
     assert sharper >= {"1f1b", "interleaved"}, sharper
     assert slowed, "no resharded LLM's analytic bound counts the slowdown beside its gathers"
+
+
+
+def _replica_ranks(layout: Layout, d: int) -> list[int]:
+    return [r for i, r in enumerate(layout.rank_list()) if i // (layout.cp * layout.tp) % layout.dp == d]
+
+
+def test_the_bound_on_the_heaviest_replicas_bounds_the_whole_and_is_exact_on_their_ranks(shared_traces) -> None:
+    """The search bounds a batch on the units of each module's heaviest replicas and of every replica
+    sharing their ranks (`heaviest_replicas`): at most the bound over every unit, every rank whose
+    replicas are all priced has its whole busy seconds, and the heaviest LLM replica's ranks are such."""
+    run = ScenarioRun(_scenario("omni-8b frozen encoders, 16 GPUs", shared_traces))
+    batch = run.profile.batches[1]
+    shapes = [run.samples[i] for i in batch]
+    partial_plans, tight = 0, 0
+    for cand in _spread(run):
+        plan = cand.plan
+        assignment = assign(cand, run.costs[batch], run.tokens[batch], run.cost, shapes)
+        assert heaviest_replicas(plan, assignment, run.costs[batch], run.cost.modules, count=len(batch)) is None
+        replicas = heaviest_replicas(plan, assignment, run.costs[batch], run.cost.modules, count=1)
+        if replicas is None:
+            continue
+        partial_plans += 1
+        whole = plan_iteration_work(shapes, plan, run.cost, assignment)
+        some = plan_iteration_work(shapes, plan, run.cost, assignment, replicas=replicas)
+        assert len(some.work) < len(whole.work)
+        assert some.boundary_bytes == whole.boundary_bytes
+        bound, busy = work_bound_busy(plan, run.cost, run.cluster, some)
+        full_bound, full_busy = work_bound_busy(plan, run.cost, run.cluster, whole)
+        assert bound <= full_bound * (1 + TOLERANCE), _describe(cand)
+        tight += bound >= full_bound * (1 - 1e-9)
+        priced = {(m, d) for m, chosen in replicas.items() for d in chosen}
+        holders: dict[int, set] = {}
+        for m, layout in plan.layouts.items():
+            for d in range(layout.dp):
+                for r in _replica_ranks(layout, d):
+                    holders.setdefault(r, set()).add((m, d))
+        whole_ranks = {r for r, held in holders.items() if held <= priced}
+        assert whole_ranks
+        for r in whole_ranks:
+            assert busy.get(r, 0.0) == full_busy.get(r, 0.0), (r, _describe(cand))
+        llm_loads = [0.0] * plan.layouts["llm"].dp
+        for samples, split in zip(assignment.microbatches, assignment.llm_split):
+            for d, positions in enumerate(split):
+                llm_loads[d] += sum(run.costs[batch][samples[p], run.cost.modules.index("llm")] for p in positions)
+        heaviest_llm = max(range(len(llm_loads)), key=llm_loads.__getitem__)
+        assert set(_replica_ranks(plan.layouts["llm"], heaviest_llm)) <= whole_ranks, _describe(cand)
+    assert partial_plans >= 10
+    assert tight >= partial_plans // 2, f"the heaviest replica's bound matched the whole on {tight} of {partial_plans}"
