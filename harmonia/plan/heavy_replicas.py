@@ -42,12 +42,10 @@ def heaviest_replicas(plan: Plan, assignment: IterationAssignment, costs: np.nda
     if all(layout.dp <= count for layout in plan.layouts.values()):
         return None
     columns, names = module_columns(costs, modules, plan.encoders)
-    work = {name: np.zeros(plan.layouts[name].dp) for name in names}
-    for m, samples in enumerate(assignment.microbatches):
-        rows = np.asarray(samples)
-        _add_split(work["llm"], assignment.llm_split[m], columns[rows, 0])
-        for j, enc in enumerate(names[1:], 1):
-            _add_split(work[enc], assignment.encoder_split[enc][m], columns[rows, j])
+    work = {}
+    for j, name in enumerate(names):
+        rows, replicas = _held_rows(assignment, name)
+        work[name] = np.bincount(replicas, weights=columns[rows, j], minlength=plan.layouts[name].dp)
     chosen = {name: set(np.argsort(-w, kind="stable")[:count].tolist()) for name, w in work.items()}
     ranks = {r for name, replicas in chosen.items() for d in replicas for r in _ranks_of(plan.layouts[name])[d]}
     for name in names:
@@ -58,11 +56,20 @@ def heaviest_replicas(plan: Plan, assignment: IterationAssignment, costs: np.nda
     return chosen
 
 
-def _add_split(out: np.ndarray, split: list[list[int]], seconds: np.ndarray) -> None:
-    """Add to each replica the seconds of the microbatch positions it holds."""
-    for d, positions in enumerate(split):
-        if positions:
-            out[d] += float(seconds[positions].sum())
+def _held_rows(assignment: IterationAssignment, module: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every (batch position, replica) a module's split of the assignment holds, as two arrays
+    (kept on the assignment: each candidate sharing it asks again)."""
+    key = ("held rows", module)
+    if key not in assignment.memo:
+        split = assignment.llm_split if module == "llm" else assignment.encoder_split[module]
+        rows: list[int] = []
+        replicas: list[int] = []
+        for samples, per_replica in zip(assignment.microbatches, split):
+            for d, positions in enumerate(per_replica):
+                rows.extend(samples[p] for p in positions)
+                replicas.extend([d] * len(positions))
+        assignment.memo[key] = (np.asarray(rows, dtype=np.int64), np.asarray(replicas, dtype=np.int64))
+    return assignment.memo[key]
 
 
 @functools.lru_cache(maxsize=256)

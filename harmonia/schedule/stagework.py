@@ -199,32 +199,44 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
             of a large cluster's other replicas.
     """
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
-    h_llm = cost.mllm.llm.hidden
     llm_chunks = _module_chunks(cost, plan, LLM)
     loads = [cost.sample_loads(s) for s in shapes]  # per module, of each sample of the batch
     for m, samples in enumerate(assignment.microbatches):
-        owner = {}
         for d, positions in enumerate(assignment.llm_split[m]):
-            owner.update((p, d) for p in positions)
             if replicas is None or d in replicas[LLM]:
                 load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
                 _add_module_work(out, plan, cost, LLM, llm_chunks, d, m, None, load, ModuleLoad())
-        for enc in plan.encoders:
-            every = assignment.encoder_cuts.get(enc)
-            cuts = every[m] if every else {}
-            for e, positions in enumerate(assignment.encoder_split[enc][m]):
-                for p in positions:  # boundary rows: this replica's samples (or shares), to the replica packing each
-                    share = cuts.get((e, p)) if cuts else None
-                    rows = loads[samples[p]][f"{enc}_proj"].tokens if share is None else share[2]
-                    if rows:  # each row: an LLM token, and its DeepStack features where the projector adds them
-                        key = (enc, e, owner[p], m)
-                        width = h_llm * (1 + cost.mllm.projectors[f"{enc}_proj"].deepstack)
-                        out.boundary_bytes[key] = out.boundary_bytes.get(key, 0.0) + rows * width * cost.act_bytes
+    key = ("boundary bytes", cost, tuple(plan.encoders))  # the assignment's alone: kept for the next plan
+    if key not in assignment.memo:
+        assignment.memo[key] = _boundary_bytes(assignment, plan, cost, loads)
+    out.boundary_bytes.update(assignment.memo[key])
     for enc in plan.encoders:
         if sub_runs:
             _add_encoder_work(out, plan, cost, enc, sub_runs, loads)
         else:
             _kept_encoder_work(out, plan, cost, enc, loads, None if replicas is None else replicas[enc])
+    return out
+
+
+def _boundary_bytes(assignment: IterationAssignment, plan: Plan, cost: CostModel,
+                    loads: Sequence[dict[str, ModuleLoad]]) -> dict[tuple[str, int, int, int], float]:
+    """(encoder, encoder replica, LLM replica, microbatch) -> bytes of the rows the encoder replica
+    sends the LLM replica packing each of its samples (or shares of them) in the microbatch."""
+    out: dict[tuple[str, int, int, int], float] = {}
+    h_llm = cost.mllm.llm.hidden
+    for m, samples in enumerate(assignment.microbatches):
+        owner = {p: d for d, positions in enumerate(assignment.llm_split[m]) for p in positions}
+        for enc in plan.encoders:
+            every = assignment.encoder_cuts.get(enc)
+            cuts = every[m] if every else {}
+            for e, positions in enumerate(assignment.encoder_split[enc][m]):
+                for p in positions:  # this replica's samples (or shares), to the replica packing each
+                    share = cuts.get((e, p)) if cuts else None
+                    rows = loads[samples[p]][f"{enc}_proj"].tokens if share is None else share[2]
+                    if rows:  # each row: an LLM token, and its DeepStack features where the projector adds them
+                        key = (enc, e, owner[p], m)
+                        width = h_llm * (1 + cost.mllm.projectors[f"{enc}_proj"].deepstack)
+                        out[key] = out.get(key, 0.0) + rows * width * cost.act_bytes
     return out
 
 
@@ -236,6 +248,9 @@ def _kept_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str
     ``replicas`` where given."""
     key = ("encoder work", cost, enc, plan.layouts[enc], plan.recompute_share(enc), out.n_sub.get(enc))
     kept = out.assignment.memo.get(key)
+    if kept is None and replicas is not None:  # a few replicas' units: priced, not kept
+        _add_encoder_work(out, plan, cost, enc, {}, loads, replicas)
+        return
     if kept is None:
         part = IterationWork(out.assignment, out.shapes, out.n_sub)
         _add_encoder_work(part, plan, cost, enc, {}, loads)
@@ -266,15 +281,17 @@ def with_submicrobatches(iw: IterationWork, plan: Plan, cost: CostModel, encoder
 
 def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                       sub_runs: Mapping[tuple[str, int, int], list[tuple[int, int]]],
-                      loads: Sequence[dict[str, ModuleLoad]]) -> None:
-    """Each replica's items of every microbatch, cut into the microbatch's sub-microbatches by cost;
-    ``loads``: the batch's `CostModel.sample_loads`, in sample order."""
+                      loads: Sequence[dict[str, ModuleLoad]], replicas: Collection[int] | None = None) -> None:
+    """Each replica's (or each of ``replicas``') items of every microbatch, cut into the microbatch's
+    sub-microbatches by cost; ``loads``: the batch's `CostModel.sample_loads`, in sample order."""
     assignment, chunks = out.assignment, _module_chunks(cost, plan, enc)
     every = assignment.encoder_cuts.get(enc)
     for m, samples in enumerate(assignment.microbatches):
         subs = out.subs(enc, m)
         cuts = every[m] if every else {}
         for e, positions in enumerate(assignment.encoder_split[enc][m]):
+            if replicas is not None and e not in replicas:
+                continue
             if len(subs) == 1:  # the samples' loads summed (what their items' loads sum to), and the shares'
                 whole = [p for p in positions if (e, p) not in cuts] if cuts else positions
                 mine = [loads[samples[p]] for p in whole]
