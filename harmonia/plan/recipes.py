@@ -432,12 +432,13 @@ def _product(choices: list[list[Layout]]) -> Iterator[tuple[Layout, ...]]:
 
 
 def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: CostModel,
-           shapes: Sequence[SampleShape] | None = None) -> IterationAssignment:
+           shapes: Sequence[SampleShape] | None = None, kept: dict | None = None) -> IterationAssignment:
     """The recipe's assignment of a batch (``costs``: (n, modules) rows of its samples, columns
     ``cost.modules``): global microbatches as batch positions, split over the LLM replicas by the
     recipe's rule, and over each encoder's replicas by sample (`assemble_iteration`); harmonia's is
     the trainer's own (`assign_iteration`, then its colocated encoders' items cut evenly over the
-    replicas feeding each LLM replica, `cut_encoder_items`, where the batch's ``shapes`` are given)."""
+    replicas feeding each LLM replica, `cut_encoder_items`, where the batch's ``shapes`` are given).
+    ``kept``: what those keep between calls on the same batch and cost model (a search's)."""
     plan = candidate.plan
     dp, n_mb = plan.layouts["llm"].dp, plan.n_microbatches
     encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
@@ -449,8 +450,8 @@ def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: Co
     elif candidate.recipe == "disttrain":
         per_replica = assign_reordered(positions, costs, dp, n_mb)
     else:
-        balanced = assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds)
-        return balanced if shapes is None else cut_encoder_items(balanced, plan, cost, shapes)
+        balanced = assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds, kept=kept)
+        return balanced if shapes is None else cut_encoder_items(balanced, plan, cost, shapes, kept)
     return assemble_iteration([per_replica[d] for d in range(dp)], columns, names, encoder_dp, feeds=feeds)
 
 

@@ -285,6 +285,7 @@ class _Scorer:
         self.run, self.batches = run, batches
         self.keep = keep if keep is not None else max(16, 16384 // run.cluster.world_size)
         self.assignments: dict[tuple, IterationAssignment] = {}
+        self.kept: dict[int, dict] = {}  # batch -> what its assignments share (`assign`'s ``kept``)
         self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
         self.parts: dict[tuple, _Parts] = {}  # (simulation key, batch) -> its parts being simulated
@@ -306,7 +307,7 @@ class _Scorer:
         if akey not in self.assignments:
             batch = run.profile.batches[k]
             self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost,
-                                            [run.samples[i] for i in batch])
+                                            [run.samples[i] for i in batch], self.kept.setdefault(k, {}))
         return self.assignments[akey]
 
     def _heaviest_work(self, cand: Candidate, j: int) -> IterationWork:

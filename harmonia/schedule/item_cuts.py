@@ -100,7 +100,7 @@ def encoder_items(shape: SampleShape, encoder: EncoderSpec) -> list[ModalityItem
 
 
 def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostModel,
-                      shapes: Sequence[SampleShape]) -> IterationAssignment:
+                      shapes: Sequence[SampleShape], kept: dict | None = None) -> IterationAssignment:
     """The assignment with each colocated encoder's work of every LLM replica's microbatch cut
     evenly over its feeding replicas (module docstring); other encoders keep their split.
 
@@ -110,6 +110,8 @@ def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostMod
         plan: the layouts (which replicas feed which LLM replica).
         cost: the cost model (each unit's seconds).
         shapes: the batch's sample shapes.
+        kept: each encoder's item table (`_item_table`) of earlier calls on the same ``shapes`` and
+            ``cost``; updated with this call's.
     """
     split, cuts = dict(assignment.encoder_split), dict(assignment.encoder_cuts)
     for e in plan.encoders:
@@ -118,7 +120,11 @@ def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostMod
         if len(set(owned)) != len(owned) or max(len(rs) for rs in feeds) < 2 or len(feeds) != plan.layouts["llm"].dp:
             continue
         spec = cost.mllm.encoders[e]
-        table = _item_table(cost, e, spec, shapes)
+        table = None if kept is None else kept.get(("item table", e))
+        if table is None:
+            table = _item_table(cost, e, spec, shapes)
+            if kept is not None:
+                kept[("item table", e)] = table
         split[e], cuts[e] = [], []
         for m, samples in enumerate(assignment.microbatches):
             dealt = assignment.encoder_split[e][m]

@@ -87,11 +87,14 @@ def deal_longest_first(weights: np.ndarray, n_bins: int, loads: np.ndarray | Non
     """Positions dealt longest first onto the lightest bin (ascending within a bin; bins may be empty).
     ``loads``: (n_bins,) work the bins already hold, updated in place."""
     bins: list[list[int]] = [[] for _ in range(n_bins)]
-    loads = np.zeros(n_bins) if loads is None else loads
-    for i in np.argsort(-np.asarray(weights, dtype=float), kind="stable"):
-        b = int(np.argmin(loads))
-        bins[b].append(int(i))
-        loads[b] += weights[i]
+    held = [0.0] * n_bins if loads is None else loads.tolist()  # Python floats: the same sums, a fraction of the time
+    w = np.asarray(weights, dtype=float).tolist()
+    for i in sorted(range(len(w)), key=lambda i: -w[i]):  # longest first, ties in position order
+        b = min(range(n_bins), key=held.__getitem__)  # the first lightest, as argmin
+        bins[b].append(i)
+        held[b] += w[i]
+    if loads is not None:
+        loads[:] = held
     return [sorted(b) for b in bins]
 
 
@@ -229,7 +232,8 @@ def assemble_iteration(per_replica: Sequence[Sequence[Sequence[int]]], costs: np
 
 def assign_iteration(costs: np.ndarray, modules: Sequence[str], llm_dp: int, encoder_dp: Mapping[str, int],
                      n_microbatches: int, *, tokens: np.ndarray | None = None, token_cap: float | None = None,
-                     seed: int = 0, feeds: Mapping[str, Sequence[Sequence[int]]] | None = None) -> IterationAssignment:
+                     seed: int = 0, feeds: Mapping[str, Sequence[Sequence[int]]] | None = None,
+                     kept: dict | None = None) -> IterationAssignment:
     """Balanced global microbatches of one iteration (steps 1-3 of the module docstring).
 
     Args:
@@ -243,14 +247,22 @@ def assign_iteration(costs: np.ndarray, modules: Sequence[str], llm_dp: int, enc
         seed: tie-break seed (the result is deterministic for a seed).
         feeds: encoder -> per LLM replica, the encoder replicas that feed it (`feeding_replicas`);
             default: every replica feeds every LLM replica.
+        kept: the LLM's DP balances of earlier calls with the same ``costs``, ``tokens``, cap and
+            seed, by replicas and microbatches (a plan search assigns one batch for many encoder
+            layouts, which the balance does not depend on); updated with this call's.
 
     Raises:
         ScheduleError: fewer samples than ``llm_dp x n_microbatches``, a sample over the cap, an
             encoder missing from ``modules``, or ``feeds`` that do not cover an encoder's replicas.
     """
     costs = np.asarray(costs, dtype=float)
-    dpa = balance_dp(costs, llm_dp, tokens=tokens, n_microbatches=n_microbatches, token_cap=token_cap,
-                     modules=list(modules), seed=seed)
+    key = ("dp balance", llm_dp, n_microbatches, tuple(modules))
+    dpa = None if kept is None else kept.get(key)
+    if dpa is None:
+        dpa = balance_dp(costs, llm_dp, tokens=tokens, n_microbatches=n_microbatches, token_cap=token_cap,
+                         modules=list(modules), seed=seed)
+        if kept is not None:
+            kept[key] = dpa
     per_m = [[dpa.microbatches[d][m] for d in range(llm_dp)] for m in range(n_microbatches)]
     summed = np.stack([costs[[i for rep in reps for i in rep]].sum(axis=0) for reps in per_m])
     return assemble_iteration(dpa.microbatches, costs, modules, encoder_dp, feeds=feeds,
