@@ -249,7 +249,9 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
         try:
             if state[j][0] == COMPUTE:
                 state[j] = [ANALYTIC, max(state[j][1], scorer.analytic(cands[i], j))]
-            elif state[j][0] == ANALYTIC:
+            elif state[j][0] == ANALYTIC and (twin := scorer.twin_bound(cands[i], j)) > state[j][1]:
+                state[j] = [TWIN, twin]
+            elif state[j][0] in (ANALYTIC, TWIN):
                 state[j] = [WORK, max(state[j][1], scorer.work(cands[i], key, j))]
             else:
                 touched.add(i)
@@ -268,10 +270,11 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     return ranked, len(touched)
 
 
-COMPUTE, ANALYTIC, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4
+COMPUTE, ANALYTIC, TWIN, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4, 5
 """What a candidate's value on one batch is: the compute-only bound, the analytic bound, the bound of
-the batch's stage work, the longest of the independent parts simulated so far
-(`harmonia.sim.parts`), or the simulated time (each at least the one before)."""
+the batch's stage work of a twin recomputing less (`_Scorer.twin_bound`), the bound of its own stage
+work, the longest of the independent parts simulated so far (`harmonia.sim.parts`), or the simulated
+time (each at least the one before)."""
 
 
 class _Scorer:
@@ -289,6 +292,7 @@ class _Scorer:
         self.work_cache: dict[tuple, IterationWork] = {}
         self.peak_bytes: dict[tuple, float] = {}  # simulation key -> most bytes on one rank so far
         self.parts: dict[tuple, _Parts] = {}  # (simulation key, batch) -> its parts being simulated
+        self.work_bounds: dict[tuple, list] = {}  # (plan but recompute, batch) -> [(shares, work bound)]
         self.timelines = 0
 
     def compute_bound(self, cand: Candidate) -> list[float]:
@@ -386,10 +390,24 @@ class _Scorer:
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
+        self.work_bounds.setdefault((_family_key(cand, self.run.cost), j), []).append(
+            (_recompute_shares(cand.plan), bound))
         busiest, *rest = independent_parts(cand.plan, self.run.cost, iw, busy, self.run.cluster)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest],
                                       column=busiest_column(cand.plan, busiest, busy))
         return bound
+
+    def twin_bound(self, cand: Candidate, j: int) -> float:
+        """The largest work bound of batch ``j`` (`work`) found so far for a twin of the candidate
+        that differs only in recomputing no more of any module (0 if none): a bound on the
+        candidate's own. Recomputation changes only the backward, adding the recomputed blocks'
+        forward and a pass of their collectives; every duration the work bound sums or takes the
+        largest of (a phase's compute, its collectives, ``max(comm, compute + ...)`` where FSDP
+        overlaps them) grows with the recomputed blocks, and both share the assignment and so the
+        replicas bounded."""
+        mine = _recompute_shares(cand.plan)
+        return max((bound for shares, bound in self.work_bounds.get((_family_key(cand, self.run.cost), j), ())
+                    if all(mine[m] >= s for m, s in shares.items())), default=0.0)
 
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
         """Simulate batch ``j``'s next independent part, or first the busiest part's column (the
@@ -557,6 +575,17 @@ def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
             schedule = "1f1b"
     return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches, _layouts_key(plan, cost),
             plan.recompute_key)
+
+
+def _family_key(cand: Candidate, cost: CostModel) -> tuple:
+    """A candidate as its work bound sees it, but for what it recomputes (`_Scorer.twin_bound`)."""
+    plan = cand.plan
+    return cand.recipe, cand.fused, plan.placement.value, plan.schedule, plan.n_microbatches, _layouts_key(plan, cost)
+
+
+def _recompute_shares(plan: Plan) -> dict[str, float]:
+    """Every module's share of its blocks recomputed (0 for none)."""
+    return {m: plan.recompute_share(m) for m in plan.layouts}
 
 
 def _layouts_key(plan: Plan, cost: CostModel) -> tuple:

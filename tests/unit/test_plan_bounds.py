@@ -157,3 +157,25 @@ def test_the_bound_on_the_heaviest_replicas_bounds_the_whole_and_is_exact_on_the
         assert set(_replica_ranks(plan.layouts["llm"], heaviest_llm)) <= whole_ranks, _describe(cand)
     assert partial_plans >= 10
     assert tight >= partial_plans // 2, f"the heaviest replica's bound matched the whole on {tight} of {partial_plans}"
+
+
+def test_the_work_bound_grows_with_what_a_plan_recomputes(shared_traces) -> None:
+    """A plan's work bound is at least its twin's that recomputes less (the search bounds one by the
+    other, `harmonia.plan.search._Scorer.twin_bound`), on the same assignment and replicas."""
+    run = ScenarioRun(_scenario("llava-siglip-8b trainable, 16 GPUs", shared_traces))
+    batch = run.profile.batches[1]
+    shapes = [run.samples[i] for i in batch]
+    checked = 0
+    for cand in _spread(run):
+        more = _recomputed(run.cost, cand)
+        if more is None or cand.plan.recompute:
+            continue
+        assignment = assign(cand, run.costs[batch], run.tokens[batch], run.cost, shapes)
+        replicas = heaviest_replicas(cand.plan, assignment, run.costs[batch], run.cost.modules, count=1)
+        for priced in (None, replicas):
+            bounds = [work_bound_busy(c.plan, run.cost, run.cluster,
+                                      plan_iteration_work(shapes, c.plan, run.cost, assignment, replicas=priced))[0]
+                      for c in (cand, more)]
+            assert bounds[1] >= bounds[0], _describe(more)
+            checked += bounds[1] > bounds[0]
+    assert checked >= 10

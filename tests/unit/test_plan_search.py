@@ -192,19 +192,24 @@ def test_cli_plans_a_cpu_cluster_on_the_cores_train_would_give_it(monkeypatch, c
     assert "planned as" not in printed and "plans for tiny-vlm on cpu:1x4@4" in printed
 
 
-def test_bounding_on_the_heaviest_replicas_ranks_what_bounding_on_all_ranks(monkeypatch) -> None:
+def test_bounding_on_the_heaviest_replicas_and_by_twins_ranks_what_bounding_every_unit_does(monkeypatch) -> None:
     """On 32 GPUs (up to 32 replicas a module) the search bounds each batch on its heaviest replicas
-    (`harmonia.plan.heavy_replicas`); its ranking is the one bounding on every unit gives."""
+    (`harmonia.plan.heavy_replicas`) and a plan by its twin recomputing less (`_Scorer.twin_bound`);
+    its ranking is the one bounding every plan on every unit gives."""
     import harmonia.plan.search as search
 
     scenario = Scenario("wide", "omni-8b", "h100:4x8", "synthetic", 64, {"vision": "frozen", "audio": "frozen"},
                         iterations=1, search_batches=1)
-    used = []
-    real = search.heaviest_replicas
+    used, twins = [], []
+    real, real_twin = search.heaviest_replicas, search._Scorer.twin_bound
     monkeypatch.setattr(search, "heaviest_replicas", lambda *args, **kw: used.append(real(*args, **kw)) or used[-1])
-    heaviest = search_plan(scenario, top=3)
+    monkeypatch.setattr(search._Scorer, "twin_bound",
+                        lambda self, *args: twins.append(real_twin(self, *args)) or twins[-1])
+    shortcut = search_plan(scenario, top=3)
     assert any(chosen is not None for chosen in used)
+    assert any(bound > 0 for bound in twins)
     monkeypatch.setattr(search, "heaviest_replicas", lambda *args, **kw: None)
+    monkeypatch.setattr(search._Scorer, "twin_bound", lambda self, *args: 0.0)
     every = search_plan(scenario, top=3)
-    assert [(t, c.plan) for t, _, c in heaviest.ranked] == [(t, c.plan) for t, _, c in every.ranked]
-    assert heaviest.peak_bytes == every.peak_bytes
+    assert [(t, c.plan) for t, _, c in shortcut.ranked] == [(t, c.plan) for t, _, c in every.ranked]
+    assert shortcut.peak_bytes == every.peak_bytes
