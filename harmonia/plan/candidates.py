@@ -17,7 +17,7 @@ no schedule beats; candidates whose bound exceeds the best simulated time are pr
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from harmonia.errors import LayoutError
@@ -26,7 +26,7 @@ from harmonia.plan.partition import plan_module_stages
 from harmonia.plan.profiling import BatchProfile
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import stage_layer_range
+from harmonia.schedule.stagework import layout_layer_range
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -189,22 +189,29 @@ def state_bytes_per_rank(cost: CostModel, plan: Plan) -> dict[int, float]:
     FSDP chunks, what gathering them holds beyond that: where they reshard per microbatch the largest
     block one of them gathers whole (a rank runs one unit at a time: `CostModel.reshard_transient_bytes`),
     else the largest unit's buffer as it is copied out (`CostModel.gather_transient_bytes`)."""
-    by_module, transient = _rank_states(cost, plan)
+    return dict(_state_bytes(cost, tuple(plan.layouts.items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _state_bytes(cost: CostModel, layouts: tuple[tuple[str, Layout], ...]) -> dict[int, float]:
+    """`state_bytes_per_rank` of a plan's layouts (kept: a search asks again for every recompute
+    option, schedule and batch of one set of layouts; callers get a copy)."""
+    by_module, transient = _rank_states(cost, dict(layouts))
     return {rank: sum(modules.values()) + transient[rank] for rank, modules in by_module.items()}
 
 
-def _rank_states(cost: CostModel, plan: Plan) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
+def _rank_states(cost: CostModel, layouts: Mapping[str, Layout]) -> tuple[dict[int, dict[str, float]], dict[int, float]]:
     """Per rank, each module's states on it; and its FSDP gathering transient (`state_bytes_per_rank`)."""
     out: dict[int, dict[str, float]] = {}
     transient: dict[int, float] = {}
-    for module, layout in plan.layouts.items():
+    for module, layout in layouts.items():
         shards = layout.dp if layout.fsdp else 1
         reshard = cost.reshards(layout)
         ranks = layout.rank_list()
         per = layout.size // layout.pp
         states, gathered = [0.0] * layout.pp, [0.0] * layout.pp  # per pipeline rank: its chunks, their largest block
         for chunk in range(layout.n_stages):
-            start, stop = stage_layer_range(cost, plan, module, chunk)
+            start, stop = layout_layer_range(cost, layout, module, chunk)
             nbytes = cost.state_bytes(module, start, stop, layout.tp, shards, reshard)
             if module != "llm" and chunk == layout.n_stages - 1:
                 nbytes += cost.state_bytes(f"{module}_proj")  # held whole: no TP, no FSDP
@@ -228,7 +235,7 @@ def check_states_fit(cost: CostModel, plan: Plan, mem_bytes: float, device: str,
     Raises:
         LayoutError: the largest such rank.
     """
-    by_module, transient = _rank_states(cost, plan)
+    by_module, transient = _rank_states(cost, plan.layouts)
     rank = max(by_module, key=lambda r: sum(by_module[r].values()) + transient[r])
     most = sum(by_module[rank].values()) + transient[rank]
     if most <= mem_bytes:

@@ -305,8 +305,13 @@ class _Scorer:
         return plan_bound(cand.plan, run.cost, run.cluster, run.profile, [self.batches[j]]).lower_s
 
     def _assignment(self, cand: Candidate, j: int) -> IterationAssignment:
-        """The recipe's assignment of batch ``j`` (kept: candidates with one `assignment_key` share it)."""
-        run, k = self.run, self.batches[j]
+        """The recipe's assignment of search batch ``j`` (kept: candidates with one `assignment_key`
+        share it)."""
+        return self._assignment_of(cand, self.batches[j])
+
+    def _assignment_of(self, cand: Candidate, k: int) -> IterationAssignment:
+        """The recipe's assignment of profiled batch ``k`` (kept, as `_assignment`)."""
+        run = self.run
         akey = (*assignment_key(cand), k)
         if akey not in self.assignments:
             batch = run.profile.batches[k]
@@ -368,7 +373,9 @@ class _Scorer:
         of the one whose floor is highest; both count towards its peak bytes."""
         run = self.run
         first = run.scenario.iterations + run.scenario.search_batches
-        works = [run.iteration_work(cand, k) for k in range(first, first + run.scenario.memory_batches)]
+        works = [plan_iteration_work([run.samples[i] for i in run.profile.batches[k]], cand.plan, run.cost,
+                                     self._assignment_of(cand, k))
+                 for k in range(first, first + run.scenario.memory_batches)]
         if not works:
             return None
         floors = [max(work_peak_floor(run.cost, cand.plan, iw).values(), default=0.0) for iw in works]

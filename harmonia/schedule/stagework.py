@@ -109,7 +109,11 @@ class IterationWork:
 def stage_layer_range(cost: CostModel, plan: Plan, module: str, stage: int) -> tuple[int, int]:
     """Cost-model layer indices [start, stop) of a stage chunk; the front end joins stage 0 and the
     post layer (head, final norm) the last stage."""
-    layout = plan.layouts[module]
+    return layout_layer_range(cost, plan.layouts[module], module, stage)
+
+
+def layout_layer_range(cost: CostModel, layout: Layout, module: str, stage: int) -> tuple[int, int]:
+    """`stage_layer_range` of a module's layout."""
     n_blocks = len(cost.layers[module]) - 2
     split = layout.stage_split(n_blocks)
     start = 1 + sum(split[:stage])
