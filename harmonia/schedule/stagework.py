@@ -205,11 +205,10 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     llm_chunks = _module_chunks(cost, plan, LLM)
     loads = [cost.sample_loads(s) for s in shapes]  # per module, of each sample of the batch
-    for m, samples in enumerate(assignment.microbatches):
-        for d, positions in enumerate(assignment.llm_split[m]):
-            if replicas is None or d in replicas[LLM]:
-                load = ModuleLoad.total(loads[samples[p]]["llm"] for p in positions)
-                _add_module_work(out, plan, cost, LLM, llm_chunks, d, m, None, load, ModuleLoad())
+    _add_llm_work(out, plan, cost, llm_chunks, [
+        (d, m, ModuleLoad.total(loads[samples[p]]["llm"] for p in positions))
+        for m, samples in enumerate(assignment.microbatches) for d, positions in enumerate(assignment.llm_split[m])
+        if replicas is None or d in replicas[LLM]])
     key = ("boundary bytes", cost, tuple(plan.encoders))  # the assignment's alone: kept for the next plan
     if key not in assignment.memo:
         assignment.memo[key] = _boundary_bytes(assignment, plan, cost, loads)
@@ -349,6 +348,25 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
         out.work[(key, m, sub)] = MicrobatchWork(times, act, tokens * send_bytes / group, flops / group, tokens,
                                                  transient, f_transient)
+
+
+def _add_llm_work(out: IterationWork, plan: Plan, cost: CostModel, chunks: list[tuple[int, int, float]],
+                  units: list[tuple[int, int, ModuleLoad]]) -> None:
+    """`_add_module_work` of the LLM's (replica, microbatch, load) units, in that order: each chunk's
+    units priced in one pass (`CostModel.unit_costs`, the same numbers)."""
+    layout = plan.layouts[LLM]
+    tp, cp = layout.tp, layout.cp
+    recompute, group = plan.recompute_share(LLM), tp * cp
+    loads = [load for _, _, load in units]
+    priced = [cost.unit_costs(LLM, loads, start, stop, tp, cp, recompute) for start, stop, _ in chunks]
+    for i, (replica, m, load) in enumerate(units):
+        for chunk, (_, _, send_bytes) in enumerate(chunks):
+            times, flops, act, transient, f_transient = priced[chunk][i]
+            key = StageKey(LLM, replica, chunk)
+            if key not in out.stage_ranks:
+                out.stage_ranks[key] = stage_ranks(plan, LLM, replica, chunk)
+            out.work[(key, m, None)] = MicrobatchWork(times, act, load.tokens * send_bytes / group, flops / group,
+                                                     load.tokens, transient, f_transient)
 
 
 def _send_width(cost: CostModel, module: str, next_block: int) -> int:

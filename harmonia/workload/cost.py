@@ -92,6 +92,15 @@ def _phase_seconds(rates: tuple, tokens: float, pairs: float, win: float) -> tup
                  for tok, pair, window, elem in per_phase)
 
 
+def _phase_arrays(rates: tuple, tokens: np.ndarray, pairs: np.ndarray, win: np.ndarray) -> tuple[np.ndarray, ...]:
+    """`_phase_seconds` of many loads at once (arrays of their tokens, pairs and windowed pairs):
+    the same operations in the same order, so the same numbers."""
+    weight_s, per_phase = rates
+    return tuple(np.zeros_like(tokens) if tok == 0.0 and pair == 0.0 and window == 0.0
+                 else np.maximum(tok * tokens, weight_s) + (pair * pairs + window * win) + elem * tokens
+                 for tok, pair, window, elem in per_phase)
+
+
 class CostModel(MemoryCosts):
     """Analytic, frozen-aware cost of an MLLM on one device kind.
 
@@ -272,6 +281,48 @@ class CostModel(MemoryCosts):
             self._units.clear()
         self._units[key] = (times, flops, act, transient, f_transient)
         return self._units[key]
+
+    def unit_costs(self, module: str, loads: list[ModuleLoad], start: int, stop: int, tp: int = 1, cp: int = 1,
+                   recompute: float = 0.0) -> list[tuple[PhaseTimes, float, float, float, float]]:
+        """`unit_cost` of each of ``loads`` (no projector): the same numbers, computed for all of
+        them in one vectorised pass where no calibration prices them (a search prices the units of
+        hundreds of LLM replicas at once)."""
+        if self.calibration is not None or len(loads) < 8:
+            return [self.unit_cost(module, load, start, stop, tp, cp, recompute) for load in loads]
+        key = (module, start, stop, tp, cp, recompute)
+        form = self._forms.get(key)
+        if form is None:
+            form = self._forms[key] = self._unit_form(module, start, stop, tp, cp, recompute)
+        rates, again_rates, flop_coef, kept, recomputed, inputs, largest = form
+        tokens = np.array([load.tokens for load in loads], dtype=float)
+        pairs = np.array([load.pairs for load in loads], dtype=float)
+        win = np.array([load.windowed_pairs for load in loads], dtype=float)
+        f, b, w = _phase_arrays(rates, tokens, pairs, win)
+        if again_rates is not None:
+            b = b + _phase_arrays(again_rates, tokens, pairs, win)[0]
+        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = flop_coef
+        flops = (f_tok * tokens + f_pair * pairs + f_win * win) + (b_tok * tokens + b_pair * pairs + b_win * win) \
+            + w_tok * tokens
+        act = kept * tokens * self.act_bytes / cp if kept is not None else np.zeros_like(tokens)
+        if recomputed is not None:
+            gone = recomputed * tokens * self.act_bytes / cp if recomputed else 0.0
+            act = act - gone + inputs * tokens * self.act_bytes / (cp * self._sp(tp))
+        transient = largest * tokens if largest else np.zeros_like(tokens)
+        f_transient = self.forward_transient_bytes(module, 1, start, stop, tp, cp) * tokens
+        if self.device.dispatch_s:
+            f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
+        return [(PhaseTimes(fi, bi, wi), *rest) for fi, bi, wi, *rest in
+                zip(f.tolist(), b.tolist(), w.tolist(), flops.tolist(), act.tolist(), transient.tolist(),
+                    f_transient.tolist())]
+
+    def _dispatched_arrays(self, times: tuple[np.ndarray, ...], module: str, start: int,
+                           stop: int) -> tuple[np.ndarray, ...]:
+        """`_dispatched` of many units' phases at once (no projector)."""
+        self._dispatched(PhaseTimes(), module, start, stop, False)  # counts the range's dispatches
+        counts = self._dispatches[(module, start, stop, False)]
+        d, on_host = self.device.dispatch_s, self.device.kernels_on_host
+        return tuple(np.where(t > 0, t + n * d if on_host else np.maximum(t, n * d), t)
+                     for t, n in zip(times, counts))
 
     def _dispatched(self, times: PhaseTimes, module: str, start: int, stop: int, projector: bool) -> PhaseTimes:
         """``times`` with each phase's operator dispatch (`DeviceSpec.dispatch_s` per layer that runs
