@@ -456,13 +456,17 @@ def _share_costs(plan: Plan, iw: IterationWork) -> dict:
 def _whole_slowest(iw: IterationWork, enc: str, chunk: int, m: int, replicas: list[int]) -> PhaseCost:
     """The slowest replica's whole microbatch, its sub-microbatches summed (a holder's share is split
     over the sub-microbatches like a microbatch entry)."""
-    best = NO_WORK
+    best, most = (0.0, 0.0, 0.0), 0.0
+    subs, work = iw.subs(enc, m), iw.work
     for e in replicas:
-        parts = [w for sub in iw.subs(enc, m) if (w := iw.unit(StageKey(enc, e, chunk), m, sub)) is not None]
-        total = PhaseCost(sum(w.times.F for w in parts), sum(w.times.B for w in parts), sum(w.times.W for w in parts))
-        if total.F + total.B + total.W > best.F + best.B + best.W:
-            best = total
-    return best
+        key = StageKey(enc, e, chunk)
+        parts = [w.times for sub in subs if (w := work.get((key, m, sub))) is not None]
+        if not parts:
+            continue
+        total = (sum(t.F for t in parts), sum(t.B for t in parts), sum(t.W for t in parts))
+        if total[0] + total[1] + total[2] > most:
+            best, most = total, total[0] + total[1] + total[2]
+    return PhaseCost(*best)
 
 
 def iteration_schedule(plan: Plan, cost: CostModel, iw: IterationWork, family: str | None = None,
