@@ -11,7 +11,10 @@ best plan as simulating every candidate on every batch:
   without simulating and raised in steps, each dearer and tighter than the one before: the
   compute-only `lower_bound_s` (all candidates, microseconds each), then
   `harmonia.plan.bounds.plan_bound` (compute, TP/CP collectives, FSDP gathers and the DP gradient
-  reduction of the busiest rank), then the bound of the batch's actual stage work (`work_bound`),
+  reduction of the busiest rank), then the largest stage-work bound found for a twin recomputing
+  no more of any module (`_Scorer.twin_bound`), then the bound of the batch's actual stage work
+  (`work_bound`) over each module's heaviest replicas and those sharing their ranks
+  (`harmonia.plan.heavy_replicas`: a bound still, without pricing every unit of a large cluster),
   then the simulated time of the busiest part's busiest column (one LLM rank per pipeline rank,
   messages from outside it free: every task starts no later than in the whole simulation), then
   of the batch's busiest independent part, then of all (parts are sets of ranks no message or
