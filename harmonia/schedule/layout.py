@@ -120,7 +120,7 @@ class Layout:
 
     @functools.cached_property
     def _offset_ranks(self) -> tuple[int, ...]:
-        return tuple(range(self.rank_offset, self.rank_offset + self.size))
+        return _rank_range(self.rank_offset, self.size)
 
     @functools.cached_property
     def _rank_set(self) -> frozenset[int]:
@@ -185,3 +185,10 @@ def _even_split(n_layers: int, chunks: int) -> tuple[int, ...]:
     """``n_layers`` over ``chunks`` as evenly as possible, the first ones one layer longer."""
     base, extra = divmod(n_layers, chunks)
     return tuple(base + (1 if i < extra else 0) for i in range(chunks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _rank_range(offset: int, size: int) -> tuple[int, ...]:
+    """The ranks ``offset .. offset + size - 1``, one tuple shared by every layout that spans them (a
+    plan search on 4,096 GPUs makes thousands of layouts, each of which kept its own)."""
+    return tuple(range(offset, offset + size))
