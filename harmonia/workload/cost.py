@@ -289,25 +289,11 @@ class CostModel(MemoryCosts):
         hundreds of LLM replicas at once)."""
         if self.calibration is not None or len(loads) < 8:
             return [self.unit_cost(module, load, start, stop, tp, cp, recompute) for load in loads]
-        key = (module, start, stop, tp, cp, recompute)
-        form = self._forms.get(key)
-        if form is None:
-            form = self._forms[key] = self._unit_form(module, start, stop, tp, cp, recompute)
-        rates, again_rates, flop_coef, kept, recomputed, inputs, largest = form
         tokens = np.array([load.tokens for load in loads], dtype=float)
         pairs = np.array([load.pairs for load in loads], dtype=float)
         win = np.array([load.windowed_pairs for load in loads], dtype=float)
-        f, b, w = _phase_arrays(rates, tokens, pairs, win)
-        if again_rates is not None:
-            b = b + _phase_arrays(again_rates, tokens, pairs, win)[0]
-        f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = flop_coef
-        flops = (f_tok * tokens + f_pair * pairs + f_win * win) + (b_tok * tokens + b_pair * pairs + b_win * win) \
-            + w_tok * tokens
-        act = kept * tokens * self.act_bytes / cp if kept is not None else np.zeros_like(tokens)
-        if recomputed is not None:
-            gone = recomputed * tokens * self.act_bytes / cp if recomputed else 0.0
-            act = act - gone + inputs * tokens * self.act_bytes / (cp * self._sp(tp))
-        transient = largest * tokens if largest else np.zeros_like(tokens)
+        f, b, w, flops, act, transient = self._unit_terms(_phase_arrays, module, tokens, pairs, win, start, stop, tp,
+                                                          cp, recompute)
         f_transient = self.forward_transient_bytes(module, 1, start, stop, tp, cp) * tokens
         if self.device.dispatch_s:
             f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
@@ -345,24 +331,33 @@ class CostModel(MemoryCosts):
         (range, degrees, recompute): the same operations, in the same order, as `stage_times`,
         `phase_flops`, `activation_bytes` and `backward_transient_bytes` (search asks for
         hundreds of thousands of units)."""
+        f, b, w, flops, act, transient = self._unit_terms(_phase_seconds, module, float(load.tokens), float(load.pairs),
+                                                          float(load.windowed_pairs), start, stop, tp, cp, recompute)
+        return PhaseTimes(f, b, w), flops, act, transient
+
+    def _unit_terms(self, phases, module: str, tokens, pairs, win, start: int, stop: int, tp: int, cp: int,
+                    recompute: float) -> tuple:
+        """F, B, W seconds, FLOPs, kept bytes and backward transient bytes of loads (floats, or arrays
+        of many loads' with ``phases`` = `_phase_arrays`) from the range's factors (`_unit_form`,
+        kept per range, degrees and recompute): one expression for both, so the same numbers."""
         key = (module, start, stop, tp, cp, recompute)
         form = self._forms.get(key)
         if form is None:
             form = self._forms[key] = self._unit_form(module, start, stop, tp, cp, recompute)
         rates, again_rates, flop_coef, kept, recomputed, inputs, largest = form
-        tokens, pairs, win = float(load.tokens), float(load.pairs), float(load.windowed_pairs)
-        f, b, w = _phase_seconds(rates, tokens, pairs, win)
+        f, b, w = phases(rates, tokens, pairs, win)
         if again_rates is not None:
-            b = b + _phase_seconds(again_rates, tokens, pairs, win)[0]
+            b = b + phases(again_rates, tokens, pairs, win)[0]
         f_tok, f_pair, f_win, b_tok, b_pair, b_win, w_tok, _, _ = flop_coef
         flops = (f_tok * tokens + f_pair * pairs + f_win * win) + (b_tok * tokens + b_pair * pairs + b_win * win) \
             + w_tok * tokens
-        act = kept * load.tokens * self.act_bytes / cp if kept is not None else 0.0
+        zero = tokens * 0.0
+        act = kept * tokens * self.act_bytes / cp if kept is not None else zero
         if recomputed is not None:
-            gone = recomputed * load.tokens * self.act_bytes / cp if recomputed else 0.0
-            act = act - gone + inputs * load.tokens * self.act_bytes / (cp * self._sp(tp))
-        transient = largest * load.tokens if largest else 0.0
-        return PhaseTimes(f, b, w), flops, act, transient
+            gone = recomputed * tokens * self.act_bytes / cp if recomputed else 0.0
+            act = act - gone + inputs * tokens * self.act_bytes / (cp * self._sp(tp))
+        transient = largest * tokens if largest else zero
+        return f, b, w, flops, act, transient
 
     def _unit_form(self, module: str, start: int, stop: int, tp: int, cp: int, recompute: float) -> tuple:
         """The factors `_uncalibrated_unit` multiplies a load by: the range's kernel rates and
