@@ -78,10 +78,11 @@ from harmonia.plan.memory import work_peak_floor
 from harmonia.plan.recipes import (MEMORY_HEADROOM, Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.plan.search_keys import family_key, layouts_key, recompute_shares, simulation_key
 from harmonia.schedule.graph import IterationSchedule
 from harmonia.schedule.iteration import IterationAssignment
 from harmonia.schedule.plan import Plan
-from harmonia.schedule.stagework import IterationWork, plan_graph, plan_iteration_work
+from harmonia.schedule.stagework import IterationWork, plan_iteration_work
 from harmonia.sim.memory import activation_peaks, input_bytes
 from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from harmonia.workload.cost import CostModel
@@ -335,7 +336,7 @@ class _Scorer:
 
     def _iteration(self, cand: Candidate, j: int) -> IterationWork:
         plan = cand.plan
-        wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches, _layouts_key(plan, self.run.cost),
+        wkey = (cand.recipe, cand.fused, plan.placement.value, plan.n_microbatches, layouts_key(plan, self.run.cost),
                 plan.recompute_key, j)
         if wkey in self.work_cache:
             return self.work_cache[wkey]
@@ -400,8 +401,8 @@ class _Scorer:
         if self.over_memory(key):  # rejected unsimulated: its bound no longer matters
             return 0.0
         bound, busy = work_bound_busy(cand.plan, self.run.cost, self.run.cluster, iw)
-        self.work_bounds.setdefault((_family_key(cand, self.run.cost), j), []).append(
-            (_recompute_shares(cand.plan), bound))
+        self.work_bounds.setdefault((family_key(cand, self.run.cost), j), []).append(
+            (recompute_shares(cand.plan), bound))
         busiest, *rest = independent_parts(cand.plan, self.run.cost, iw, busy, self.run.cluster)
         self.parts[(key, j)] = _Parts([busiest, _union(rest)] if rest else [busiest],
                                       column=busiest_column(cand.plan, busiest, busy))
@@ -415,8 +416,8 @@ class _Scorer:
         largest of (a phase's compute, its collectives, ``max(comm, compute + ...)`` where FSDP
         overlaps them) grows with the recomputed blocks, and both share the assignment and so the
         replicas bounded."""
-        mine = _recompute_shares(cand.plan)
-        return max((bound for shares, bound in self.work_bounds.get((_family_key(cand, self.run.cost), j), ())
+        mine = recompute_shares(cand.plan)
+        return max((bound for shares, bound in self.work_bounds.get((family_key(cand, self.run.cost), j), ())
                     if all(mine[m] >= s for m, s in shares.items())), default=0.0)
 
     def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]:
@@ -569,37 +570,3 @@ def _roomier_first(ranked: list[tuple[float, float, Candidate]], peaks: list[flo
         if peaks[i] <= room and ranked[i][0] <= best * (1 + PLAINER_TOLERANCE):
             return [ranked[i], *ranked[:i], *ranked[i + 1:]]
     return ranked
-
-
-def simulation_key(cand: Candidate, cost: CostModel) -> tuple:
-    """What the simulator's result depends on: two candidates with equal keys simulate alike.
-
-    Zero-bubble differs from 1F1B only on stages that split a backward into B and W (both an
-    input gradient and trainable weights); where none does, a ``zb`` plan runs as ``1f1b``.
-    """
-    plan = cand.plan
-    schedule = plan.schedule
-    if schedule == "zb":
-        graph = plan_graph(plan, cost)
-        if not any(graph.needs_b(ref) and graph.needs_w(ref) for ref in graph.stages()):
-            schedule = "1f1b"
-    return (cand.recipe, cand.fused, plan.placement.value, schedule, plan.n_microbatches, _layouts_key(plan, cost),
-            plan.recompute_key)
-
-
-def _family_key(cand: Candidate, cost: CostModel) -> tuple:
-    """A candidate as its work bound sees it, but for what it recomputes (`_Scorer.twin_bound`)."""
-    plan = cand.plan
-    return cand.recipe, cand.fused, plan.placement.value, plan.schedule, plan.n_microbatches, _layouts_key(plan, cost)
-
-
-def _recompute_shares(plan: Plan) -> dict[str, float]:
-    """Every module's share of its blocks recomputed (0 for none)."""
-    return {m: plan.recompute_share(m) for m in plan.layouts}
-
-
-def _layouts_key(plan: Plan, cost: CostModel) -> tuple:
-    """Every module's layout as it places and splits work: ranks listed or by offset alike, a stage
-    split given or even alike (two plans that differ only there simulate alike)."""
-    return tuple((m, lay.tp, lay.cp, lay.dp, lay.pp, lay.rank_list(), lay.virtual_stages, lay.fsdp, lay.reshard,
-                  tuple(lay.stage_split(len(cost.layers[m]) - 2))) for m, lay in sorted(plan.layouts.items()))
