@@ -110,8 +110,8 @@ def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostMod
         plan: the layouts (which replicas feed which LLM replica).
         cost: the cost model (each unit's seconds).
         shapes: the batch's sample shapes.
-        kept: each encoder's item table (`_item_table`) of earlier calls on the same ``shapes`` and
-            ``cost``; updated with this call's.
+        kept: each encoder's item table (`_item_table`) and LLM replicas' cuts (`_cut_replica`) of
+            earlier calls on the same ``shapes`` and ``cost``; updated with this call's.
     """
     split, cuts = dict(assignment.encoder_split), dict(assignment.encoder_cuts)
     for e in plan.encoders:
@@ -136,11 +136,17 @@ def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostMod
                     continue  # nothing to cut: the deal stays
                 seconds = {p: sum(row[1]) for p, row in zip(positions, rows)}
                 before = max(sum(seconds[p] for p in dealt[r] if p in seconds) for r in feeds[d])
-                after, lists, parts = _cut_replica(rows, positions, feeds[d], spec)
+                key = (tuple(samples[p] for p in positions), len(feeds[d]))
+                found = None if kept is None else kept.setdefault(("cuts", e), {}).get(key)
+                if found is None:
+                    found = _cut_replica(rows, len(feeds[d]), spec)
+                    if kept is not None:
+                        kept[("cuts", e)][key] = found
+                after, lists, parts = found
                 if after < before - _EPS:  # cut where it evens the replicas out more than dealing whole samples
                     for j, r in enumerate(feeds[d]):
-                        mine[r] = [p for p in mine[r] if p not in seconds] + lists[j]
-                    shares.update(parts)
+                        mine[r] = [p for p in mine[r] if p not in seconds] + [positions[s] for s in lists[j]]
+                    shares.update({(feeds[d][j], positions[s]): cut for (j, s), cut in parts.items()})
             split[e].append([sorted(held) for held in mine])
             cuts[e].append(shares)
     return replace(assignment, encoder_split=split, encoder_cuts=cuts)
@@ -158,11 +164,12 @@ def _item_table(cost: CostModel, encoder: str, spec: EncoderSpec, shapes: Sequen
     return out
 
 
-def _cut_replica(rows: list[tuple], positions: Sequence[int], feeders: Sequence[int],
-                 spec: EncoderSpec) -> tuple[float, list[list[int]], dict]:
-    """One LLM replica's samples (``positions``, in packing order; ``rows`` their `_item_table`
-    entries) cut over its ``feeders``: the largest feeder's seconds, each feeder's positions and the
-    partial shares."""
+def _cut_replica(rows: list[tuple], n_feeders: int, spec: EncoderSpec) -> tuple[float, list[list[int]], dict]:
+    """One LLM replica's samples (``rows``: their `_item_table` entries, in packing order) cut over
+    ``n_feeders`` replicas: the largest feeder's seconds, each feeder's samples (indices into
+    ``rows``) and the partial shares (``(feeder index, sample index) -> Cut``). It depends on the
+    samples and the feeder count only, so a search keeps it per both (`cut_encoder_items`'s
+    ``kept``)."""
     units: list[tuple[int, int, int, float]] = []  # (sample, item, first slot, seconds)
     ends: list[tuple[int, int]] = []  # (item, slot) just past each unit
     for s, (items, item_secs, item_units) in enumerate(rows):
@@ -176,25 +183,25 @@ def _cut_replica(rows: list[tuple], positions: Sequence[int], feeders: Sequence[
                 units.append((s, k, u * per, float(sec) / n))
                 ends.append((k, (u + 1) * per) if u + 1 < n else (k + 1, 0))
     seconds = np.array([u[3] for u in units])
-    bounds = _even_cuts(seconds, len(feeders))
-    lists: list[list[int]] = [[] for _ in feeders]
+    bounds = _even_cuts(seconds, n_feeders)
+    lists: list[list[int]] = [[] for _ in range(n_feeders)]
     shares: dict[tuple[int, int], Cut] = {}
     owner = [0] * len(rows)  # the feeder of each sample's first unit (unit-less samples: the last one's)
     first_unit = {}
-    for j in range(len(feeders)):
+    for j in range(n_feeders):
         for i in range(bounds[j], bounds[j + 1]):
             first_unit.setdefault(units[i][0], j)
     last = 0
     for s in range(len(rows)):
         last = owner[s] = first_unit.get(s, last)
-    for j, r in enumerate(feeders):
+    for j in range(n_feeders):
         lo, hi = bounds[j], bounds[j + 1]
         inside: dict[int, list[int]] = {}
         for i in range(lo, hi):
             inside.setdefault(units[i][0], []).append(i)
         touched = sorted(set(inside) | {s for s in range(len(rows)) if s not in first_unit and owner[s] == j})
         for s in touched:
-            lists[j].append(positions[s])
+            lists[j].append(s)
             if s not in inside:
                 continue
             first, end = inside[s][0], inside[s][-1]
@@ -203,8 +210,8 @@ def _cut_replica(rows: list[tuple], positions: Sequence[int], feeders: Sequence[
             if start != (0, 0) or stop != (len(items), 0):
                 n_rows = sum(llm_tokens_of_item(cut_item(items[k], spec, a, b), spec)
                              for k, a, b in kept_parts(len(items), (start, stop, 0)))
-                shares[(r, positions[s])] = (start, stop, n_rows)
-    most = max((float(seconds[bounds[j]:bounds[j + 1]].sum()) for j in range(len(feeders))), default=0.0)
+                shares[(j, s)] = (start, stop, n_rows)
+    most = max((float(seconds[bounds[j]:bounds[j + 1]].sum()) for j in range(n_feeders)), default=0.0)
     return most, lists, shares
 
 
