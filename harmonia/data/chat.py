@@ -10,7 +10,9 @@ Encoding a conversation, as transformers' LLaVA-style processors do:
 1. render it with the chat template (``render_jinja_template``, what ``apply_chat_template`` uses),
    each media item written as its item token (in the text, or as a ``{"type": "image"}`` part when
    the template renders typed parts itself);
-2. replace the ``k``-th item token by ``n_k`` copies of it and tokenise the whole string
+2. replace the ``k``-th item token by ``n_k`` copies of it (a `harmonia.data.tokenizer.Framed`
+   item, a Qwen3-VL video: by each run's text before, copies and text after, as
+   ``Qwen3VLProcessor.replace_video_token`` writes it) and tokenise the whole string
    (no special tokens added when the text starts with ``bos``, as ``ProcessorMixin`` does);
 3. mark as targets the tokens inside assistant spans: the template's ``{% generation %}`` blocks
    when it has them, else, for each assistant turn ``i``, the characters between the rendering of
@@ -28,7 +30,7 @@ import numpy as np
 
 from harmonia.data.conversation import MARKERS, Conversation, MediaRef, Turn
 from harmonia.data.records import DataError
-from harmonia.data.tokenizer import Encoded, Tokenizer
+from harmonia.data.tokenizer import Encoded, Framed, ItemTokens, Tokenizer, runs_of
 from harmonia.errors import ConfigError
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -187,7 +189,7 @@ class HFTokenizer(Tokenizer):
 
     # tokenising ------------------------------------------------------------------------------
 
-    def encode_conversation(self, conversation: Conversation, item_tokens: list[int]) -> Encoded:
+    def encode_conversation(self, conversation: Conversation, item_tokens: list[ItemTokens]) -> Encoded:
         where = conversation.where
         text, spans = self.render(conversation)
         media = conversation.media()
@@ -198,8 +200,9 @@ class HFTokenizer(Tokenizer):
                             "a text that writes an item token itself, or a template that drops media")
         pieces, shifts, pos = [], [], 0
         for m, n in zip(found, item_tokens):
-            pieces += [text[pos:m.start()], m.group() * n]
-            shifts.append((m.end(), len(m.group()) * (n - 1)))
+            written = _written(m.group(), n)
+            pieces += [text[pos:m.start()], written]
+            shifts.append((m.end(), len(written) - len(m.group())))
             pos = m.end()
         expanded = "".join(pieces) + text[pos:]
         spans = [(_shift(a, shifts), _shift(b, shifts)) for a, b in spans]
@@ -220,25 +223,29 @@ class HFTokenizer(Tokenizer):
     def _modality_of(self, token: str) -> str:
         return next(m for m, t in self.item_tokens.items() if t == token)
 
-    def _item_runs(self, ids: list[int], media: list[MediaRef], lengths: list[int],
+    def _item_runs(self, ids: list[int], media: list[MediaRef], item_tokens: list[ItemTokens],
                    where: str) -> list[tuple[int, int]]:
-        """Where each item's ``n`` tokens landed; raises unless they are exactly where expected."""
+        """Where each item's runs of tokens landed; raises unless they are exactly where expected."""
         item_ids = set(self.item_token_ids.values())
+        modalities = [r.modality for r, x in zip(media, item_tokens)
+                      for _ in (x.runs if isinstance(x, Framed) else (x,))]
+        lengths = runs_of(item_tokens)
         runs, t, k = [], 0, 0
         while t < len(ids):
             if ids[t] not in item_ids:
                 t += 1
                 continue
-            if k == len(media):
+            if k == len(lengths):
                 raise DataError("placeholder_mismatch", where, "more item tokens than media items after tokenising")
-            want, n = self.item_token_ids[media[k].modality], lengths[k]
+            want, n = self.item_token_ids[modalities[k]], lengths[k]
             if ids[t:t + n] != [want] * n:
-                raise DataError("placeholder_mismatch", where, f"item {k} ({media[k].modality}) does not tokenise "
+                raise DataError("placeholder_mismatch", where, f"item run {k} ({modalities[k]}) does not tokenise "
                                 f"to {n} copies of token {want}")
             runs.append((t, n))
             t, k = t + n, k + 1
-        if k != len(media):
-            raise DataError("placeholder_mismatch", where, f"{k} item runs after tokenising, {len(media)} media items")
+        if k != len(lengths):
+            raise DataError("placeholder_mismatch", where, f"{k} item runs after tokenising, {len(lengths)} expected "
+                            f"of {len(media)} media items")
         return runs
 
     # checks at load time ---------------------------------------------------------------------
@@ -268,6 +275,13 @@ class HFTokenizer(Tokenizer):
         if len(spans) != 2 or "Probe answer" not in learned or "Second answer" not in learned or "Probe question" in learned:
             raise ConfigError(f"{self.name}: the chat template's assistant spans {spans} do not cover the assistant "
                               "turns of a probe conversation; fix the template's {% generation %} blocks")
+
+
+def _written(token: str, x: ItemTokens) -> str:
+    """An item token as the expanded text writes it: ``n`` copies, or each `Framed` run's."""
+    if isinstance(x, Framed):
+        return "".join(b + token * n + a for n, b, a in zip(x.runs, x.before, x.after))
+    return token * x
 
 
 def _shift(pos: int, shifts: list[tuple[int, int]]) -> int:

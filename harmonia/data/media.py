@@ -136,9 +136,9 @@ def shape_item(kind: str, shape: dict, prep: Preprocessor | EncoderSpec,
         native = _native(prep)
         if native is not None:  # the video processor's rate sampling, frames sized from the header
             check_pixels(shape["height"], shape["width"], native.max_pixels)
-            cap = (sampling or FrameSampling()).num_frames
-            n = len(native.video.indices(shape["frames"], shape.get("fps", fps), cap))
-            return ModalityItem.video(frames=n, height=shape["height"], width=shape["width"])
+            cap, rate = (sampling or FrameSampling()).num_frames, shape.get("fps", fps)
+            indices = native.video.indices(shape["frames"], rate, cap)
+            return _native_video_item(native, indices, rate, shape["height"], shape["width"])
         indices = (sampling or FrameSampling()).indices(shape["frames"], shape.get("fps", fps))
         return ModalityItem.video(frames=len(indices), tiles=1)
     raise MediaError("unsupported_media", f"unknown media kind {kind!r}; expected image, audio, video or frames")
@@ -209,8 +209,16 @@ def decode_native_video(kind: str, data: Source | list[Source], prep: NativeImag
         indices = video.indices(total, rate, cap)
         frames = [load_image(data[i], prep.max_pixels) for i in indices]
     rows, _ = video.patches(frames)
-    item = ModalityItem.video(frames=len(indices), height=frames[0].height, width=frames[0].width)
+    item = _native_video_item(prep, indices, rate, frames[0].height, frames[0].width)
     return item, rows, video.second_per_grid(len(indices), total, rate)
+
+
+def _native_video_item(prep: NativeImagePreprocessor, indices: list[int], rate: float, height: int,
+                       width: int) -> ModalityItem:
+    """A native-resolution tower's video of sampled frames ``indices`` (at ``rate`` fps), with each
+    temporal group's seconds where the prompt writes them (Qwen3-VL)."""
+    times = prep.video.timestamps(indices, rate) if prep.video.grouped else None
+    return ModalityItem("video", height=height, width=width, frames=len(indices), times=times)
 
 
 # Item-level helpers (images, video frames, audio) for callers that hold decoded media.

@@ -1,8 +1,8 @@
 """Videos into a native-resolution tower's patch rows, as the model's Qwen-VL video processor makes them.
 
-transformers' ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) needs torchvision, which harmonia
-does not install; this is its arithmetic, checked against its outputs
-(``tests/fixtures/qwen_video_reference.safetensors``):
+transformers' ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) and ``Qwen3VLVideoProcessor`` need
+torchvision, which harmonia does not install; this is their arithmetic, checked against their outputs
+(``tests/fixtures/qwen_video_reference.safetensors``, ``qwen3_video_reference.safetensors``):
 
 1. frames sampled by rate (`harmonia.model.video_spec.VideoNumbers.frame_indices`; the job's
    ``data.max_frames`` is the processor's ``max_frames`` argument);
@@ -14,8 +14,9 @@ does not install; this is its arithmetic, checked against its outputs
    ``(t, h / p, w / p)``.
 
 The numbers come from the checkpoint's video processor config (`harmonia.model.video_spec.video_config`)
-through the encoder spec (`harmonia.model.spec.EncoderSpec.video`); mean, std and rescale factor
-from the same file.
+through the encoder spec (`harmonia.model.spec.EncoderSpec.video`, whose ``style`` says how Qwen3-VL
+samples and sizes otherwise); mean, std and rescale factor from the same file. A Qwen3-VL video is
+written in the prompt one temporal group at a time, each after its timestamp (`timestamps`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ from harmonia.errors import ConfigError, SampleError
 from harmonia.model.spec import EncoderSpec
 from harmonia.model.video_spec import video_config
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / STD, the Qwen-VL processors' defaults
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OPENAI_CLIP_MEAN / STD, the Qwen2-VL processors' defaults
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)  # IMAGENET_STANDARD_MEAN / STD, Qwen3VLVideoProcessor's
 
 
 @dataclass(frozen=True)
 class NativeVideoPreprocessor:
-    """Sampled frames of one video -> patch rows and grid for a Qwen2-VL / Qwen2.5-VL tower.
+    """Sampled frames of one video -> patch rows and grid for a Qwen-VL tower.
 
     Args:
         encoder: the tower's spec; its ``video`` numbers sample and size the frames.
@@ -53,22 +55,24 @@ class NativeVideoPreprocessor:
     rescale_factor: float = 1 / 255
 
     def __post_init__(self) -> None:
-        n = self.encoder.native
-        if n is not None and n.family == "qwen3_vl":
-            raise ConfigError("Qwen3-VL videos (a timestamp before every frame's tokens) are not implemented in the "
-                              "data path; give images, or videos to a Qwen2-VL / Qwen2.5-VL checkpoint")
-        if n is None or self.encoder.video is None:
+        if self.encoder.native is None or self.encoder.video is None:
             raise ConfigError(f"encoder {self.encoder.name!r} has no native-resolution tower with video numbers")
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, encoder: EncoderSpec) -> NativeVideoPreprocessor:
         """The checkpoint's mean, std and rescale factor (its spec carries the sampling numbers)."""
         found = video_config(path) if path is not None else None
-        if found is None:
-            return cls(encoder)
-        numbers = found[1]
-        return cls(encoder, tuple(numbers.get("image_mean", CLIP_MEAN)), tuple(numbers.get("image_std", CLIP_STD)),
+        numbers = found[1] if found is not None else {}
+        default = HALF if encoder.video is not None and encoder.video.style == "qwen3_vl" else None
+        return cls(encoder, tuple(numbers.get("image_mean", default or CLIP_MEAN)),
+                   tuple(numbers.get("image_std", default or CLIP_STD)),
                    float(numbers.get("rescale_factor", 1 / 255)))
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the prompt writes the video one temporal group at a time, each after its
+        timestamp (Qwen3-VL)."""
+        return self.encoder.video.style == "qwen3_vl"
 
     @property
     def temporal_patch(self) -> int:
@@ -91,6 +95,10 @@ class NativeVideoPreprocessor:
             return self.encoder.video.frame_indices(total, video_fps, self.temporal_patch, cap)
         except SampleError as e:
             raise MediaError("unsupported_media", str(e)) from e
+
+    def timestamps(self, indices: list[int], video_fps: float) -> tuple[float, ...]:
+        """Seconds of each temporal group of the sampled frames (Qwen3-VL's prompt)."""
+        return self.encoder.video.timestamps(indices, video_fps, self.temporal_patch)
 
     def second_per_grid(self, frames: int, total: int, video_fps: float) -> float:
         """Seconds of video per temporal grid step (Qwen2.5-VL's rotary time step)."""

@@ -26,14 +26,15 @@ from harmonia.data.encoded_cache import EncodedCache
 from harmonia.data.records import DataError, TarSource
 from harmonia.data.shape_index import MediaFile
 from harmonia.data.token_cache import Rendered, TokenCountCache
-from harmonia.data.tokenizer import ByteTokenizer, Encoded, Tokenizer
+from harmonia.data.tokenizer import ByteTokenizer, Encoded, Framed, ItemTokens, Tokenizer
 from harmonia.errors import HarmoniaError
 from harmonia.model.anyres import anyres_order
 from harmonia.model.batch import ItemInputs, TokenizedSample, frame_groups
 from harmonia.model.llm import IGNORE_INDEX
 from harmonia.model.spec import MLLMSpec
 from harmonia.model.mrope import item_rope_positions
-from harmonia.workload.shapes import ModalityItem, SampleShape, llm_tokens_of_item, native_grid
+from harmonia.model.video_spec import frame_texts
+from harmonia.workload.shapes import ModalityItem, SampleShape, item_parts, llm_tokens_of_item, native_grid
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,40 @@ class SampleBuilder:
         order = anyres_order(item.height, item.width, enc) if enc.grid_pinpoints else None  # LLaVA-NeXT
         return item, ItemInputs(module, x, groups, order)
 
-    def _lengths(self, items: list[ModalityItem]) -> list[int]:
-        return [llm_tokens_of_item(i, self.mllm.encoders[self.mllm.encoder_for(i.modality)]) for i in items]
+    def _encoder(self, item: ModalityItem):
+        return self.mllm.encoders[self.mllm.encoder_for(item.modality)]
+
+    def _split(self, item: ModalityItem, x: ItemInputs) -> list[tuple[ModalityItem, ItemInputs]]:
+        """A decoded item as the sample's items (`_parts`): itself, or a video's temporal groups."""
+        parts = self._parts([item])
+        if len(parts) == 1 and parts[0] is item:
+            return [(item, x)]
+        return list(zip(parts, _split_rows(parts, x)))
+
+    def _lengths(self, parts: list[ModalityItem]) -> list[int]:
+        """LLM tokens of each item of a sample (`_parts`)."""
+        return [llm_tokens_of_item(i, self._encoder(i)) for i in parts]
+
+    def _parts(self, items: list[ModalityItem]) -> list[ModalityItem]:
+        """A sample's items as its sequence holds them: a video written one temporal group at a time
+        (Qwen3-VL) as one item per group (`harmonia.workload.shapes.item_parts`)."""
+        return [p for i in items for p in item_parts(i, self._encoder(i))]
+
+    def _writing(self, parts: list[ModalityItem]) -> list[ItemTokens]:
+        """How the tokenizer writes each media reference of a sample of items ``parts``: its LLM
+        tokens, or a video's runs with each temporal group's timestamp text (`Framed`)."""
+        out: list[ItemTokens] = []
+        for item, n in zip(parts, self._lengths(parts)):
+            if item.part is None:
+                out.append(n)
+                continue
+            before, after = frame_texts(item.times[0])
+            if item.part[0] == 0:
+                out.append(Framed((n,), (before,), (after,)))
+            else:
+                last = out[-1]
+                out[-1] = Framed(last.runs + (n,), last.before + (before,), last.after + (after,))
+        return out
 
     def _fitted(self, conv: Conversation, r: Rendered) -> Rendered:
         """``r`` within ``max_tokens``: as it is, or cut (`truncate`); else a `DataError`."""
@@ -204,24 +237,28 @@ class SampleBuilder:
 
     def _shape_of(self, conv: Conversation, index: int, items: list[ModalityItem], lengths: list[int],
                   r: Rendered) -> SampleShape:
+        """The shape of a sample of items ``items`` (`_parts`) of ``lengths`` LLM tokens, rendered ``r``."""
         r = self._fitted(conv, r)
         if not r.learned:
             raise DataError("no_targets", conv.where, "no token of the sample is learned (empty assistant turns)")
         k = len(r.items)  # items after a cut are dropped
+        if k < len(items) and items[k].part is not None and items[k].part[0] > 0:
+            raise DataError("too_long", conv.where, f"cutting the sample at max_tokens={self.max_tokens} would "
+                            "split a video's frames; raise the limit or drop it")
         offsets = tuple(start - sum(lengths[:j]) for j, (start, _) in enumerate(r.items))
         return SampleShape(r.n_ids - sum(lengths[:k]), tuple(items[:k]), offsets, sample_id=index)
 
-    def _encode(self, conv: Conversation, index: int, items: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
-        lengths = self._lengths(items)
-        enc = self.encoded.get(index, lengths)  # a sample decoded before (an earlier epoch)
+    def _encode(self, conv: Conversation, index: int, parts: list[ModalityItem]) -> tuple[SampleShape, Encoded]:
+        writing = self._writing(parts)
+        enc = self.encoded.get(index, writing)  # a sample decoded before (an earlier epoch)
         if enc is None:
-            enc = self.tokenizer.encode_conversation(conv, lengths)
-            self.encoded.put(index, lengths, enc)
-        return self._shape_of(conv, index, items, lengths, Rendered.of(enc)), enc
+            enc = self.tokenizer.encode_conversation(conv, writing)
+            self.encoded.put(index, writing, enc)
+        return self._shape_of(conv, index, parts, self._lengths(parts), Rendered.of(enc)), enc
 
-    def render(self, conv: Conversation, lengths: list[int]) -> Rendered:
-        """The rendering summary of a conversation with items of ``lengths`` LLM tokens, from the token
-        cache when it holds it (else rendered, and remembered by the cache)."""
+    def render(self, conv: Conversation, lengths: list[ItemTokens]) -> Rendered:
+        """The rendering summary of a conversation with items written as ``lengths`` (`_writing`), from
+        the token cache when it holds it (else rendered, and remembered by the cache)."""
         if self.token_cache is not None:
             cached = self.token_cache.get(conv, lengths)
             if cached is not None:
@@ -240,16 +277,16 @@ class SampleBuilder:
             headers: its items' `M.media_shape` dicts (from the shape index); None reads the headers.
         """
         refs = conv.media()
-        items = [self.item_shape(r, conv, headers[k] if headers else None) for k, r in enumerate(refs)]
-        lengths = self._lengths(items)
-        rendered = self.render(conv, lengths)
-        return self._shape_of(conv, index, items, lengths, rendered)
+        parts = self._parts([self.item_shape(r, conv, headers[k] if headers else None) for k, r in enumerate(refs)])
+        rendered = self.render(conv, self._writing(parts))
+        return self._shape_of(conv, index, parts, self._lengths(parts), rendered)
 
     def n_targets(self, conv: Conversation, shape: SampleShape) -> int:
         """Tokens with a next-token label of a sample of ``shape`` (from the token cache when it holds it)."""
-        items = list(shape.items)  # a truncated sample's shape lacks the items after the cut: their headers
-        items += [self.item_shape(r, conv) for r in conv.media()[len(items):]]
-        return self._fitted(conv, self.render(conv, self._lengths(items))).n_targets
+        parts = list(shape.items)  # a truncated sample's shape lacks the items after the cut: their headers
+        whole = sum(1 for p in parts if p.part is None or p.part[0] == 0)  # media references covered
+        parts += self._parts([self.item_shape(r, conv) for r in conv.media()[whole:]])
+        return self._fitted(conv, self.render(conv, self._writing(parts))).n_targets
 
     def outline(self, shape: SampleShape, n_targets: int) -> SampleOutline:
         """What the batch builder needs of a sample this rank does not decode: the token runs of its
@@ -268,7 +305,7 @@ class SampleBuilder:
 
     def build(self, conv: Conversation, index: int) -> LoadedSample:
         """Decode a conversation into its shape and tensors; raises `DataError` for an unusable sample."""
-        decoded = [self.decode(r, conv) for r in conv.media()]
+        decoded = [part for r in conv.media() for part in self._split(*self.decode(r, conv))]
         shape, enc = self._encode(conv, index, [item for item, _ in decoded])
         if len(enc.ids) > self.max_tokens:  # truncated (`_shape_of` refused it otherwise)
             n = self.max_tokens
@@ -284,6 +321,15 @@ class SampleBuilder:
                                  causal_items=self.mllm.item_attention == "causal",
                                  rope_positions=item_rope_positions(self.mllm, segments, items))
         return LoadedSample(index, shape, tokens, conv.answer(), conv.task)
+
+
+def _split_rows(parts: list[ModalityItem], x: ItemInputs) -> list[ItemInputs]:
+    """A decoded video's patch rows cut into its temporal groups' (`item_parts`), each of grid ``(1, h, w)``."""
+    _, h, w = (int(v) for v in x.grid[0])
+    if x.inputs.shape[0] != len(parts) * h * w:
+        raise DataError("shape_mismatch", "video", f"{x.inputs.shape[0]} patch rows for {len(parts)} temporal groups "
+                        f"of {h}x{w} patches")
+    return [ItemInputs(x.module, rows, grid=torch.tensor([[1, h, w]])) for rows in x.inputs.split(h * w)]
 
 
 def _segments(enc: Encoded) -> list[tuple[str, int]]:

@@ -244,7 +244,7 @@ def native_encoder_spec(native: QwenVisionSpec, name: str, min_pixels: int = MIN
         pos_embed="learned" if native.num_position_embeddings else "none", token_merge=native.merge_size ** 2,
         temporal_merge=native.temporal_patch_size, native_resolution=True, max_tiles=1, native=native,
         min_pixels=min_pixels, max_pixels=max_pixels,
-        video=video if video is not None or native.family == "qwen3_vl" else VideoNumbers(),
+        video=video if video is not None else VideoNumbers.qwen3() if native.family == "qwen3_vl" else VideoNumbers(),
     )
 
 

@@ -28,6 +28,11 @@ class ModalityItem:
         width: pixel width (image or video frame) when ``tiles`` is not given.
         frames: video frames.
         seconds: audio duration.
+        times: a video the prompt writes one temporal group of frames at a time, each after its
+            timestamp (Qwen3-VL): each group's seconds. Such a video is one item per group in a
+            sample (`item_parts`).
+        part: one temporal group of such a video: ``(its index, the video's groups)``; ``height``
+            and ``width`` are then the size its frames are resized to, ``times`` its seconds.
     """
 
     modality: str
@@ -36,6 +41,8 @@ class ModalityItem:
     width: int | None = None
     frames: int | None = None
     seconds: float | None = None
+    times: tuple[float, ...] | None = None
+    part: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
@@ -56,6 +63,12 @@ class ModalityItem:
             raise SampleError("video item needs frames=N")
         if self.modality == "image" and self.frames is not None:
             raise SampleError("image item cannot have frames; use modality='video'")
+        if self.times is not None and (self.modality != "video" or not self.times):
+            raise SampleError(f"{self.modality} item: times={self.times!r} are a video's temporal groups' seconds")
+        if self.part is not None and (self.times is None or len(self.times) != 1
+                                      or not 0 <= self.part[0] < self.part[1]):
+            raise SampleError(f"video item: part={self.part!r} must be (index, groups) with index < groups and "
+                              "one time")
 
     @staticmethod
     def image(tiles: int | None = None, height: int | None = None, width: int | None = None) -> ModalityItem:
@@ -163,6 +176,26 @@ def image_tiles(item: ModalityItem, encoder: EncoderSpec, thumbnail: bool = True
     return n + 1 if thumbnail and n > 1 else n
 
 
+def item_parts(item: ModalityItem, encoder: EncoderSpec) -> tuple[ModalityItem, ...]:
+    """The items an item is in a sample's sequence: itself, or, for a video written one temporal
+    group at a time (``times``), one per group: its frames (the last group's may be fewer than the
+    temporal patch; the processor repeats the last), sized as the whole video's, and its seconds.
+
+    Raises:
+        SampleError: ``times`` not one per temporal group of the video's frames.
+    """
+    if item.times is None or item.part is not None:
+        return (item,)
+    tm, groups = encoder.temporal_merge, len(item.times)
+    if encoder.native is None or encoder.video is None or math.ceil(item.frames / tm) != groups:
+        raise SampleError(f"a video of {item.frames} frames with {groups} timestamps: expected one per temporal "
+                          f"group of {tm} frames, for a native-resolution tower with video numbers")
+    side = encoder.patch_size * math.isqrt(encoder.token_merge)
+    h, w = encoder.video.frame_size(item.frames, item.height, item.width, side, tm)
+    return tuple(ModalityItem("video", height=h, width=w, frames=min(tm, item.frames - g * tm), times=(t,),
+                              part=(g, groups)) for g, t in enumerate(item.times))
+
+
 def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int]:
     """The ``(t, h, w)`` patch grid of an image or video for a native-resolution tower with the
     processor's numbers (`EncoderSpec.native`): ``t = ceil(frames / temporal_merge)``, each frame
@@ -171,6 +204,8 @@ def native_grid(item: ModalityItem, encoder: EncoderSpec) -> tuple[int, int, int
     p, side = encoder.patch_size, encoder.patch_size * math.isqrt(encoder.token_merge)
     if item.tiles is not None:
         h, w = encoder.image_size, encoder.image_size * item.tiles
+    elif item.part is not None:  # frames already sized with the whole video's (`item_parts`)
+        h, w = item.height, item.width
     elif item.modality == "video" and encoder.video is not None:
         h, w = encoder.video.frame_size(item.frames, item.height, item.width, side, encoder.temporal_merge)
     else:

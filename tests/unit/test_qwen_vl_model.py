@@ -39,7 +39,6 @@ VISION = {
 CLASSES = {"qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
            "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
            "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration)}
-IMAGES_ONLY = ("qwen3_vl",)  # its processor writes a video frame by frame between timestamps
 # (t, h, w) patch grids: a small image, a very wide and a very tall one, a 4-frame video (2 temporal patches)
 GRIDS = {"image": [(1, 6, 8), (1, 2, 20), (1, 18, 2)], "video": [(2, 4, 6)]}
 
@@ -61,9 +60,11 @@ def make_qwen_vl(path, family: str, tied: bool = False):
     return model.eval()
 
 
-def sample(seed: int, images: list, videos: list = (), text=(3, 2, 4, 3, 2)):
-    """input_ids as the processor writes them (``<|vision_start|>`` pads ``<|vision_end|>`` per item),
-    random patch rows, grids and labels on the last text run."""
+def sample(seed: int, images: list, videos: list = (), text=(3, 2, 4, 3, 2), framed: bool = False):
+    """input_ids as the processor writes them (``<|vision_start|>`` pads ``<|vision_end|>`` per item;
+    ``framed``: a video as Qwen3-VL's writes it, inside those one ``<t seconds>`` text (random ids
+    here), ``<|vision_start|>`` pads ``<|vision_end|>`` per temporal group), random patch rows, grids
+    and labels on the last text run."""
     g = torch.Generator().manual_seed(seed)
     texts = iter(torch.randint(0, 280, (k,), generator=g) for k in text)
     ids, out = [next(texts)], {}
@@ -72,8 +73,12 @@ def sample(seed: int, images: list, videos: list = (), text=(3, 2, 4, 3, 2)):
             continue
         rows = []
         for t, h, w in grids:
-            ids += [torch.tensor([START]), torch.full((t * h * w // MERGE**2,), token), torch.tensor([END]),
-                    next(texts)]
+            run = [torch.full((t * h * w // MERGE**2,), token)]
+            if framed and mod == "video":
+                stamps = torch.randint(0, 280, (t, 3), generator=g)
+                run = [torch.cat([stamps[k], torch.tensor([START]), torch.full((h * w // MERGE**2,), token),
+                                  torch.tensor([END])]) for k in range(t)]
+            ids += [torch.tensor([START]), *run, torch.tensor([END]), next(texts)]
             rows.append(torch.randn(t * h * w, 3 * 2 * PATCH * PATCH, generator=g))
         key = "pixel_values" if mod == "image" else "pixel_values_videos"
         out[key], out[f"{mod}_grid_thw"] = torch.cat(rows), torch.tensor(grids)
@@ -100,7 +105,7 @@ def test_logits_loss_and_packing_match_transformers(family, tmp_path):
     hf = make_qwen_vl(tmp_path / "hf", family)
     spec = mllm_spec_from_hf(tmp_path / "hf")
     model = load_whole(tmp_path / "hf", spec)
-    one = sample(1, GRIDS["image"][:2], () if family in IMAGES_ONLY else GRIDS["video"])
+    one = sample(1, GRIDS["image"][:2], GRIDS["video"], framed=family == "qwen3_vl")
     two = sample(2, GRIDS["image"][2:], text=(4, 5))
     seconds = [1.0]
     with torch.no_grad():

@@ -102,22 +102,20 @@ def processor_numbers(spec: MLLMSpec, root: Path) -> MLLMSpec:
     return replace(spec, encoders={"vision": replace(enc, min_pixels=int(low), max_pixels=int(high))})
 
 
-def _video_numbers(root: Path, enc) -> VideoNumbers | None:
-    """The video processor's numbers (`harmonia.model.video_spec.video_config`); its patch, merge and
-    temporal patch sizes must be the tower's. None for Qwen3-VL, whose video processor (frames
-    sampled and sized otherwise, timestamps between them) harmonia does not implement."""
-    if enc.native.family == "qwen3_vl":
-        return None
+def _video_numbers(root: Path, enc) -> VideoNumbers:
+    """The video processor's numbers (`harmonia.model.video_spec.video_config`; Qwen3-VL's read as its
+    own processor reads them); its patch, merge and temporal patch sizes must be the tower's."""
+    style = "qwen3_vl" if enc.native.family == "qwen3_vl" else "qwen2_vl"
     found = video_config(root)
     if found is None:
-        return VideoNumbers()
+        return VideoNumbers.qwen3() if style == "qwen3_vl" else VideoNumbers()
     path, numbers = found
     want = {"patch_size": enc.patch_size, "merge_size": enc.native.merge_size,
             "temporal_patch_size": enc.temporal_merge}
     wrong = {k: numbers[k] for k, v in want.items() if k in numbers and numbers[k] != v}
     if wrong:
         raise ConfigError(f"{path}: {wrong} differ from the vision tower's {want} (config.json)")
-    return VideoNumbers.from_config(numbers, enc.patch_size * enc.native.merge_size, str(path))
+    return VideoNumbers.from_config(numbers, enc.patch_size * enc.native.merge_size, str(path), style)
 
 
 def projector_names(keys: list[str], module: str) -> dict[str, str]:

@@ -30,6 +30,9 @@ def _items(spec: MLLMSpec, input_ids: torch.Tensor, pixels: dict[str, torch.Tens
             t += 1
     queues = {mod: list(zip(_rows(pixels[mod], grids[mod]), (grids[mod] if grids[mod] is not None else [])))
               for mod in ("image", "video")}
+    if spec.encoders["vision"].native.family == "qwen3_vl":  # a video is a run per temporal group
+        queues["video"] = [(part, torch.tensor([1, h, w])) for rows, (t, h, w) in queues["video"]
+                           for part in rows.split(int(h * w))]
     segments, items, pos = [], [], 0
     for mod, start, length in runs:
         if not queues[mod]:
@@ -68,11 +71,12 @@ def tokenized_sample(spec: MLLMSpec, input_ids: torch.Tensor, pixel_values: torc
                      pixel_values_videos: torch.Tensor | None = None, video_grid_thw: torch.Tensor | None = None,
                      second_per_grid_ts: list[float] | None = None,
                      tokens_per_second: float | None = None) -> TokenizedSample:
-    """A `TokenizedSample` from what a Qwen2-VL / Qwen2.5-VL processor returns for one sample.
+    """A `TokenizedSample` from what a Qwen-VL processor returns for one sample.
 
     Each run of the image (video) token is one image (video) of ``image_grid_thw``
     (``video_grid_thw``), in order; its patch rows are its share of ``pixel_values``
-    (``pixel_values_videos``). The rotary positions are `rope_index`'s; ``labels`` are
+    (``pixel_values_videos``). Qwen3-VL writes a video one temporal group at a time: each group is a
+    run and an item of grid ``(1, h, w)``. The rotary positions are `rope_index`'s; ``labels`` are
     transformers' (unshifted) and are shifted here.
     """
     pixels = {"image": pixel_values, "video": pixel_values_videos}
