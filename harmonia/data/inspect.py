@@ -52,18 +52,28 @@ class _Tally:
         self.seconds: list[float] = []
 
     def add(self, s: LoadedSample) -> None:
-        kinds = [i.modality for i in s.shape.items]
+        # a video written one temporal group at a time (Qwen3-VL) is one item per group: counted once
+        whole = [(i, x) for i, x in zip(s.shape.items, s.tokens.items) if i.part is None or i.part[0] == 0]
+        kinds = [i.modality for i, _ in whole]
         self.items.update(kinds)
         self.samples_by_mix["+".join(sorted(set(kinds))) or "text"] += 1
         self.tokens.append(len(s.tokens))
         self.targets.append(int((s.tokens.labels != -100).sum()))
-        for item, inputs in zip(s.shape.items, s.tokens.items):
+        for item, inputs in whole:
             if item.modality == "image":
                 self.tiles.append(int(inputs.inputs.shape[0]))
             elif item.modality == "video":
-                self.frames.append(item.frames)
+                self.frames.append(_video_frames(s.shape.items, item))
             else:
                 self.seconds.append(item.seconds)
+
+
+def _video_frames(items: tuple, first) -> int:
+    """Frames of the video that starts at item ``first`` (all its temporal groups' when it has them)."""
+    if first.part is None:
+        return first.frames
+    k = items.index(first)
+    return sum(i.frames for i in items[k:k + first.part[1]])
 
 
 def inspect_dataset(dataset: MultimodalDataset, num_workers: int = 0, progress: bool = True,

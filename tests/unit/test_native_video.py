@@ -264,6 +264,10 @@ def test_qwen3_vl_videos_too_short_or_cut_are_counted_bad_records(tmp_path):
     (shape,) = data.shapes()
     assert [p.part for p in shape.items] == [(0, 4), (1, 4), (2, 4), (3, 4)]  # 8 frames sampled: 4 groups
     assert "temporal patch" in " ".join(data.stats.examples["unsupported_media"])
+    from harmonia.data.inspect import inspect_dataset
+
+    report = inspect_dataset(data, progress=False)  # one video of 8 frames, not 4 items
+    assert report["modalities"]["items"] == {"video": 1} and report["frames"]["max"] == 8
     n = llm_tokens_of_item(shape.items[0], spec.encoders["vision"])
     between = shape.item_offsets[0] + n + 1  # after the first group's run and its <|vision_end|>
     cut = MultimodalDataset(tmp_path / "data.json", spec, max_tokens=between, truncate=True, **args)
