@@ -445,14 +445,16 @@ def assign(candidate: Candidate, costs: np.ndarray, tokens: np.ndarray, cost: Co
     feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
     columns, names = module_columns(costs, cost.modules, plan.encoders)
     positions = np.arange(len(costs))
-    if candidate.recipe in ("megatron", "cornstarch"):
-        per_replica = assign_sequential(positions, dp, n_mb)
-    elif candidate.recipe == "disttrain":
-        per_replica = assign_reordered(positions, costs, dp, n_mb)
+    if candidate.recipe in ("megatron", "cornstarch", "disttrain"):
+        per_replica = (assign_reordered(positions, costs, dp, n_mb) if candidate.recipe == "disttrain"
+                       else assign_sequential(positions, dp, n_mb))
+        out = assemble_iteration([per_replica[d] for d in range(dp)], columns, names, encoder_dp, feeds=feeds)
     else:
         balanced = assign_iteration(columns, names, dp, encoder_dp, n_mb, tokens=tokens, feeds=feeds, kept=kept)
-        return balanced if shapes is None else cut_encoder_items(balanced, plan, cost, shapes, kept)
-    return assemble_iteration([per_replica[d] for d in range(dp)], columns, names, encoder_dp, feeds=feeds)
+        out = balanced if shapes is None else cut_encoder_items(balanced, plan, cost, shapes, kept)
+    if kept is not None:  # sums of samples' loads, shared by the batch's assignments
+        out.memo["batch loads"] = kept.setdefault("batch loads", {})
+    return out
 
 
 def assignment_key(candidate: Candidate) -> tuple:

@@ -149,7 +149,7 @@ def cut_encoder_items(assignment: IterationAssignment, plan: Plan, cost: CostMod
                     shares.update({(feeds[d][j], positions[s]): cut for (j, s), cut in parts.items()})
             split[e].append([sorted(held) for held in mine])
             cuts[e].append(shares)
-    return replace(assignment, encoder_split=split, encoder_cuts=cuts)
+    return replace(assignment, encoder_split=split, encoder_cuts=cuts, memo={})  # what it keeps is the split's
 
 
 def _item_table(cost: CostModel, encoder: str, spec: EncoderSpec, shapes: Sequence[SampleShape]) -> list[tuple]:

@@ -66,7 +66,8 @@ class IterationAssignment:
     memo: dict = field(default_factory=dict, compare=False, repr=False)
     """What the stage work derives from the assignment alone, kept for the next plan priced on it
     (`harmonia.schedule.stagework`: per encoder, each replica's cut items and their loads, and its
-    units per encoder layout; the training step's whole stage work, `harmonia.train.iteration`)."""
+    units per encoder layout; the training step's whole stage work, `harmonia.train.iteration`);
+    under ``batch loads``, a dict shared by every assignment of one batch (`harmonia.plan.recipes.assign`)."""
 
     def cut(self, encoder: str, m: int, replica: int, position: int) -> tuple | None:
         """The share of sample ``position`` encoder replica ``replica`` encodes (None: whole)."""
@@ -105,6 +106,14 @@ def _deal_encoder(weights: np.ndarray, replicas_of: Sequence[Sequence[int]], llm
     split: list[list[int]] = [[] for _ in loads]
     for d, positions in enumerate(llm_split):
         replicas = list(replicas_of[d])
+        if len(replicas) == 1:  # one feeder takes them all: the same sum, longest first, as dealing
+            (r,) = replicas
+            held = float(loads[r])
+            for w in sorted(weights[positions].tolist(), reverse=True):
+                held += w
+            split[r].extend(positions)
+            loads[r] = held
+            continue
         sub = loads[replicas]
         for k, picks in enumerate(deal_longest_first(weights[positions], len(replicas), sub)):
             split[replicas[k]].extend(positions[i] for i in picks)

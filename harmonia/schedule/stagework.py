@@ -205,9 +205,9 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     llm_chunks = _module_chunks(cost, plan, LLM)
     loads = [cost.sample_loads(s) for s in shapes]  # per module, of each sample of the batch
+    llm_loads = _llm_loads(assignment, cost, loads)
     _add_llm_work(out, plan, cost, llm_chunks, [
-        (d, m, ModuleLoad.total(loads[samples[p]]["llm"] for p in positions))
-        for m, samples in enumerate(assignment.microbatches) for d, positions in enumerate(assignment.llm_split[m])
+        (d, m, load) for m, per_replica in enumerate(llm_loads) for d, load in enumerate(per_replica)
         if replicas is None or d in replicas[LLM]])
     key = ("boundary bytes", cost, tuple(plan.encoders))  # the assignment's alone: kept for the next plan
     if key not in assignment.memo:
@@ -219,6 +219,17 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         else:
             _kept_encoder_work(out, plan, cost, enc, loads, None if replicas is None else replicas[enc])
     return out
+
+
+def _llm_loads(assignment: IterationAssignment, cost: CostModel,
+               loads: Sequence[dict[str, ModuleLoad]]) -> list[list[ModuleLoad]]:
+    """Per microbatch, each LLM replica's load (kept on the assignment: every plan sharing it asks)."""
+    key = ("llm loads", cost)
+    if key not in assignment.memo:
+        assignment.memo[key] = [[ModuleLoad.total(loads[samples[p]][LLM] for p in positions)
+                                 for positions in assignment.llm_split[m]]
+                                for m, samples in enumerate(assignment.microbatches)]
+    return assignment.memo[key]
 
 
 def _boundary_bytes(assignment: IterationAssignment, plan: Plan, cost: CostModel,
@@ -296,13 +307,7 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
             if replicas is not None and e not in replicas:
                 continue
             if len(subs) == 1:  # the samples' loads summed (what their items' loads sum to), and the shares'
-                whole = [p for p in positions if (e, p) not in cuts] if cuts else positions
-                mine = [loads[samples[p]] for p in whole]
-                enc_load = ModuleLoad.total(load[enc] for load in mine)
-                proj_load = ModuleLoad.total(load[f"{enc}_proj"] for load in mine)
-                if len(whole) < len(positions):
-                    shared = _shares_load(out, cost, enc, m, e, [p for p in positions if p not in whole])
-                    enc_load, proj_load = enc_load + shared[0], proj_load + shared[1]
+                enc_load, proj_load = _replica_load(out, cost, enc, loads, m, e, cuts)
                 if proj_load.sequences:  # one per item
                     _add_module_work(out, plan, cost, enc, chunks, e, m, None, enc_load, proj_load)
                 continue
@@ -313,6 +318,34 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
                 if a < b:
                     enc_load, proj_load = _item_load(cost, enc, items[a:b])
                     _add_module_work(out, plan, cost, enc, chunks, e, m, sub, enc_load, proj_load)
+
+
+def _replica_load(out: IterationWork, cost: CostModel, enc: str, loads: Sequence[dict[str, ModuleLoad]], m: int,
+                  e: int, cuts: Mapping) -> tuple[ModuleLoad, ModuleLoad]:
+    """An encoder replica's load and its projector's in microbatch ``m``: its whole samples' loads
+    summed, and its shares' (`_shares_load`). The sums of whole samples are kept per set of samples
+    of the batch (`IterationAssignment.memo`'s ``batch loads``, shared by a search's assignments of
+    one batch; else the assignment's own): assignments of one batch deal the same samples together
+    again and again (1.0M replicas' loads of an omni-72b search on 1,024 GPUs, 48k distinct)."""
+    positions, samples = out.assignment.encoder_split[enc][m][e], out.assignment.microbatches[m]
+    whole = [p for p in positions if (e, p) not in cuts] if cuts else positions
+    spec = cost.mllm.encoders[enc]
+    batch = out.assignment.memo.get("batch loads")
+    batch = batch if batch is not None else out.assignment.memo
+    found = batch.get(("sample sums", enc))
+    if found is None or found[0] is not spec:  # sums of another spec's loads are not these
+        found = batch[("sample sums", enc)] = (spec, {})
+    kept = found[1]
+    key = tuple(samples[p] for p in whole)
+    if key not in kept:
+        mine = [loads[i] for i in key]
+        kept[key] = (ModuleLoad.total(load[enc] for load in mine),
+                     ModuleLoad.total(load[f"{enc}_proj"] for load in mine))
+    enc_load, proj_load = kept[key]
+    if len(whole) < len(positions):
+        shared = _shares_load(out, cost, enc, m, e, [p for p in positions if p not in whole])
+        enc_load, proj_load = enc_load + shared[0], proj_load + shared[1]
+    return enc_load, proj_load
 
 
 def chunk_ranges(cost: CostModel, plan: Plan, module: str) -> list[tuple[int, int]]:

@@ -47,3 +47,21 @@ def test_encoder_loads_carry_over_between_microbatches() -> None:
 def test_feeds_that_miss_a_replica_are_refused() -> None:
     with pytest.raises(ScheduleError, match=r"feeds\['vision'\]"):
         assign_iteration(_costs(32), MODULES, 2, {"vision": 4}, 2, feeds={"vision": [[0], [1]]})
+
+
+def test_an_llm_replica_fed_by_one_encoder_replica_gets_what_dealing_gives():
+    """The one-feeder shortcut of `_deal_encoder`: the same split and, bit for bit, the same running
+    loads as dealing longest first onto one bin."""
+    from harmonia.schedule.iteration import _deal_encoder, deal_longest_first
+
+    rng = np.random.default_rng(3)
+    weights = rng.random(40) * rng.integers(1, 1000, 40)
+    llm_split = [sorted(rng.choice(40, 13, replace=False).tolist()), list(range(0, 40, 3))]
+    loads = rng.random(2) * 7
+    fast = loads.copy()
+    split = _deal_encoder(weights, [[1], [0]], llm_split, fast)
+    for d, r in ((0, 1), (1, 0)):
+        held = loads[[r]].copy()
+        (picks,) = deal_longest_first(weights[llm_split[d]], 1, held)
+        assert split[r] == sorted(llm_split[d][i] for i in picks)
+        assert fast[r] == held[0]
