@@ -10,7 +10,8 @@ there are. Counted per chunk:
 
 - 1F1B: ``k`` microbatches, from forward to backward.
 - zero bubble, on a stage that splits its backward: ``k`` until B, then up to ``k`` deferred weight
-  gradients keeping half of theirs (B frees the half only the input gradient needed): ``1.5 k``.
+  gradients keeping all of theirs and the output gradients W needs (B keeps the autograd graph for
+  W: `harmonia.workload.memory_cost`): ``2 k`` microbatches' activations and ``k`` of those gradients.
 - encoders fused into the LLM's first stage (Megatron): as many as that stage, ``min(pp, n)``.
 - interleaved 1F1B: the LLM's gate is per pipeline rank, over all its chunks: Megatron-LM's warm-up
   plus one chunk forward (`interleaved_in_flight`), counted as the largest chunk forwards the rank
@@ -47,8 +48,16 @@ def in_flight(graph: StageGraph, plan: Plan, ref: StageRef, fused: bool = False)
     if fused and ref.module != LLM:
         return float(min(graph.llm.n_stages, n))
     depth = float(min(graph.depth_to_end(ref), n))
-    splits = graph.needs_b(ref) and graph.needs_w(ref)
-    return 1.5 * depth if plan.schedule == "zb" and splits else depth
+    return depth + deferred_w(graph, plan, ref)
+
+
+def deferred_w(graph: StageGraph, plan: Plan, ref: StageRef) -> float:
+    """Microbatches whose weight gradient a stage chunk defers past their B at most, keeping their
+    activations and W's output gradients: under zero bubble on a chunk that splits its backward, as
+    many as it keeps in flight to B; else none."""
+    if plan.schedule != "zb" or not (graph.needs_b(ref) and graph.needs_w(ref)):
+        return 0.0
+    return float(min(graph.depth_to_end(ref), plan.n_microbatches))
 
 
 def interleaved_in_flight(plan: Plan, pp_rank: int) -> float:
@@ -94,6 +103,20 @@ def microbatch_activation_bytes(cost: CostModel, plan: Plan, profile: BatchProfi
     return act
 
 
+def microbatch_wgrad_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int) -> float:
+    """Output-gradient bytes one mean microbatch keeps from B to W on one rank of a stage chunk that
+    splits its backward (`harmonia.workload.memory_cost.MemoryCosts.wgrad_bytes`; the projector's on
+    an encoder's last chunk)."""
+    layout: Layout = plan.layouts[module]
+    share = _microbatch_share(plan, module)
+    start, stop = stage_layer_range(cost, plan, module, chunk)
+    held = cost.wgrad_bytes(module, profile.sample_load(module).tokens * share, start, stop, layout.tp, layout.cp)
+    proj = f"{module}_proj"
+    if module != LLM and chunk == layout.n_stages - 1 and proj in cost.layers:
+        held += cost.wgrad_bytes(proj, profile.sample_load(proj).tokens * share, cp=layout.cp)
+    return held
+
+
 def transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: str, chunk: int,
                     recompute: float | None = None) -> float:
     """Bytes a mean microbatch holds on one rank of a stage chunk beyond what it keeps, while one of
@@ -124,7 +147,10 @@ def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, grap
             mine = sorted(acts[pp_rank::layout.pp], reverse=True)
             act = _largest(mine, plan.n_microbatches, interleaved_in_flight(plan, pp_rank))
         else:
-            act = in_flight(graph, plan, StageRef(module, chunk), fused) * acts[chunk]
+            ref = StageRef(module, chunk)
+            act = in_flight(graph, plan, ref, fused) * acts[chunk]
+            if not (fused and module != LLM) and (deferred := deferred_w(graph, plan, ref)):
+                act += deferred * microbatch_wgrad_bytes(cost, plan, profile, module, chunk)
         held = max(transient_bytes(cost, plan, profile, module, c, recompute)
                    for c in range(pp_rank, layout.n_stages, layout.pp))
         mine_ranks = ranks[pp_rank * per:(pp_rank + 1) * per]

@@ -2,7 +2,8 @@
 
 A rank's compute actions run one after another on its compute stream in the order
 `harmonia.schedule.rank_actions.rank_compute_actions` gives, and only they hold activations: F
-keeps its unit's activations, the backward frees them (half at B, half at W when split), and the
+keeps its unit's activations, the backward frees them (when split, B frees none and keeps the
+output gradients W needs as well, W frees both: `harmonia.workload.memory_cost`), and the
 task that runs a recomputed block's forward again holds its activations while it runs. So a rank's
 activation peak depends on its order alone, not on when each action starts: `activation_peaks`
 finds what `harmonia.sim.tasks.simulate_schedule` reports as ``Timeline.peak_mem`` for the cost of
@@ -37,14 +38,17 @@ def phase(graph: StageGraph, a: Action) -> tuple[str, bool, bool]:
 def unit_memory(work: MicrobatchWork, kind: str, w_only: bool, has_w: bool) -> tuple[float, float]:
     """(bytes allocated (+) or freed (-), bytes held only while it runs) of one phase of a unit:
     F keeps its activations and, while it runs, the intermediates of a block that keeps nothing;
-    a split backward frees half at B and half at W; a fused BW, or a W that is the stage's whole
+    a split backward's B frees none of them (its autograd graph is kept for W) and keeps the output
+    gradients W needs (``w_held``), its W frees both; a fused BW, or a W that is the stage's whole
     backward, frees them all; the phase that runs the blocks' backward through their inputs (B,
     BW, or a W-only stage's W) holds a block's gradients, and its recomputed activations, while
     it runs (`harmonia.workload.cost.CostModel.backward_transient_bytes`)."""
     if kind == "F":
         return work.act_bytes, work.act_bytes + work.f_transient if work.f_transient else 0.0
-    if (kind == "B" and has_w) or (kind == "W" and not w_only):
-        delta = -0.5 * work.act_bytes
+    if kind == "B" and has_w:
+        delta = work.w_held
+    elif kind == "W" and not w_only:
+        delta = -(work.act_bytes + work.w_held)
     else:
         delta = -work.act_bytes
     recomputes = kind in ("B", "BW") or w_only

@@ -37,8 +37,8 @@ rank's tasks are exactly its actions, in its order:
 
 A W on a stage without B (nothing trainable upstream) still backpropagates through its own interior
 for its weight gradients: that work runs inside its W. Activations are kept from F and freed by the
-backward (half at B, half at W when split; `harmonia.sim.memory`, which also finds each rank's
-peak from its order alone).
+backward (at W when split, B keeping W's output gradients until then; `harmonia.sim.memory`, which
+also finds each rank's peak from its order alone).
 """
 
 from __future__ import annotations

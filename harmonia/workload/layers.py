@@ -54,6 +54,11 @@ class LayerCost:
             parallelism keeps whole on every TP rank (`harmonia.model.tp.plan_tp`: norms, biases of
             row-wise linears, layer scales, an encoder's front end and post layer, LoRA's ``A`` of
             column-wise and ``B`` of row-wise linears); the rest is split over ``tp``.
+        wgrad_elems_tok, wgrad_replicated_tok: elements per token of the output gradients of the
+            operations that use trained weights, split over ``tp`` and whole on every TP rank: what a
+            split backward keeps from B until W beside the activations (torch.distributed.
+            pipelining's ``stage_backward_input`` keeps the autograd graph and, for W, the gradient
+            flowing into every operation that reaches a weight).
     """
 
     name: str
@@ -73,6 +78,24 @@ class LayerCost:
     replicated: int = 0
     trainable_replicated: int = 0
     work_elems_tok: float = 0.0
+    wgrad_elems_tok: float = 0.0
+    wgrad_replicated_tok: float = 0.0
+
+
+def _wgrad_elems(spec: TransformerSpec, mode: Trainability, lora_rank: int) -> tuple[float, float]:
+    """(split over TP, whole on every TP rank) output-gradient elements per token of a block's
+    operations on trained weights (`LayerCost.wgrad_elems_tok`): fully trained, the column-wise q,
+    k, v and MLP-up outputs and the q/k norms' (split), the row-wise output and down projections',
+    the two norms' and layer scales' (``h`` each, whole); under LoRA each adapter's ``A`` output
+    (``r``, whole) and ``B`` output (its base matrix's)."""
+    h, q, kv, f = spec.hidden, spec.q_dim, spec.kv_dim, spec.ffn_hidden
+    ups = 2 if spec.mlp == "swiglu" else 1
+    if mode is Trainability.FULL:
+        split = q + 2 * kv + ups * f + (q + kv if spec.qk_norm else 0)
+        return float(split), float(2 * h + 2 * h + (2 * h if spec.layer_scale else 0))
+    if mode is Trainability.LORA:
+        return float(q + 2 * kv + ups * f), float(lora_rank * (3 + ups + 2) + 2 * h)
+    return 0.0, 0.0
 
 
 def _lora_params(spec: TransformerSpec, rank: int) -> int:
@@ -140,18 +163,22 @@ def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: 
     io = 2 * (h + q + 2 * kv + q + h + h + act_in + f + h)
     work = h + max(2 * q + 2 * kv, act_in + f)
     repl, trainable_repl = _block_replicated(spec, mode, lora_rank)
+    wgrad, wgrad_repl = _wgrad_elems(spec, mode, lora_rank)
     return LayerCost(name, "block", params, trainable, f_tok, 4.0 * q, b_tok, b_pair, w_tok, act, io,
-                     needs_b, trains, replicated=repl, trainable_replicated=trainable_repl, work_elems_tok=work)
+                     needs_b, trains, replicated=repl, trainable_replicated=trainable_repl, work_elems_tok=work,
+                     wgrad_elems_tok=wgrad, wgrad_replicated_tok=wgrad_repl)
 
 
 def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upstream: bool,
-           in_elems: int, out_elems: int) -> LayerCost:
-    """A layer of plain matmuls (patch embedding, projector, LM head)."""
+           in_elems: int, out_elems: int, wgrad_elems: int | None = None) -> LayerCost:
+    """A layer of plain matmuls (patch embedding, projector, LM head); ``wgrad_elems``: its matmuls'
+    output gradient elements per token (default ``out_elems``), kept from B to W where it trains."""
     act = (in_elems if trainable else 0) + (out_elems if (trainable or upstream) else 0)
+    wgrad = float(out_elems if wgrad_elems is None else wgrad_elems) if trainable else 0.0
     return LayerCost(
         name, kind, params, params if trainable else 0, 2.0 * matmul, 0.0,
         2.0 * matmul if upstream else 0.0, 0.0, 2.0 * matmul if trainable else 0.0,
-        act, in_elems + out_elems, upstream, trainable,
+        act, in_elems + out_elems, upstream, trainable, wgrad_elems_tok=wgrad,
     )
 
 
@@ -204,7 +231,8 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
     h, v = llm.hidden, llm.vocab_size
     full = mode is Trainability.FULL
     embed = LayerCost("llm.embed", "embed", llm.embedding_params(), llm.embedding_params() if full else 0,
-                      0.0, 0.0, 0.0, 0.0, float(h) if full else 0.0, 0.0, float(h), False, full)
+                      0.0, 0.0, 0.0, 0.0, float(h) if full else 0.0, 0.0, float(h), False, full,
+                      wgrad_replicated_tok=float(h) if full else 0.0)  # the embedded sequence's gradient
     layers = [embed]
     trains_so_far = upstream_trains or full
     for i in range(llm.body.n_layers):
@@ -212,7 +240,7 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
         layers.append(replace(blk, windowed=llm.body.window_of(i) is not None))
         trains_so_far = trains_so_far or blk.needs_w
     head_params = llm.head_params() + llm.body.norm_params
-    head = _dense("llm.head", "head", head_params, h * v, full, trains_so_far, h, 2 * v)
+    head = _dense("llm.head", "head", head_params, h * v, full, trains_so_far, h, 2 * v, wgrad_elems=v)
     norm = llm.body.norm_params  # the final norm stays whole under TP; the head is split over the vocabulary
     layers.append(replace(head, replicated=norm, trainable_replicated=norm if full else 0))
     return layers

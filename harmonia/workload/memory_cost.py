@@ -21,6 +21,11 @@ weights (`reshard_transient_bytes`); the simulator prices the gathers and reduce
 (`harmonia.sim.collectives`). ``fsdp_per_microbatch`` prices every FSDP layout that way, as
 published runs gather.
 
+A split backward (zero-bubble schedules) runs B and W as two passes over one autograd graph
+(torch.distributed.pipelining's ``stage_backward_input`` keeps it, ``retain_graph``): B frees none
+of the activations and adds, until W, the output gradient of every operation on a trained weight
+(`MemoryCosts.wgrad_bytes`); W frees both.
+
 The transients: while one block runs its backward its full activations exist again under
 recompute (`MemoryCosts.recompute_transient_bytes`). With or without recompute, a block's backward
 holds the gradients of what it kept, as many elements, while it frees what it kept
@@ -246,6 +251,19 @@ class MemoryCosts:
                    if x.kind == "block" and x.act_elems_tok == 0 and x.work_elems_tok]
             self._largest[key] = max(per, default=0.0) * self.act_bytes / cp
         return self._largest[key] * tokens
+
+    def wgrad_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
+                    tp: int = 1, cp: int = 1) -> float:
+        """Bytes a split backward keeps from B until W beside the activations of one microbatch
+        through layers [start, stop): the output gradients of every operation on a trained weight
+        (`harmonia.workload.layers.LayerCost.wgrad_elems_tok`), in the activations' dtype, over ``tp``
+        where tensor parallelism splits them and over ``cp``."""
+        stop = len(self.layers[module]) if stop is None else stop
+        key = ("wgrad", module, start, stop, tp)
+        if key not in self._largest:
+            self._largest[key] = sum(x.wgrad_elems_tok / tp + x.wgrad_replicated_tok
+                                     for x in self.layers[module][start:stop]) * self.act_bytes
+        return self._largest[key] * tokens / cp
 
     def transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                         tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
