@@ -66,6 +66,7 @@ class MicrobatchWork:
     transient: float = 0.0  # bytes held only during the backward: a block's gradients (and recomputed activations)
     f_transient: float = 0.0  # bytes held only during the forward beyond what it keeps: a block's intermediates
     w_held: float = 0.0  # bytes a split backward keeps from B until W beside the activations (`wgrad_bytes`)
+    w_transient: float = 0.0  # bytes a split backward's W holds while it runs (`w_transient_bytes`)
 
 
 @dataclass
@@ -380,11 +381,13 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
-        held = cost.wgrad_bytes(module, tokens, start, stop, tp, cp)
+        held, w_made = cost.wgrad_bytes(module, tokens, start, stop, tp, cp), cost.w_transient_bytes(module, start,
+                                                                                                    stop, tp)
         if last and module != LLM and f"{module}_proj" in cost.layers:
             held += cost.wgrad_bytes(f"{module}_proj", proj_load.tokens, cp=cp)  # whole per TP rank
+            w_made = max(w_made, cost.w_transient_bytes(f"{module}_proj"))
         out.work[(key, m, sub)] = MicrobatchWork(times, act, tokens * send_bytes / group, flops / group, tokens,
-                                                 transient, f_transient, held)
+                                                 transient, f_transient, held, w_made)
 
 
 def _add_llm_work(out: IterationWork, plan: Plan, cost: CostModel, chunks: list[tuple[int, int, float]],
@@ -402,9 +405,11 @@ def _add_llm_work(out: IterationWork, plan: Plan, cost: CostModel, chunks: list[
             key = StageKey(LLM, replica, chunk)
             if key not in out.stage_ranks:
                 out.stage_ranks[key] = stage_ranks(plan, LLM, replica, chunk)
-            held = cost.wgrad_bytes(LLM, load.tokens, chunks[chunk][0], chunks[chunk][1], tp, cp)
+            start, stop = chunks[chunk][0], chunks[chunk][1]
             out.work[(key, m, None)] = MicrobatchWork(times, act, load.tokens * send_bytes / group, flops / group,
-                                                     load.tokens, transient, f_transient, held)
+                                                     load.tokens, transient, f_transient,
+                                                     cost.wgrad_bytes(LLM, load.tokens, start, stop, tp, cp),
+                                                     cost.w_transient_bytes(LLM, start, stop, tp))
 
 
 def _send_width(cost: CostModel, module: str, next_block: int) -> int:

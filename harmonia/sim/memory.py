@@ -39,7 +39,8 @@ def unit_memory(work: MicrobatchWork, kind: str, w_only: bool, has_w: bool) -> t
     """(bytes allocated (+) or freed (-), bytes held only while it runs) of one phase of a unit:
     F keeps its activations and, while it runs, the intermediates of a block that keeps nothing;
     a split backward's B frees none of them (its autograd graph is kept for W) and keeps the output
-    gradients W needs (``w_held``), its W frees both; a fused BW, or a W that is the stage's whole
+    gradients W needs (``w_held``), its W frees both and holds, while it runs, the weight gradients it
+    makes (``w_transient``); a fused BW, or a W that is the stage's whole
     backward, frees them all; the phase that runs the blocks' backward through their inputs (B,
     BW, or a W-only stage's W) holds a block's gradients, and its recomputed activations, while
     it runs (`harmonia.workload.cost.CostModel.backward_transient_bytes`)."""
@@ -47,8 +48,8 @@ def unit_memory(work: MicrobatchWork, kind: str, w_only: bool, has_w: bool) -> t
         return work.act_bytes, work.act_bytes + work.f_transient if work.f_transient else 0.0
     if kind == "B" and has_w:
         delta = work.w_held
-    elif kind == "W" and not w_only:
-        delta = -(work.act_bytes + work.w_held)
+    elif kind == "W" and not w_only:  # beside what it frees at its end, the weight gradients it makes
+        return -(work.act_bytes + work.w_held), work.w_transient
     else:
         delta = -work.act_bytes
     recomputes = kind in ("B", "BW") or w_only

@@ -59,6 +59,8 @@ class LayerCost:
             split backward keeps from B until W beside the activations (torch.distributed.
             pipelining's ``stage_backward_input`` keeps the autograd graph and, for W, the gradient
             flowing into every operation that reaches a weight).
+        top_weights: elements of the layer's two largest trained weight tensors (0 where it trains
+            none): W makes each weight's gradient whole before adding it into the accumulated one.
     """
 
     name: str
@@ -80,6 +82,13 @@ class LayerCost:
     work_elems_tok: float = 0.0
     wgrad_elems_tok: float = 0.0
     wgrad_replicated_tok: float = 0.0
+    top_weights: tuple[int, int] = (0, 0)
+
+
+def _two_largest(sizes: list[int]) -> tuple[int, int]:
+    """The two largest of ``sizes`` (0 for what is missing), largest first."""
+    top = sorted(sizes, reverse=True)[:2] + [0, 0]
+    return top[0], top[1]
 
 
 def _wgrad_elems(spec: TransformerSpec, mode: Trainability, lora_rank: int) -> tuple[float, float]:
@@ -164,9 +173,12 @@ def block_cost(name: str, spec: TransformerSpec, mode: Trainability, lora_rank: 
     work = h + max(2 * q + 2 * kv, act_in + f)
     repl, trainable_repl = _block_replicated(spec, mode, lora_rank)
     wgrad, wgrad_repl = _wgrad_elems(spec, mode, lora_rank)
+    matrices = [h * q, h * kv, h * kv, q * h] + [h * f] * (2 if spec.mlp == "swiglu" else 1) + [f * h]
+    top = (_two_largest(matrices) if mode is Trainability.FULL
+           else _two_largest([lora_rank * max(h, f)] * 2) if mode is Trainability.LORA else (0, 0))
     return LayerCost(name, "block", params, trainable, f_tok, 4.0 * q, b_tok, b_pair, w_tok, act, io,
                      needs_b, trains, replicated=repl, trainable_replicated=trainable_repl, work_elems_tok=work,
-                     wgrad_elems_tok=wgrad, wgrad_replicated_tok=wgrad_repl)
+                     wgrad_elems_tok=wgrad, wgrad_replicated_tok=wgrad_repl, top_weights=top)
 
 
 def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upstream: bool,
@@ -179,6 +191,7 @@ def _dense(name: str, kind: str, params: int, matmul: int, trainable: bool, upst
         name, kind, params, params if trainable else 0, 2.0 * matmul, 0.0,
         2.0 * matmul if upstream else 0.0, 0.0, 2.0 * matmul if trainable else 0.0,
         act, in_elems + out_elems, upstream, trainable, wgrad_elems_tok=wgrad,
+        top_weights=(matmul, 0) if trainable else (0, 0),  # its matrices as one bound
     )
 
 
@@ -232,7 +245,8 @@ def llm_layers(llm: LLMSpec, mode: Trainability, lora_rank: int, upstream_trains
     full = mode is Trainability.FULL
     embed = LayerCost("llm.embed", "embed", llm.embedding_params(), llm.embedding_params() if full else 0,
                       0.0, 0.0, 0.0, 0.0, float(h) if full else 0.0, 0.0, float(h), False, full,
-                      wgrad_replicated_tok=float(h) if full else 0.0)  # the embedded sequence's gradient
+                      wgrad_replicated_tok=float(h) if full else 0.0,  # the embedded sequence's gradient
+                      top_weights=(llm.embedding_params(), 0) if full else (0, 0))
     layers = [embed]
     trains_so_far = upstream_trains or full
     for i in range(llm.body.n_layers):

@@ -24,7 +24,8 @@ published runs gather.
 A split backward (zero-bubble schedules) runs B and W as two passes over one autograd graph
 (torch.distributed.pipelining's ``stage_backward_input`` keeps it, ``retain_graph``): B frees none
 of the activations and adds, until W, the output gradient of every operation on a trained weight
-(`MemoryCosts.wgrad_bytes`); W frees both.
+(`MemoryCosts.wgrad_bytes`); W frees both, holding while it runs the weight gradients it makes
+before adding them into the accumulated ones (`MemoryCosts.w_transient_bytes`).
 
 The transients: while one block runs its backward its full activations exist again under
 recompute (`MemoryCosts.recompute_transient_bytes`). With or without recompute, a block's backward
@@ -264,6 +265,17 @@ class MemoryCosts:
             self._largest[key] = sum(x.wgrad_elems_tok / tp + x.wgrad_replicated_tok
                                      for x in self.layers[module][start:stop]) * self.act_bytes
         return self._largest[key] * tokens / cp
+
+    def w_transient_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1) -> float:
+        """Bytes a split backward's W holds while it runs on layers [start, stop): two weight
+        gradients at once, made whole before each is added into its accumulated gradient (fp32; the
+        two largest trained weights, over ``tp``: `LayerCost.top_weights`)."""
+        stop = len(self.layers[module]) if stop is None else stop
+        key = ("w transient", module, start, stop, tp)
+        if key not in self._largest:
+            top = sorted((n for x in self.layers[module][start:stop] for n in x.top_weights), reverse=True)[:2]
+            self._largest[key] = sum(top) * GRAD_BYTES / tp
+        return self._largest[key]
 
     def transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                         tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:

@@ -23,15 +23,17 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 BATCH = 16
 
 
-@pytest.mark.parametrize("layouts", [
-    "vision dp2 fsdp; llm dp2 fsdp reshard",  # ZeRO-3 per block, encoder colocated
-    "vision tp2; llm tp2",
-    "vision dp2; llm pp2",
-    "vision dp1; llm dp1",  # disjoint: the encoder on rank 0, the LLM on rank 1
+@pytest.mark.parametrize("layouts, schedule", [
+    ("vision dp2 fsdp; llm dp2 fsdp reshard", None),  # ZeRO-3 per block, encoder colocated
+    ("vision tp2; llm tp2", None),
+    ("vision dp2; llm pp2", None),
+    # zero bubble: B keeps the autograd graph and W's output gradients until W (`MemoryCosts.wgrad_bytes`)
+    ("vision dp2; llm pp2", "zb"),
+    ("vision dp1; llm dp1", None),  # disjoint: the encoder on rank 0, the LLM on rank 1
 ])
-def test_the_step_peak_is_the_planned_one(tmp_path, layouts) -> None:
+def test_the_step_peak_is_the_planned_one(tmp_path, layouts, schedule) -> None:
     plan = plan_from_layouts(mllm_preset("tiny-vlm"), "tiny-vlm", parse_layouts(layouts), 2, BATCH,
-                             microbatch_size=2)
+                             microbatch_size=2, schedule=schedule)
     plan.save(tmp_path / "plan.json")
     config = load_config(None, [
         "--model.preset=tiny-vlm", "--parallel.world_size=2", "--parallel.cluster=cpu:1x2",

@@ -30,6 +30,16 @@ def test_b_frees_nothing_and_keeps_ws_gradients_which_w_frees_with_the_activatio
     work = MicrobatchWork(PhaseTimes(1.0, 1.0, 1.0), act_bytes=100.0, transient=7.0, w_held=30.0)
     assert unit_memory(work, "F", False, True)[0] == 100.0
     assert unit_memory(work, "B", False, True) == (30.0, 7.0)  # split: the graph stays for W
-    assert unit_memory(work, "W", False, True)[0] == -130.0
+    assert unit_memory(work, "W", False, True) == (-130.0, 0.0)
     assert unit_memory(work, "BW", False, True)[0] == -100.0  # fused: nothing kept for a later W
     assert unit_memory(work, "W", True, True)[0] == -100.0  # a stage whose whole backward is its W
+
+
+def test_w_holds_the_two_largest_weight_gradients_it_makes() -> None:
+    mllm = mllm_preset("llama3-8b")
+    cost = CostModel(mllm, device_preset("h100"))
+    h, f, v = mllm.llm.hidden, mllm.llm.body.ffn_hidden, mllm.llm.vocab_size
+    assert cost.w_transient_bytes("llm", 1, 3, tp=2) == 2 * h * f * 4 / 2  # SwiGLU's gate and up
+    assert cost.w_transient_bytes("llm", 0, 2) == (v * h + h * f) * 4  # the embedding and a gate
+    work = MicrobatchWork(PhaseTimes(1.0, 1.0, 1.0), act_bytes=100.0, w_held=30.0, w_transient=9.0)
+    assert unit_memory(work, "W", False, True) == (-130.0, 9.0)
