@@ -125,8 +125,10 @@ def transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: 
     recompute = plan.recompute_share(module) if recompute is None else recompute
     layout: Layout = plan.layouts[module]
     start, stop = stage_layer_range(cost, plan, module, chunk)
-    tokens = profile.sample_load(module).tokens * _microbatch_share(plan, module)
-    return cost.transient_bytes(module, tokens, start, stop, layout.tp, layout.cp, recompute)
+    share = _microbatch_share(plan, module)
+    load = profile.sample_load(module)
+    return (cost.transient_bytes(module, load.tokens * share, start, stop, layout.tp, layout.cp, recompute)
+            + cost.cpu_mask_bytes(module, load.tokens * share, load.pairs * share, start, stop))
 
 
 def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, graph: StageGraph, module: str,

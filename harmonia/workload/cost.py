@@ -270,6 +270,8 @@ class CostModel(MemoryCosts):
             act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
             transient = self.backward_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
         f_transient = self.forward_transient_bytes(module, load.tokens, start, stop, tp, cp)
+        mask = self.cpu_mask_bytes(module, load.tokens, load.pairs, start, stop)  # 0 off the CPU
+        transient, f_transient = transient + mask, f_transient + mask
         if proj_load is not None:
             proj = f"{module}_proj"
             times = times + self.stage_times(proj, proj_load, cp=cp)  # whole on every TP rank

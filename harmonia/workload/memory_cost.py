@@ -49,6 +49,9 @@ GRAD_BYTES = 4
 """An fp32 gradient: all-reduced without FSDP, accumulated whole and reduce-scattered with it
 (FSDP2's reduce dtype)."""
 ADAM_BYTES = 8
+CPU_QUERY_BLOCK = 256
+"""Queries per block of the CPU ``segments`` attention kernel (`harmonia.model.attention.QUERY_BLOCK`;
+`tests/unit/test_split_backward_memory.py` keeps them equal)."""
 
 
 class MemoryCosts:
@@ -276,6 +279,24 @@ class MemoryCosts:
             top = sorted((n for x in self.layers[module][start:stop] for n in x.top_weights), reverse=True)[:2]
             self._largest[key] = sum(top) * GRAD_BYTES / tp
         return self._largest[key]
+
+    def cpu_mask_bytes(self, module: str, tokens: float, pairs: float, start: int = 0, stop: int | None = None) -> float:
+        """Bytes the CPU ``segments`` attention kernel holds while one block of an encoder's layers
+        [start, stop) attends (`harmonia.model.attention.PackedAttention.block_bias`, built in the
+        forward and again in the backward): one query block's additive mask and the boolean it is
+        made from, ``act_bytes + 1`` per (query, key) pair, for ``min(tokens, 256)`` queries against
+        the keys of the sequences they belong to, at most ``256 + 2 (L - 1)`` with ``L = pairs /
+        tokens`` (the length of equal sequences). Only where the host runs the kernels (the CPU:
+        FlashAttention's varlen kernel on an accelerator holds no mask) and the range has a block;
+        the LLM's causal samples run without a mask (padded groups)."""
+        if not self.device.kernels_on_host or module not in self.mllm.encoders or tokens <= 0:
+            return 0.0
+        stop = len(self.layers[module]) if stop is None else stop
+        if not any(x.kind == "block" for x in self.layers[module][start:stop]):
+            return 0.0
+        queries = min(tokens, CPU_QUERY_BLOCK)
+        keys = min(tokens, CPU_QUERY_BLOCK + 2 * (pairs / tokens - 1))
+        return queries * keys * (self.act_bytes + 1)
 
     def transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                         tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:
