@@ -126,10 +126,11 @@ def test_gradients_match_transformers(family, tmp_path):
     hf = make_qwen_vl(tmp_path / "hf", family)
     spec = mllm_spec_from_hf(tmp_path / "hf")
     model = load_whole(tmp_path / "hf", spec)
-    ids, labels, media = sample(3, GRIDS["image"][:2])
+    ids, labels, media = sample(3, GRIDS["image"][:2], GRIDS["video"], framed=family == "qwen3_vl")
+    extra = {"second_per_grid_ts": torch.tensor([1.0])} if family == "qwen2_5_vl" else {}
     hf.train()
-    hf(input_ids=ids[None], labels=labels[None], **hf_inputs(ids, media)).loss.backward()
-    batch = pack_samples([ours_of(spec, ids, labels, media)])
+    hf(input_ids=ids[None], labels=labels[None], **hf_inputs(ids, media), **extra).loss.backward()
+    batch = pack_samples([ours_of(spec, ids, labels, media, seconds=[1.0])])
     model.loss(batch, batch.n_targets).backward()
     theirs = dict(hf.named_parameters())
     pairs = {  # ours -> transformers'
