@@ -399,17 +399,19 @@ def _add_llm_work(out: IterationWork, plan: Plan, cost: CostModel, chunks: list[
     recompute, group = plan.recompute_share(LLM), tp * cp
     loads = [load for _, _, load in units]
     priced = [cost.unit_costs(LLM, loads, start, stop, tp, cp, recompute) for start, stop, _ in chunks]
+    # kept for W per token (linear in the tokens) and W's transient, per chunk
+    w_terms = [(cost.wgrad_bytes(LLM, 1, start, stop, tp, cp), cost.w_transient_bytes(LLM, start, stop, tp))
+               for start, stop, _ in chunks]
     for i, (replica, m, load) in enumerate(units):
         for chunk, (_, _, send_bytes) in enumerate(chunks):
             times, flops, act, transient, f_transient = priced[chunk][i]
             key = StageKey(LLM, replica, chunk)
             if key not in out.stage_ranks:
                 out.stage_ranks[key] = stage_ranks(plan, LLM, replica, chunk)
-            start, stop = chunks[chunk][0], chunks[chunk][1]
+            per_token, w_made = w_terms[chunk]
             out.work[(key, m, None)] = MicrobatchWork(times, act, load.tokens * send_bytes / group, flops / group,
-                                                     load.tokens, transient, f_transient,
-                                                     cost.wgrad_bytes(LLM, load.tokens, start, stop, tp, cp),
-                                                     cost.w_transient_bytes(LLM, start, stop, tp))
+                                                     load.tokens, transient, f_transient, per_token * load.tokens,
+                                                     w_made)
 
 
 def _send_width(cost: CostModel, module: str, next_block: int) -> int:
