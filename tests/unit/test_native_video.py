@@ -51,19 +51,28 @@ def _encoder(config: dict):
     return native_encoder_spec(spec_from_hf(hf), "vision", video=video)
 
 
+def _checked_frames(enc, case: dict, reference) -> tuple[NativeVideoPreprocessor, list[int]]:
+    """The case's video processor (its mean, std and rescale factor) and sampled frame indices,
+    checked against the reference: indices, grid and pixel values bit for bit."""
+    config = case["config"]
+    prep = NativeVideoPreprocessor(enc, tuple(config["image_mean"]), tuple(config["image_std"]),
+                                   config["rescale_factor"])
+    total = case["total"]
+    indices = prep.indices(total, case["fps"], case["call"].get("max_frames"))
+    assert indices == case["indices"]
+    rows, grid = prep.patches(frames(total, case["height"], case["width"])[indices])
+    assert list(grid) == case["grid"]
+    assert torch.equal(rows, reference.get_tensor(case["key"]))
+    return prep, indices
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_video_processor_is_transformers(name):
     case = CASES[name]
     config = case["config"]
     enc = _encoder(config)
-    prep = NativeVideoPreprocessor(enc, tuple(config["image_mean"]), tuple(config["image_std"]),
-                                   config["rescale_factor"])
-    total, fps, cap = case["total"], case["fps"], case["call"].get("max_frames")
-    indices = prep.indices(total, fps, cap)
-    assert indices == case["indices"]
-    rows, grid = prep.patches(frames(total, case["height"], case["width"])[indices])
-    assert list(grid) == case["grid"]
-    assert torch.equal(rows, REFERENCE.get_tensor(case["key"]))
+    prep, indices = _checked_frames(enc, case, REFERENCE)
+    total, fps = case["total"], case["fps"]
     assert prep.second_per_grid(len(indices), total, fps) == case["second_per_grid"]
     item = ModalityItem.video(frames=len(indices), height=case["height"], width=case["width"])
     assert native_grid(item, enc) == tuple(case["grid"])  # from the header alone
@@ -163,14 +172,8 @@ def test_the_qwen3_video_processor_and_prompt_are_transformers(name):
                                                        deepstack_visual_indexes=[0])).to_dict()
     enc = native_encoder_spec(spec_from_hf(hf), "vision",
                               video=VideoNumbers.from_config(config, patch * 2, "case", "qwen3_vl"))
-    prep = NativeVideoPreprocessor(enc, tuple(config["image_mean"]), tuple(config["image_std"]),
-                                   config["rescale_factor"])
-    total, fps, cap = case["total"], case["fps"], case["call"].get("max_frames")
-    indices = prep.indices(total, fps, cap)
-    assert indices == case["indices"]
-    rows, grid = prep.patches(frames(total, case["height"], case["width"])[indices])
-    assert list(grid) == case["grid"]
-    assert torch.equal(rows, REFERENCE3.get_tensor(case["key"]))
+    prep, indices = _checked_frames(enc, case, REFERENCE3)
+    fps = case["fps"]
     item = ModalityItem("video", height=case["height"], width=case["width"], frames=len(indices),
                         times=prep.timestamps(indices, fps))
     assert native_grid(item, enc) == tuple(case["grid"])  # from the header alone
