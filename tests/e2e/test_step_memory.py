@@ -50,12 +50,11 @@ def test_the_step_peak_is_the_planned_one(tmp_path, layouts, schedule) -> None:
         assert held <= 1.01 * states  # equal, but fsdp reshard's states also price a block gathered whole
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
-def test_a_qwen3_vl_step_on_videos_peaks_where_planned(tmp_path, schedule) -> None:
+def test_a_qwen3_vl_step_on_videos_peaks_where_planned(tmp_path) -> None:
     """Video-heavy batches of a tiny Qwen3-VL (each video one item per temporal group, DeepStack
-    features carried to the LLM) with the tower on its own two pipeline stages beside an LLM pp2:
-    every rank within 15% of the prediction (the CPU attention kernel's masks priced on the tower's
-    ranks, the split backward's kept graph on the LLM's under zero bubble)."""
+    features carried to the LLM) with the tower on its own two pipeline stages beside an LLM pp2
+    under zero bubble: every rank within 15% of the prediction (the CPU attention kernel's masks
+    priced on the tower's ranks, the split backward's kept graph on the LLM's)."""
     import json
 
     pytest.importorskip("av")
@@ -64,14 +63,14 @@ def test_a_qwen3_vl_step_on_videos_peaks_where_planned(tmp_path, schedule) -> No
 
     ckpt = write_tiny_qwen_vl(tmp_path / "ckpt", "qwen3_vl")
     records = []
-    for k in range(12):
+    for k in range(8):
         (tmp_path / f"v{k}.mp4").write_bytes(_mp4(8 + 2 * (k % 5), 4 + k % 3, 24 + 8 * (k % 3), 32))
         records.append(_record(k, {"video": f"v{k}.mp4"}))
     (tmp_path / "data.json").write_text(json.dumps(records))
     config = load_config(None, [
         f"--model.hf={ckpt}", f"--data.path={tmp_path / 'data.json'}", "--data.max_frames=16", "--data.heldout=0",
         "--train.steps=2", "--train.global_batch=8", "--train.warmup=1", "--parallel.world_size=4",
-        "--parallel.llm_pp=2", f"--parallel.schedule={schedule}", "--parallel.timeout_s=400", "--log.memory=true",
+        "--parallel.llm_pp=2", "--parallel.schedule=zb", "--parallel.timeout_s=400", "--log.memory=true",
         "--log.tensorboard=false", f"--log.dir={tmp_path / 'run'}", f"--checkpoint.dir={tmp_path / 'ck'}",
         "--checkpoint.every=0"])
     result = run_training(config, Console(file=io.StringIO(), width=200))

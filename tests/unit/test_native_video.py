@@ -279,7 +279,7 @@ def test_qwen3_vl_videos_too_short_or_cut_are_counted_bad_records(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen3_vl"])  # Qwen2.5-VL's: tests/e2e/test_real_qwen_vl.py, 4 processes
 def test_harmonia_trains_a_qwen_vl_on_videos(family, tmp_path):
     import io as _io
 
