@@ -381,8 +381,8 @@ def _add_module_work(out: IterationWork, plan: Plan, cost: CostModel, module: st
         key = StageKey(module, replica, chunk)
         if key not in out.stage_ranks:
             out.stage_ranks[key] = stage_ranks(plan, module, replica, chunk)
-        held, w_made = cost.wgrad_bytes(module, tokens, start, stop, tp, cp), cost.w_transient_bytes(module, start,
-                                                                                                    stop, tp)
+        held = cost.wgrad_bytes(module, tokens, start, stop, tp, cp)  # what a split B keeps for W
+        w_made = cost.w_transient_bytes(module, start, stop, tp)  # what W holds while it runs
         if last and module != LLM and f"{module}_proj" in cost.layers:
             held += cost.wgrad_bytes(f"{module}_proj", proj_load.tokens, cp=cp)  # whole per TP rank
             w_made = max(w_made, cost.w_transient_bytes(f"{module}_proj"))
