@@ -75,6 +75,11 @@ LLMS: dict[str, Published] = {
                                               norm="rmsnorm", qkv_bias=False, out_bias=False,
                                               mlp_bias=False), vocab_size=128256),
         70.6e9, "Meta 2024 (Llama 3, 3.1); HF meta-llama/Llama-3.1-70B"),
+    "llama3-405b": Published(
+        LLMSpec("llama3-405b", TransformerSpec(126, 16384, 128, 53248, n_kv_heads=8, mlp="swiglu",
+                                               norm="rmsnorm", qkv_bias=False, out_bias=False,
+                                               mlp_bias=False), vocab_size=128256),
+        405.9e9, "Meta 2024 (The Llama 3 Herd of Models, Table 3); HF meta-llama/Llama-3.1-405B"),
     "qwen2.5-7b": Published(
         LLMSpec("qwen2.5-7b", TransformerSpec(28, 3584, 28, 18944, n_kv_heads=4, mlp="swiglu",
                                               norm="rmsnorm", qkv_bias=True, out_bias=False,
