@@ -309,6 +309,8 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
             if replicas is not None and e not in replicas:
                 continue
             if len(subs) == 1:  # the samples' loads summed (what their items' loads sum to), and the shares'
+                if not positions:  # nothing to encode (most replicas of a wide encoder, per microbatch)
+                    continue
                 enc_load, proj_load = _replica_load(out, cost, enc, loads, m, e, cuts)
                 if proj_load.sequences:  # one per item
                     _add_module_work(out, plan, cost, enc, chunks, e, m, None, enc_load, proj_load)
@@ -402,16 +404,22 @@ def _add_llm_work(out: IterationWork, plan: Plan, cost: CostModel, chunks: list[
     # kept for W per token (linear in the tokens) and W's transient, per chunk
     w_terms = [(cost.wgrad_bytes(LLM, 1, start, stop, tp, cp), cost.w_transient_bytes(LLM, start, stop, tp))
                for start, stop, _ in chunks]
+    keys: dict[int, list[StageKey]] = {}  # replica -> its chunks' keys, their ranks recorded once
+    sends = [send_bytes for _, _, send_bytes in chunks]
+    work = out.work
     for i, (replica, m, load) in enumerate(units):
-        for chunk, (_, _, send_bytes) in enumerate(chunks):
+        mine = keys.get(replica)
+        if mine is None:
+            mine = keys[replica] = [StageKey(LLM, replica, chunk) for chunk in range(len(chunks))]
+            for chunk, key in enumerate(mine):
+                if key not in out.stage_ranks:
+                    out.stage_ranks[key] = stage_ranks(plan, LLM, replica, chunk)
+        tokens = load.tokens
+        for chunk, key in enumerate(mine):
             times, flops, act, transient, f_transient = priced[chunk][i]
-            key = StageKey(LLM, replica, chunk)
-            if key not in out.stage_ranks:
-                out.stage_ranks[key] = stage_ranks(plan, LLM, replica, chunk)
             per_token, w_made = w_terms[chunk]
-            out.work[(key, m, None)] = MicrobatchWork(times, act, load.tokens * send_bytes / group, flops / group,
-                                                     load.tokens, transient, f_transient, per_token * load.tokens,
-                                                     w_made)
+            work[(key, m, None)] = MicrobatchWork(times, act, tokens * sends[chunk] / group, flops / group, tokens,
+                                                  transient, f_transient, per_token * tokens, w_made)
 
 
 def _send_width(cost: CostModel, module: str, next_block: int) -> int:
@@ -447,27 +455,41 @@ def stage_trainable(plan: Plan, cost: CostModel) -> dict[str, tuple[bool, ...]]:
     return out
 
 
-def _slowest(works: list[MicrobatchWork]) -> PhaseCost:
-    if not works:
-        return NO_WORK
-    return PhaseCost(max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
-
-
 def cost_table(plan: Plan, iw: IterationWork) -> CostTable:
     """The durations one schedule for every LLM replica is ordered with: per stage, microbatch and
     sub-microbatch, the slowest replica's work (every replica runs the schedule's order, so the
     slowest one sets each step); a colocated encoder stage held by several LLM ranks, on each
     holder, the slowest encoder replica on the ranks of that holder's pipeline position in any
     LLM replica."""
+    slowest = _slowest_units(iw)
     entries = {}
     for m in range(iw.n_microbatches):
         for module, layout in plan.layouts.items():
             for chunk in range(layout.n_stages):
                 for sub in iw.subs(module, m):
-                    works = [w for r in range(layout.dp)
-                             if (w := iw.unit(StageKey(module, r, chunk), m, sub)) is not None]
-                    entries[(module, chunk, m, sub)] = _slowest(works)
+                    phases = slowest.get((module, chunk, m, sub))
+                    entries[(module, chunk, m, sub)] = NO_WORK if phases is None else PhaseCost(*phases)
     return CostTable(entries, shares=_share_costs(plan, iw), replicas=_replica_costs(plan, iw))
+
+
+def _slowest_units(iw: IterationWork) -> dict[tuple[str, int, int, int | None], list[float]]:
+    """(module, chunk, microbatch, sub) -> the largest F, B and W seconds over the replicas with
+    work there: one pass over the units (a replica with nothing to do has no unit; an encoder of
+    thousands of replicas has work on few of them per microbatch)."""
+    out: dict[tuple[str, int, int, int | None], list[float]] = {}
+    for (key, m, sub), w in iw.work.items():
+        t = w.times
+        phases = out.get((key.module, key.stage, m, sub))
+        if phases is None:
+            out[(key.module, key.stage, m, sub)] = [t.F, t.B, t.W]
+            continue
+        if t.F > phases[0]:
+            phases[0] = t.F
+        if t.B > phases[1]:
+            phases[1] = t.B
+        if t.W > phases[2]:
+            phases[2] = t.W
+    return out
 
 
 def _replica_costs(plan: Plan, iw: IterationWork) -> dict:

@@ -299,7 +299,7 @@ class CostModel(MemoryCosts):
         f_transient = self.forward_transient_bytes(module, 1, start, stop, tp, cp) * tokens
         if self.device.dispatch_s:
             f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
-        return [(PhaseTimes(fi, bi, wi), *rest) for fi, bi, wi, *rest in
+        return [(PhaseTimes(fi, bi, wi), fl, a, t, ft) for fi, bi, wi, fl, a, t, ft in
                 zip(f.tolist(), b.tolist(), w.tolist(), flops.tolist(), act.tolist(), transient.tolist(),
                     f_transient.tolist())]
 

@@ -1,0 +1,44 @@
+"""The schedule's cost table: per stage, microbatch and sub-microbatch, the slowest replica's work."""
+
+from itertools import islice
+
+import pytest
+
+from harmonia.plan.recipes import candidates
+from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.schedule.costs import PhaseCost
+from harmonia.schedule.stagework import NO_WORK, IterationWork, StageKey, cost_table, with_submicrobatches
+
+
+def slowest_by_lookup(plan, iw: IterationWork) -> dict:
+    """Every replica of every stage looked up in turn (the table's definition, written plainly)."""
+    out = {}
+    for m in range(iw.n_microbatches):
+        for module, layout in plan.layouts.items():
+            for chunk in range(layout.n_stages):
+                for sub in iw.subs(module, m):
+                    works = [w for r in range(layout.dp)
+                             if (w := iw.unit(StageKey(module, r, chunk), m, sub)) is not None]
+                    out[(module, chunk, m, sub)] = NO_WORK if not works else PhaseCost(
+                        max(w.times.F for w in works), max(w.times.B for w in works), max(w.times.W for w in works))
+    return out
+
+
+@pytest.fixture(scope="module")
+def run() -> ScenarioRun:
+    return ScenarioRun(Scenario("t", "omni-8b", "h100:4x8", "synthetic", 64, iterations=1, search_batches=1))
+
+
+def test_the_table_holds_each_units_slowest_replica(run: ScenarioRun) -> None:
+    found = candidates("harmonia", run.cost, run.cluster, run.profile, 64, "omni-8b")
+    checked = 0
+    for cand in islice(found, 0, 400, 20):
+        iw = run.iteration_work(cand, 0)
+        table = cost_table(cand.plan, iw)
+        assert table.entries == slowest_by_lookup(cand.plan, iw)
+        assert list(table.entries) == list(slowest_by_lookup(cand.plan, iw))  # the same order
+        enc = cand.plan.encoders[0]
+        split = with_submicrobatches(iw, cand.plan, run.cost, enc, [2] * iw.n_microbatches)
+        assert cost_table(cand.plan, split).entries == slowest_by_lookup(cand.plan, split)
+        checked += 1
+    assert checked >= 10
