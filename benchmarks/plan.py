@@ -7,7 +7,8 @@ iterations (batches the search never scored); the table shows the chosen layouts
 throughput on the search batches and on the held-out ones, and the search time (wall clock and
 process CPU time, on one core, each search in a fresh process as `harmonia plan` runs it). A last
 row times the search on 1024 GPUs: scenario (b) on 128 nodes of 8 H100 with a 4x larger global
-batch; three more time `harmonia plan` as a user runs it by default (`COMMAND`) on 64, 1024 and 4096 GPUs.
+batch; three more time `harmonia plan` as a user runs it by default (`COMMAND`) on 64, 1024 and 4096
+GPUs, two more the omni-72b command (`OMNI_COMMAND`) on 1024 and 4096.
 
     python benchmarks/plan.py [--held-out N] [scenario.toml ...]
 """
@@ -39,9 +40,9 @@ COMMAND = ("llava-siglip-8b", {"vision": "frozen"}, "../shared/traces/ai2d.csv",
            ("h100:8x8", "h100:128x8", "h100:512x8"))
 """The rows of `harmonia plan --model llava-siglip-8b --frozen vision --trace ai2d.csv --global-batch
 512` on 64, 1024 and 4096 GPUs, with the command's defaults (2 profiled batches, the best 3 ranked)."""
-OMNI_COMMAND = ("omni-72b", {"vision": "frozen"}, "synthetic", 4096, ("h100:128x8",))
+OMNI_COMMAND = ("omni-72b", {"vision": "frozen"}, "synthetic", 4096, ("h100:128x8", "h100:512x8"))
 """`harmonia plan --model omni-72b --cluster h100:128x8 --trace synthetic --global-batch 4096` (its
-default training: the vision tower frozen)."""
+default training: the vision tower frozen), and on 4096 GPUs."""
 
 
 def layout_text(report: PlanReport | None) -> str:
