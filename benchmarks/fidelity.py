@@ -66,14 +66,14 @@ class Row:
     model: str
     cluster: str
     layout: str
-    published: tuple[float, float]  # tokens/s per GPU, low and high of the published range
+    published: tuple[float, float]  # tokens/s per GPU, low and high of the published range ((0, 0): derived)
     published_mfu: str
     source: str
     recompute: tuple[str, ...] = ()
     sequence_parallel: bool = False
     sequence: int = SEQUENCE
     global_batch: int = GLOBAL_BATCH
-    published_tflops: float = 0.0  # where the source gives TFLOP/s per GPU, not tokens/s (`published`: derived)
+    published_tflops: float = 0.0  # where the source gives TFLOP/s per GPU instead (`published_tokens`)
 
 
 ROWS = (
