@@ -297,6 +297,9 @@ class CostModel(MemoryCosts):
         f, b, w, flops, act, transient = self._unit_terms(_phase_arrays, module, tokens, pairs, win, start, stop, tp,
                                                           cp, recompute)
         f_transient = self.forward_transient_bytes(module, 1, start, stop, tp, cp) * tokens
+        if self.device.kernels_on_host:  # an encoder's attention masks (`cpu_mask_bytes`: 0 elsewhere)
+            mask = np.array([self.cpu_mask_bytes(module, load.tokens, load.pairs, start, stop) for load in loads])
+            transient, f_transient = transient + mask, f_transient + mask
         if self.device.dispatch_s:
             f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
         return [(PhaseTimes(fi, bi, wi), fl, a, t, ft) for fi, bi, wi, fl, a, t, ft in

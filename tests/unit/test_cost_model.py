@@ -143,21 +143,23 @@ def test_a_unit_from_its_range_factors_equals_the_general_path_bit_for_bit() -> 
 @pytest.mark.parametrize("device", ["h100", "cpu"])
 def test_units_priced_together_equal_units_priced_one_by_one_bit_for_bit(device: str) -> None:
     """`unit_costs` prices many loads of one range in one vectorised pass (a search's LLM replicas):
-    each result is `unit_cost`'s, dispatch (a CPU device's per-layer cost) and recompute included."""
+    each result is `unit_cost`'s, dispatch (a CPU device's per-layer cost), recompute and an encoder's
+    CPU attention masks included."""
     import random
 
     rnd = random.Random(1)
     cost = CostModel(mllm_preset("omni-8b", training={"vision": "frozen"}), device_preset(device))
     loads = [ModuleLoad(rnd.randrange(0, 50000), rnd.randrange(0, 10**8), rnd.randrange(1, 9),
                         rnd.choice([None, rnd.randrange(0, 10**6)])) for _ in range(40)] + [ModuleLoad()]
-    n = len(cost.layers["llm"])
-    for a, b in ((0, n), (0, n // 2), (n // 2, n), (1, n - 1)):
-        for tp, cp in ((1, 1), (2, 1), (4, 2)):
-            for share in (0.0, 0.25, 1.0):
-                together = cost.unit_costs("llm", loads, a, b, tp, cp, share)
-                cost._units.clear()  # one by one, not from what the pass above left
-                assert together == [cost.unit_cost("llm", load, a, b, tp, cp, share) for load in loads]
-                assert all(type(x) is float for u in together for x in (u[0].F, u[0].B, u[0].W, *u[1:]))
+    for module in ("llm", "vision"):
+        n = len(cost.layers[module])
+        for a, b in ((0, n), (0, n // 2), (n // 2, n), (1, n - 1)):
+            for tp, cp in ((1, 1), (2, 1), (4, 2)):
+                for share in (0.0, 0.25, 1.0):
+                    together = cost.unit_costs(module, loads, a, b, tp, cp, share)
+                    cost._units.clear()  # one by one, not from what the pass above left
+                    assert together == [cost.unit_cost(module, load, a, b, tp, cp, share) for load in loads]
+                    assert all(type(x) is float for u in together for x in (u[0].F, u[0].B, u[0].W, *u[1:]))
 
 
 @pytest.mark.parametrize("tp", [1, 4])
