@@ -13,8 +13,8 @@ cost model adds matmul, attention and memory-bound kernel times, `harmonia.workl
 - matmuls: H100/H200 SXM training steps sustain 0.60 of the bf16 peak in their matmuls, the one
   rate that best fits five published Llama runs on H100 (3.1 8B TP1 CP2 DP4, 70B TP4 CP2 PP4 VP5
   DP2, 70B CP2 FSDP32 on 8-64 GPUs; Llama 3 405B TP8 PP16 DP64 and DP128 on 8,192 and 16,384 GPUs:
-  `benchmarks/fidelity.py`; each run predicted within 9.2% by the rate fitted to the others alone). An isolated matmul goes faster: Bekman's benchmark (ml-engineering,
-  "Maximum Achievable Matmul FLOPS") sustains 702.9 TFLOP/s on an H200 alone and 698.6 with all
+  `benchmarks/fidelity.py`; each run predicted within 9.2% by the rate fitted to the others alone).
+  An isolated matmul goes faster: Bekman's benchmark (ml-engineering, "Maximum Achievable Matmul FLOPS") sustains 702.9 TFLOP/s on an H200 alone and 698.6 with all
   eight of a node's GPUs computing (0.71), power-saturated near the 700 W limit. A step loses the
   difference to what the kernel-class rooflines below leave out: launch gaps, matmul shapes below
   the sustained rate, kernels outside the three classes.
