@@ -25,6 +25,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+import numpy as np
+
 from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.encoder_slots import movable_encoders
 from harmonia.schedule.families import build_schedule
@@ -83,6 +85,9 @@ class IterationWork:
         stage_ranks: stage key -> the ranks (TP x CP group) that run it.
         sub_runs: (encoder, encoder replica, microbatch) -> its items' runs ``[a, b)``, one per
             sub-microbatch (only where the microbatch is split).
+        llm_slowest: (LLM chunk, microbatch) -> the largest F, B and W seconds over every LLM
+            replica, where ``work`` holds some replicas' LLM units alone (`llm_replicas_work`):
+            what `cost_table` takes for the LLM (None: from ``work``).
     """
 
     assignment: IterationAssignment
@@ -92,6 +97,7 @@ class IterationWork:
     boundary_bytes: dict[tuple[str, int, int, int], float] = field(default_factory=dict)
     stage_ranks: dict[StageKey, tuple[int, ...]] = field(default_factory=dict)
     sub_runs: dict[tuple[str, int, int], list[tuple[int, int]]] = field(default_factory=dict)
+    llm_slowest: dict[tuple[int, int], tuple[float, float, float]] | None = None
 
     @property
     def n_microbatches(self) -> int:
@@ -155,16 +161,6 @@ def _replica_items(iw: IterationWork, cost: CostModel, encoder: str, m: int, rep
     return memo[key]
 
 
-def _shares_load(iw: IterationWork, cost: CostModel, encoder: str, m: int, replica: int,
-                 positions: Sequence[int]) -> tuple[ModuleLoad, ModuleLoad]:
-    """The encoder and projector loads of the items an encoder replica runs of samples it shares."""
-    memo = _memo(iw, cost, encoder)
-    key = ("loads", m, replica, tuple(positions))
-    if key not in memo:
-        memo[key] = _item_load(cost, encoder, _replica_items(iw, cost, encoder, m, replica, positions))
-    return memo[key]
-
-
 def _memo(iw: IterationWork, cost: CostModel, encoder: str) -> dict:
     """The assignment's kept items and loads of one encoder (`IterationAssignment.memo`), started
     afresh when another encoder spec prices it (items and loads depend on the spec alone)."""
@@ -199,8 +195,8 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         n_sub: encoder -> sub-microbatches per microbatch (the schedule's ``n_sub``; default 1).
         sub_runs: the split items' runs to use (another cost model's `IterationWork.sub_runs`, so a
             calibrated simulation prices the cut the executor runs); default: cut by ``cost``.
-        replicas: per module, the replicas whose units are priced (default: every one; the boundary
-            bytes are always whole). A bound on the work of some replicas is a bound on the whole
+        replicas: per module, the replicas whose units are priced (default, or a module left out:
+            every one; the boundary bytes are always whole). A bound on the work of some replicas is a bound on the whole
             (`harmonia.plan.bounds.work_bound_busy`), found without pricing the thousands of units
             of a large cluster's other replicas.
     """
@@ -210,7 +206,7 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
     llm_loads = _llm_loads(assignment, cost, loads)
     _add_llm_work(out, plan, cost, llm_chunks, [
         (d, m, load) for m, per_replica in enumerate(llm_loads) for d, load in enumerate(per_replica)
-        if replicas is None or d in replicas[LLM]])
+        if replicas is None or LLM not in replicas or d in replicas[LLM]])
     key = ("boundary bytes", cost, tuple(plan.encoders))  # the assignment's alone: kept for the next plan
     if key not in assignment.memo:
         assignment.memo[key] = _boundary_bytes(assignment, plan, cost, loads)
@@ -219,7 +215,37 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         if sub_runs:
             _add_encoder_work(out, plan, cost, enc, sub_runs, loads)
         else:
-            _kept_encoder_work(out, plan, cost, enc, loads, None if replicas is None else replicas[enc])
+            _kept_encoder_work(out, plan, cost, enc, loads, None if replicas is None else replicas.get(enc))
+    return out
+
+
+def llm_replicas_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostModel, assignment: IterationAssignment,
+                      replicas: Collection[int]) -> IterationWork:
+    """`plan_iteration_work` with the LLM units of ``replicas`` alone (every encoder's whole) and
+    every LLM replica's times in `IterationWork.llm_slowest`: the same schedule (`cost_table`) and
+    the same work on those replicas' ranks, without a unit object for each of the thousands of LLM
+    units of a large cluster's other replicas (a search simulates a busiest column this way)."""
+    out = plan_iteration_work(shapes, plan, cost, assignment, replicas={LLM: replicas})
+    loads = [cost.sample_loads(s) for s in shapes]
+    out.llm_slowest = _llm_slowest(plan, cost, _llm_loads(assignment, cost, loads))
+    return out
+
+
+def _llm_slowest(plan: Plan, cost: CostModel,
+                 llm_loads: list[list[ModuleLoad]]) -> dict[tuple[int, int], tuple[float, float, float]]:
+    """(chunk, microbatch) -> the largest F, B and W seconds of the LLM replicas' units, priced as
+    `_add_llm_work` prices them (`CostModel.unit_times`: the same floats) over every replica at once."""
+    layout = plan.layouts[LLM]
+    recompute, n_m = plan.recompute_share(LLM), len(llm_loads)
+    loads = [load for per_replica in llm_loads for load in per_replica]  # microbatch-major
+    ends = np.cumsum([len(per_replica) for per_replica in llm_loads])
+    out = {}
+    for chunk, (start, stop, _) in enumerate(_module_chunks(cost, plan, LLM)):
+        phases = cost.unit_times(LLM, loads, start, stop, layout.tp, layout.cp, recompute)
+        per_m = [np.split(np.asarray(t, dtype=float), ends[:-1]) for t in phases]  # per phase, per microbatch
+        for m in range(n_m):
+            if len(per_m[0][m]):
+                out[(chunk, m)] = (float(per_m[0][m].max()), float(per_m[1][m].max()), float(per_m[2][m].max()))
     return out
 
 
@@ -327,10 +353,12 @@ def _add_encoder_work(out: IterationWork, plan: Plan, cost: CostModel, enc: str,
 def _replica_load(out: IterationWork, cost: CostModel, enc: str, loads: Sequence[dict[str, ModuleLoad]], m: int,
                   e: int, cuts: Mapping) -> tuple[ModuleLoad, ModuleLoad]:
     """An encoder replica's load and its projector's in microbatch ``m``: its whole samples' loads
-    summed, and its shares' (`_shares_load`). The sums of whole samples are kept per set of samples
-    of the batch (`IterationAssignment.memo`'s ``batch loads``, shared by a search's assignments of
-    one batch; else the assignment's own): assignments of one batch deal the same samples together
-    again and again (1.0M replicas' loads of an omni-72b search on 1,024 GPUs, 48k distinct)."""
+    summed, and its shares' (each sample's share priced from the items it keeps). Both are kept for
+    the batch (`IterationAssignment.memo`'s ``batch loads``, shared by a search's assignments of one
+    batch; else the assignment's own): the sums of whole samples per set of samples, and each
+    (sample, share)'s load. Assignments of one batch deal the same samples together and cut the same
+    shares again and again (1.0M replicas' loads of an omni-72b search on 1,024 GPUs, 48k distinct).
+    Loads are integer counts, so the sums are those of the items in any order."""
     positions, samples = out.assignment.encoder_split[enc][m][e], out.assignment.microbatches[m]
     whole = [p for p in positions if (e, p) not in cuts] if cuts else positions
     spec = cost.mllm.encoders[enc]
@@ -339,6 +367,7 @@ def _replica_load(out: IterationWork, cost: CostModel, enc: str, loads: Sequence
     found = batch.get(("sample sums", enc))
     if found is None or found[0] is not spec:  # sums of another spec's loads are not these
         found = batch[("sample sums", enc)] = (spec, {})
+        batch[("share loads", enc)] = (spec, {})
     kept = found[1]
     key = tuple(samples[p] for p in whole)
     if key not in kept:
@@ -347,8 +376,16 @@ def _replica_load(out: IterationWork, cost: CostModel, enc: str, loads: Sequence
                      ModuleLoad.total(load[f"{enc}_proj"] for load in mine))
     enc_load, proj_load = kept[key]
     if len(whole) < len(positions):
-        shared = _shares_load(out, cost, enc, m, e, [p for p in positions if p not in whole])
-        enc_load, proj_load = enc_load + shared[0], proj_load + shared[1]
+        shares = batch[("share loads", enc)][1]
+        for p in positions:
+            if (e, p) not in cuts:
+                continue
+            share = (samples[p], cuts[(e, p)])
+            if share not in shares:
+                items = encoder_items(out.shapes[samples[p]], spec)
+                shares[share] = _item_load(cost, enc, [cut_item(items[k], spec, a, b)
+                                                       for k, a, b in kept_parts(len(items), cuts[(e, p)])])
+            enc_load, proj_load = enc_load + shares[share][0], proj_load + shares[share][1]
     return enc_load, proj_load
 
 
@@ -475,8 +512,11 @@ def cost_table(plan: Plan, iw: IterationWork) -> CostTable:
 def _slowest_units(iw: IterationWork) -> dict[tuple[str, int, int, int | None], list[float]]:
     """(module, chunk, microbatch, sub) -> the largest F, B and W seconds over the replicas with
     work there: one pass over the units (a replica with nothing to do has no unit; an encoder of
-    thousands of replicas has work on few of them per microbatch)."""
+    thousands of replicas has work on few of them per microbatch), the LLM's from
+    `IterationWork.llm_slowest` where that holds them."""
     out: dict[tuple[str, int, int, int | None], list[float]] = {}
+    for (chunk, m), phases in (iw.llm_slowest or {}).items():  # every replica's, some of whose units follow
+        out[(LLM, chunk, m, None)] = list(phases)
     for (key, m, sub), w in iw.work.items():
         t = w.times
         phases = out.get((key.module, key.stage, m, sub))

@@ -291,6 +291,24 @@ class CostModel(MemoryCosts):
         hundreds of LLM replicas at once)."""
         if self.calibration is not None or len(loads) < 8:
             return [self.unit_cost(module, load, start, stop, tp, cp, recompute) for load in loads]
+        f, b, w, flops, act, transient, f_transient = self._unit_arrays(module, loads, start, stop, tp, cp, recompute)
+        return [(PhaseTimes(fi, bi, wi), fl, a, t, ft) for fi, bi, wi, fl, a, t, ft in
+                zip(f.tolist(), b.tolist(), w.tolist(), flops.tolist(), act.tolist(), transient.tolist(),
+                    f_transient.tolist())]
+
+    def unit_times(self, module: str, loads: list[ModuleLoad], start: int, stop: int, tp: int = 1, cp: int = 1,
+                   recompute: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(n_loads,) F, B and W seconds of each of ``loads`` as `unit_costs` gives them (the same
+        floats), as arrays: the times of many units without an object per unit."""
+        if self.calibration is not None or len(loads) < 8:
+            times = [self.unit_cost(module, load, start, stop, tp, cp, recompute)[0] for load in loads]
+            return tuple(np.array([getattr(t, phase) for t in times], dtype=float) for phase in "FBW")
+        return self._unit_arrays(module, loads, start, stop, tp, cp, recompute)[:3]
+
+    def _unit_arrays(self, module: str, loads: list[ModuleLoad], start: int, stop: int, tp: int, cp: int,
+                     recompute: float) -> tuple[np.ndarray, ...]:
+        """F, B, W seconds, FLOPs, kept bytes, backward and forward transient bytes of ``loads`` (no
+        projector, no calibration), one array each."""
         tokens = np.array([load.tokens for load in loads], dtype=float)
         pairs = np.array([load.pairs for load in loads], dtype=float)
         win = np.array([load.windowed_pairs for load in loads], dtype=float)
@@ -302,9 +320,7 @@ class CostModel(MemoryCosts):
             transient, f_transient = transient + mask, f_transient + mask
         if self.device.dispatch_s:
             f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
-        return [(PhaseTimes(fi, bi, wi), fl, a, t, ft) for fi, bi, wi, fl, a, t, ft in
-                zip(f.tolist(), b.tolist(), w.tolist(), flops.tolist(), act.tolist(), transient.tolist(),
-                    f_transient.tolist())]
+        return f, b, w, flops, act, transient, f_transient
 
     def _dispatched_arrays(self, times: tuple[np.ndarray, ...], module: str, start: int,
                            stop: int) -> tuple[np.ndarray, ...]:

@@ -4,10 +4,13 @@ from itertools import islice
 
 import pytest
 
-from harmonia.plan.recipes import candidates
+from harmonia.plan.recipes import assign, candidate_schedule, candidates
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.costs import PhaseCost
-from harmonia.schedule.stagework import NO_WORK, IterationWork, StageKey, cost_table, with_submicrobatches
+from harmonia.schedule.graph import LLM
+from harmonia.schedule.stagework import (NO_WORK, IterationWork, StageKey, cost_table, llm_replicas_work,
+                                         plan_iteration_work, with_submicrobatches)
+from harmonia.sim.parts import simulate_part
 
 
 def slowest_by_lookup(plan, iw: IterationWork) -> dict:
@@ -42,3 +45,27 @@ def test_the_table_holds_each_units_slowest_replica(run: ScenarioRun) -> None:
         assert cost_table(cand.plan, split).entries == slowest_by_lookup(cand.plan, split)
         checked += 1
     assert checked >= 10
+
+
+def test_some_llm_replicas_work_gives_the_whole_table_and_their_own_units(run: ScenarioRun) -> None:
+    """`llm_replicas_work`: every LLM replica's times in the table, the chosen replicas' units and every
+    encoder's as the whole iteration's, and a column of those replicas replays alike."""
+    found = candidates("harmonia", run.cost, run.cluster, run.profile, 64, "omni-8b")
+    batch = run.profile.batches[0]
+    shapes = [run.samples[i] for i in batch]
+    checked = wide = 0
+    for cand in islice(found, 0, 800, 16):
+        plan, llm = cand.plan, cand.plan.layouts[LLM]
+        assignment = assign(cand, run.costs[batch], run.tokens[batch], run.cost, shapes)
+        whole = plan_iteration_work(shapes, plan, run.cost, assignment)
+        d = llm.dp - 1
+        some = llm_replicas_work(shapes, plan, run.cost, assignment, {d})
+        assert cost_table(plan, some) == cost_table(plan, whole)
+        assert some.work == {k: w for k, w in whole.work.items() if k[0].module != LLM or k[0].replica == d}
+        column = tuple(llm.rank_at(pp=p, dp=d, cp=0, tp=0) for p in range(llm.pp))
+        schedule = candidate_schedule(cand, run.cost, whole)
+        assert (simulate_part(plan, run.cost, run.cluster, some, schedule, column, closed=False).iteration_s
+                == simulate_part(plan, run.cost, run.cluster, whole, schedule, column, closed=False).iteration_s)
+        checked += 1
+        wide += llm.dp >= 8  # the units priced in one vectorised pass
+    assert checked >= 20 and wide >= 5
