@@ -226,8 +226,7 @@ def llm_replicas_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostModel
     the same work on those replicas' ranks, without a unit object for each of the thousands of LLM
     units of a large cluster's other replicas (a search simulates a busiest column this way)."""
     out = plan_iteration_work(shapes, plan, cost, assignment, replicas={LLM: replicas})
-    loads = [cost.sample_loads(s) for s in shapes]
-    out.llm_slowest = _llm_slowest(plan, cost, _llm_loads(assignment, cost, loads))
+    out.llm_slowest = _llm_slowest(plan, cost, _llm_loads(assignment, cost, ()))  # kept by the call above
     return out
 
 
@@ -553,26 +552,38 @@ def _share_costs(plan: Plan, iw: IterationWork) -> dict:
             for d in range(llm.dp):
                 for rank, replicas in every.get(d, {}).items():
                     by_position.setdefault(llm.coords(rank)["pp"], []).extend(replicas)
+            totals = _whole_units(iw, enc, chunk)
             for pp, replicas in by_position.items():
                 holder = llm.rank_at(pp=pp, dp=0)
+                order = {e: i for i, e in enumerate(replicas)}
                 for m in range(iw.n_microbatches):
-                    out[(holder, enc, chunk, m)] = _whole_slowest(iw, enc, chunk, m, replicas)
+                    out[(holder, enc, chunk, m)] = _whole_slowest(totals.get(m, {}), order)
     return out
 
 
-def _whole_slowest(iw: IterationWork, enc: str, chunk: int, m: int, replicas: list[int]) -> PhaseCost:
-    """The slowest replica's whole microbatch, its sub-microbatches summed (a holder's share is split
-    over the sub-microbatches like a microbatch entry)."""
-    best, most = (0.0, 0.0, 0.0), 0.0
-    subs, work = iw.subs(enc, m), iw.work
-    for e in replicas:
-        key = StageKey(enc, e, chunk)
-        parts = [w.times for sub in subs if (w := work.get((key, m, sub))) is not None]
-        if not parts:
+def _whole_units(iw: IterationWork, enc: str, chunk: int) -> dict[int, dict[int, tuple[float, float, float]]]:
+    """Microbatch -> encoder replica -> its whole microbatch's F, B and W seconds on ``chunk`` (its
+    sub-microbatches summed in order), for the replicas with work there: one pass over the units."""
+    parts: dict[int, dict[int, list]] = {}
+    for (key, m, _), w in iw.work.items():  # a replica's sub-microbatches in order
+        if key.module == enc and key.stage == chunk:
+            parts.setdefault(m, {}).setdefault(key.replica, []).append(w.times)
+    return {m: {e: (sum(t.F for t in ts), sum(t.B for t in ts), sum(t.W for t in ts)) for e, ts in per_e.items()}
+            for m, per_e in parts.items()}
+
+
+def _whole_slowest(totals: Mapping[int, tuple[float, float, float]], order: Mapping[int, int]) -> PhaseCost:
+    """The slowest of ``order``'s replicas' whole microbatches in ``totals`` (the first in ``order``
+    among equals; none with work: no work): a holder's share is split over the sub-microbatches
+    like a microbatch entry."""
+    best, most, first = (0.0, 0.0, 0.0), 0.0, len(order)
+    for e, total in totals.items():
+        i = order.get(e)
+        if i is None:
             continue
-        total = (sum(t.F for t in parts), sum(t.B for t in parts), sum(t.W for t in parts))
-        if total[0] + total[1] + total[2] > most:
-            best, most = total, total[0] + total[1] + total[2]
+        seconds = total[0] + total[1] + total[2]
+        if seconds > most or (seconds == most and seconds > 0 and i < first):
+            best, most, first = total, seconds, i
     return PhaseCost(*best)
 
 

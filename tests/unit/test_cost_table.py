@@ -7,7 +7,7 @@ import pytest
 from harmonia.plan.recipes import assign, candidate_schedule, candidates
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.schedule.costs import PhaseCost
-from harmonia.schedule.graph import LLM
+from harmonia.schedule.graph import LLM, colocated_holders_by_replica
 from harmonia.schedule.stagework import (NO_WORK, IterationWork, StageKey, cost_table, llm_replicas_work,
                                          plan_iteration_work, with_submicrobatches)
 from harmonia.sim.parts import simulate_part
@@ -27,24 +27,59 @@ def slowest_by_lookup(plan, iw: IterationWork) -> dict:
     return out
 
 
+def shares_by_lookup(plan, iw: IterationWork) -> dict:
+    """Each holder position's slowest encoder replica, every replica looked up in turn (the shares'
+    definition, written plainly: the first of the slowest, sub-microbatches summed)."""
+    llm, out = plan.layouts[LLM], {}
+    for enc in plan.encoders:
+        for chunk in range(plan.layouts[enc].n_stages):
+            every = colocated_holders_by_replica(plan.layouts, enc, chunk) or {}
+            if len(every.get(0, ())) < 2:
+                continue
+            by_position = {}
+            for d in range(llm.dp):
+                for rank, replicas in every.get(d, {}).items():
+                    by_position.setdefault(llm.coords(rank)["pp"], []).extend(replicas)
+            for pp, replicas in by_position.items():
+                for m in range(iw.n_microbatches):
+                    best, most = (0.0, 0.0, 0.0), 0.0
+                    for e in replicas:
+                        parts = [w.times for sub in iw.subs(enc, m)
+                                 if (w := iw.unit(StageKey(enc, e, chunk), m, sub)) is not None]
+                        total = (sum(t.F for t in parts), sum(t.B for t in parts), sum(t.W for t in parts))
+                        if parts and sum(total) > most:
+                            best, most = total, sum(total)
+                    out[(llm.rank_at(pp=pp, dp=0), enc, chunk, m)] = PhaseCost(*best)
+    return out
+
+
 @pytest.fixture(scope="module")
 def run() -> ScenarioRun:
     return ScenarioRun(Scenario("t", "omni-8b", "h100:4x8", "synthetic", 64, iterations=1, search_batches=1))
 
 
+def held_by_several(plan) -> bool:
+    """Whether a colocated encoder stage of the plan is held by several LLM ranks of a replica."""
+    return any(len((colocated_holders_by_replica(plan.layouts, e, chunk) or {}).get(0, ())) >= 2
+               for e in plan.encoders for chunk in range(plan.layouts[e].n_stages))
+
+
 def test_the_table_holds_each_units_slowest_replica(run: ScenarioRun) -> None:
-    found = candidates("harmonia", run.cost, run.cluster, run.profile, 64, "omni-8b")
-    checked = 0
-    for cand in islice(found, 0, 400, 20):
+    found = list(candidates("harmonia", run.cost, run.cluster, run.profile, 64, "omni-8b"))
+    checked = shared = 0
+    for cand in [*islice(found, 0, 400, 20), *[c for c in found if held_by_several(c.plan)][::80]]:
         iw = run.iteration_work(cand, 0)
         table = cost_table(cand.plan, iw)
         assert table.entries == slowest_by_lookup(cand.plan, iw)
         assert list(table.entries) == list(slowest_by_lookup(cand.plan, iw))  # the same order
+        assert table.shares == shares_by_lookup(cand.plan, iw)
         enc = cand.plan.encoders[0]
         split = with_submicrobatches(iw, cand.plan, run.cost, enc, [2] * iw.n_microbatches)
         assert cost_table(cand.plan, split).entries == slowest_by_lookup(cand.plan, split)
+        assert cost_table(cand.plan, split).shares == shares_by_lookup(cand.plan, split)
         checked += 1
-    assert checked >= 10
+        shared += bool(table.shares)
+    assert checked >= 30 and shared >= 10
 
 
 def test_some_llm_replicas_work_gives_the_whole_table_and_their_own_units(run: ScenarioRun) -> None:
