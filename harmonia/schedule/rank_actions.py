@@ -77,6 +77,13 @@ class _Rank:
     def local(self, module: str, chunk: int) -> bool:
         return module in self.coords and chunk % self.layouts[module].pp == self.coords[module]["pp"]
 
+    def message_key(self) -> tuple:
+        """What the rank's messages depend on beside its compute list: per module it holds, its
+        pipeline rank, and where the module is pipelined, the coordinates its peers share with it
+        (a module on one pipeline rank sends no stage message: every DP replica's list is alike)."""
+        return tuple((m, me["pp"], None if self.layouts[m].pp == 1 else (me["dp"], me["cp"], me["tp"]))
+                     for m, me in self.coords.items())
+
     def peer(self, module: str, chunk: int) -> int:
         layout, me = self.layouts[module], self.coords[module]
         return layout.rank_at(pp=chunk % layout.pp, dp=me["dp"], cp=me["cp"], tp=me["tp"])
@@ -97,8 +104,15 @@ def plan_rank_actions(layouts: Mapping[str, Layout], schedule: IterationSchedule
     """
     graph = schedule.graph
     crosses = {e: graph.needs_backward(_last(graph, e)) for e in graph.encoders}
-    return {rank: _with_communication(_Rank(layouts, graph, rank, crosses), compute)
-            for rank, compute in rank_compute_actions(layouts, schedule, ranks).items()}
+    made: dict[tuple, list[Action]] = {}  # (compute list, what its messages depend on) -> the list with them
+    out = {}
+    for rank, compute in rank_compute_actions(layouts, schedule, ranks).items():
+        view = _Rank(layouts, graph, rank, crosses)
+        key = (id(compute), view.message_key())  # compute lists are shared by the ranks running alike
+        if key not in made:
+            made[key] = _with_communication(view, compute)
+        out[rank] = list(made[key])
+    return out
 
 
 def rank_compute_actions(layouts: Mapping[str, Layout], schedule: IterationSchedule,
