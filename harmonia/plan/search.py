@@ -16,7 +16,9 @@ best plan as simulating every candidate on every batch:
   (`work_bound`) over each module's heaviest replicas and those sharing their ranks
   (`harmonia.plan.heavy_replicas`: a bound still, without pricing every unit of a large cluster),
   then the simulated time of the busiest part's busiest column (one LLM rank per pipeline rank,
-  messages from outside it free: every task starts no later than in the whole simulation), then
+  messages from outside it free: every task starts no later than in the whole simulation; replayed
+  on its LLM replica's units alone, the schedule ordered by every replica's times,
+  `harmonia.schedule.stagework.llm_replicas_work`), then
   of the batch's busiest independent part, then of all (parts are sets of ranks no message or
   lockstep crosses, `harmonia.sim.parts`: the busiest part's simulated time bounds the iteration's, and the
   longest of all is the iteration's simulated time);
