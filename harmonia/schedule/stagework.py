@@ -196,9 +196,9 @@ def plan_iteration_work(shapes: Sequence[SampleShape], plan: Plan, cost: CostMod
         sub_runs: the split items' runs to use (another cost model's `IterationWork.sub_runs`, so a
             calibrated simulation prices the cut the executor runs); default: cut by ``cost``.
         replicas: per module, the replicas whose units are priced (default, or a module left out:
-            every one; the boundary bytes are always whole). A bound on the work of some replicas is a bound on the whole
-            (`harmonia.plan.bounds.work_bound_busy`), found without pricing the thousands of units
-            of a large cluster's other replicas.
+            every one; the boundary bytes are always whole). A bound on the work of some replicas
+            is a bound on the whole (`harmonia.plan.bounds.work_bound_busy`), found without pricing
+            the thousands of units of a large cluster's other replicas.
     """
     out = IterationWork(assignment, shapes, {e: tuple(v) for e, v in (n_sub or {}).items()})
     llm_chunks = _module_chunks(cost, plan, LLM)
