@@ -41,7 +41,22 @@ def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork, busy: Mapp
     """The iteration's parts (see the module docstring), each its ranks in order; the parts ordered
     by their busiest rank's seconds in ``busy``, most first (default: by their first rank). On a
     ``cluster`` whose nodes' ranks share fewer cores than they are, a node's ranks are one part:
-    each computes at a rate set by how many of them compute at once (`harmonia.sim.shared`)."""
+    each computes at a rate set by how many of them compute at once (`harmonia.sim.shared`). The
+    parts are kept on the assignment per set of layouts (plans differing only in schedule or
+    recomputation share them: messages and lockstep follow the layouts and the boundary alone)."""
+    shared = cluster is not None and cluster.shares_cores
+    key = ("independent parts", cost, tuple(plan.layouts.items()), cluster if shared else None)
+    out = iw.assignment.memo.get(key)
+    if out is None:
+        out = iw.assignment.memo[key] = _parts(plan, cost, iw, cluster if shared else None)
+    if busy is not None:
+        return sorted(out, key=lambda p: -max(busy.get(r, 0.0) for r in p))
+    return list(out)
+
+
+def _parts(plan: Plan, cost: CostModel, iw: IterationWork, cluster: ClusterSpec | None) -> list[tuple[int, ...]]:
+    """`independent_parts` in rank order of their first rank, found afresh (``cluster``: one whose
+    nodes' ranks share their cores, else None)."""
     parent: dict[tuple[str, int], tuple[str, int]] = {}  # over module replicas: a rank joins those it holds
 
     def root(x: tuple[str, int]) -> tuple[str, int]:
@@ -67,7 +82,7 @@ def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork, busy: Mapp
                 join((module, 0), (module, d))
     for enc, e, d in {(enc, e, d) for enc, e, d, _ in iw.boundary_bytes}:  # every microbatch alike
         join((enc, e), (LLM, d))
-    if cluster is not None and cluster.shares_cores:
+    if cluster is not None:
         first: dict[int, tuple[str, int]] = {}  # node -> the replica of its first rank
         for r in sorted(held):
             node = cluster.node_of(r)
@@ -78,10 +93,7 @@ def independent_parts(plan: Plan, cost: CostModel, iw: IterationWork, busy: Mapp
     parts: dict[tuple[str, int], list[int]] = {}
     for r in sorted(held):
         parts.setdefault(root(held[r]), []).append(r)
-    out = [tuple(p) for p in parts.values()]
-    if busy is not None:
-        out.sort(key=lambda p: -max(busy.get(r, 0.0) for r in p))
-    return out
+    return [tuple(p) for p in parts.values()]
 
 
 def busiest_column(plan: Plan, part: tuple[int, ...], busy: Mapping[int, float]) -> tuple[int, ...] | None:
