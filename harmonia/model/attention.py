@@ -359,14 +359,25 @@ class LayerAttention:
     packed: PackedAttention
     window: int | None = None
 
-    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``(B, nh, t, hd)`` queries, ``(B, nkv, t, hd)`` local keys and values -> ``(B, nh, t, hd)``.
 
-        Outside compiled regions (`harmonia.runtime.parallelize.apply_compile` compiles the rest of
-        each block): the kernel's plan is data of each microbatch, which must not become guards that
-        recompile the block every step (flex attention compiles itself)."""
+        Outside compiled regions once `keep_out_of_compiled_graphs` ran (as
+        `harmonia.runtime.parallelize.apply_compile` does before it compiles the rest of each block):
+        the kernel's plan is data of each microbatch, which must not become guards that recompile
+        the block every step (flex attention compiles itself)."""
         return self.packed.attend(q, k, v, self.window)
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Mark `LayerAttention.attend` as never compiled (``torch.compiler.disable``), once per process.
+
+    Done where a job compiles, not at import: the decorator imports ``torch._dynamo`` (half a second
+    of every rank's start, for jobs that never compile)."""
+    if not getattr(LayerAttention.attend, "_harmonia_not_compiled", False):
+        attend = torch.compiler.disable(LayerAttention.attend)
+        attend._harmonia_not_compiled = True
+        LayerAttention.attend = attend
 
 
 class _SegmentAttention(torch.autograd.Function):

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+
+from harmonia.model.dtensors import is_dtensor
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -43,7 +44,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ``x``'s dtype before the weight (``LlamaRMSNorm``). Keeps ``x`` and ``1 / rms`` (one element per
     row) for backward. DTensor inputs (a per-head norm under tensor parallelism) take the plain
     operators."""
-    if isinstance(x, DTensor) or isinstance(weight, DTensor):
+    if is_dtensor(x) or is_dtensor(weight):
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return _RMSNorm.apply(x, weight, eps)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from harmonia.errors import ConfigError
+from harmonia.model.dtensors import is_dtensor
 from harmonia.model.attention import PackedAttention
 from harmonia.model.layers import (
     build_blocks,
@@ -152,8 +152,10 @@ class DecoderLM(nn.Module):
     def _tied_head(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, V)`` from the embedding matrix, vocab-sharded under tensor parallelism."""
         w = self.embed.weight  # (V, h)
-        if not isinstance(w, DTensor):
+        if not is_dtensor(w):
             return x @ w.t()
+        from torch.distributed.tensor import DTensor, Replicate  # already imported: w is one
+
         x = DTensor.from_local(x, w.device_mesh, [Replicate()] * w.device_mesh.ndim, run_check=False)
         return (x @ w.t()).redistribute(placements=[Replicate()] * w.device_mesh.ndim).to_local()
 

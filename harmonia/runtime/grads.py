@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
+from harmonia.model.dtensors import is_dtensor
 from harmonia.model.llm import DecoderLM
 from harmonia.schedule.layout import Layout
 
@@ -38,9 +38,9 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     reductions pair this rank's shard with the same shard on other ranks.
     """
     g = p.grad
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+    if is_dtensor(g) and is_dtensor(p) and g.placements != p.placements:
         p.grad = g = g.redistribute(p.device_mesh, p.placements)
-    return g.to_local() if isinstance(g, DTensor) else g
+    return g.to_local() if is_dtensor(g) else g
 
 
 @dataclass
@@ -222,7 +222,7 @@ def squared_norm_share(params: list[nn.Parameter], replication: int) -> torch.Te
         if g is None or g.numel() == 0:
             continue
         shards = 1
-        if isinstance(p.grad, DTensor):
+        if is_dtensor(p.grad):
             mesh = p.grad.device_mesh
             shards = math.prod(mesh.size(i) for i, pl in enumerate(p.grad.placements) if not pl.is_replicate())
         by_weight.setdefault((shards / replication, g.device), []).append(g.detach())

@@ -121,8 +121,10 @@ def apply_recompute(module: nn.Module, share: float = 1.0) -> int:
     """Activation checkpointing on the first ``ceil(share x n)`` of a stage module's ``n`` transformer
     blocks; returns how many. Training modes are per module, so a stage's blocks all run a backward
     or none does, and these are the blocks the cost model prices (`CostModel.stage_times`)."""
+    from harmonia.model.attention import keep_out_of_compiled_graphs
     from harmonia.model.layers import Block
 
+    keep_out_of_compiled_graphs()
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     chosen = blocks[:min(len(blocks), math.ceil(share * len(blocks) - 1e-9))] if share > 0 else []
     for block in chosen:
@@ -135,8 +137,10 @@ def apply_compile(module: nn.Module) -> int:
     with dynamic shapes: microbatches differ in length every step and must not recompile. The
     attention kernel stays outside the compiled graphs (`harmonia.model.attention.LayerAttention`).
     Returns how many blocks."""
+    from harmonia.model.attention import keep_out_of_compiled_graphs
     from harmonia.model.layers import Block
 
+    keep_out_of_compiled_graphs()
     blocks = [m for m in module.modules() if isinstance(m, Block)]
     for block in blocks:
         block.compile(dynamic=True)

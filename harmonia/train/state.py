@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from harmonia.errors import HarmoniaError
+from harmonia.model.dtensors import is_dtensor
 from harmonia.runtime.checkpoint import load_state, save_state
 from harmonia.train.rank import RankModel
 
@@ -57,7 +57,7 @@ class NonFiniteWeights(HarmoniaError):
 def first_nonfinite(named: dict[str, torch.Tensor]) -> str | None:
     """The name of the first tensor of ``named`` (this rank's part of it) with an inf or NaN, else None."""
     for name, t in named.items():
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if is_dtensor(t) else t
         if local.is_floating_point() and not bool(torch.isfinite(local).all()):
             return name
     return None

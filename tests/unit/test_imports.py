@@ -162,3 +162,22 @@ def test_reading_a_checkpoints_spec_loads_no_model_code(tmp_path: Path) -> None:
             "'harmonia.model.qwen_vit', 'harmonia.model.mllm', 'torch._dynamo')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_rank_imports_no_compiler_or_dtensor_until_it_needs_them() -> None:
+    """Every rank imports the trainer before its first step; ``torch._dynamo`` and
+    ``torch.distributed.tensor`` (together about half of that import) wait for a job that compiles,
+    shards or checkpoints. The attention kernel is kept out of compiled graphs once a job compiles."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport harmonia.train.worker\n"
+            "print(sorted(m for m in sys.modules if m in ('torch._dynamo', 'torch.distributed.tensor', "
+            "'torch.distributed.checkpoint')))\n"
+            "from harmonia.model.attention import LayerAttention\n"
+            "from harmonia.runtime.parallelize import apply_compile\n"
+            "from harmonia.model.layers import Block\n"
+            "import torch\n"
+            "print(apply_compile(torch.nn.Sequential()), getattr(LayerAttention.attend, '_torchdynamo_disable', None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split("\n")[:2] == ["[]", "0 True"], out.stdout + out.stderr
