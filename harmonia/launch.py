@@ -90,13 +90,19 @@ HF_PRELOAD = ("transformers", "transformers.processing_utils")
 tokenizers (1-2 s of imports each)."""
 
 
+GC_PAUSED, FROZEN = "harmonia.train.gc_paused", "harmonia.train.frozen_imports"
+"""Imported first and last: the imports run without the garbage collector, and what they made is
+frozen (`harmonia.train.frozen_imports`)."""
+
+
 def warm_ranks(hf: bool = False) -> None:
     """Start the ranks' fork server now: it imports `PRELOAD` (and `HF_PRELOAD` for a job from HF
-    checkpoints) while this process goes on (reading the data, planning) instead of after it. The
-    first call in a process decides what its fork server holds."""
+    checkpoints; `GC_PAUSED` before them and `FROZEN` after) while this process goes on (reading the
+    data, planning) instead of after it. The first call in a process decides what its fork server
+    holds."""
     from multiprocessing import forkserver
 
-    rank_context().set_forkserver_preload(list(PRELOAD + (HF_PRELOAD if hf else ())))
+    rank_context().set_forkserver_preload([GC_PAUSED, *PRELOAD, *(HF_PRELOAD if hf else ()), FROZEN])
     forkserver.ensure_running()
 
 

@@ -251,10 +251,28 @@ def clip_grad_norm(shares: torch.Tensor, params: list[nn.Parameter], max_norm: f
     total = shares.clone()
     dist.all_reduce(total, group=group)
     norm = float(total.sqrt())
+    _clip(params, max_norm, norm)
+    return norm
+
+
+def reduce_loss_and_clip(loss_share: torch.Tensor, shares: torch.Tensor, params: list[nn.Parameter],
+                         max_norm: float | None, group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """The step's global loss (``loss_share``: this rank's, `MLLMExecutor.loss_share`) and
+    `clip_grad_norm`, reduced in one collective on the host instead of two: ``(loss, norm)``, the
+    same floats as reducing each alone (a float64 square root of the same sum)."""
+    total = torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
+    dist.all_reduce(total, group=group)
+    loss, squared = total.tolist()
+    norm = math.sqrt(squared)
+    _clip(params, max_norm, norm)
+    return loss, norm
+
+
+def _clip(params: list[nn.Parameter], max_norm: float | None, norm: float) -> None:
+    """Scale the gradients by ``min(1, max_norm / (norm + 1e-6))``."""
     if max_norm is not None:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             grads = [g for g in map(local_grad, (p for p in params if p.grad is not None)) if g.numel()]
             for device in {g.device for g in grads}:
                 torch._foreach_mul_([g for g in grads if g.device == device], coef)
-    return norm

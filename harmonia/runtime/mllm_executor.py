@@ -52,8 +52,8 @@ from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import project_items, run_encoder
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
-from harmonia.runtime.grads import (clip_grad_norm, reduce_in_last_backward, squared_norm_share, start_fsdp_backward,
-                                   start_fsdp_resharding)
+from harmonia.runtime.grads import (reduce_in_last_backward, reduce_loss_and_clip, squared_norm_share,
+                                   start_fsdp_backward, start_fsdp_resharding)
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.p2p import P2P
@@ -181,8 +181,8 @@ class MLLMExecutor:
                 its own action list of it (`rank_actions`).
             batch: this rank's data (`harmonia.runtime.mllm_inputs.build_rank_batch`).
         """
-        loss = self.forward_backward(schedule, batch)
-        norm = clip_grad_norm(self.norm_share(), self.trainable, self.max_norm, self.norm_group)
+        share = self.loss_share(schedule, batch)
+        loss, norm = reduce_loss_and_clip(share, self.norm_share(), self.trainable, self.max_norm, self.norm_group)
         self.optimizer_step()
         return StepResult(loss, norm, batch.n_targets)
 
@@ -197,6 +197,14 @@ class MLLMExecutor:
 
     def forward_backward(self, schedule: IterationSchedule, batch: RankBatch) -> float:
         """The actions and the gradient reduction; returns the global loss (the same on every rank)."""
+        total = self.loss_share(schedule, batch)
+        dist.all_reduce(total, group=self.norm_group)
+        return float(total)
+
+    def loss_share(self, schedule: IterationSchedule, batch: RankBatch) -> torch.Tensor:
+        """The actions and the gradient reduction; returns this rank's share of the global loss
+        (float64 on the host; summed over ``norm_group`` it is the loss): a training step reduces it
+        with the gradient norm in one collective (`harmonia.runtime.grads.reduce_loss_and_clip`)."""
         graph = schedule.graph
         if sorted(graph.module_names) != sorted(self.meshes.layouts):
             raise ScheduleError(f"schedule modules {graph.module_names} differ from the plan's "
@@ -234,10 +242,8 @@ class MLLMExecutor:
         # TP ranks repeat the loss; CP ranks each hold the loss of their own tokens.
         counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0
         # on the host, as the caller reads it (a process group on GPUs has gloo beside NCCL for this)
-        total = (run.loss_sum.detach().to("cpu", torch.float64, copy=True) if counts
-                 else torch.zeros((), dtype=torch.float64))
-        dist.all_reduce(total, group=self.norm_group)
-        return float(total)
+        return (run.loss_sum.detach().to("cpu", torch.float64, copy=True) if counts
+                else torch.zeros((), dtype=torch.float64))
 
     def norm_share(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm, over all its modules."""

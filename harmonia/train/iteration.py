@@ -57,7 +57,7 @@ from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteratio
 from harmonia.sim.engine import Timeline
 from harmonia.sim.memory import activation_peaks, input_bytes
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
-from harmonia.train.rank_data import agree_failures, check_decoded, rank_positions, rank_samples
+from harmonia.train.rank_data import StepAgreement, agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.calibration import Calibration
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
@@ -117,6 +117,7 @@ class PreparedIteration:
         failed: this rank's decoding failures (not yet agreed; `IterationBuilder.settle` clears them).
         decoded: dataset index -> what this rank decoded for the step.
         settle_s: seconds the training thread spent agreeing on failures (and preparing again).
+        stops: rank -> pending stop signal, as every rank agreed in `IterationBuilder.settle`.
         predicted_peak: this rank's bytes at the step's peak as the planner prices them: its states
             (weights, gradients, optimizer states) plus the activations its action list holds at once
             (computed where a measured peak is recorded beside it; else 0).
@@ -137,6 +138,7 @@ class PreparedIteration:
     decoded: dict[int, LoadedSample | Failed] = field(default_factory=dict, repr=False)
     settle_s: float = 0.0
     predicted_peak: float = 0.0
+    stops: dict[int, int] = field(default_factory=dict)
 
 
 class BuilderClosed(HarmoniaError):
@@ -164,8 +166,8 @@ class IterationBuilder:
         simulate: also simulate the step (rank 0).
         shapes: dataset index -> shape of every usable sample (`MultimodalDataset.shapes`).
         decoder: decodes this rank's samples (default: in this process).
-        agree: every rank's failures from this rank's (`harmonia.train.rank_data.agree_failures` on
-            the data group); default: one process.
+        agree: ``(failures, stop signal)`` -> every rank's (`harmonia.train.rank_data.agree_failures`
+            on the data group); default: one process.
         assignment: ``balanced`` (the balancer, the order search and the sub-microbatch search) or
             ``sequential`` (fixed-size microbatches in data order, `assign_sequential`, as the
             Megatron-LM recipe: the balancer's order is not searched and no encoder is split).
@@ -175,7 +177,7 @@ class IterationBuilder:
                  cluster: ClusterSpec, graph: StageGraph, rank: int, search_evaluations: int = 64,
                  simulate: bool = False, *, shapes: Mapping[int, SampleShape],
                  decoder: SampleDecoder | None = None,
-                 agree: Callable[[list[Failed]], list[Failed]] | None = None,
+                 agree: Callable[[list[Failed], int], StepAgreement] | None = None,
                  assignment: str = "balanced", predict_peaks: bool = False) -> None:
         if assignment not in ASSIGNMENTS:
             raise ConfigError(f"train.assignment={assignment!r} is invalid: expected one of {ASSIGNMENTS}")
@@ -186,7 +188,7 @@ class IterationBuilder:
         self.predict_peaks = predict_peaks  # this rank's predicted step peak, for a measured one beside it
         self.shapes = shapes
         self.decoder = decoder or SampleDecoder(dataset, 0)
-        self.agree = agree or (lambda failed: agree_failures(failed, None))
+        self.agree = agree or (lambda failed, stop: agree_failures(failed, None, stop))
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
         self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
         self.states = state_bytes_per_rank(cost, plan)  # weights, gradients, optimizer states per rank
@@ -212,13 +214,16 @@ class IterationBuilder:
             bad = set(self.bad)
         return self._prepare(step, bad, {})
 
-    def settle(self, it: PreparedIteration) -> PreparedIteration:
-        """Agree with every rank on the step's failures (collective on the data group): each is counted
-        once by the data policy (``on_error=fail`` raises here, on every rank), and the step is prepared
-        again without them until no rank fails. Returns the step every rank trains."""
+    def settle(self, it: PreparedIteration, stop: int = 0) -> PreparedIteration:
+        """Agree with every rank on the step's failures and pending stop signals (``stop``: this
+        rank's; one collective on the data group): each failure is counted once by the data policy
+        (``on_error=fail`` raises here, on every rank), and the step is prepared again without them
+        until no rank fails. Returns the step every rank trains, with the agreed stop signals."""
         t0 = time.perf_counter()
+        stops = None
         while True:
-            failed = self.agree(it.failed)
+            failed, agreed = self.agree(it.failed, stop if stops is None else 0)
+            stops = agreed if stops is None else stops
             if not failed:
                 break
             for f in failed:
@@ -228,6 +233,7 @@ class IterationBuilder:
             it = self._prepare(it.step, set(self.bad), it.decoded)
         self.dataset.stats.loaded += len(it.sample_ids)
         it.decoded = {}
+        it.stops = stops
         it.settle_s = time.perf_counter() - t0
         with self._cond:
             self._settled = it.step

@@ -18,6 +18,7 @@ under torchrun, the other ranks) name a rank that stopped responding.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -36,7 +37,7 @@ from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
 from harmonia.runtime.context_parallel import all_gather_flat
-from harmonia.runtime.grads import clip_grad_norm
+from harmonia.runtime.grads import reduce_loss_and_clip
 from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_parent, signal_name
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
@@ -187,6 +188,26 @@ def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...]
     return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), memory
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """The objects built before training (imports, model, dataset index, plan, tokenizer: 0.4 million
+    on the tiny LLaVA) kept out of the garbage collector's full passes while the steps run: the young
+    generations collected, then everything frozen (``gc.freeze``), unfrozen after. Without it every
+    full pass walks them all again (0.22 s each on that job, at a different step on each rank, which
+    the others then wait for at the next collective). Garbage already in the
+    oldest generation waits for the end of the run, as where a framework collects only the young
+    generations during training; ranks forked from the fork server start with the imports already
+    collected and frozen (`harmonia.train.frozen_imports`)."""
+    t0 = time.perf_counter()
+    gc.collect(1)
+    gc.freeze()
+    log.debug("garbage collected and %d objects frozen in %.3f s", gc.get_freeze_count(), time.perf_counter() - t0)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _worker_exits_with_rank(rank_pid: int) -> None:
     """A data worker process stops with the rank that forked it (5 s to finish a sample)."""
     exit_with_parent(rank_pid, grace_s=5.0)
@@ -232,7 +253,7 @@ class Trainer:
                                         shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
                                                                              _worker_exits_with_rank,
                                                                              config.data.cache_mb * 2**20),
-                                        agree=lambda failed: agree_failures(failed, self.data_group),
+                                        agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
                                         assignment=tc.assignment,
                                         predict_peaks=self.device.type == "cuda" or config.log.memory)
         self.evaluation = self._evaluation(cost, cluster) if tc.eval_every else None
@@ -269,7 +290,7 @@ class Trainer:
         builder = IterationBuilder(self.spec, self.plan, dataset, DataOrder(list(shapes), tc.global_batch, tc.seed),
                                    cost, cluster, schedule_graph(self.spec, self.plan, forward_only=True), self.rank,
                                    search_evaluations=0, shapes=shapes, decoder=SampleDecoder(dataset, 0),
-                                   agree=lambda failed: agree_failures(failed, self.data_group),
+                                   agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
                                    assignment=tc.assignment)
         return EvalLoss(builder, n_batches, left_out)
 
@@ -320,8 +341,8 @@ class Trainer:
         # prefetcher works a step ahead), is drawn measured beside simulated
         calibration_step, timeline_step = self.start_step + 1, min(self.start_step + 4, tc.steps - 1)
         # on CPU the preparation competes with the step for the GIL and the cores (`SchedulePrefetcher`)
-        with SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps,
-                                background=self.device.type != "cpu") as prefetch:
+        with frozen_heap(), SchedulePrefetcher(self.builder, first_step=self.start_step, last_step=tc.steps,
+                                               background=self.device.type != "cpu") as prefetch:
             try:
                 self._steps(report, stops, progress, prefetch, calibration_step, timeline_step)
             finally:
@@ -343,8 +364,9 @@ class Trainer:
         window = TrainingWindow(time.perf_counter())
         for step in range(self.start_step, tc.steps):
             self.faults.before_step(step, self.model)
-            self._stop_if_asked(step, stops)  # also the step's barrier
-            it = self.builder.settle(prefetch.get(step))  # collective: failed samples dropped alike
+            # collective, the step's barrier: failed samples dropped alike, stop signals heard by every rank
+            it = self.builder.settle(prefetch.get(step), stops.signum if stops is not None else 0)
+            self._stop_if_asked(step, stops, it.stops)
             set_learning_rates(self.model.executor.optimizers, self.config, step)
             self.model.executor.action_times = []
             t0, cpu0 = time.perf_counter(), time.process_time()
@@ -415,9 +437,9 @@ class Trainer:
     def _step(self, step: int, it: PreparedIteration, batch) -> StepOutcome:
         """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite."""
         ex = self.model.executor
-        loss = ex.forward_backward(it.schedule, batch)
+        share = ex.loss_share(it.schedule, batch)
         self.faults.after_backward(step, self.model)
-        norm = clip_grad_norm(ex.norm_share(), ex.trainable, ex.max_norm, ex.norm_group)
+        loss, norm = reduce_loss_and_clip(share, ex.norm_share(), ex.trainable, ex.max_norm, ex.norm_group)
         if math.isfinite(loss) and math.isfinite(norm):
             ex.optimizer_step()
             self.nonfinite_in_a_row = 0
@@ -443,9 +465,9 @@ class Trainer:
         dist.all_reduce(mine)
         return {r: int(s) for r, s in enumerate(mine.tolist()) if s}
 
-    def _stop_if_asked(self, step: int, stops: StopSignals | None) -> None:
-        """Stop here (collective) if any rank has a stop signal; the message says which ranks got one."""
-        asked = self._stop_votes(stops)
+    def _stop_if_asked(self, step: int, stops: StopSignals | None, asked: dict[int, int]) -> None:
+        """Stop here if any rank has a stop signal (``asked``, as every rank agreed: collective then);
+        the message says which ranks got one."""
         if not asked:
             return
         time.sleep(STOP_SETTLE_S)  # a signal sent to every rank reaches them a moment apart

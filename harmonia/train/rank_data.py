@@ -9,12 +9,15 @@ item encoders and loss-normalizer counts (`rank_samples`).
 
 A sample can fail to decode after its header passed (corrupt pixel data): only its owner sees it.
 `agree_failures` gathers every rank's failures on the data process group (a gloo group the trainer
-builds), so every rank drops the same samples and balances again identically.
+builds), so every rank drops the same samples and balances again identically. The same collective
+carries each rank's pending stop signal (`StepAgreement.stops`): a step's one agreement on the host,
+whatever the device, instead of one collective for the data and another for the stop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -79,20 +82,37 @@ def rank_samples(assignment: IterationAssignment, ids: Sequence[int], shapes: Se
     return [[sample(p) for p in mb] for mb in assignment.microbatches]
 
 
-def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None) -> list[Failed]:
-    """Every rank's decoding failures of a step, the same list on every rank (by dataset index).
+class StepAgreement(NamedTuple):
+    """What every rank agreed on before a step: the same on every rank."""
+
+    failed: list[Failed]
+    """Every rank's decoding failures, by dataset index."""
+    stops: dict[int, int]
+    """Rank -> the stop signal it has pending, for ranks that have one."""
+
+
+def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, stop: int = 0) -> StepAgreement:
+    """Every rank's decoding failures of a step and pending stop signals, the same on every rank.
 
     Args:
         failed: this rank's failures.
-        group: the data process group (gloo); None when there is one process.
+        group: the data process group (gloo, every rank); None when there is one process.
+        stop: this rank's pending stop signal (0 = none).
     """
-    everyone = [list(failed)]
-    if group is not None:
-        count = torch.tensor([len(failed)], dtype=torch.int64)
-        dist.all_reduce(count, group=group)  # one small collective in the common case: nothing failed
-        if not int(count):
-            return []
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, list(failed), group=group)
+    if group is None:
+        return StepAgreement(_merged([list(failed)]), {0: stop} if stop else {})
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    counts = torch.zeros(1 + world, dtype=torch.int64)  # [failures over all ranks, each rank's stop signal]
+    counts[0], counts[1 + me] = len(failed), stop
+    dist.all_reduce(counts, group=group)  # one small collective in the common case: nothing failed
+    stops = {dist.get_global_rank(group, r): int(v) for r, v in enumerate(counts[1:].tolist()) if v}
+    if not int(counts[0]):
+        return StepAgreement([], stops)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, list(failed), group=group)
+    return StepAgreement(_merged(everyone), stops)
+
+
+def _merged(everyone: list[list[Failed]]) -> list[Failed]:
     merged = {f.index: f for rank_failed in everyone for f in rank_failed}
     return [merged[i] for i in sorted(merged)]

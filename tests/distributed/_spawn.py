@@ -29,9 +29,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-PRELOAD = ["torch", "torch.distributed", "harmonia.runtime.mllm_executor", "harmonia.train.rank",
-           "harmonia.train.worker"]
-"""Modules the fork server imports before forking ranks."""
+PRELOAD = ["harmonia.train.gc_paused", "torch", "torch.distributed", "harmonia.runtime.mllm_executor",
+           "harmonia.train.rank", "harmonia.train.worker", "harmonia.train.frozen_imports"]
+"""Modules the fork server imports before forking ranks (with the garbage collector off, what they
+made frozen after, as `harmonia.launch.warm_ranks` has it)."""
 
 
 def preloaded_forkserver() -> str:

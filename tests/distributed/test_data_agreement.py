@@ -45,7 +45,7 @@ def _builder(rank: int, root, on_error: str, group):
     cluster = cluster_from_string("cpu:1x2")
     return IterationBuilder(SPEC, PLAN, ds, DataOrder(list(shapes), PLAN.global_batch, SEED),
                             CostModel(SPEC, cluster.device), cluster, schedule_graph(SPEC, PLAN), rank,
-                            search_evaluations=4, shapes=shapes, agree=lambda f: agree_failures(f, group))
+                            search_evaluations=4, shapes=shapes, agree=lambda f, stop: agree_failures(f, group, stop))
 
 
 def _steps(rank: int, world: int, root, on_error: str, steps: int):

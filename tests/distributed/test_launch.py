@@ -11,8 +11,10 @@ from harmonia.launch import JobStopped, LaunchError, launch
 
 
 def _ok(path: str) -> str:
-    with open(f"{path}.{os.environ['RANK']}", "w") as f:
-        f.write(os.environ["WORLD_SIZE"])
+    import gc
+
+    with open(f"{path}.{os.environ['RANK']}", "w") as f:  # the fork server's imports frozen, the collector on
+        f.write(f"{os.environ['WORLD_SIZE']} {gc.isenabled()} {gc.get_freeze_count() > 100_000}")
     return f"rank {os.environ['RANK']} done"
 
 
@@ -48,6 +50,7 @@ def _stops_rank_1() -> None:
 def test_launcher(tmp_path) -> None:
     assert launch(_ok, 3, (str(tmp_path / "rank"),), timeout=60) == "rank 0 done"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.0", "rank.1", "rank.2"]
+    assert {p.read_text() for p in tmp_path.iterdir()} == {"3 True True"}
 
     t0 = time.monotonic()
     with pytest.raises(LaunchError, match=r"rank 1 failed: ValueError: sample 17 has a corrupt image"):

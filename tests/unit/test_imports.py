@@ -181,3 +181,19 @@ def test_a_rank_imports_no_compiler_or_dtensor_until_it_needs_them() -> None:
             "print(apply_compile(torch.nn.Sequential()), getattr(LayerAttention.attend, '_torchdynamo_disable', None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.split("\n")[:2] == ["[]", "0 True"], out.stdout + out.stderr
+
+
+def test_a_training_command_imports_with_the_collector_off_and_leaves_it_on() -> None:
+    """`harmonia train`'s imports and config run without the garbage collector; after them what they
+    made is frozen and the collector is on, also where loading the config fails."""
+    import gc
+    import subprocess
+    import sys
+
+    code = ("import gc\nfrom harmonia.cli import _imports_first\n"
+            "with _imports_first():\n    seen = gc.isenabled()\n    import torch\n"
+            "print(seen, gc.isenabled(), gc.get_freeze_count() > 100_000)\n"
+            "try:\n    with _imports_first():\n        raise ValueError\nexcept ValueError:\n    print(gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.split() == ["False", "True", "True", "True"], out.stdout + out.stderr
+    assert gc.isenabled()
