@@ -37,6 +37,7 @@ from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
 from harmonia.runtime.context_parallel import all_gather_flat
+from harmonia.model.dtensors import is_dtensor
 from harmonia.runtime.grads import reduce_loss_and_clip
 from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_parent, signal_name
 from harmonia.schedule.graph import LLM
@@ -91,9 +92,7 @@ def build_optimizer(config: Config, param_groups: list[dict]) -> torch.optim.Opt
     tc = config.train
     groups = [{**g, "lr": tc.lr_of(g.get("module")), "weight_decay": tc.weight_decay_of(g.get("module"))}
               for g in param_groups]
-    from torch.distributed.tensor import DTensor
-
-    meshes = {p.device_mesh if isinstance(p, DTensor) else None for g in groups for p in g["params"]}
+    meshes = {p.device_mesh if is_dtensor(p) else None for g in groups for p in g["params"]}
     fused = {"fused": True} if len(meshes) <= 1 else {"foreach": False}
     return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, **fused)
 
