@@ -24,9 +24,10 @@ tensor peak of the step (``log.memory``) beside the planner's prediction, and th
 ``harmonia export`` of its checkpoint to an HF directory in a process of its own: its peak anonymous
 memory beside the largest tensor plus the largest file it writes. ``--train-layouts``: the same two
 steps and export for the 0.5B LLM under each layout of the build rows (dp4, fsdp4, fsdp4 reshard,
-tp2 dp2, pp2 dp2), one row each.
+tp2 dp2, pp2 dp2), one row each (``--size 1B`` or ``2B`` for a larger LLM: a layout whose plan does not
+fit a rank's share of this machine shows the line ``harmonia train`` refuses it with).
 
-    python benchmarks/build_memory.py [--quick] [--train | --train-layouts] [--dir DIR]
+    python benchmarks/build_memory.py [--quick] [--train | --train-layouts [--size 0.5B|1B|2B]] [--dir DIR]
 
 ``--dir``: where the checkpoints go (default a temporary directory, removed at the end).
 """
@@ -263,7 +264,12 @@ def train_row(root: Path, console: Console, size: str = "2B", layouts: tuple[str
                 "export: peak anonymous", "export: largest tensor + largest file", "export s"):
         table.add_column(col, justify="left" if col == "LLM layout" else "right")
     for name in layouts:
-        last, seconds = _train(root, llm, vision, name)
+        try:
+            last, seconds = _train(root, llm, vision, name)
+        except Refused as err:  # the plan does not fit a rank's share of this machine: said before any rank starts
+            table.add_row(name, f"{params * 4 * 4 / gib:.1f} GiB", f"refused: {err}", *[""] * 6)
+            console.print(f"{size} {name}: refused before any rank started: {err}", highlight=False)
+            continue
         export_peak, export_s, largest, biggest_file = export_row(root / name / "ck", root / name / "export")
         table.add_row(name, f"{params * 4 * 4 / gib:.1f} GiB", " ".join(f"{r / gib:.2f}" for r in last["rss_bytes"]),
                       " ".join(f"{r / gib:.2f}" for r in last["memory_peak_bytes"]),
@@ -271,6 +277,10 @@ def train_row(root: Path, console: Console, size: str = "2B", layouts: tuple[str
                       f"{export_peak / gib:.2f}", f"{(largest + biggest_file) / gib:.2f}", f"{export_s:.0f}")
         console.print(f"{size} {name}: trained in {seconds:.0f} s, exported in {export_s:.0f} s", highlight=False)
     console.print(table)
+
+
+class Refused(Exception):
+    """``harmonia train`` refused the plan before any rank started (its line)."""
 
 
 def _train(root: Path, llm: Path, vision: Path, name: str) -> tuple[dict, float]:
@@ -298,6 +308,9 @@ def _train(root: Path, llm: Path, vision: Path, name: str) -> tuple[dict, float]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     seconds = time.perf_counter() - t0
+    said = [line.strip() for line in (done.stdout + done.stderr).splitlines() if "GiB" in line and " over the " in line]
+    if done.returncode == 2 and said:  # refused as over a rank's memory (a LayoutError's line), before any rank
+        raise Refused(said[0])
     if done.returncode:
         raise RuntimeError(f"training row {name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"rss_bytes"' in x][-1], seconds
@@ -337,7 +350,8 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (kept)")
     parser.add_argument("--train", action="store_true", help="only the training row (2B LLM, LoRA, fsdp4 reshard)")
     parser.add_argument("--train-layouts", action="store_true",
-                        help="only the training rows of the 0.5B LLM (LoRA) under every layout")
+                        help="only the training rows of the LLM of --size (LoRA) under every layout")
+    parser.add_argument("--size", default="0.5B", choices=list(SIZES), help="the LLM of --train-layouts")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="harmonia-build-memory-"))
     console = Console(record=True, width=160)
@@ -352,11 +366,12 @@ def main() -> int:
             if args.train:
                 train_row(root, console)
             else:
-                train_row(root, console, "0.5B", tuple(TRAIN_LAYOUTS))
+                train_row(root, console, args.size, tuple(TRAIN_LAYOUTS))
         finally:
             if not args.dir:
                 shutil.rmtree(root, ignore_errors=True)
-        save_table(console, "build-memory-train" if args.train else "build-memory-layouts")
+        layouts = "build-memory-layouts" + ("" if args.size == "0.5B" else f"-{args.size}")
+        save_table(console, "build-memory-train" if args.train else layouts)
         return 0
     try:
         for size in (["0.5B"] if args.quick else list(SIZES)):
