@@ -11,15 +11,6 @@ from torch import nn
 from harmonia.runtime.grads import clip_grad_norm, reduce_loss_and_clip, squared_norm_share
 
 
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _params(seed: int, scale: float) -> list[nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     params = [nn.Parameter(torch.randn(shape, generator=g)) for shape in [(7, 5), (5,), (3, 3, 2)]]

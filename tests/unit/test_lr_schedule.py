@@ -7,7 +7,6 @@ import math
 from functools import partial
 
 import pytest
-import torch.distributed as dist
 
 from harmonia.config import load_config
 from harmonia.errors import ConfigError
@@ -130,15 +129,6 @@ def test_a_module_lr_follows_the_schedule_from_its_own_peak(kind) -> None:
         assert learning_rate(config, step, "vision_proj") == pytest.approx(10 * scheduled, rel=1e-12)
         assert learning_rate(config, step, "llm") == scheduled
         assert learning_rate(config, step, "vision") == scheduled
-
-
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _rank_model(config):
