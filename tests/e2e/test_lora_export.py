@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from rich.console import Console
 
 from harmonia.config import load_config
@@ -139,3 +140,21 @@ def test_resuming_from_the_source_continues_the_run_and_a_changed_source_is_refu
         _lora_job(tmp_path, base, 6)
     with pytest.raises(ConfigError, match="files changed"):
         export_checkpoint(tmp_path / "ck", tmp_path / "out")
+
+
+def test_the_held_out_evaluation_reads_the_checkpoint_beside_its_source(tmp_path) -> None:
+    """A run whose checkpoint holds only what training changed (LoRA on the LLM, the tower frozen: their
+    base weights stay in the source) ends with the synthetic layout's held-out evaluation: the model
+    it evaluates after training is the checkpoint's, the source giving what the checkpoint lacks."""
+    base = write_tiny_llava(tmp_path / "base")
+    write_synthetic_dataset(tmp_path / "data", 16, seed=0, heldout=1 / 4, tile=32, fmt="llava")
+    config = load_config(None, [
+        f"--model.hf={base}", "--model.lora=llm", "--model.frozen=vision", f"--data.path={tmp_path / 'data'}",
+        "--train.steps=2", "--train.global_batch=4", "--train.warmup=0", "--train.lr=5e-2",
+        "--parallel.world_size=1", "--log.tensorboard=false", f"--log.dir={tmp_path / 'run'}",
+        f"--checkpoint.dir={tmp_path / 'ck'}"])
+    result = run_training(config, Console(file=io.StringIO(), width=200))
+    assert result.accuracy and all(n > 0 for _, _, n, _ in result.accuracy.values()), result.accuracy
+    step = sorted((tmp_path / "ck").glob("step-*"))[-1]
+    held = {k for k in dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata if k.startswith("model.llm.")}
+    assert held and not any(".base." in k for k in held)  # the LLM's base weights are the source's
