@@ -306,7 +306,8 @@ def _train(root: Path, llm: Path, vision: Path, name: str) -> tuple[dict, float]
            "--log.memory=true", "--log.tensorboard=false", f"--log.dir={run}", f"--checkpoint.dir={work / 'ck'}",
            "--checkpoint.every=0"]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "COLUMNS": "1000"})  # a refusal on one line
     seconds = time.perf_counter() - t0
     said = [line.strip() for line in (done.stdout + done.stderr).splitlines() if "GiB" in line and " over the " in line]
     if done.returncode == 2 and said:  # refused as over a rank's memory (a LayoutError's line), before any rank

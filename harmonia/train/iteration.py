@@ -351,11 +351,9 @@ class IterationBuilder:
         """(rank, bytes) of the largest predicted peak of a step: states plus activation peak plus the
         encoder inputs held, under ``schedule`` (default: the balancer's order, unsplit) of its stage
         work."""
-        plan = self.plan
-        iw = iw or self._work(shapes, assignment)
-        schedule = schedule or build_schedule(self.graph, assignment.n_microbatches, plan.schedule,
-                                              costs=cost_table(plan, iw))
-        peaks, inputs = activation_peaks(plan, iw, schedule), input_bytes(self.spec, iw)
+        if iw is None:
+            iw, schedule = self._work(shapes, assignment), self._plain_schedule(shapes, assignment)
+        peaks, inputs = activation_peaks(self.plan, iw, schedule), input_bytes(self.spec, iw)
         return max(((r, self.states.get(r, 0.0) + b + inputs.get(r, 0.0)) for r, b in peaks.items()),
                    key=lambda x: x[1], default=(0, 0.0))
 
@@ -365,6 +363,15 @@ class IterationBuilder:
         if "step work" not in assignment.memo:
             assignment.memo["step work"] = plan_iteration_work(shapes, self.plan, self.cost, assignment)
         return assignment.memo["step work"]
+
+    def _plain_schedule(self, shapes: list[SampleShape], assignment: IterationAssignment) -> IterationSchedule:
+        """The schedule of the balancer's order on the unsplit stage work (the memory check's; the step's
+        own where the search changes nothing), built once per assignment (kept on its memo)."""
+        if "plain schedule" not in assignment.memo:
+            assignment.memo["plain schedule"] = build_schedule(
+                self.graph, assignment.n_microbatches, self.plan.schedule,
+                costs=cost_table(self.plan, self._work(shapes, assignment)))
+        return assignment.memo["plain schedule"]
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
                   sim_cost: CostModel) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
@@ -383,12 +390,19 @@ class IterationBuilder:
         if searched and plan.encoders:
             iw = search_submicrobatches(self.graph, plan, self.cost, iw, order, max_evaluations=self.search_evaluations,
                                         score=simulated_step(plan, self.cost, self.cluster)).work
+        if iw is unsplit and order == list(range(n)):  # the search kept the balancer's order and split nothing
+            return self._simulated(shapes, assignment, sim_cost, iw, self._plain_schedule(shapes, assignment))
         schedule = build_schedule(self.graph, n, plan.schedule, order=order, costs=cost_table(plan, iw),
                                   n_sub=iw.n_sub or None)
         if searched and self._peak(shapes, assignment, iw, schedule)[1] > self.cluster.device.mem_bytes:
             # the pick holds more at once than the device does (the balancer's order was checked): not taken
-            iw = unsplit
-            schedule = build_schedule(self.graph, n, plan.schedule, costs=cost_table(plan, iw))
+            iw, schedule = unsplit, self._plain_schedule(shapes, assignment)
+        return self._simulated(shapes, assignment, sim_cost, iw, schedule)
+
+    def _simulated(self, shapes: list, assignment: IterationAssignment, sim_cost: CostModel, iw: IterationWork,
+                   schedule: IterationSchedule) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
+        """``(schedule, iw, predicted)``: with `simulate`, the step simulated on ``sim_cost``."""
+        plan = self.plan
         predicted = None
         if self.simulate:
             sim_iw = iw if sim_cost is self.cost else plan_iteration_work(shapes, plan, sim_cost, assignment,

@@ -99,8 +99,9 @@ def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, st
         group: the data process group (gloo, every rank); None when there is one process.
         stop: this rank's pending stop signal (0 = none).
     """
-    if group is None:
-        return StepAgreement(_merged([list(failed)]), {0: stop} if stop else {})
+    if group is None or dist.get_world_size(group) == 1:  # nothing to agree with
+        rank = 0 if group is None else dist.get_global_rank(group, 0)
+        return StepAgreement(_merged([list(failed)]), {rank: stop} if stop else {})
     world, me = dist.get_world_size(group), dist.get_rank(group)
     counts = torch.zeros(1 + world, dtype=torch.int64)  # [failures over all ranks, each rank's stop signal]
     counts[0], counts[1 + me] = len(failed), stop
