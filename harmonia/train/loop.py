@@ -192,11 +192,11 @@ def frozen_heap():
     """The objects built before training (imports, model, dataset index, plan, tokenizer: 0.4 million
     on the tiny LLaVA) kept out of the garbage collector's full passes while the steps run: the young
     generations collected, then everything frozen (``gc.freeze``), unfrozen after. Without it every
-    full pass walks them all again (0.22 s each on that job, at a different step on each rank, which
-    the others then wait for at the next collective). Garbage already in the
-    oldest generation waits for the end of the run, as where a framework collects only the young
-    generations during training; ranks forked from the fork server start with the imports already
-    collected and frozen (`harmonia.train.frozen_imports`)."""
+    full pass walks them all again (0.22 s each on that job), and where one falls inside training it
+    falls at a different step on each rank, which the others then wait for at the next collective.
+    Garbage already in the oldest generation waits for the end of the run, as where a framework
+    collects only the young generations during training; ranks forked from the fork server start
+    with the imports already frozen (`harmonia.train.frozen_imports`)."""
     t0 = time.perf_counter()
     gc.collect(1)
     gc.freeze()
