@@ -164,6 +164,8 @@ class IterationBuilder:
         search_evaluations: schedules the per-batch order search replays, and the most encoder splits
             the sub-microbatch search replays (0 = the balancer's order, no split).
         simulate: also simulate the step (rank 0).
+        simulate_steps: the steps ``simulate`` covers (None: every step; the trainer's: those it logs
+            and the ones it calibrates and draws).
         shapes: dataset index -> shape of every usable sample (`MultimodalDataset.shapes`).
         decoder: decodes this rank's samples (default: in this process).
         agree: ``(failures, stop signal)`` -> every rank's (`harmonia.train.rank_data.agree_failures`
@@ -176,6 +178,7 @@ class IterationBuilder:
     def __init__(self, spec: MLLMSpec, plan: Plan, dataset: MultimodalDataset, order: DataOrder, cost: CostModel,
                  cluster: ClusterSpec, graph: StageGraph, rank: int, search_evaluations: int = 64,
                  simulate: bool = False, *, shapes: Mapping[int, SampleShape],
+                 simulate_steps: Callable[[int], bool] | None = None,
                  decoder: SampleDecoder | None = None,
                  agree: Callable[[list[Failed], int], StepAgreement] | None = None,
                  assignment: str = "balanced", predict_peaks: bool = False) -> None:
@@ -183,7 +186,7 @@ class IterationBuilder:
             raise ConfigError(f"train.assignment={assignment!r} is invalid: expected one of {ASSIGNMENTS}")
         self.spec, self.plan, self.dataset, self.order, self.cost = spec, plan, dataset, order, cost
         self.cluster, self.graph, self.rank = cluster, graph, rank
-        self.search_evaluations, self.simulate = search_evaluations, simulate
+        self.search_evaluations, self.simulate, self.simulate_steps = search_evaluations, simulate, simulate_steps
         self.assignment = assignment
         self.predict_peaks = predict_peaks  # this rank's predicted step peak, for a measured one beside it
         self.shapes = shapes
@@ -270,7 +273,8 @@ class IterationBuilder:
             return PreparedIteration(step, ids, len(wanted) - len(ids), assignment, None, None, 0, None,
                                      time.perf_counter() - t0, failed=failed, decoded=decoded)
         sim_cost = self.sim_cost
-        schedule, iw, predicted = self._schedule(shapes, assignment, sim_cost)
+        simulated = self.simulate and (self.simulate_steps is None or self.simulate_steps(step))
+        schedule, iw, predicted = self._schedule(shapes, assignment, sim_cost if simulated else None)
         micro = rank_samples(assignment, ids, shapes, decoded, set(mine), self.dataset)
         llm_cp = None
         if llm.cp > 1:  # each replica's tokens over its CP ranks, balanced on the LLM's FLOPs
@@ -374,7 +378,7 @@ class IterationBuilder:
         return assignment.memo["plain schedule"]
 
     def _schedule(self, shapes: list, assignment: IterationAssignment,
-                  sim_cost: CostModel) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
+                  sim_cost: CostModel | None) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
         """The searched microbatch order and encoder sub-microbatches' schedule, its stage work, and
         (rank 0) the simulated timeline of exactly the action lists every rank runs from it."""
         plan, n = self.plan, assignment.n_microbatches
@@ -399,12 +403,12 @@ class IterationBuilder:
             iw, schedule = unsplit, self._plain_schedule(shapes, assignment)
         return self._simulated(shapes, assignment, sim_cost, iw, schedule)
 
-    def _simulated(self, shapes: list, assignment: IterationAssignment, sim_cost: CostModel, iw: IterationWork,
+    def _simulated(self, shapes: list, assignment: IterationAssignment, sim_cost: CostModel | None, iw: IterationWork,
                    schedule: IterationSchedule) -> tuple[IterationSchedule, IterationWork, Timeline | None]:
-        """``(schedule, iw, predicted)``: with `simulate`, the step simulated on ``sim_cost``."""
+        """``(schedule, iw, predicted)``: the step simulated on ``sim_cost`` (None: not simulated)."""
         plan = self.plan
         predicted = None
-        if self.simulate:
+        if sim_cost is not None:
             sim_iw = iw if sim_cost is self.cost else plan_iteration_work(shapes, plan, sim_cost, assignment,
                                                                            iw.n_sub, iw.sub_runs)
             predicted = simulate_schedule(plan, sim_cost, self.cluster, sim_iw, schedule)

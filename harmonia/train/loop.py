@@ -249,9 +249,9 @@ class Trainer:
         self.builder = IterationBuilder(self.spec, plan, self.dataset, self.order, cost, cluster,
                                         schedule_graph(self.spec, plan), rank,
                                         search_evaluations=schedule_search(config), simulate=rank == 0,
-                                        shapes=shapes, decoder=SampleDecoder(self.dataset, config.data.num_workers,
-                                                                             _worker_exits_with_rank,
-                                                                             config.data.cache_mb * 2**20),
+                                        simulate_steps=self._simulated, shapes=shapes,
+                                        decoder=SampleDecoder(self.dataset, config.data.num_workers,
+                                                              _worker_exits_with_rank, config.data.cache_mb * 2**20),
                                         agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
                                         assignment=tc.assignment,
                                         predict_peaks=self.device.type == "cuda" or config.log.memory)
@@ -292,6 +292,17 @@ class Trainer:
                                    agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
                                    assignment=tc.assignment)
         return EvalLoss(builder, n_batches, left_out)
+
+    def _logged(self, step: int) -> bool:
+        """Whether rank 0 logs ``step``'s record (`harmonia.train.report.ProgressReporter`'s rule):
+        only those steps gather every rank's module times and memory (one collective)."""
+        return step % self.config.log.every == 0 or step == self.config.train.steps - 1
+
+    def _simulated(self, step: int) -> bool:
+        """Whether rank 0 simulates ``step`` on the cluster model: where it is logged, fits the cost
+        model (the run's second step) or is drawn beside its simulation (its fifth), as `run` says."""
+        last = self.config.train.steps - 1
+        return self._logged(step) or step in (self.start_step + 1, min(self.start_step + 4, last))
 
     def _evaluate(self, done: int) -> None:
         """The evaluation loss after ``done`` steps (collective), reported by rank 0."""
@@ -377,7 +388,8 @@ class Trainer:
             times = _step_times(self.model, step_s, self.modules)
             peaks = (measured.get("held", 0), self.builder.states.get(self.rank, 0.0), measured.get("peak", 0),
                      it.predicted_peak)
-            module_s, bubble, memory = _reduce_times(times, self.modules, peaks)
+            logged = self._logged(step)
+            module_s, bubble, memory = _reduce_times(times, self.modules, peaks) if logged else ({}, None, [])
             if step in (calibration_step, timeline_step):
                 actions, process_cpu = self._gather_actions(t0, step_cpu)
                 if step == calibration_step and self.rank == 0 and it.predicted is not None:
@@ -385,13 +397,13 @@ class Trainer:
                 if step == timeline_step and self.rank == 0:  # drawn after the last step, outside the window
                     self.timeline = (step, actions, it.predicted, step_s, it.calibrated)
             if self.rank == 0:
-                counted = {} if not measured else {
+                counted = {} if not measured or not logged else {
                     "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],
                     **({"memory_held_bytes": [m[1] for m in memory],
                         "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
                 report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
                         **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter()),
-                        "rss_bytes": [m[0] for m in memory], **counted})
+                        **({"rss_bytes": [m[0] for m in memory]} if logged else {}), **counted})
             if progress is not None:
                 progress(step + 1)
             if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
@@ -499,7 +511,7 @@ class Trainer:
                if self.config.train.modules else {}),
             "step_tokens_per_s": it.n_tokens / step_s, "step_samples_per_s": len(it.sample_ids) / step_s,
             "tokens": it.n_tokens, "samples": len(it.sample_ids),
-            "time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble,
+            **({"time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble} if module_s else {}),
             "balance": {"microbatch_imbalance": it.assignment.imbalance(),
                         "microbatch_samples_min": min(map(len, it.assignment.microbatches)),
                         "microbatch_samples_max": max(map(len, it.assignment.microbatches)),

@@ -175,8 +175,9 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 def simulated_row(records: list[dict]) -> tuple[str, str]:
     """Mean simulated step time, over the steps simulated with the fitted cost model when there are any."""
-    fitted = [r for r in records if r.get("simulated_calibrated")]
-    chosen = fitted or records
+    simulated = [r for r in records if np.isfinite(r.get("simulated_step_s", float("nan")))]  # rank 0 simulates
+    fitted = [r for r in simulated if r.get("simulated_calibrated")]  # logged steps (and two more) only
+    chosen = fitted or simulated or records
     value = f"{np.mean([r['simulated_step_s'] for r in chosen]) * 1e3:.1f} ms"
     return ("step time simulated (mean, " + ("fitted cost model)" if fitted else "nominal cost model)"), value)
 
@@ -192,8 +193,8 @@ def summary_table(records: list[dict], accuracy: dict | None = None, evals: list
     steady = records[1:] or records  # the first step pays one-time set-up costs
     first, last = records[0], records[-1]
 
-    def mean(key: str) -> float:
-        return float(np.mean([r[key] for r in steady]))
+    def mean(key: str) -> float:  # over the steps that carry it (module times and bubble: the logged ones)
+        return float(np.mean([r[key] for r in steady if key in r] or [float("nan")]))
 
     rows = [
         ("steps", f"{first['step']}..{last['step']}"),
