@@ -109,20 +109,27 @@ def checkpoint_model(checkpoint: str | Path):
     Args:
         checkpoint: the checkpoint directory (its newest step) or one ``step-N``.
     """
-    import torch.distributed.checkpoint as dcp
-
     from harmonia.train.weights import initial_model
 
     step = _step_dir(Path(checkpoint))
     _, source, spec = _trained_from(step)
     model = initial_model(spec, 0, source)  # every tensor the checkpoint lacks is the source's
+    load_beside_source(model, step, spec, source)
+    return spec, model.eval()
+
+
+def load_beside_source(model, step: Path, spec, source: str | dict) -> None:
+    """Load checkpoint ``step`` into ``model`` (built from ``source``, fp32, this process): the tensors
+    the checkpoint holds; the rest keep the source's values, which must be its frozen ones
+    (`checkpoint_state` refuses a checkpoint lacking anything else)."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint_state(step, spec, source)
     held = set(dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata)
-    checkpoint_state(step, spec, source)  # the tensors it lacks are the source's frozen ones, or it is refused
     state = {"model": {k: t for k, t in model.state_dict().items() if f"model.{k}" in held}}
     with warnings.catch_warnings():  # reading in one process is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step), no_dist=True)
-    return spec, model.eval()
 
 
 def _check_source_files(step: Path, source, fingerprint: dict) -> None:

@@ -116,16 +116,15 @@ def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[flo
     if checkpoint_step is None:
         return {t: (acc, acc, n, chance_accuracy(t)) for t, (acc, n) in before.items()}
     step = Path(config.checkpoint.dir) / f"step-{checkpoint_step}"
-    state = {"model": dict(model.state_dict())}
     if source is not None:  # the checkpoint holds what training changed; the model has the source's frozen rest
-        from harmonia.train.export import checkpoint_state
+        from harmonia.train.export import load_beside_source
 
-        checkpoint_state(step, spec, source)  # refused unless every tensor it lacks is the source's
-        held = dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata
-        state["model"] = {k: t for k, t in state["model"].items() if f"model.{k}" in held}
-    with warnings.catch_warnings():  # loading in one process is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(step), no_dist=True)
+        load_beside_source(model, step, spec, source)
+    else:
+        state = {"model": dict(model.state_dict())}
+        with warnings.catch_warnings():  # loading in one process is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(step), no_dist=True)
     after = answer_accuracy(model, samples, ds.tokenizer)
     return {t: (before[t][0], after[t][0], n, chance_accuracy(t)) for t, (_, n) in after.items()}
 
