@@ -261,7 +261,8 @@ def reduce_loss_and_clip(loss_share: torch.Tensor, shares: torch.Tensor, params:
     `clip_grad_norm`, reduced in one collective on the host instead of two: ``(loss, norm)``, the
     same floats as reducing each alone (a float64 square root of the same sum)."""
     total = torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
-    dist.all_reduce(total, group=group)
+    if dist.get_world_size(group) > 1:  # a one-rank group has nothing to add
+        dist.all_reduce(total, group=group)
     loss, squared = total.tolist()
     norm = math.sqrt(squared)
     _clip(params, max_norm, norm)

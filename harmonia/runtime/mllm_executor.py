@@ -528,8 +528,6 @@ class _MLLMIteration:
 
     def backward_input(self, a: Action) -> None:
         """B: the input gradient now; what W needs stays in ``w_groups``."""
-        from torch.distributed.pipelining._backward import stage_backward_input
-
         if self._empty(a):
             return
         key = self._key(a)
@@ -541,6 +539,8 @@ class _MLLMIteration:
             self._route(a, inputs, [])
             return
         if self.graph.needs_w(a.stage_ref):
+            from torch.distributed.pipelining._backward import stage_backward_input
+
             _check_splittable(self.ex.runners[a.module].chunks[a.stage], a)
             weights = self.ex.runners[a.module].weights(a.stage)
             grads, self.w_groups[key] = stage_backward_input([y], None if g is None else [g], inputs, weights)
@@ -550,13 +550,13 @@ class _MLLMIteration:
 
     def backward_weight(self, a: Action) -> None:
         """W: weight gradients from B's saved intermediates, or straight from the output gradient."""
-        from torch.distributed.pipelining._backward import stage_backward_weight
-
         if self._empty(a):
             return
         key = self._key(a)
         groups = self.w_groups.pop(key, None)
-        if groups is not None:
+        if groups is not None:  # imported where a split B ran (torch.distributed.pipelining: 0.1 s)
+            from torch.distributed.pipelining._backward import stage_backward_weight
+
             stage_backward_weight(self.ex.runners[a.module].weights(a.stage), groups)
             return
         _inputs, y = self.saved.pop(key)

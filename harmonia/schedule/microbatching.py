@@ -315,6 +315,8 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
     """
     costs, tok, cap = check_inputs(costs, n_bins, tokens, token_cap, unit)
     n = costs.shape[0]
+    if n_bins == 1 and (tok is None or tok.sum() <= cap):  # one bin holds every sample: nothing to balance
+        return [list(range(n))], bin_loads(np.zeros(n, dtype=int), costs, 1)
     work, target = normalise(costs, n_bins)
     rng = np.random.default_rng(seed)
     order = np.lexsort((rng.random(n), -work.sum(axis=1)))  # largest first; seed orders equal ones

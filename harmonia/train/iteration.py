@@ -196,6 +196,7 @@ class IterationBuilder:
         self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
         self.states = state_bytes_per_rank(cost, plan)  # weights, gradients, optimizer states per rank
         self.bad: set[int] = set()  # samples every rank agreed failed, dropped before balancing
+        self._cost_rows: tuple[np.ndarray, np.ndarray] | None = None  # `_balancer_costs`: rows by sample index
         self._settled: int | None = None  # the newest step agreed on
         self._closed = False
         self._cond = threading.Condition()
@@ -306,7 +307,7 @@ class IterationBuilder:
                                   f"decode or exceed the device), fewer than llm dp x n_microbatches = "
                                   f"{llm.dp * plan.n_microbatches}; fix the data")
             shapes = [self.shapes[i] for i in ids]
-            costs, columns, tokens = balancer_costs(self.cost, shapes, plan.encoders)
+            costs, columns, tokens = self._balancer_costs(ids, shapes)
             if self.assignment == "sequential":  # contiguous DP shards, then contiguous microbatches
                 per_replica = assign_sequential(np.arange(len(ids)), llm.dp, plan.n_microbatches)
                 encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
@@ -321,6 +322,23 @@ class IterationBuilder:
             bad.add(index)
             with self._cond:
                 self.bad.add(index)
+
+    def _balancer_costs(self, ids: list[int], shapes: list[SampleShape]) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """`balancer_costs` of the step's samples, each sample's row priced once per job (a row
+        depends only on its shape and the balancing cost model, which never change; kept in arrays
+        over the dataset's indices, 8 bytes per column and sample): ``(n, 1 + encoders)`` seconds,
+        the column names and ``(n,)`` LLM tokens."""
+        columns = ["llm", *self.plan.encoders]
+        if self._cost_rows is None:
+            n = max(self.shapes, default=-1) + 1
+            self._cost_rows = (np.full((n, len(columns)), np.nan), np.zeros(n, dtype=np.int64))
+        rows, llm_tokens = self._cost_rows
+        index = np.asarray(ids, dtype=np.int64)
+        todo = [k for k, i in enumerate(ids) if np.isnan(rows[i, 0])]
+        if todo:
+            costs, _, tokens = balancer_costs(self.cost, [shapes[k] for k in todo], self.plan.encoders)
+            rows[index[todo]], llm_tokens[index[todo]] = costs, tokens
+        return rows[index], columns, llm_tokens[index]
 
     def _assign_within_memory(self, step: int, shapes: list[SampleShape], costs: np.ndarray, columns: list[str],
                               tokens: np.ndarray) -> IterationAssignment | tuple[int, str]:

@@ -176,8 +176,10 @@ def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...]
     row = torch.tensor([*(times.module_s[m] for m in modules), times.busy_s, _current_rss_bytes(),
                         *map(int, peaks)], dtype=torch.float64)
     world = dist.get_world_size()
-    rows = torch.empty(world * row.numel(), dtype=torch.float64)
-    all_gather_flat(rows, row)
+    rows = row
+    if world > 1:
+        rows = torch.empty(world * row.numel(), dtype=torch.float64)
+        all_gather_flat(rows, row)
     rows = rows.view(world, row.numel())  # (world, modules + 2 + peaks)
     n = len(modules)
     slowest = rows[:, :n].max(dim=0).values

@@ -76,6 +76,15 @@ def test_errors_name_the_sample_and_say_what_to_do() -> None:
         assign_microbatches(np.ones((3, 1)), 2, tokens=np.ones(4))
 
 
+def test_one_bin_holds_every_sample_or_says_the_cap_is_too_small() -> None:
+    costs = _entangled(12, 3)
+    bins, loads = balance_bins(costs, 1, tokens=np.arange(1, 13), token_cap=78)
+    assert bins == [list(range(12))]
+    np.testing.assert_allclose(loads, costs.sum(0, keepdims=True))
+    with pytest.raises(ScheduleError, match="cannot fit 1 microbatches"):
+        balance_bins(costs, 1, tokens=np.arange(1, 13), token_cap=77, unit="microbatches")
+
+
 @pytest.mark.parametrize("n,k", [(256, 32), (512, 16), (1024, 32)])
 def test_every_module_balanced_better_than_one_dimensional_baselines(n, k) -> None:
     costs = _entangled(n, 0)
