@@ -36,7 +36,6 @@ from harmonia.model.training_mode import Trainability
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.checkpoint import latest_step
-from harmonia.runtime.context_parallel import all_gather_flat
 from harmonia.model.dtensors import is_dtensor
 from harmonia.runtime.grads import reduce_loss_and_clip
 from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_parent, signal_name
@@ -167,26 +166,39 @@ def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTime
     return times
 
 
-def _reduce_times(times: StepTimes, modules: list[str], peaks: tuple[float, ...] = (0.0,) * 4
-                  ) -> tuple[dict[str, float], float, list[list[int]]]:
-    """Per module, the slowest rank's time in it; the bubble fraction over all ranks; every rank's
-    ``[resident memory now, *peaks]`` (bytes; ``peaks``: this rank's measured and predicted states
-    at the step's start, measured and predicted step peak). One collective: every rank's row
-    gathered (byte counts are exact in float64 below 2**53)."""
-    row = torch.tensor([*(times.module_s[m] for m in modules), times.busy_s, _current_rss_bytes(),
-                        *map(int, peaks)], dtype=torch.float64)
-    world = dist.get_world_size()
-    rows = row
-    if world > 1:
-        rows = torch.empty(world * row.numel(), dtype=torch.float64)
-        all_gather_flat(rows, row)
-    rows = rows.view(world, row.numel())  # (world, modules + 2 + peaks)
-    n = len(modules)
+def _times_row(times: StepTimes, modules: list[str], peaks: tuple[float, ...] = (0.0,) * 4) -> torch.Tensor:
+    """This rank's figures of a step for `_from_rows`: ``(modules + 2 + peaks,)`` float64 of its time
+    in each module, its busy time, its resident memory now and ``peaks`` (bytes: its measured and
+    predicted states at the step's start, measured and predicted step peak; exact in float64 below
+    2**53)."""
+    return torch.tensor([*(times.module_s[m] for m in modules), times.busy_s, _current_rss_bytes(), *map(int, peaks)],
+                        dtype=torch.float64)
+
+
+def _from_rows(rows: torch.Tensor, step_s: float, modules: list[str]
+               ) -> tuple[dict[str, float], float, list[list[int]]]:
+    """From every rank's `_times_row` (``(world, modules + 2 + peaks)``, gathered): per module, the
+    slowest rank's time in it; the bubble fraction over all ranks; every rank's ``[resident memory
+    now, *peaks]``."""
+    world, n = rows.shape[0], len(modules)
     slowest = rows[:, :n].max(dim=0).values
     total_busy = float(rows[:, n].sum())
-    bubble = 1.0 - total_busy / (world * times.step_s) if times.step_s > 0 else 0.0
+    bubble = 1.0 - total_busy / (world * step_s) if step_s > 0 else 0.0
     memory = [[int(v) for v in r] for r in rows[:, n + 1:].tolist()]
     return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), memory
+
+
+@dataclass
+class _Logged:
+    """A finished step's record (rank 0's; None on the others) and this rank's figures of it
+    (`_times_row`; None where the step is not logged), until every rank's are gathered: by the next
+    step's agreement, or before a checkpoint, an evaluation or the end."""
+
+    step: int
+    step_s: float
+    record: dict | None
+    row: torch.Tensor | None
+    measured: dict
 
 
 @contextlib.contextmanager
@@ -227,7 +239,6 @@ class Trainer:
         from harmonia.data.decode import SampleDecoder
         from harmonia.runtime.meshes import build_module_meshes
         from harmonia.train.data import open_training_data
-        from harmonia.train.rank_data import agree_failures
         from harmonia.train.preflight import run_fingerprint
         from harmonia.train.source_state import source_provided
         from harmonia.workload.cost import CostModel
@@ -254,7 +265,7 @@ class Trainer:
                                         simulate_steps=self._simulated, shapes=shapes,
                                         decoder=SampleDecoder(self.dataset, config.data.num_workers,
                                                               _worker_exits_with_rank, config.data.cache_mb * 2**20),
-                                        agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
+                                        agree=self._agree,
                                         assignment=tc.assignment,
                                         predict_peaks=self.device.type == "cuda" or config.log.memory)
         self.evaluation = self._evaluation(cost, cluster) if tc.eval_every else None
@@ -280,7 +291,6 @@ class Trainer:
         from harmonia.data.decode import SampleDecoder
         from harmonia.train.data import open_eval_data
         from harmonia.train.eval_loss import EvalLoss
-        from harmonia.train.rank_data import agree_failures
 
         tc = self.config.train
         dataset, shapes = open_eval_data(self.config, self.spec)
@@ -291,7 +301,7 @@ class Trainer:
         builder = IterationBuilder(self.spec, self.plan, dataset, DataOrder(list(shapes), tc.global_batch, tc.seed),
                                    cost, cluster, schedule_graph(self.spec, self.plan, forward_only=True), self.rank,
                                    search_evaluations=0, shapes=shapes, decoder=SampleDecoder(dataset, 0),
-                                   agree=lambda failed, stop: agree_failures(failed, self.data_group, stop),
+                                   agree=self._agree,
                                    assignment=tc.assignment)
         return EvalLoss(builder, n_batches, left_out)
 
@@ -374,44 +384,82 @@ class Trainer:
         tc, ck = self.config.train, self.config.checkpoint
         self.first_step_at = time.time()
         window = TrainingWindow(time.perf_counter())
-        for step in range(self.start_step, tc.steps):
-            self.faults.before_step(step, self.model)
-            # collective, the step's barrier: failed samples dropped alike, stop signals heard by every rank
-            it = self.builder.settle(prefetch.get(step), stops.signum if stops is not None else 0)
-            self._stop_if_asked(step, stops, it.stops)
-            set_learning_rates(self.model.executor.optimizers, self.config, step)
-            self.model.executor.action_times = []
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-            with self._peak_count(batch) as measured:
-                result = self._step(step, it, batch)
-            step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
-            self.losses.append(result.loss)
-            times = _step_times(self.model, step_s, self.modules)
-            peaks = (measured.get("held", 0), self.builder.states.get(self.rank, 0.0), measured.get("peak", 0),
-                     it.predicted_peak)
-            logged = self._logged(step)
-            module_s, bubble, memory = _reduce_times(times, self.modules, peaks) if logged else ({}, None, [])
-            if step in (calibration_step, timeline_step):
-                actions, process_cpu = self._gather_actions(t0, step_cpu)
-                if step == calibration_step and self.rank == 0 and it.predicted is not None:
-                    best_effort("calibration.json", self._calibrate, actions, process_cpu, it)
-                if step == timeline_step and self.rank == 0:  # drawn after the last step, outside the window
-                    self.timeline = (step, actions, it.predicted, step_s, it.calibrated)
-            if self.rank == 0:
-                counted = {} if not measured or not logged else {
-                    "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],
-                    **({"memory_held_bytes": [m[1] for m in memory],
-                        "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
-                report({**self._record(step, it, result, step_s, module_s, bubble, prefetch.stats),
-                        **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter()),
-                        **({"rss_bytes": [m[0] for m in memory]} if logged else {}), **counted})
-            if progress is not None:
-                progress(step + 1)
-            if ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps:
-                self._save(step + 1)
-            if self.evaluation is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
-                self._evaluate(step + 1)
+        done: _Logged | None = None  # the step before, its figures not gathered yet
+        try:
+            for step in range(self.start_step, tc.steps):
+                self.faults.before_step(step, self.model)
+                # collective, the step's barrier: failed samples dropped alike, stop signals heard by
+                # every rank, every rank's figures of the step before gathered
+                it = self.builder.settle(prefetch.get(step), stops.signum if stops is not None else 0,
+                                         done.row if done is not None else None)
+                if done is not None:
+                    self._report(report, done, it.rows)
+                    done = None
+                self._stop_if_asked(step, stops, it.stops)
+                set_learning_rates(self.model.executor.optimizers, self.config, step)
+                self.model.executor.action_times = []
+                t0, cpu0 = time.perf_counter(), time.process_time()
+                batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
+                with self._peak_count(batch) as measured:
+                    result = self._step(step, it, batch)
+                step_s, step_cpu = time.perf_counter() - t0, time.process_time() - cpu0
+                self.losses.append(result.loss)
+                peaks = (measured.get("held", 0), self.builder.states.get(self.rank, 0.0), measured.get("peak", 0),
+                         it.predicted_peak)
+                done = _Logged(step, step_s, None, _times_row(_step_times(self.model, step_s, self.modules),
+                                                              self.modules, peaks) if self._logged(step) else None,
+                               measured)
+                if self.rank == 0:
+                    done.record = {**self._record(step, it, result, step_s, prefetch.stats),
+                                   **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter())}
+                if step in (calibration_step, timeline_step):
+                    actions, process_cpu = self._gather_actions(t0, step_cpu)
+                    if step == calibration_step and self.rank == 0 and it.predicted is not None:
+                        best_effort("calibration.json", self._calibrate, actions, process_cpu, it)
+                    if step == timeline_step and self.rank == 0:  # drawn after the last step, outside the window
+                        self.timeline = (step, actions, it.predicted, step_s, it.calibrated)
+                if progress is not None:
+                    progress(step + 1)
+                saving = ck.every and (step + 1) % ck.every == 0 and step + 1 < tc.steps
+                evaluating = self.evaluation is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps)
+                if saving or evaluating or step + 1 == tc.steps:  # its record first
+                    self._report(report, done, self._gathered(done.row))
+                    done = None
+                if saving:
+                    self._save(step + 1)
+                if evaluating:
+                    self._evaluate(step + 1)
+        finally:
+            if done is not None and done.record is not None:  # stopped before its gather: its own figures
+                report(done.record)
+
+    def _agree(self, failed: list, stop: int, row: torch.Tensor | None):
+        """`harmonia.train.rank_data.agree_failures` on the data group (collective)."""
+        from harmonia.train.rank_data import agree_failures
+
+        return agree_failures(failed, self.data_group, stop, row)
+
+    def _gathered(self, row: torch.Tensor | None) -> torch.Tensor | None:
+        """Every rank's ``row`` (collective on the data group where one is passed; every rank passes
+        one, or none does)."""
+        return None if row is None else self._agree([], 0, row).rows
+
+    def _report(self, report, done: _Logged, rows: torch.Tensor | None) -> None:
+        """Rank 0 reports ``done``'s record, with every rank's module times, bubble and memory where
+        they were gathered (``rows``)."""
+        if self.rank != 0:
+            return
+        if rows is None:
+            report(done.record)
+            return
+        module_s, bubble, memory = _from_rows(rows, done.step_s, self.modules)
+        measured = done.measured
+        counted = {} if not measured else {
+            "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],
+            **({"memory_held_bytes": [m[1] for m in memory],
+                "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
+        report({**done.record, "time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble,
+                "rss_bytes": [m[0] for m in memory], **counted})
 
     @contextlib.contextmanager
     def _peak_count(self, batch):
@@ -502,8 +550,7 @@ class Trainer:
         why = "" if ck.on_signal or step == self.saved_step else " (checkpoint.on_signal=false)"
         raise StopRequested(f"{where}; {kept}{why}", signum)
 
-    def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float,
-                module_s: dict[str, float], bubble: float, stats) -> dict:
+    def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float, stats) -> dict:
         loads = it.assignment.loads
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
         return {
@@ -513,7 +560,6 @@ class Trainer:
                if self.config.train.modules else {}),
             "step_tokens_per_s": it.n_tokens / step_s, "step_samples_per_s": len(it.sample_ids) / step_s,
             "tokens": it.n_tokens, "samples": len(it.sample_ids),
-            **({"time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble} if module_s else {}),
             "balance": {"microbatch_imbalance": it.assignment.imbalance(),
                         "microbatch_samples_min": min(map(len, it.assignment.microbatches)),
                         "microbatch_samples_max": max(map(len, it.assignment.microbatches)),

@@ -10,8 +10,10 @@ item encoders and loss-normalizer counts (`rank_samples`).
 A sample can fail to decode after its header passed (corrupt pixel data): only its owner sees it.
 `agree_failures` gathers every rank's failures on the data process group (a gloo group the trainer
 builds), so every rank drops the same samples and balances again identically. The same collective
-carries each rank's pending stop signal (`StepAgreement.stops`): a step's one agreement on the host,
-whatever the device, instead of one collective for the data and another for the stop.
+carries each rank's pending stop signal (`StepAgreement.stops`) and, where the trainer logs the step
+before, each rank's figures of it (`StepAgreement.rows`: module times, memory): a step's one
+agreement on the host, whatever the device, instead of one collective each for the data, the stop
+and the metrics.
 """
 
 from __future__ import annotations
@@ -89,29 +91,41 @@ class StepAgreement(NamedTuple):
     """Every rank's decoding failures, by dataset index."""
     stops: dict[int, int]
     """Rank -> the stop signal it has pending, for ranks that have one."""
+    rows: torch.Tensor | None = None
+    """``(world, R)`` float64: every rank's ``row``, in rank order (None where none was passed)."""
 
 
-def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, stop: int = 0) -> StepAgreement:
+def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, stop: int = 0,
+                   row: torch.Tensor | None = None) -> StepAgreement:
     """Every rank's decoding failures of a step and pending stop signals, the same on every rank.
 
     Args:
         failed: this rank's failures.
         group: the data process group (gloo, every rank); None when there is one process.
         stop: this rank's pending stop signal (0 = none).
+        row: this rank's ``(R,)`` figures to gather into `StepAgreement.rows` in the same collective
+            (every rank passes one of the same length, or none does).
     """
     if group is None or dist.get_world_size(group) == 1:  # nothing to agree with
         rank = 0 if group is None else dist.get_global_rank(group, 0)
-        return StepAgreement(_merged([list(failed)]), {rank: stop} if stop else {})
+        rows = None if row is None else row.to(torch.float64).reshape(1, -1)
+        return StepAgreement(_merged([list(failed)]), {rank: stop} if stop else {}, rows)
     world, me = dist.get_world_size(group), dist.get_rank(group)
-    counts = torch.zeros(1 + world, dtype=torch.int64)  # [failures over all ranks, each rank's stop signal]
-    counts[0], counts[1 + me] = len(failed), stop
-    dist.all_reduce(counts, group=group)  # one small collective in the common case: nothing failed
-    stops = {dist.get_global_rank(group, r): int(v) for r, v in enumerate(counts[1:].tolist()) if v}
-    if not int(counts[0]):
-        return StepAgreement([], stops)
+    width = 0 if row is None else row.numel()
+    # [failures over all ranks, each rank's stop signal, each rank's row]: every rank fills its own
+    # slots and the sum gathers them, exactly (a value plus zeros; counts are exact in float64)
+    summed = torch.zeros(1 + world + world * width, dtype=torch.float64)
+    summed[0], summed[1 + me] = len(failed), stop
+    if row is not None:
+        summed[1 + world + me * width:1 + world + (me + 1) * width] = row.reshape(-1)
+    dist.all_reduce(summed, group=group)  # one small collective in the common case: nothing failed
+    stops = {dist.get_global_rank(group, r): int(v) for r, v in enumerate(summed[1:1 + world].tolist()) if v}
+    rows = None if row is None else summed[1 + world:].view(world, width)
+    if not int(summed[0]):
+        return StepAgreement([], stops, rows)
     everyone = [None] * world
     dist.all_gather_object(everyone, list(failed), group=group)
-    return StepAgreement(_merged(everyone), stops)
+    return StepAgreement(_merged(everyone), stops, rows)
 
 
 def _merged(everyone: list[list[Failed]]) -> list[Failed]:

@@ -3,7 +3,8 @@
 An image is cut short after a valid PNG header: the shape pass accepts it, only the rank that
 decodes it finds it corrupt. Both ranks must drop the same sample, train the same sample ids, count
 it once as ``corrupt_media`` (logged by rank 0 only), leave it out of the next epoch before
-balancing, and with ``on_error=fail`` both stop with the same one-line error naming the file.
+balancing, and with ``on_error=fail`` both stop with the same one-line error naming the file. The
+same agreement gathers every rank's figures of the step before (the trainer's metrics) exactly.
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ def _builder(rank: int, root, on_error: str, group):
     cluster = cluster_from_string("cpu:1x2")
     return IterationBuilder(SPEC, PLAN, ds, DataOrder(list(shapes), PLAN.global_batch, SEED),
                             CostModel(SPEC, cluster.device), cluster, schedule_graph(SPEC, PLAN), rank,
-                            search_evaluations=4, shapes=shapes, agree=lambda f, stop: agree_failures(f, group, stop))
+                            search_evaluations=4, shapes=shapes,
+                            agree=lambda failed, stop, row: agree_failures(failed, group, stop, row))
 
 
 def _steps(rank: int, world: int, root, on_error: str, steps: int):
+    import torch
     import torch.distributed as dist
 
     from harmonia.data.records import DataError
@@ -62,11 +65,12 @@ def _steps(rank: int, world: int, root, on_error: str, steps: int):
     out = []
     with check_timeout(60, f"rank {rank}'s steps"):
         for step in range(steps):
+            row = torch.tensor([rank + 0.25, 2.0**52 + rank, step], dtype=torch.float64)  # the trainer's figures
             try:
-                it = builder.build(step)
+                it = builder.settle(builder(step), 0, row)
             except DataError as e:
                 return {"error": str(e), "kind": e.kind}
-            out.append((it.sample_ids, it.skipped, [f.index for f in it.failed]))
+            out.append((it.sample_ids, it.skipped, [f.index for f in it.failed], it.rows.tolist()))
     return {"steps": out, "stats": builder.dataset.stats.metrics(), "warned": warned, "bad": sorted(builder.bad)}
 
 
@@ -93,10 +97,12 @@ def test_both_ranks_drop_the_same_corrupt_sample(planted):
     assert a["steps"] == b["steps"], "the ranks trained different samples"
     assert a["stats"] == b["stats"] and a["stats"]["data/skipped/corrupt_media"] == 1
     assert a["bad"] == b["bad"] == [index]
-    step0_ids, skipped, failed = a["steps"][0]
+    step0_ids, skipped, failed, _ = a["steps"][0]
     assert index not in step0_ids and skipped == 1 and failed == []
-    assert all(index not in ids for ids, _, _ in a["steps"])
-    assert sum(len(ids) for ids, _, _ in a["steps"]) == 4 * PLAN.global_batch - sum(s for _, s, _ in a["steps"])
+    assert all(index not in ids for ids, *_ in a["steps"])
+    assert sum(len(ids) for ids, *_ in a["steps"]) == 4 * PLAN.global_batch - sum(s for _, s, *_ in a["steps"])
+    # every rank's row gathered exactly in the same agreement, the step that failed (agreed twice) too
+    assert [rows for *_, rows in a["steps"]] == [[[0.25, 2.0**52, k], [1.25, 2.0**52 + 1, k]] for k in range(4)]
     assert [w for w in a["warned"] if name in w] and not b["warned"], "logged once, by rank 0"
 
 
