@@ -47,6 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAYOUT_TIMEOUT_S = 240
+"""The most one layout's steps may take in a spawned rank before it counts as hung: a few seconds on
+an idle machine, 20x that and more where other jobs share its cores (a hang still ends well within
+the whole run's time-out)."""
+
+
 @contextlib.contextmanager
 def check_timeout(seconds: int, what: str) -> Iterator[None]:
     """Raise TimeoutError in this process if the block runs longer than ``seconds``."""

@@ -23,7 +23,7 @@ from harmonia.schedule.layout import Layout
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.boundary_plan import plan_boundary
 from harmonia.runtime.meshes import build_module_meshes
-from tests.distributed._spawn import check_timeout, run_workers
+from tests.distributed._spawn import LAYOUT_TIMEOUT_S, check_timeout, run_workers
 from tests.unit.test_boundary_plan import _local_rows
 
 pytestmark = pytest.mark.distributed
@@ -181,7 +181,7 @@ def _worker(rank: int, world: int, cases: list[Case]) -> list[str]:
         build_module_meshes({"llm": Layout(tp=2, ranks=(1, 0))})
     done = []
     for case in cases:
-        with check_timeout(60, case.name):
+        with check_timeout(LAYOUT_TIMEOUT_S, case.name):
             meshes = build_module_meshes({"enc": case.enc, "llm": case.llm})
             _check_meshes(rank, case, meshes)
             for seed in SEEDS:

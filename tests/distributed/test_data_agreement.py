@@ -20,7 +20,7 @@ from harmonia.schedule.graph import LLM
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.train.iteration import DataOrder
-from tests.distributed._spawn import check_timeout, run_workers
+from tests.distributed._spawn import LAYOUT_TIMEOUT_S, check_timeout, run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -63,7 +63,7 @@ def _steps(rank: int, world: int, root, on_error: str, steps: int):
     logging.getLogger("harmonia.data.loader").addHandler(handler)
     builder = _builder(rank, root, on_error, group)
     out = []
-    with check_timeout(60, f"rank {rank}'s steps"):
+    with check_timeout(LAYOUT_TIMEOUT_S, f"rank {rank}'s steps"):
         for step in range(steps):
             row = torch.tensor([rank + 0.25, 2.0**52 + rank, step], dtype=torch.float64)  # the trainer's figures
             try:

@@ -33,7 +33,7 @@ from harmonia.model.mllm import build_mllm_model
 from harmonia.model.presets import mllm_preset
 from harmonia.schedule.costs import CostTable, PhaseCost
 from harmonia.schedule.layout import Layout
-from tests.distributed._spawn import check_timeout, run_workers
+from tests.distributed._spawn import LAYOUT_TIMEOUT_S, check_timeout, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -488,7 +488,7 @@ def worker(rank: int, world: int, cases: list[Case]) -> dict:
     out = {}
     for case in cases:
         start = time.perf_counter()
-        with check_timeout(60, f"layout {case.name}"):
+        with check_timeout(LAYOUT_TIMEOUT_S, f"layout {case.name}"):
             out[case.name] = run_case(case, rank)
         out[case.name]["seconds"] = time.perf_counter() - start
     return out

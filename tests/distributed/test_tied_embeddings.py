@@ -22,7 +22,7 @@ from harmonia.model.batch import TokenizedSample, pack_samples
 from harmonia.model.llm import build_llm, lm_loss
 from harmonia.model.presets import mllm_preset
 from harmonia.schedule.layout import Layout
-from tests.distributed._spawn import check_timeout, run_workers
+from tests.distributed._spawn import LAYOUT_TIMEOUT_S, check_timeout, run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -123,7 +123,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def worker(rank: int, world: int) -> dict:
     out = {}
     for name, (layout_kw, family) in CASES.items():
-        with check_timeout(60, f"layout {name}"):
+        with check_timeout(LAYOUT_TIMEOUT_S, f"layout {name}"):
             out[name] = run_case(layout_kw, family, rank)
     return out
 
