@@ -105,7 +105,7 @@ def _column(key: int | str, modules: Sequence[str] | None, n_modules: int) -> in
 def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
                encoder_dp: Mapping[int | str, int] | None = None, n_microbatches: int | None = None,
                token_cap: float | None = None, modules: Sequence[str] | None = None,
-               seed: int = 0) -> DPAssignment:
+               seed: int = 0, kept: dict | None = None) -> DPAssignment:
     """Split a global batch across the LLM's DP replicas (and encoders' own DP replicas).
 
     Args:
@@ -119,6 +119,9 @@ def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
         token_cap: the most tokens one microbatch may hold (needs ``n_microbatches``).
         modules: names of the columns of ``costs``, to key ``encoder_dp`` by name.
         seed: tie-break seed; the result is deterministic for a seed.
+        kept: the microbatch balances of earlier calls with the same ``costs``, ``tokens``, cap and
+            seed, by microbatch count (``dp x n_microbatches``: ``dp=4, n_microbatches=2`` forms the
+            same eight microbatches as ``dp=2, n_microbatches=4`` before dealing them); updated.
 
     Returns:
         A `DPAssignment`; every sample is on exactly one LLM replica and, per listed encoder, on
@@ -144,7 +147,13 @@ def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
     else:
         if n_microbatches < 1:
             raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")
-        bins, bin_loads = balance_bins(costs, n_bins, tokens=tok, token_cap=token_cap, seed=seed, unit=unit)
+        key = ("bins", n_bins, tuple(modules or ()))
+        found = None if kept is None else kept.get(key)
+        if found is None:
+            found = balance_bins(costs, n_bins, tokens=tok, token_cap=token_cap, seed=seed, unit=unit)
+            if kept is not None:
+                kept[key] = found
+        bins, bin_loads = [list(b) for b in found[0]], found[1]
         work, _ = normalise(bin_loads, 1)
         dealt = _deal(work, dp, n_microbatches)
         mbs = [[bins[b] for b in np.array(group)[order_microbatches(bin_loads[group])]] for group in dealt]

@@ -269,7 +269,7 @@ def assign_iteration(costs: np.ndarray, modules: Sequence[str], llm_dp: int, enc
     dpa = None if kept is None else kept.get(key)
     if dpa is None:
         dpa = balance_dp(costs, llm_dp, tokens=tokens, n_microbatches=n_microbatches, token_cap=token_cap,
-                         modules=list(modules), seed=seed)
+                         modules=list(modules), seed=seed, kept=kept)
         if kept is not None:
             kept[key] = dpa
     per_m = [[dpa.microbatches[d][m] for d in range(llm_dp)] for m in range(n_microbatches)]

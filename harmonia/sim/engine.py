@@ -28,7 +28,9 @@ class Task:
     """One step on one rank.
 
     Attributes:
-        name: text form for reports (``llm.s1.F3``).
+        label: text form for reports (``llm.s1.F3``); empty where ``action`` gives it (`name`: a
+            replay makes hundreds of thousands of message tasks, read by name only where a timeline
+            is written or a deadlock reported).
         rank: the rank that runs it.
         duration: seconds on the compute stream.
         deps: (task index, transfer delay in seconds) pairs that must finish first.
@@ -41,7 +43,7 @@ class Task:
         action: the rank's action the task times (None for tasks built otherwise, e.g. measured).
     """
 
-    name: str
+    label: str
     rank: int
     duration: float
     deps: list[tuple[int, float]] = field(default_factory=list)
@@ -51,6 +53,11 @@ class Task:
     flops: float = 0.0
     transient: float = 0.0
     action: Action | None = None
+
+    @property
+    def name(self) -> str:
+        """``label``, or where it is empty the action's text form."""
+        return self.label if self.label or self.action is None else str(self.action)
 
 
 @dataclass

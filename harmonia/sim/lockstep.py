@@ -178,5 +178,5 @@ def member_task(plan: Plan) -> Callable[[Task, int], Task]:
         me = lay.coords(rank)
         peer = lay.rank_at(pp=lay.coords(a.peer_rank)["pp"], dp=me["dp"], cp=me["cp"], tp=me["tp"])
         moved = replace(a, peer_rank=peer)
-        return replace(task, name=str(moved), rank=rank, deps=[], action=moved)
+        return replace(task, label="", rank=rank, deps=[], action=moved)
     return copy

@@ -208,9 +208,9 @@ class _Builder:
             seconds = self.reductions[group]
             last = self.tasks[self.last_compute[rank]]
             delay = self._overlapped_reduce(last, a, seconds, me) if seconds > 0 else 0.0
-            self.tasks.append(Task(str(a), rank, seconds, [(self.last_compute[rank], delay)], a.module, "C", action=a))
+            self.tasks.append(Task("", rank, seconds, [(self.last_compute[rank], delay)], a.module, "C", action=a))
         else:
-            self.tasks.append(Task(str(a), rank, 0.0, [], a.module, _TEXT[kind], action=a))
+            self.tasks.append(Task("", rank, 0.0, [], a.module, _TEXT[kind], action=a))
             if kind is Kind.SEND_F or kind is Kind.SEND_B:
                 to = a.peer_rank if a.peer_rank is None else self.stand_in.get(a.peer_rank, a.peer_rank)
                 self.sends[(rank, a.module, a.stage, kind, a.microbatch, a.sub, a.peer, to)] = i

@@ -65,3 +65,16 @@ def test_errors_say_what_to_do() -> None:
         balance_dp(np.ones((4, 2)), 2, encoder_dp={"vision": 4})
     with pytest.raises(ScheduleError, match="pass n_microbatches="):
         balance_dp(np.ones((4, 1)), 2, tokens=np.ones(4), token_cap=3)
+
+
+def test_kept_microbatches_serve_every_split_of_the_same_count() -> None:
+    """``kept`` shares one balance of ``dp x n_microbatches`` microbatches between the splits of that
+    count (a plan search asks for many); each split is what it is computed alone."""
+    costs, tokens = _costs(64, 5), np.random.default_rng(5).integers(1, 100, size=64)
+    kept: dict = {}
+    for dp, n_mb in ((4, 2), (2, 4), (8, 1), (1, 8), (2, 4)):
+        alone = balance_dp(costs, dp, tokens=tokens, n_microbatches=n_mb, seed=3)
+        shared = balance_dp(costs, dp, tokens=tokens, n_microbatches=n_mb, seed=3, kept=kept)
+        assert shared.microbatches == alone.microbatches and shared.shards == alone.shards
+        np.testing.assert_array_equal(shared.loads, alone.loads)
+    assert len(kept) == 1  # one balance of 8 microbatches

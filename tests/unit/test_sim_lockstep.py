@@ -73,6 +73,9 @@ def test_given_layouts_replay_as_a_whole(model, cluster, trace, batch, text, rep
     lockstep = simulate_schedule(plan, run.cost, run.cluster, iw, schedule)
     whole = simulate_schedule(plan, run.cost, run.cluster, iw, schedule, lockstep=False)
     _same(lockstep, whole, text)
+    # messages and reductions are named by their action, once read (`Task.name`), not when made
+    made = [t for t in whole.tasks if t.action is not None and not t.action.kind.is_compute]
+    assert made and all(t.label == "" and t.name == str(t.action) for t in made), text
     assert _replayed(lockstep) == (replayed or run.cluster.world_size), text
     assert _replayed(whole) == run.cluster.world_size
 
