@@ -339,8 +339,8 @@ class IterationBuilder:
             self._cost_rows = (np.full((n, len(columns)), np.nan), np.zeros(n, dtype=np.int64))
         rows, llm_tokens = self._cost_rows
         index = np.asarray(ids, dtype=np.int64)
-        todo = [k for k, i in enumerate(ids) if np.isnan(rows[i, 0])]
-        if todo:
+        todo = np.flatnonzero(np.isnan(rows[index, 0]))  # positions of samples not priced yet
+        if todo.size:
             costs, _, tokens = balancer_costs(self.cost, [shapes[k] for k in todo], self.plan.encoders)
             rows[index[todo]], llm_tokens[index[todo]] = costs, tokens
         return rows[index], columns, llm_tokens[index]

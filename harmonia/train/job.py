@@ -270,7 +270,7 @@ def prepare_shared(config: Config):
 
 def _throughput(records: list[dict]) -> dict | None:
     """Real tokens and samples this run trained over the wall-clock seconds from its first step's
-    start to its last step's end (`harmonia.train.loop.TrainingWindow`)."""
+    start to its last step's end (`harmonia.train.step_figures.TrainingWindow`)."""
     if not records:
         return None
     last = records[-1]

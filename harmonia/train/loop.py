@@ -4,7 +4,9 @@ Each rank builds its share of the model from the plan, then for every step takes
 prefetch thread prepared a step ahead (balanced microbatches, searched schedule, its own tensors,
 decoded by its data workers), agrees with the other ranks on samples that failed to decode,
 runs it through the executor, and steps the optimizers with the step's learning rate. Rank 0 logs
-metrics, drives the progress bar, and writes the measured and simulated timelines of one step.
+metrics (every rank's figures of a logged step ride on the next step's agreement:
+`harmonia.train.step_figures`), drives the progress bar, and writes the measured and simulated
+timelines of one step.
 Checkpoints are collective (every ``checkpoint.every`` steps and at the end).
 
 Nothing a rank does can corrupt the run: the step's loss and gradient norm are checked before the
@@ -22,9 +24,8 @@ import gc
 import json
 import logging
 import math
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -46,8 +47,11 @@ from harmonia.train.lr_schedule import LRSchedule
 from harmonia.train.backend import backend_of, job_cluster, schedule_search
 from harmonia.train.calibrate import MeasuredAction, fit_calibration
 from harmonia.train.planning import PRECISION_MIXED, model_spec
+from harmonia.train.rank_data import StepAgreement, agree_failures
+from harmonia.train.step_figures import (LoggedStep, TrainingWindow, is_logged, peak_rss_bytes, step_times,
+                                         times_row, with_gathered)
 from harmonia.train.hf_exports import BackgroundExports
-from harmonia.train.rank import RankModel, build_rank_model, rank_device, schedule_graph, to_device
+from harmonia.train.rank import build_rank_model, rank_device, schedule_graph, to_device
 from harmonia.train.report import best_effort, write_timelines
 from harmonia.train.state import load_training, save_training
 
@@ -112,37 +116,6 @@ class StepOutcome:
     skipped: bool = False
 
 
-@dataclass
-class StepTimes:
-    """Measured action times of one step on this rank, by module, and the busy fraction."""
-
-    step_s: float
-    module_s: dict[str, float] = field(default_factory=dict)
-    busy_s: float = 0.0
-
-
-@dataclass
-class TrainingWindow:
-    """Work done over wall-clock time since the first step of this run began: its rates count
-    everything between the steps (barriers, data waits, checkpoints, logging, timeline renders).
-
-    Attributes:
-        start: ``time.perf_counter()`` at the start of the run's first step.
-        tokens, samples: LLM tokens (real tokens, as the samples hold them) and samples trained so far.
-    """
-
-    start: float
-    tokens: int = 0
-    samples: int = 0
-
-    def add(self, tokens: int, samples: int, now: float) -> dict[str, float]:
-        """Count a finished step; the record's wall-clock rates from the window's start to ``now``."""
-        self.tokens += tokens
-        self.samples += samples
-        elapsed = max(now - self.start, 1e-9)
-        return {"elapsed_s": elapsed, "tokens_per_s": self.tokens / elapsed, "samples_per_s": self.samples / elapsed}
-
-
 def _tensors(obj) -> list[torch.Tensor]:
     """Every tensor inside ``obj`` (dataclasses, lists, tuples, dicts walked)."""
     import dataclasses
@@ -156,49 +129,6 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for x in obj.values() for t in _tensors(x)]
     return []
-
-
-def _step_times(model: RankModel, step_s: float, modules: list[str]) -> StepTimes:
-    times = StepTimes(step_s, {m: 0.0 for m in modules})
-    for a, start, end, _ in model.executor.action_times or []:
-        times.module_s[a.module] += end - start
-        times.busy_s += end - start
-    return times
-
-
-def _times_row(times: StepTimes, modules: list[str], peaks: tuple[float, ...] = (0.0,) * 4) -> torch.Tensor:
-    """This rank's figures of a step for `_from_rows`: ``(modules + 2 + peaks,)`` float64 of its time
-    in each module, its busy time, its resident memory now and ``peaks`` (bytes: its measured and
-    predicted states at the step's start, measured and predicted step peak; exact in float64 below
-    2**53)."""
-    return torch.tensor([*(times.module_s[m] for m in modules), times.busy_s, _current_rss_bytes(), *map(int, peaks)],
-                        dtype=torch.float64)
-
-
-def _from_rows(rows: torch.Tensor, step_s: float, modules: list[str]
-               ) -> tuple[dict[str, float], float, list[list[int]]]:
-    """From every rank's `_times_row` (``(world, modules + 2 + peaks)``, gathered): per module, the
-    slowest rank's time in it; the bubble fraction over all ranks; every rank's ``[resident memory
-    now, *peaks]``."""
-    world, n = rows.shape[0], len(modules)
-    slowest = rows[:, :n].max(dim=0).values
-    total_busy = float(rows[:, n].sum())
-    bubble = 1.0 - total_busy / (world * step_s) if step_s > 0 else 0.0
-    memory = [[int(v) for v in r] for r in rows[:, n + 1:].tolist()]
-    return {m: float(slowest[i]) for i, m in enumerate(modules)}, max(0.0, bubble), memory
-
-
-@dataclass
-class _Logged:
-    """A finished step's record (rank 0's; None on the others) and this rank's figures of it
-    (`_times_row`; None where the step is not logged), until every rank's are gathered: by the next
-    step's agreement, or before a checkpoint, an evaluation or the end."""
-
-    step: int
-    step_s: float
-    record: dict | None
-    row: torch.Tensor | None
-    measured: dict
 
 
 @contextlib.contextmanager
@@ -305,16 +235,11 @@ class Trainer:
                                    assignment=tc.assignment)
         return EvalLoss(builder, n_batches, left_out)
 
-    def _logged(self, step: int) -> bool:
-        """Whether rank 0 logs ``step``'s record (`harmonia.train.report.ProgressReporter`'s rule):
-        only those steps gather every rank's module times and memory (one collective)."""
-        return step % self.config.log.every == 0 or step == self.config.train.steps - 1
-
     def _simulated(self, step: int) -> bool:
         """Whether rank 0 simulates ``step`` on the cluster model: where it is logged, fits the cost
         model (the run's second step) or is drawn beside its simulation (its fifth), as `run` says."""
         last = self.config.train.steps - 1
-        return self._logged(step) or step in (self.start_step + 1, min(self.start_step + 4, last))
+        return is_logged(self.config, step) or step in (self.start_step + 1, min(self.start_step + 4, last))
 
     def _evaluate(self, done: int) -> None:
         """The evaluation loss after ``done`` steps (collective), reported by rank 0."""
@@ -384,7 +309,7 @@ class Trainer:
         tc, ck = self.config.train, self.config.checkpoint
         self.first_step_at = time.time()
         window = TrainingWindow(time.perf_counter())
-        done: _Logged | None = None  # the step before, its figures not gathered yet
+        done: LoggedStep | None = None  # the step before, its figures not gathered yet
         try:
             for step in range(self.start_step, tc.steps):
                 self.faults.before_step(step, self.model)
@@ -406,9 +331,9 @@ class Trainer:
                 self.losses.append(result.loss)
                 peaks = (measured.get("held", 0), self.builder.states.get(self.rank, 0.0), measured.get("peak", 0),
                          it.predicted_peak)
-                done = _Logged(step, step_s, None, _times_row(_step_times(self.model, step_s, self.modules),
-                                                              self.modules, peaks) if self._logged(step) else None,
-                               measured)
+                row = (times_row(step_times(self.model.executor.action_times, step_s, self.modules), self.modules,
+                                 peaks) if is_logged(self.config, step) else None)
+                done = LoggedStep(step, step_s, None, row, measured)
                 if self.rank == 0:
                     done.record = {**self._record(step, it, result, step_s, prefetch.stats),
                                    **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter())}
@@ -433,10 +358,8 @@ class Trainer:
             if done is not None and done.record is not None:  # stopped before its gather: its own figures
                 report(done.record)
 
-    def _agree(self, failed: list, stop: int, row: torch.Tensor | None):
+    def _agree(self, failed: list, stop: int, row: torch.Tensor | None) -> StepAgreement:
         """`harmonia.train.rank_data.agree_failures` on the data group (collective)."""
-        from harmonia.train.rank_data import agree_failures
-
         return agree_failures(failed, self.data_group, stop, row)
 
     def _gathered(self, row: torch.Tensor | None) -> torch.Tensor | None:
@@ -444,22 +367,11 @@ class Trainer:
         one, or none does)."""
         return None if row is None else self._agree([], 0, row).rows
 
-    def _report(self, report, done: _Logged, rows: torch.Tensor | None) -> None:
+    def _report(self, report, done: LoggedStep, rows: torch.Tensor | None) -> None:
         """Rank 0 reports ``done``'s record, with every rank's module times, bubble and memory where
         they were gathered (``rows``)."""
-        if self.rank != 0:
-            return
-        if rows is None:
-            report(done.record)
-            return
-        module_s, bubble, memory = _from_rows(rows, done.step_s, self.modules)
-        measured = done.measured
-        counted = {} if not measured else {
-            "memory_peak_bytes": [m[3] for m in memory], "memory_predicted_bytes": [m[4] for m in memory],
-            **({"memory_held_bytes": [m[1] for m in memory],
-                "memory_states_predicted_bytes": [m[2] for m in memory]} if "held" in measured else {})}
-        report({**done.record, "time": {m: module_s[m] for m in self.modules}, "bubble_frac": bubble,
-                "rss_bytes": [m[0] for m in memory], **counted})
+        if self.rank == 0:
+            report(done.record if rows is None else with_gathered(done, rows, self.modules))
 
     @contextlib.contextmanager
     def _peak_count(self, batch):
@@ -552,7 +464,7 @@ class Trainer:
 
     def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float, stats) -> dict:
         loads = it.assignment.loads
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _rss_bytes()
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_rss_bytes()
         return {
             "step": step, "loss": result.loss, "grad_norm": result.grad_norm, "update_skipped": result.skipped,
             "lr": learning_rate(self.config, step), "step_s": step_s,
@@ -591,19 +503,3 @@ class Trainer:
         if calibration is not None:
             self.builder.calibrate(calibration)
             calibration.save(Path(self.config.log.dir) / "calibration.json")
-
-
-def _current_rss_bytes() -> int:
-    """Resident memory of this process now (``/proc/self/statm``; the peak where there is no /proc)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return _rss_bytes()
-
-
-def _rss_bytes() -> int:
-    """Peak resident memory of this process (CPU runs)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

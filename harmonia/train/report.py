@@ -26,6 +26,7 @@ from harmonia.config import Config
 from harmonia.metrics import MetricsWriter
 from harmonia.sim.engine import Task, Timeline
 from harmonia.train.calibrate import MeasuredAction
+from harmonia.train.step_figures import is_logged
 from harmonia.train.trackers import open_trackers
 
 console = Console(width=None if sys.stdout.isatty() else 140)
@@ -73,7 +74,7 @@ class ProgressReporter:
 
     def step(self, record: dict) -> None:
         self.records.append(record)
-        logged = record["step"] % self.config.log.every == 0 or record["step"] == self.config.train.steps - 1
+        logged = is_logged(self.config, record["step"])
         if logged:
             self.writer.log(record["step"], record)
         if logged and self.lines:
