@@ -539,7 +539,8 @@ def _twin_score(scorer: _Scorer, twin: Candidate, fast_enough: Callable[[float],
 PLAINER_TOLERANCE = 0.02
 """How much slower than the best plan its plainer twin (`_plainer_first`) may simulate and still be
 picked: FSDP and zero-bubble's split backward cost the runtime per-step work the simulator prices
-as free or does not see (FSDP2's per-unit hooks and gathers, a second autograd pass for W). Measured
+as free or does not see (FSDP2's per-unit hooks and gathers; a second autograd pass for W, priced
+on the CPU since by `DeviceSpec.split_backward_s`, not on accelerators). Measured
 in `benchmarks/pick.py` (pick-2026-11-28): at LLM pp1, the zero-bubble pick ran 0.70-0.83x the
 samples/s of the same plan under 1F1B, and LLM FSDP on 4 CPU ranks 0.56-0.77x of plain data
 parallelism, where the search scored them within 1% of each other."""

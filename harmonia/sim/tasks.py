@@ -54,7 +54,7 @@ from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.rank_actions import plan_rank_actions, rank_compute_actions
-from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_ranks
+from harmonia.schedule.stagework import IterationWork, MicrobatchWork, StageKey, stage_layer_range, stage_ranks
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, first_forward_gather, fsdp_gather_s,
                                       grad_reduce_s, p2p_s, reduce_exposed_s, reduces_in_backward, stage_group,
                                       step_gathers)
@@ -141,14 +141,26 @@ def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: Clus
     return cache[shared]
 
 
-def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool) -> float:
-    """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward)."""
+def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool, split: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward);
+    ``split``: what B and W of a backward split into both add (`split_extra`)."""
     t = work.times
     if kind == "F":
         return t.F
     if kind == "B":
-        return t.B
-    return t.B + t.W if kind == "BW" or w_only else t.W
+        return t.B + split[0]
+    return t.B + t.W if kind == "BW" or w_only else t.W + split[1]
+
+
+def split_extra(cost: CostModel, plan: Plan, module: str, stage: int, cache: dict) -> tuple[float, float]:
+    """What splitting a stage chunk's backward into B and W adds to each (`CostModel.split_backward_extra`
+    over its layers), kept in ``cache`` per chunk; pass it to `compute_seconds` only where the chunk's
+    backward is split (its kinds are B and W)."""
+    key = ("split", module, stage)
+    found = cache.get(key)
+    if found is None:
+        found = cache[key] = cost.split_backward_extra(module, *stage_layer_range(cost, plan, module, stage))
+    return found
 
 
 _COMPUTE = frozenset(k for k in Kind if k.is_compute)
@@ -274,7 +286,11 @@ class _Builder:
         if work is None:  # this replica has no data in the unit
             return name, 0.0, 0.0, 0.0, 0.0
         seconds = compute_seconds(work, kind, w_only)
-        duration = seconds + collective_extra(self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
+        extra = 0.0
+        if (kind == "B" and has_w) or (kind == "W" and not w_only):  # a split backward's B or W
+            extra = split_extra(self.cost, self.plan, a.module, a.stage, self.gathers)[kind == "W"]
+        duration = seconds + extra + collective_extra(self.plan, self.cost, key, work, kind, self.cluster,
+                                                      self.gathers)
         share = seconds / max(work.times.total, 1e-30)
         mem, transient = unit_memory(work, kind, w_only, has_w)
         return name, duration, mem, work.flops * share, transient

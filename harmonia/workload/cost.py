@@ -346,6 +346,17 @@ class CostModel(MemoryCosts):
         return PhaseTimes(*((t + n * d if on_host else max(t, n * d)) if t > 0 else t
                             for t, n in zip((times.F, times.B, times.W), counts)))
 
+    def split_backward_extra(self, module: str, start: int, stop: int) -> tuple[float, float]:
+        """Seconds a backward of layers [start, stop) split into B and W adds to B and to W beyond their
+        fused price: `DeviceSpec.split_backward_s` per layer running the phase (0 under a
+        calibration, which measures the split actions whole)."""
+        s_b, s_w = self.device.split_backward_s
+        if self.calibration is not None or not (s_b or s_w):
+            return 0.0, 0.0
+        self._dispatched(PhaseTimes(), module, start, stop, False)  # counts the range's layers per phase
+        _, n_b, n_w = self._dispatches[(module, start, stop, False)]
+        return n_b * s_b, n_w * s_w
+
     def _uncalibrated_unit(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int, cp: int,
                            recompute: float) -> tuple[PhaseTimes, float, float, float]:
         """`unit_cost` without a projector or calibration from the range's factors, kept per

@@ -89,6 +89,7 @@ class DeviceSpec:
     mixed_precision: bool = True
     dispatch_s: float = 0.0
     kernels_on_host: bool = False
+    split_backward_s: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         if self.attention_efficiency is None:
@@ -101,6 +102,12 @@ class DeviceSpec:
                 raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
         if self.dispatch_s < 0:
             raise ConfigError(f"device {self.name!r}: dispatch_s={self.dispatch_s} must be >= 0")
+        if len(self.split_backward_s) != 2 or min(self.split_backward_s) < 0:
+            raise ConfigError(f"device {self.name!r}: split_backward_s={self.split_backward_s} must be two "
+                              "seconds >= 0 (B's and W's per layer)")
+        if any(self.split_backward_s) and not self.kernels_on_host:
+            raise ConfigError(f"device {self.name!r}: split_backward_s is host time priced where the host runs "
+                              "the kernels (kernels_on_host); an accelerator's dispatch runs ahead of them")
         if self.overlap_slowdown < 0:
             raise ConfigError(f"device {self.name!r}: overlap_slowdown={self.overlap_slowdown} must be >= 0")
 
@@ -112,6 +119,12 @@ CPU_DISPATCH_S = 3e-4
 tokens, where its kernels take 8-16 us, measured 0.37 ms forward and 0.43 ms backward (B and W
 together) on one thread of this machine's cores; 0.3 ms per phase prices the pair 0.9 ms against
 0.8 measured."""
+CPU_SPLIT_BACKWARD_S = (2.7e-4, 4.4e-4)
+"""Host seconds per layer a split backward adds to B and to W on the CPU
+(`DeviceSpec.split_backward_s`), from `benchmarks/dispatch.py` (`benchmarks/results/dispatch-2026-11-29.txt`,
+its second table): the tiny LLM's last stage at 4-64 tokens on one thread, B by ``stage_backward_input``
+and W by ``stage_backward_weight``, took 0.274 ms and 0.442 ms per layer more than half the fused
+backward each (mean over the three loads): the split costs 2.4-2.8x the fused backward there."""
 OVERLAP_SLOWDOWN = 0.189
 """Compute's average slowdown beside a collective on a GPU (module docstring)."""
 DEVICES: dict[str, DeviceSpec] = {
@@ -125,7 +138,7 @@ DEVICES: dict[str, DeviceSpec] = {
     # Nominal figures for a laptop/server CPU core pair (fp32); calibrate with `harmonia profile`.
     "cpu": DeviceSpec("cpu", 200e9, 20 * GB, 16 * 2**30, 5 * GB, 1 * GB, gpus_per_node=8,
                       flops_efficiency=0.5, bw_efficiency=0.5, latency_s=50e-6, mixed_precision=False,
-                      dispatch_s=CPU_DISPATCH_S, kernels_on_host=True),
+                      dispatch_s=CPU_DISPATCH_S, kernels_on_host=True, split_backward_s=CPU_SPLIT_BACKWARD_S),
 }
 
 
