@@ -288,6 +288,7 @@ class PaddedGroups:
 
     def __post_init__(self) -> None:  # per group, once: its slots, its filled slots and their tokens
         self._slots, self._filled, self._tokens, self._valid = [], [], [], []
+        self._runs: list[tuple[int, int] | None] = []  # a group's tokens [a, b) where its slots are them in order
         at = 0
         for n, L in self.shapes:
             index, valid = self.index[at:at + n * L], self.valid[at:at + n * L]
@@ -296,6 +297,9 @@ class PaddedGroups:
             self._filled.append(filled)
             self._tokens.append(index[filled])
             self._valid.append(valid.view(n, L))
+            first = int(index[0])
+            in_order = bool(valid.all()) and torch.equal(index, torch.arange(first, first + n * L, device=index.device))
+            self._runs.append((first, first + n * L) if in_order else None)
             at += n * L
 
     @classmethod
@@ -335,7 +339,11 @@ class PaddedGroups:
         repeating token 0. Rows are gathered token-major (``(B, T, h, *F)``, as projections lay them
         out)."""
         n, L = self.shapes[group]
-        rows = x.transpose(1, 2).index_select(1, self._slots[group])  # (B, n L, h, *F)
+        run = self._runs[group]
+        if run is not None:  # equally long samples side by side, no padding: a view, no gather
+            rows = x.transpose(1, 2)[:, run[0]:run[1]]  # (B, n L, h, *F)
+        else:
+            rows = x.transpose(1, 2).index_select(1, self._slots[group])  # (B, n L, h, *F)
         return rows.unflatten(1, (n, L)).flatten(0, 1).transpose(1, 2)
 
     def put(self, dst: torch.Tensor, group: int, part: torch.Tensor) -> None:
@@ -343,10 +351,16 @@ class PaddedGroups:
         ``(B, T, h, *F)``, token-major."""
         n, _ = self.shapes[group]
         rows = part.transpose(1, 2).unflatten(0, (-1, n)).flatten(1, 2)  # (B, n L, h, *F)
-        dst.index_copy_(1, self._tokens[group], rows.index_select(1, self._filled[group]))
+        run = self._runs[group]
+        if run is not None:
+            dst[:, run[0]:run[1]] = rows
+        else:
+            dst.index_copy_(1, self._tokens[group], rows.index_select(1, self._filled[group]))
 
     def zero_padding(self, part: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group``'s ``(B n_g, h, L_g, *F)`` rows with the padding rows 0."""
+        if self._runs[group] is not None:  # no padding rows
+            return part
         n, L = self.shapes[group]
         valid = self._valid[group].view(1, n, 1, L, *([1] * (part.dim() - 3)))
         return part.unflatten(0, (-1, n)).masked_fill(~valid, 0).flatten(0, 1)

@@ -141,6 +141,34 @@ def test_padded_groups_hold_every_token_once_and_bound_their_waste() -> None:
         assert packed.computed_pairs() == sum(n * L * (L + 1) // 2 for n, L in groups.shapes)
 
 
+@pytest.mark.parametrize("lengths, viewed", [([6, 6, 6, 6], True), ([7], True), ([9, 4, 4, 4, 1], False),
+                                             ([3, 5, 5], False)])
+def test_equally_long_samples_side_by_side_run_as_views_with_the_gathered_results(lengths, viewed) -> None:
+    """A group of equally long samples that lie side by side in order takes its rows as a view of the
+    sequence and writes them back as one slice: outputs and gradients bit for bit those of the
+    gathered and scattered rows."""
+    layout = TokenLayout.from_segments([[("text", n)] for n in lengths])
+    torch.manual_seed(len(lengths))
+    T, nh = len(layout), 4
+    q0 = torch.randn(2, T, nh, 8).transpose(1, 2)  # token-major, as the projections lay them out
+    k0, v0 = (torch.randn(2, T, 2, 8).transpose(1, 2) for _ in range(2))
+    g = torch.randn(2, nh, T, 8)
+    results = []
+    for in_runs in (True, False):
+        packed = PackedAttention(layout)
+        groups = packed.padded_groups()
+        if not in_runs:
+            groups._runs = [None] * len(groups.shapes)
+        elif viewed:  # one group of every sample
+            assert groups._runs == [(0, T)]
+            assert groups.pad(q0, 0).untyped_storage().data_ptr() == q0.untyped_storage().data_ptr()  # no copy
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+        out = packed.attend(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_short_samples_share_a_block_and_long_ones_are_cut() -> None:
     starts = [0] * 3 + [3] * 2 + [5] * 10  # samples of 3, 2 and 10 queries
     first, ends = starts, [i + 1 for i in range(15)]
