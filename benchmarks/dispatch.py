@@ -105,8 +105,8 @@ def split_table(console: Console, spec) -> None:
                       f"{1e3 * extras[-1][0]:.3f}", f"{1e3 * extras[-1][1]:.3f}")
     console.print(table)
     mean = [statistics.mean(e[i] for e in extras) for i in (0, 1)]
-    console.print(f"a split backward adds per layer, mean over {TOKENS[0]}-{TOKENS[2]} tokens: B {1e3 * mean[0]:.3f} ms, "
-                  f"W {1e3 * mean[1]:.3f} ms; the CPU device prices B {1e3 * CPU_SPLIT_BACKWARD_S[0]:.3f} ms, "
+    console.print(f"a split backward adds per layer, mean over {TOKENS[0]}-{TOKENS[2]} tokens: "
+                  f"B {1e3 * mean[0]:.3f} ms, W {1e3 * mean[1]:.3f} ms; the CPU device prices B {1e3 * CPU_SPLIT_BACKWARD_S[0]:.3f} ms, "
                   f"W {1e3 * CPU_SPLIT_BACKWARD_S[1]:.3f} ms", highlight=False)
 
 
