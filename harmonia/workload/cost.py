@@ -23,6 +23,13 @@ which the host feeds ahead, ``max(t, n_layers * dispatch_s)``. On a small model 
 microbatch, so it decides how many microbatches (and pipeline stages, and zero-bubble B/W splits)
 pay: `benchmarks/dispatch.py` measures it (0.3 ms per layer and phase on this machine's CPU, where
 the kernels of a tiny layer take 8-16 us). The GPU presets price none until measured there.
+A backward split into B and W (zero-bubble) costs the host more again, where it runs the kernels:
+``stage_backward_input`` walks the autograd graph and keeps W's intermediates,
+``stage_backward_weight`` runs a second autograd pass from them. The CPU prices what each adds per
+layer (`DeviceSpec.split_backward_s`: 0.27 ms to B and 0.44 ms to W, measured by
+`benchmarks/dispatch.py`'s split table, where the split took 2.4-2.8x the fused backward); the
+simulator's split B and W tasks and the search's bounds add it, a fused backward does not, and
+neither does a calibrated cost model, which measured the split actions whole.
 
 Tensor parallelism divides FLOPs and weights by ``tp``; context parallelism divides tokens and pairs
 by ``cp`` (balanced shards). The elementwise kernels and activations inside TP's sharded region
