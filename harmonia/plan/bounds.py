@@ -80,7 +80,7 @@ from harmonia.schedule.stagework import IterationWork, StageKey, plan_graph, sta
 from harmonia.sim.collectives import (backward_reduce_s, chunk_blocks, cp_kv_gather_s, fsdp_gather_s, grad_reduce_s,
                                       reduce_exposed_s, reduces_in_backward, stage_group, step_gathers,
                                       tp_allreduce_s)
-from harmonia.sim.tasks import collective_extra, compute_seconds, overlapped_extra, split_extra
+from harmonia.sim.tasks import NO_SPLIT, collective_extra, compute_seconds, overlapped_extra, split_extra
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
@@ -264,7 +264,7 @@ def work_bound_busy(plan: Plan, cost: CostModel, cluster: ClusterSpec,
                  for ref, ks in kinds.items()}  # (phase, W-only stage's W: it backpropagates too)
     gathers: dict = {}
     splits = {(ref.module, ref.stage): split_extra(cost, plan, ref.module, ref.stage, gathers) if len(ks) == 2
-              else (0.0, 0.0) for ref, ks in kinds.items()}  # what a split backward adds to its B and W
+              else NO_SPLIT for ref, ks in kinds.items()}  # what a split backward adds to its B and W
     per_key: dict[StageKey, float] = {}  # a replica's stage chunk -> the seconds of all its tasks
     tasks: dict = {}  # (LLM stage key, microbatch, sub) -> {phase: seconds of its task}
     for (key, m, sub), work in iw.work.items():

@@ -141,7 +141,10 @@ def _stage_collectives(plan: Plan, cost: CostModel, key: StageKey, cluster: Clus
     return cache[shared]
 
 
-def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool, split: tuple[float, float] = (0.0, 0.0)) -> float:
+NO_SPLIT = (0.0, 0.0)
+
+
+def compute_seconds(work: MicrobatchWork, kind: str, w_only: bool, split: tuple[float, float] = NO_SPLIT) -> float:
     """Compute seconds of one phase of a unit's work (a W-only stage's W runs its whole backward);
     ``split``: what B and W of a backward split into both add (`split_extra`)."""
     t = work.times
@@ -285,13 +288,12 @@ class _Builder:
         name = f"{a.module}.r{key.replica}.s{a.stage}.{kind}{a.microbatch}" + ("" if a.sub is None else f".{a.sub}")
         if work is None:  # this replica has no data in the unit
             return name, 0.0, 0.0, 0.0, 0.0
-        seconds = compute_seconds(work, kind, w_only)
-        extra = 0.0
-        if (kind == "B" and has_w) or (kind == "W" and not w_only):  # a split backward's B or W
-            extra = split_extra(self.cost, self.plan, a.module, a.stage, self.gathers)[kind == "W"]
-        duration = seconds + extra + collective_extra(self.plan, self.cost, key, work, kind, self.cluster,
-                                                      self.gathers)
-        share = seconds / max(work.times.total, 1e-30)
+        split = NO_SPLIT
+        if kind in ("B", "W") and has_w and not w_only:  # a backward split into B and W
+            split = split_extra(self.cost, self.plan, a.module, a.stage, self.gathers)
+        duration = compute_seconds(work, kind, w_only, split) + collective_extra(
+            self.plan, self.cost, key, work, kind, self.cluster, self.gathers)
+        share = compute_seconds(work, kind, w_only) / max(work.times.total, 1e-30)  # FLOPs: the split adds none
         mem, transient = unit_memory(work, kind, w_only, has_w)
         return name, duration, mem, work.flops * share, transient
 

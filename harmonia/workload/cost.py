@@ -332,8 +332,7 @@ class CostModel(MemoryCosts):
     def _dispatched_arrays(self, times: tuple[np.ndarray, ...], module: str, start: int,
                            stop: int) -> tuple[np.ndarray, ...]:
         """`_dispatched` of many units' phases at once (no projector)."""
-        self._dispatched(PhaseTimes(), module, start, stop, False)  # counts the range's dispatches
-        counts = self._dispatches[(module, start, stop, False)]
+        counts = self._phase_layers(module, start, stop, False)
         d, on_host = self.device.dispatch_s, self.device.kernels_on_host
         return tuple(np.where(t > 0, t + n * d if on_host else np.maximum(t, n * d), t)
                      for t, n in zip(times, counts))
@@ -343,15 +342,21 @@ class CostModel(MemoryCosts):
         the phase; the projector's layers too where it follows): added where the host runs the
         kernels, the longer of the two where it dispatches ahead of an accelerator. A calibration
         measures whole actions, dispatch included, so it is priced only without one."""
+        counts = self._phase_layers(module, start, stop, projector)
+        d, on_host = self.device.dispatch_s, self.device.kernels_on_host
+        return PhaseTimes(*((t + n * d if on_host else max(t, n * d)) if t > 0 else t
+                            for t, n in zip((times.F, times.B, times.W), counts)))
+
+    def _phase_layers(self, module: str, start: int, stop: int, projector: bool) -> tuple[int, int, int]:
+        """How many of layers [start, stop) (and the projector's, where it follows) run F, B and W,
+        kept per range."""
         key = (module, start, stop, projector)
         counts = self._dispatches.get(key)
         if counts is None:
             layers = self.layers[module][start:stop] + (self.layers[f"{module}_proj"] if projector else [])
             counts = self._dispatches[key] = (len(layers), sum(x.needs_b for x in layers),
                                               sum(x.needs_w for x in layers))
-        d, on_host = self.device.dispatch_s, self.device.kernels_on_host
-        return PhaseTimes(*((t + n * d if on_host else max(t, n * d)) if t > 0 else t
-                            for t, n in zip((times.F, times.B, times.W), counts)))
+        return counts
 
     def split_backward_extra(self, module: str, start: int, stop: int) -> tuple[float, float]:
         """Seconds a backward of layers [start, stop) split into B and W adds to B and to W beyond their
@@ -360,8 +365,7 @@ class CostModel(MemoryCosts):
         s_b, s_w = self.device.split_backward_s
         if self.calibration is not None or not (s_b or s_w):
             return 0.0, 0.0
-        self._dispatched(PhaseTimes(), module, start, stop, False)  # counts the range's layers per phase
-        _, n_b, n_w = self._dispatches[(module, start, stop, False)]
+        _, n_b, n_w = self._phase_layers(module, start, stop, False)
         return n_b * s_b, n_w * s_w
 
     def _uncalibrated_unit(self, module: str, load: ModuleLoad, start: int, stop: int, tp: int, cp: int,
