@@ -41,11 +41,16 @@ TOKENS = (4, 16, 64, 256)
 REPEATS = 30
 
 
+def text_inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``(1, T)`` and the dense mask of one text sample of ``tokens`` tokens."""
+    layout = TokenLayout.from_segments([[("text", tokens)]])
+    return layout.position[None], multimodal_mask(layout)
+
+
 def measure(model: torch.nn.Module, tokens: int) -> tuple[float, float]:
     """Median seconds of one forward and one backward of ``tokens`` text tokens."""
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
-    layout = TokenLayout.from_segments([[("text", tokens)]])
-    position, mask = layout.position[None], multimodal_mask(layout)
+    position, mask = text_inputs(tokens)
     forward, backward = [], []
     for i in range(REPEATS + 5):
         t0 = time.perf_counter()
@@ -63,8 +68,7 @@ def measure_split(stage: torch.nn.Module, hidden: int, tokens: int) -> tuple[flo
     """Median seconds of the stage's fused backward, and of its B and W split, from one input."""
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-    layout = TokenLayout.from_segments([[("text", tokens)]])
-    position, mask = layout.position[None], multimodal_mask(layout)
+    position, mask = text_inputs(tokens)
     x0 = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(0))
     weights = list(stage.parameters())
     fused, b, w = [], [], []
