@@ -11,7 +11,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import get_type_hints
+from typing import get_origin, get_type_hints
 
 from harmonia.errors import ConfigError
 from harmonia.model.resolve import resolve_mllm
@@ -30,24 +30,35 @@ DEVICE_FIELDS = frozenset(f.name for f in fields(DeviceSpec)) - {"name", "gpus_p
 """What a scenario's ``device`` may replace in its cluster's device preset (the cluster string
 gives the devices per node)."""
 DEVICE_BOOLEANS = frozenset(name for name, kind in get_type_hints(DeviceSpec).items() if kind is bool)
-"""The device fields that are true or false; every other one a number."""
+"""The device fields that are true or false."""
+DEVICE_PAIRS = frozenset(name for name, kind in get_type_hints(DeviceSpec).items() if get_origin(kind) is tuple)
+"""The device fields that are two numbers (``split_backward_s``: B's and W's); every other one a number."""
+DEVICE_KINDS = (f"{' and '.join(sorted(DEVICE_BOOLEANS))} is true or false, {' and '.join(sorted(DEVICE_PAIRS))} "
+                "two numbers, every other field a number")
 
 
-def _device_value_fits(name: str, value: object) -> bool:
-    """Whether ``value`` is of device field ``name``'s kind (a bool, or a number that is not one)."""
-    if name in DEVICE_BOOLEANS:
-        return isinstance(value, bool)
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def parse_device_changes(text: str) -> dict[str, float | bool]:
+def _device_value_fits(name: str, value: object) -> bool:
+    """Whether ``value`` is of device field ``name``'s kind (a bool, two numbers, or a number)."""
+    if name in DEVICE_BOOLEANS:
+        return isinstance(value, bool)
+    if name in DEVICE_PAIRS:
+        return isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_is_number, value))
+    return _is_number(value)
+
+
+def parse_device_changes(text: str) -> dict[str, float | bool | tuple[float, float]]:
     """``flops_efficiency=0.6,mixed_precision=false`` (a command line's ``--device-set``) as the device
-    fields it replaces: booleans ``true`` or ``false``, every other field a number.
+    fields it replaces: booleans ``true`` or ``false``, pairs as ``B:W`` (``split_backward_s=2e-4:4e-4``),
+    every other field a number.
 
     Raises:
         ConfigError: on an item that is not ``FIELD=VALUE``, an unknown field or a value of the wrong type.
     """
-    out: dict[str, float | bool] = {}
+    out: dict[str, float | bool | tuple[float, float]] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (x.strip() for x in item.partition("="))
         if not sep or name not in DEVICE_FIELDS:
@@ -58,10 +69,15 @@ def parse_device_changes(text: str) -> dict[str, float | bool]:
                 if value.lower() not in ("true", "false"):
                     raise ValueError(value)
                 out[name] = value.lower() == "true"
+            elif name in DEVICE_PAIRS:
+                pair = tuple(float(x) for x in value.split(":"))
+                if len(pair) != 2:
+                    raise ValueError(value)
+                out[name] = pair
             else:
                 out[name] = float(value)
         except ValueError:
-            kind = "bool" if name in DEVICE_BOOLEANS else "float"
+            kind = "bool" if name in DEVICE_BOOLEANS else "pair of floats B:W" if name in DEVICE_PAIRS else "float"
             raise ConfigError(f"device setting {item!r}: {name} takes a {kind}, not {value!r}") from None
     return out
 
@@ -123,8 +139,7 @@ class Scenario:
                               f"{sorted(DEVICE_FIELDS)}")
         wrong = {k: v for k, v in self.device.items() if not _device_value_fits(k, v)}
         if wrong:
-            raise ConfigError(f"scenario {self.name!r}: device {wrong} invalid: "
-                              f"{' and '.join(sorted(DEVICE_BOOLEANS))} is true or false, every other field a number")
+            raise ConfigError(f"scenario {self.name!r}: device {wrong} invalid: {DEVICE_KINDS}")
         if self.memory_batches < 0:
             raise ConfigError(f"scenario {self.name!r}: memory_batches={self.memory_batches} must be >= 0")
 
@@ -133,6 +148,10 @@ class Scenario:
         path = Path(path)
         try:
             raw = tomllib.loads(path.read_text())
+            unknown = sorted(set(raw) - {"scenario"})
+            if unknown:
+                raise ConfigError(f"scenario file {path}: unknown tables or keys {unknown}; everything goes in the "
+                                  "[scenario] table (device fields as `device = {...}` inside it)")
             return Scenario(**raw["scenario"])
         except (OSError, KeyError, TypeError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"scenario file {path}: {err}; expected a [scenario] table with name, model, "

@@ -102,6 +102,11 @@ class DeviceSpec:
                 raise ConfigError(f"device {self.name!r}: {field} must be in (0, 1]")
         if self.dispatch_s < 0:
             raise ConfigError(f"device {self.name!r}: dispatch_s={self.dispatch_s} must be >= 0")
+        try:  # a scenario's TOML gives a list
+            object.__setattr__(self, "split_backward_s", tuple(float(x) for x in self.split_backward_s))
+        except (TypeError, ValueError):
+            raise ConfigError(f"device {self.name!r}: split_backward_s={self.split_backward_s!r} must be two "
+                              "seconds >= 0 (B's and W's per layer)") from None
         if len(self.split_backward_s) != 2 or min(self.split_backward_s) < 0:
             raise ConfigError(f"device {self.name!r}: split_backward_s={self.split_backward_s} must be two "
                               "seconds >= 0 (B's and W's per layer)")

@@ -70,6 +70,21 @@ def test_device_settings_parse_to_each_fields_type_or_name_what_is_wrong() -> No
     for text, message in (("flops=0.6", "expected FIELD=VALUE"), ("flops_efficiency", "expected FIELD=VALUE"),
                           ("gpus_per_node=4", "expected FIELD=VALUE"),  # the cluster string gives it
                           ("mixed_precision=yes", "mixed_precision takes a bool, not 'yes'"),
-                          ("latency_s=soon", "latency_s takes a float, not 'soon'")):
+                          ("latency_s=soon", "latency_s takes a float, not 'soon'"),
+                          ("split_backward_s=1e-4", "split_backward_s takes a pair of floats B:W, not '1e-4'")):
         with pytest.raises(ConfigError, match=message):
             parse_device_changes(text)
+    assert parse_device_changes("split_backward_s=2e-4:4e-4") == {"split_backward_s": (2e-4, 4e-4)}
+
+
+def test_a_scenario_sets_the_split_backward_price_as_two_numbers_and_nothing_outside_its_table(tmp_path) -> None:
+    run = ScenarioRun(Scenario("cpu", "tiny-vlm", "cpu:1x2", "text:64", 4, iterations=1, search_batches=1,
+                               device={"split_backward_s": [1e-4, 2e-4]}))  # as TOML gives it: a list
+    assert run.cluster.device.split_backward_s == (1e-4, 2e-4)
+    with pytest.raises(ConfigError, match="split_backward_s two numbers"):
+        Scenario("bad", "tiny-vlm", "cpu:1x2", "text:64", 4, device={"split_backward_s": 1e-4})
+    path = tmp_path / "s.toml"
+    path.write_text('[scenario]\nname = "s"\nmodel = "tiny-vlm"\ncluster = "cpu:1x2"\ntrace = "text:64"\n'
+                    'global_batch = 4\n\n[device]\nsplit_backward_s = [1e-4, 2e-4]\n')
+    with pytest.raises(ConfigError, match=r"unknown tables or keys \['device'\]"):
+        Scenario.load(path)
