@@ -134,10 +134,10 @@ class Layout:
 
     def rank_at(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """Global rank at grid coordinates."""
-        coords = (pp, dp, cp, tp)
-        for axis, c, n in zip(AXES, coords, self._grid):
-            if not 0 <= c < n:
-                raise LayoutError(f"{axis} coordinate {c} is outside 0..{n - 1}")
+        if not (0 <= pp < self.pp and 0 <= dp < self.dp and 0 <= cp < self.cp and 0 <= tp < self.tp):
+            for axis, c, n in zip(AXES, (pp, dp, cp, tp), self._grid):
+                if not 0 <= c < n:
+                    raise LayoutError(f"{axis} coordinate {c} is outside 0..{n - 1}")
         index = ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
         return self.rank_offset + index if self.ranks is None else self.ranks[index]
 
@@ -146,16 +146,18 @@ class Layout:
         if self.ranks is None and self.rank_offset <= rank < self.rank_offset + self.size:
             index = rank - self.rank_offset
         else:
-            ranks = self.rank_list()
-            try:
-                index = ranks.index(rank)
-            except ValueError:
-                raise LayoutError(f"rank {rank} is not in this layout (ranks {ranks})") from None
-        out: dict[str, int] = {}
-        for axis, n in zip(reversed(AXES), reversed(self._grid)):
-            out[axis] = index % n
-            index //= n
-        return {axis: out[axis] for axis in AXES}
+            index = self._index_of.get(rank)
+            if index is None:
+                raise LayoutError(f"rank {rank} is not in this layout (ranks {self.rank_list()})")
+        index, tp = divmod(index, self.tp)
+        index, cp = divmod(index, self.cp)
+        pp, dp = divmod(index, self.dp)
+        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+
+    @functools.cached_property
+    def _index_of(self) -> dict[int, int]:
+        """Grid index of each of the layout's ranks (explicit ``ranks``: a dict instead of a search)."""
+        return {r: i for i, r in enumerate(self.rank_list())}
 
     def group_ranks(self, axis: str) -> list[tuple[int, ...]]:
         """All rank groups along one mesh axis (each group varies ``axis``, others fixed)."""

@@ -91,6 +91,7 @@ def _signatures(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: Iteration
     node = cluster.node_of
     fed, feeds = _boundary_peers(plan, iw)
     keys, neighbours, couplings, coupled = [], {}, {}, {}
+    bandwidths: dict[tuple, float] = {}  # (module, pp, cp, tp) -> its DP group's bandwidth
     for r in ranks:
         mine, near, bits, locked = [id(compute[r])], [], [], []
         for m, lay in layouts:
@@ -108,11 +109,15 @@ def _signatures(plan: Plan, cost: CostModel, cluster: ClusterSpec, iw: Iteration
             if m != LLM and p == (lay.n_stages - 1) % lay.pp:
                 bits += [_distance(dst, r, node) for dst in feeds.get((m, d), ())]
             if lay.dp > 1:
-                group = stage_group(lay, p, "dp", 0, c, t)
-                bits.append(cluster.group_bandwidth(group))
-                if cost.reshards(lay):
-                    locked.append((m, p, c, t))
-                    coupled[(m, p, c, t)] = group
+                where = (m, p, c, t)
+                if where not in bandwidths:
+                    group = stage_group(lay, p, "dp", 0, c, t)
+                    bandwidths[where] = cluster.group_bandwidth(group)
+                    if cost.reshards(lay):
+                        coupled[where] = group
+                bits.append(bandwidths[where])
+                if where in coupled:
+                    locked.append(where)
         keys.append((tuple(mine), tuple(bits)))
         neighbours[r], couplings[r] = near, locked
     return keys, neighbours, couplings, coupled
