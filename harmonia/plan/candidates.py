@@ -17,6 +17,7 @@ no schedule beats; candidates whose bound exceeds the best simulated time are pr
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -32,8 +33,12 @@ from harmonia.workload.devices import ClusterSpec
 from harmonia.workload.work import ModuleLoad
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@functools.lru_cache(maxsize=4096)
+def _divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` in increasing order (pairs up to its square root: a cluster of 32,768
+    devices is factored for every smaller size when the planner looks for the largest that works)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(low + [n // d for d in reversed(low) if d * d != n])
 
 
 def tp_options(body: TransformerSpec, cluster: ClusterSpec, limit: int) -> list[int]:

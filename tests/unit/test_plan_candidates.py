@@ -1,8 +1,8 @@
 """Planner candidates: valid factorisations, memory filter, work-proportional rank sets."""
 
 from harmonia.model.presets import mllm_preset
-from harmonia.plan.candidates import (balanced_split, check_memory, disjoint_sizes, encoder_layouts, llm_layouts,
-                                      lower_bound_s)
+from harmonia.plan.candidates import (_divisors, balanced_split, check_memory, disjoint_sizes, encoder_layouts,
+                                      llm_layouts, lower_bound_s)
 from harmonia.plan.profiling import profile_batches
 from harmonia.schedule.layout import Layout
 from harmonia.workload.cost import CostModel
@@ -19,6 +19,11 @@ def test_llm_factorisations_are_valid() -> None:
     assert {lay.tp for lay in layouts} <= {1, 2, 4}  # 8 does not divide 28 heads
     assert all(lay.dp * 8 <= 128 for lay in layouts)
     assert all(e.size == 4 for e in encoder_layouts(mllm, "vision", cluster, 4, 12))
+
+
+def test_divisors_are_every_divisor_in_order() -> None:
+    for n in [*range(1, 200), 1024, 4096, 32768, 99991, 3 * 5 * 7 * 11 * 13]:  # squares, primes, powers of 2
+        assert list(_divisors(n)) == [d for d in range(1, n + 1) if n % d == 0], n
 
 
 def test_memory_filter_rejects_70b_on_one_gpu_and_accepts_it_sharded() -> None:
