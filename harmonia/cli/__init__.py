@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
     _job_args(p)
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, synthetic[:mix] "
-                   "or text:N (default ai2d; `harmonia train` profiles its dataset instead)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, a shared trace's name "
+                   "(ai2d, chartqa), synthetic[:mix] or text:N (default ai2d; `harmonia train` profiles its "
+                   "dataset instead)")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
     p.add_argument("--memory-batches", type=int, default=8,
                    help="further profiled batches a plan must fit device memory on before it is ranked: "
@@ -238,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "a job flag, a trace nor a plan is given)")
     _job_args(p, batch_default=", or the plan's")
     p.add_argument("--trace", default=None,
-                   help="CSV path, synthetic[:mix], or text:N (every sample N text tokens); default ai2d")
+                   help="CSV path, a shared trace's name (ai2d, chartqa), synthetic[:mix], or text:N (every "
+                   "sample N text tokens); default ai2d")
     p.add_argument("--plan", default=None, help="score this plan.json (as `harmonia plan` writes it) unsearched")
     p.add_argument("--layout", default=None,
                    help="score these layouts unsearched, one module after another as Layout.describe prints them, "

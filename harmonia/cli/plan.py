@@ -31,11 +31,17 @@ DEFAULT_TRACE = str(SHARED_TRACES / "ai2d.csv")
 
 def _trace_path(trace: str) -> str:
     """A ``--trace`` as a scenario holds it: a CSV path given on the command line is the user's, from
-    their working directory (a scenario file's relative paths are the project's); a generated
+    their working directory (a scenario file's relative paths are the project's); a shared trace's
+    name (``ai2d``, ``chartqa``: a CSV in ../shared/traces) where no such file is there; a generated
     trace as written."""
     from harmonia.workload.traces import is_generated
 
-    return trace if is_generated(trace) else str(Path(trace).resolve())
+    if is_generated(trace):
+        return trace
+    path, shared = Path(trace), SHARED_TRACES / f"{trace}.csv"
+    if not path.exists() and path.name == trace and shared.is_file():
+        return str(shared)
+    return str(path.resolve())
 
 
 def _scenario(args: argparse.Namespace, plan=None):

@@ -166,6 +166,17 @@ class Scenario:
         return str(p if p.is_absolute() else ROOT / p)
 
 
+def _check_trace_modalities(scenario: Scenario, samples: list[SampleShape], mllm) -> None:
+    """A trace whose samples hold items of a modality the model has no encoder for is refused,
+    naming the trace, the modalities and what to profile instead."""
+    known = {m for enc in mllm.encoders.values() for m in enc.modalities}
+    found = {item.modality for s in samples for item in s.items}
+    if found - known:
+        hint = "text:N (N tokens a sample)" if not known else f"a trace of {sorted(known)} items"
+        raise ConfigError(f"trace {scenario.trace!r} holds {sorted(found - known)} items, which {scenario.model!r} "
+                          f"has no encoder for (it encodes {sorted(known)}); profile {hint} instead")
+
+
 class ScenarioRun:
     """Loads a scenario's model, cluster and trace once and runs recipes on it."""
 
@@ -182,6 +193,8 @@ class ScenarioRun:
                               fsdp_per_microbatch=scenario.fsdp_per_microbatch)
         self.samples = samples if samples is not None else load_trace(
             scenario.trace_spec(), n_samples=max(4 * scenario.global_batch, 4096), seed=scenario.seed)
+        if samples is None:
+            _check_trace_modalities(scenario, self.samples, self.mllm)
         tokens, pairs = load_arrays(self.samples, self.mllm)
         self.costs = self.cost.costs_from_loads(tokens, pairs)
         self.tokens = tokens[:, self.cost.modules.index("llm")]

@@ -92,7 +92,7 @@ def read_trace(path: str | Path, tokens_per_tile: int = TILE_TOKENS) -> list[Sam
     """
     path = Path(path)
     if not path.is_file():
-        raise TraceError(f"trace {path} does not exist; pass a CSV file path")
+        raise TraceError(f"trace {path} does not exist; pass a CSV file path, synthetic[:mix] or text:N")
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         columns = set(reader.fieldnames or ())

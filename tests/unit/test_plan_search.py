@@ -92,6 +92,25 @@ def test_unknown_preset_or_cluster_spec_says_what_is_known(model, cluster, says,
         search_plan(scenario)
 
 
+def test_a_trace_of_modalities_the_model_cannot_take_is_refused_naming_them() -> None:
+    scenario = Scenario("llm", "llama3-8b", "h100:1x8", "synthetic", 8, iterations=1, search_batches=1)
+    with pytest.raises(ConfigError, match=r"trace 'synthetic' holds \['audio', 'image', 'video'\] items, which "
+                       r"'llama3-8b' has no encoder for \(it encodes \[\]\); profile text:N"):
+        ScenarioRun(scenario)
+    assert ScenarioRun(replace(scenario, trace="text:64")).samples  # its own modalities: profiled
+
+
+def test_a_shared_trace_is_named_from_any_directory(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # no ai2d here: the shared trace of that name
+    assert main(["plan", "--model", "tiny-vlm", "--cluster", "cpu:1x2", "--trace", "ai2d", "--global-batch", "8",
+                 "--batches", "1", "--top", "1"]) == 0
+    (tmp_path / "ai2d").write_text("not a trace")  # a file of that name is the user's, and read as given
+    assert main(["plan", "--model", "tiny-vlm", "--cluster", "cpu:1x2", "--trace", "ai2d", "--global-batch", "8",
+                 "--batches", "1", "--top", "1"]) != 0
+    said = capsys.readouterr()
+    assert str(tmp_path / "ai2d") in said.out + said.err
+
+
 def test_cli_writes_a_valid_plan_and_prints_the_top_three(tmp_path, shared_traces, capsys) -> None:
     """`harmonia plan` ranks its default 3 best plans exactly."""
     out = tmp_path / "plan.json"
