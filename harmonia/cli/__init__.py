@@ -217,9 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
     _job_args(p)
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, a shared trace's name "
-                   "(ai2d, chartqa), synthetic[:mix] or text:N (default ai2d; `harmonia train` profiles its "
-                   "dataset instead)")
+    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, a shared "
+                   "trace's name (ai2d, chartqa), synthetic[:mix] or text:N (default ai2d; `harmonia train` "
+                   "profiles its dataset instead)")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
     p.add_argument("--memory-batches", type=int, default=8,
                    help="further profiled batches a plan must fit device memory on before it is ranked: "
