@@ -230,4 +230,4 @@ def fuse_encoders(schedule: IterationSchedule) -> IterationSchedule:
             fused += leftovers
         orders[rank] = fused
     return replace(schedule, orders=orders, family=schedule.family + "+fused", producers=None, chunk_actions=None,
-                   placements=None, rank_lists=None)
+                   placements=None)

@@ -302,10 +302,6 @@ class IterationSchedule:
     placements: dict | None = field(default=None, compare=False, repr=False)
     """LLM group -> each of its ranks' compute list with its encoder work placed by its replicas'
     costs, derived on first use by `harmonia.schedule.rank_actions` (None: not yet)."""
-    rank_lists: dict | None = field(default=None, compare=False, repr=False)
-    """Global rank -> its compute list (`harmonia.schedule.rank_actions.rank_compute_actions`), kept
-    as derived: the memory check, the lockstep pass and the replay of one schedule each ask for the
-    same ranks' lists (None: none yet)."""
 
     def subs(self, module: str, microbatch: int) -> list[int | None]:
         """Sub-microbatch indices of a microbatch on a module: ``[None]`` when not split."""

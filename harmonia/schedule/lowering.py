@@ -65,12 +65,12 @@ def lower(schedule: IterationSchedule) -> IterationSchedule:
             if graph.rank_of(a.stage_ref) == rank:
                 out.extend(sends_after.get(a, []))
         orders[rank] = out
-    return replace(schedule, orders=orders, chunk_actions=None, placements=None, rank_lists=None)
+    return replace(schedule, orders=orders, chunk_actions=None, placements=None)
 
 
 def strip_communication(schedule: IterationSchedule) -> IterationSchedule:
     """A copy with only the compute actions (the inverse of `lower`)."""
-    return replace(schedule, orders=schedule.compute_orders(), chunk_actions=None, placements=None, rank_lists=None)
+    return replace(schedule, orders=schedule.compute_orders(), chunk_actions=None, placements=None)
 
 
 __all__ = ["lower", "strip_communication"]

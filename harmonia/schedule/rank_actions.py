@@ -122,14 +122,8 @@ def rank_compute_actions(layouts: Mapping[str, Layout], schedule: IterationSched
     and its activation memory follow). Ranks holding the same chunks and copies, and placing their
     encoders' forwards alike, share one list."""
     wanted = sorted({r for lay in layouts.values() for r in lay.rank_list()} if ranks is None else set(ranks))
-    if schedule.rank_lists is None:
-        schedule.rank_lists = {}
-    kept = schedule.rank_lists
-    todo = [r for r in wanted if r not in kept]
-    if todo:
-        lists = _Lists(layouts, schedule)
-        kept.update((rank, lists.placed(rank)) for rank in todo)
-    return {rank: kept[rank] for rank in wanted}
+    lists = _Lists(layouts, schedule)
+    return {rank: lists.placed(rank) for rank in wanted}
 
 
 class _Lists:
