@@ -15,6 +15,7 @@ from typing import get_origin, get_type_hints
 
 from harmonia.errors import ConfigError
 from harmonia.model.resolve import resolve_mllm
+from harmonia.model.spec import MLLMSpec
 from harmonia.plan.profiling import MEMORY_POOL, heaviest, profile_batches
 from harmonia.plan.recipes import Candidate, assign, simulate
 from harmonia.schedule.stagework import IterationWork, plan_iteration_work
@@ -166,7 +167,7 @@ class Scenario:
         return str(p if p.is_absolute() else ROOT / p)
 
 
-def _check_trace_modalities(scenario: Scenario, samples: list[SampleShape], mllm) -> None:
+def _check_trace_modalities(scenario: Scenario, samples: list[SampleShape], mllm: MLLMSpec) -> None:
     """A trace whose samples hold items of a modality the model has no encoder for is refused,
     naming the trace, the modalities and what to profile instead."""
     known = {m for enc in mllm.encoders.values() for m in enc.modalities}

@@ -41,10 +41,10 @@ nothing on) the even split every baseline uses can simulate faster. So when harm
 splits the LLM unevenly, the same plan split evenly is simulated too and ranked first if faster:
 harmonia's plan is never slower than its own layout under the baselines' split. Likewise, where the
 best plan runs FSDP or zero-bubble, the same plan without them is simulated too and ranked first
-unless it is more than `PLAINER_TOLERANCE` slower or does not fit: the runtime pays for both
+unless it is more than `harmonia.plan.rerank.PLAINER_TOLERANCE` slower or does not fit: the runtime pays for both
 beyond what they are priced (measured in `benchmarks/pick.py`). And where the best plan's peak is
 above `MEMORY_HEADROOM` of the device's memory, the first ranked plan within the same tolerance
-whose peak is not goes first (`_roomier_first`): the memory estimate is not exact.
+whose peak is not goes first (`harmonia.plan.rerank.roomier_first`): the memory estimate is not exact.
 
 Memory is checked twice. Before scoring, every candidate's estimated peak on every rank (states
 of every module, activations of the microbatches its schedule keeps in flight:
@@ -69,16 +69,17 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError, LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound_busy
-from harmonia.plan.candidates import even_split, lower_bound_s, state_bytes_per_rank
+from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.heavy_replicas import HEAVIEST, heaviest_replicas
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.memory import work_peak_floor
-from harmonia.plan.recipes import (MEMORY_HEADROOM, Candidate, assign, assignment_key, candidate_schedule, candidates,
+from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
+from harmonia.plan.rerank import even_split_first, plainer_first, roomier_first
 from harmonia.plan.scenario import Scenario, ScenarioRun
 from harmonia.plan.search_keys import family_key, layouts_key, recompute_shares, simulation_key
 from harmonia.schedule.graph import LLM, IterationSchedule
@@ -185,11 +186,11 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
     ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
     twins = 0  # even-split twins of the ranked plans, each simulated: candidates of their own
     if recipe == "harmonia" and ranked:
-        ranked, twins = _even_split_first(scorer, ranked, top)
-        ranked, plainer = _plainer_first(scorer, ranked, top, accept)
+        ranked, twins = even_split_first(scorer, ranked, top)
+        ranked, plainer = plainer_first(scorer, ranked, top, accept)
         twins += plainer
         simulated += twins
-        ranked = _roomier_first(ranked, [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked],
+        ranked = roomier_first(ranked, [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked],
                                 run.cluster.device.mem_bytes)
     if not ranked:
         memory = sum(n for why, n in rejected.items() if why.startswith("memory"))
@@ -519,91 +520,3 @@ class _Parts:
     seconds: float = 0.0
     schedule: IterationSchedule | None = None
     column: tuple[int, ...] | None = None
-
-
-def _even_split_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]],
-                      top: int) -> tuple[list[tuple[float, float, Candidate]], int]:
-    """The ranked plans with the best one's LLM split evenly ranked first where that differs and is
-    faster on every search batch together (see the module docstring); and 1 if it was simulated."""
-    best = ranked[0][2]
-    even = even_split(scorer.run.cost, "llm", best.plan.layouts["llm"])
-    if even is None:
-        return ranked, 0
-    twin = replace(best, plan=replace(best.plan, layouts={**best.plan.layouts, "llm": even}))
-    score = _twin_score(scorer, twin, lambda t: t < ranked[0][0])
-    if score is None:
-        return ranked, 1
-    return [(score, scorer.run.scenario.global_batch / score, twin), *ranked][:top], 1
-
-
-def _twin_score(scorer: _Scorer, twin: Candidate, fast_enough: Callable[[float], bool]) -> float | None:
-    """A ranked plan's twin's mean simulated seconds over the search batches; None where it cannot
-    be scheduled, is not ``fast_enough``, or exceeds device memory on a search batch or (checked
-    last, the dearest) a heavier one."""
-    key = simulation_key(twin, scorer.run.cost)
-    try:
-        score = sum(scorer.simulate(twin, key, j) for j in range(len(scorer.batches))) / len(scorer.batches)
-    except HarmoniaError:
-        return None
-    if scorer.over_memory(key) or not fast_enough(score) or scorer.heavier_batches_over(twin, key):
-        return None
-    return score
-
-
-PLAINER_TOLERANCE = 0.02
-"""How much slower than the best plan its plainer twin (`_plainer_first`) may simulate and still be
-picked: FSDP and zero-bubble's split backward cost the runtime per-step work the simulator prices
-as free or does not see (FSDP2's per-unit hooks and gathers; a second autograd pass for W, priced
-on the CPU since by `DeviceSpec.split_backward_s`, not on accelerators). Measured
-in `benchmarks/pick.py` (pick-2026-11-28): at LLM pp1, the zero-bubble pick ran 0.70-0.83x the
-samples/s of the same plan under 1F1B, and LLM FSDP on 4 CPU ranks 0.56-0.77x of plain data
-parallelism, where the search scored them within 1% of each other."""
-
-
-def _plainer(plan: Plan) -> list[Plan]:
-    """The plan without FSDP and with 1F1B for zero-bubble (both first, then each alone), where it has
-    them: what the same layout runs without features the runtime pays for beyond their price."""
-    no_fsdp = {m: replace(lay, fsdp=False, reshard=False) for m, lay in plan.layouts.items()}
-    sharded = no_fsdp != plan.layouts
-    zb = plan.schedule == "zb"
-    forms = [(sharded, zb), (sharded, False), (False, zb)] if sharded and zb else [(sharded, zb)]
-    return [replace(plan, layouts=no_fsdp if drop_fsdp else plan.layouts, schedule="1f1b" if to_1f1b else plan.schedule)
-            for drop_fsdp, to_1f1b in forms if drop_fsdp or to_1f1b]
-
-
-def _plainer_first(scorer: _Scorer, ranked: list[tuple[float, float, Candidate]], top: int,
-                   accept: Callable[[Plan], str | None] | None) -> tuple[list[tuple[float, float, Candidate]], int]:
-    """The ranked plans with the best one's plainer twin (`_plainer`) ranked first where it is
-    accepted, fits memory on every batch and simulates at most `PLAINER_TOLERANCE` slower; and the
-    twins simulated."""
-    best_score, _, best = ranked[0]
-    tried = 0
-    for plan in _plainer(best.plan):
-        if accept is not None and accept(plan) is not None:
-            continue
-        twin = replace(best, plan=plan)
-        tried += 1
-        score = _twin_score(scorer, twin, lambda t: t <= best_score * (1 + PLAINER_TOLERANCE))
-        if score is None:
-            continue
-        key = simulation_key(twin, scorer.run.cost)
-        rest = [r for r in ranked if simulation_key(r[2], scorer.run.cost) != key]
-        return [(score, scorer.run.scenario.global_batch / score, twin), *rest][:top], tried
-    return ranked, tried
-
-
-def _roomier_first(ranked: list[tuple[float, float, Candidate]], peaks: list[float],
-                   capacity: float) -> list[tuple[float, float, Candidate]]:
-    """The ranked plans with the first one whose peak is within `MEMORY_HEADROOM` of the device's
-    memory moved to the front, where the best's is not and it simulates at most `PLAINER_TOLERANCE`
-    slower: the planner's peak estimate is not exact (on an H200 a 2B LLaVA's step peaked 9.6% above it,
-    benchmarks/results/gpu-check-2026-11-28.txt), so a plan within a few percent of the device may
-    not start, and a percent of speed does not pay for that."""
-    room = capacity * MEMORY_HEADROOM
-    if not ranked or peaks[0] <= room:
-        return ranked
-    best = ranked[0][0]
-    for i in range(1, len(ranked)):
-        if peaks[i] <= room and ranked[i][0] <= best * (1 + PLAINER_TOLERANCE):
-            return [ranked[i], *ranked[:i], *ranked[i + 1:]]
-    return ranked

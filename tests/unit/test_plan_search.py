@@ -9,8 +9,9 @@ import pytest
 from harmonia.cli import main
 from harmonia.errors import ConfigError, LayoutError
 from harmonia.plan.recipes import candidates
+from harmonia.plan.rerank import PLAINER_TOLERANCE
 from harmonia.plan.scenario import Scenario, ScenarioRun
-from harmonia.plan.search import PLAINER_TOLERANCE, search_plan
+from harmonia.plan.search import search_plan
 from harmonia.schedule.plan import Plan
 
 
@@ -161,7 +162,7 @@ def test_harmonia_plan_is_never_slower_than_its_layout_split_evenly() -> None:
 def test_the_plainer_twin_of_the_best_plan_is_picked_within_the_tolerance() -> None:
     """Where the best plan runs FSDP or zero-bubble, the same plan without them is simulated too and
     ranked first unless more than PLAINER_TOLERANCE slower; a schedule the job pins is kept."""
-    from harmonia.plan.search import _plainer
+    from harmonia.plan.rerank import plainer as _plainer
 
     scenario = Scenario("plain", "tiny-omni", "cpu:1x4@2", "synthetic:image=0.7,text=0.3", 32, {"vision": "frozen"},
                         iterations=1, search_batches=1)
@@ -182,7 +183,7 @@ def test_a_plan_near_the_device_memory_gives_way_to_a_roomier_one_within_the_tol
     """An 8B LLaVA with LoRA on one H200: the fastest plan peaks above 90% of the device, so the
     fastest one within PLAINER_TOLERANCE that stays below it is picked."""
     from harmonia.plan.recipes import MEMORY_HEADROOM
-    from harmonia.plan.search import _roomier_first
+    from harmonia.plan.rerank import roomier_first as _roomier_first
 
     scenario = Scenario("room", "llava-siglip-8b", "h200:1x1", "synthetic:image", 8, {"vision": "frozen", "llm": "lora"},
                         iterations=1, search_batches=2)
