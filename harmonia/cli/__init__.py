@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harmonia.cli.job import SHARED_TRACES, _build_cost, _job_args, _model_args, console
-from harmonia.cli.plan import DEFAULT_SCENARIO, DEFAULT_TRACE, DEVICE_SET_HELP, cmd_plan, cmd_simulate
+from harmonia.cli.plan import DEFAULT_SCENARIO, DEFAULT_TRACE, DEVICE_SET_HELP, cmd_plan, cmd_simulate, trace_path
 from harmonia.errors import HarmoniaError
 
 
@@ -47,7 +47,7 @@ def cmd_workload(args: argparse.Namespace) -> int:
     from harmonia.workload.work import load_arrays
 
     cost = _build_cost(args)
-    samples = load_trace(args.trace, n_samples=args.samples, seed=args.seed)
+    samples = load_trace(trace_path(args.trace), n_samples=args.samples, seed=args.seed)
     tokens, pairs = load_arrays(samples, cost.mllm)
     costs = cost.costs_from_loads(tokens, pairs)
     table = Table(title=f"{args.trace}: {len(samples)} samples, {cost.mllm.name} on {cost.device.name}")
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("workload", help="per-module work of a trace under the cost model")
     _model_args(p)
     p.add_argument("--trace", default=str(SHARED_TRACES / "ai2d.csv"),
-                   help="CSV path, or synthetic[:kind=p,...] (kinds: text,image,multi_image,video,audio,image_audio)")
+                   help="CSV path, a shared trace's name (ai2d, chartqa), or synthetic[:kind=p,...] (kinds: "
+                   "text,image,multi_image,video,audio,image_audio)")
     p.add_argument("--samples", type=int, default=4096, help="samples to draw for a synthetic trace")
     p.add_argument("--seed", type=int, default=0, help="seed of a synthetic trace")
     p.set_defaults(func=cmd_workload)

@@ -29,7 +29,7 @@ DEVICE_SET_HELP = ("replace fields of the cluster's device preset, comma-separat
 DEFAULT_TRACE = str(SHARED_TRACES / "ai2d.csv")
 
 
-def _trace_path(trace: str) -> str:
+def trace_path(trace: str) -> str:
     """A ``--trace`` as a scenario holds it: a CSV path given on the command line is the user's, from
     their working directory (a scenario file's relative paths are the project's); a shared trace's
     name (``ai2d``, ``chartqa``: a CSV in ../shared/traces) where no such file is there; a generated
@@ -61,7 +61,7 @@ def _scenario(args: argparse.Namespace, plan=None):
     else:
         config = _job_config(args, plan)
         scenario = Scenario("simulate", config.model.source, config.parallel.cluster,
-                            _trace_path(args.trace or DEFAULT_TRACE), config.train.global_batch,
+                            trace_path(args.trace or DEFAULT_TRACE), config.train.global_batch,
                             config.model.training_modes, seed=config.train.seed,
                             mixed_precision=config.train.mixed_precision)
     if args.sequence_parallel:
@@ -223,7 +223,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
     planned = _job_cluster(config)
-    scenario = Scenario("plan", model, planned, _trace_path(args.trace), batch, config.model.training_modes,
+    scenario = Scenario("plan", model, planned, trace_path(args.trace), batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
                         seed=config.train.seed, mixed_precision=config.train.mixed_precision,
                         device=parse_device_changes(args.device_set))
