@@ -6,16 +6,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harmonia.errors import HarmoniaError
 from harmonia.plan.candidates import even_split
 from harmonia.plan.recipes import MEMORY_HEADROOM, Candidate
+from harmonia.plan.scenario import ScenarioRun
 from harmonia.plan.search_keys import simulation_key
 from harmonia.schedule.plan import Plan
 
-if TYPE_CHECKING:
-    from harmonia.plan.search import _Scorer as Scorer
+
+class Scorer(Protocol):
+    """What re-ranking asks of the search's scorer (`harmonia.plan.search._Scorer`)."""
+
+    run: ScenarioRun
+    batches: list[int]
+
+    def simulate(self, cand: Candidate, key: tuple, j: int) -> float: ...
+
+    def over_memory(self, key: tuple) -> str | None: ...
+
+    def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None: ...
 
 
 def even_split_first(scorer: Scorer, ranked: list[tuple[float, float, Candidate]],
