@@ -137,3 +137,44 @@ def test_a_sample_decoded_again_takes_its_tokens_from_memory(ckpt, tmp_path, mon
     full = SampleBuilder(spec, tokenizer, preprocessors=prep, encoded=EncodedCache(limit=0))
     assert torch.equal(full.build(conv, 0).tokens.labels, first.tokens.labels) and len(full.encoded) == 0
     assert len(calls) == 2
+
+
+def test_hf_generate_takes_a_qwen_vl_checkpoint_without_video_support(ckpt, tmp_path):
+    """`harmonia hf generate` on a Qwen-VL directory where transformers' video processor cannot load
+    (no torchvision): the processor class without it gives what its image processor and tokenizer give
+    (each image pad repeated for its grid), the checkpoint's own greedy answer scores 100%, and a video
+    record is refused by name instead of being answered without its video."""
+    from transformers.utils import is_torchvision_available
+
+    from harmonia.errors import ConfigError
+    from harmonia.train.hf_generate import _messages, generate_accuracy, load_processor
+
+    Image.fromarray(np.random.default_rng(2).integers(0, 255, (40, 24, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    turns = [{"from": "human", "value": "<image>\nWhat colour?"}, {"from": "gpt", "value": "?"}]
+    msgs, _ = _messages(turns)
+    processor = load_processor(ckpt)
+    if not is_torchvision_available():
+        assert processor.video_processor is None
+    image = Image.open(tmp_path / "a.png").convert("RGB")
+    batch = processor(images=[image], text=[processor.apply_chat_template(msgs, add_generation_prompt=True)],
+                      return_tensors="pt")
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    media = transformers.AutoImageProcessor.from_pretrained(ckpt)(images=[image], return_tensors="pt")
+    n = int(media["image_grid_thw"].prod()) // 4
+    prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert batch["input_ids"][0].tolist() == tok(prompt.replace(IMAGE_PAD, IMAGE_PAD * n))["input_ids"]
+    assert torch.equal(batch["pixel_values"], media["pixel_values"])
+    model = transformers.AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    answer = tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    assert answer  # a random model still says something
+    rows = [{"image": "a.png", "task": "colour", "conversations": [turns[0], {"from": "gpt", "value": answer}]},
+            {"image": ["a.png"], "task": "count", "conversations": [turns[0], {"from": "gpt", "value": answer + "x"}]}]
+    (tmp_path / "held_out.json").write_text(json.dumps(rows))
+    assert generate_accuracy(ckpt, tmp_path / "held_out.json") == {"colour": (1.0, 1), "count": (0.0, 1)}
+    rows.append({"id": "clip0", "video": "clip0.mp4", "conversations": [
+        {"from": "human", "value": "<video>\nWhich way?"}, {"from": "gpt", "value": "left"}]})
+    (tmp_path / "held_out.json").write_text(json.dumps(rows))
+    with pytest.raises(ConfigError, match="record 'clip0' holds a video"):
+        generate_accuracy(ckpt, tmp_path / "held_out.json")
