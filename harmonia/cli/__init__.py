@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from harmonia.cli.job import SHARED_TRACES, _build_cost, _job_args, _model_args, console
-from harmonia.cli.plan import DEFAULT_SCENARIO, DEFAULT_TRACE, DEVICE_SET_HELP, cmd_plan, cmd_simulate, trace_path
+from harmonia.cli.plan import DEFAULT_SCENARIO, DEVICE_SET_HELP, cmd_plan, cmd_simulate, trace_path
 from harmonia.errors import HarmoniaError
 
 
@@ -218,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="search one static layout from batch-level profiling; write plan.json")
     _job_args(p)
-    p.add_argument("--trace", default=DEFAULT_TRACE, help="the sample shapes profiled: a CSV path, a shared "
-                   "trace's name (ai2d, chartqa), synthetic[:mix] or text:N (default ai2d; `harmonia train` "
-                   "profiles its dataset instead)")
+    p.add_argument("--trace", default=None, help="the sample shapes profiled: a CSV path, a shared trace's name "
+                   "(ai2d, chartqa), synthetic[:mix] or text:N (default: where --config or an override names "
+                   "data.path, that dataset read as `harmonia train` reads it, whose plan this then is; else ai2d)")
     p.add_argument("--batches", type=int, default=2, help="profiled global batches each candidate is scored on")
     p.add_argument("--memory-batches", type=int, default=8,
                    help="further profiled batches a plan must fit device memory on before it is ranked: "

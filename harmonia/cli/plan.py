@@ -209,6 +209,22 @@ def _job_cluster(config) -> str:
     return spec.describe()
 
 
+def _job_data(args: argparse.Namespace, config) -> list | None:
+    """The shapes of the job's own training set where the job names one (``data.path`` in ``--config``
+    or an override) and no ``--trace`` is given: `harmonia train` profiles them, so the plan is the one
+    it would search for. Read as training reads it (bad records counted and left out), nothing cached.
+    None otherwise (a set ``data.synthesize`` has not written yet: the default trace)."""
+    from harmonia.config import config_values
+
+    if args.trace is not None or "path" not in config_values(args.config, args.overrides).get("data", {}):
+        return None
+    if config.data.synthesize and not Path(config.data.path).exists():
+        return None
+    from harmonia.train.data import open_split
+
+    return open_split(config, "train", cache_dir=None, log_skips=False).shapes()
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write the best plan where ``--json`` says."""
     from harmonia.plan.search import search_plan
@@ -223,7 +239,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
     planned = _job_cluster(config)
-    scenario = Scenario("plan", model, planned, trace_path(args.trace), batch, config.model.training_modes,
+    shapes = _job_data(args, config)
+    trace = config.data.path if shapes is not None else trace_path(args.trace or DEFAULT_TRACE)
+    scenario = Scenario("plan", model, planned, trace, batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
                         seed=config.train.seed, mixed_precision=config.train.mixed_precision,
                         device=parse_device_changes(args.device_set))
@@ -233,11 +251,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         accept = _constraints(config)
     with console.status("profiling batches and searching layouts"):
-        report = search_plan(scenario, top=args.top, accept=accept)
+        report = search_plan(scenario, top=args.top, accept=accept, samples=shapes)
     name = model if isinstance(model, str) else "the composition of " + ", ".join([model["llm"],
                                                                                   *model["encoders"].values()])
     table = Table(title=f"best {len(report.ranked)} plans for {name} on {cluster} "
-                        f"(global batch {batch}), simulated on {args.batches} profiled batches")
+                        f"(global batch {batch}), simulated on {args.batches} profiled batches of "
+                        + (f"data.path={trace} ({len(shapes)} usable samples)" if shapes is not None else args.trace or "ai2d"))
     for col in ("#", "iteration s", "samples/s", "peak GiB/rank", "plan"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     capacity = cluster_from_string(cluster).device.mem_bytes

@@ -233,3 +233,28 @@ def test_bounding_on_the_heaviest_replicas_and_by_twins_ranks_what_bounding_ever
     every = search_plan(scenario, top=3)
     assert [(t, c.plan) for t, _, c in shortcut.ranked] == [(t, c.plan) for t, _, c in every.ranked]
     assert shortcut.peak_bytes == every.peak_bytes
+
+
+def test_a_job_config_naming_its_data_is_planned_on_that_data(tmp_path, monkeypatch, capsys) -> None:
+    """`harmonia plan --config job.toml` with the job's ``data.path`` and no ``--trace`` profiles that
+    dataset as `harmonia train` does (its plan is the one training would search for) and writes nothing
+    beside what ``--json`` asks for; ``--trace`` still overrides it."""
+    from harmonia.config import load_config
+    from harmonia.data.synth import write_synthetic_dataset
+    from harmonia.train.data import open_split
+    from harmonia.train.planning import search_training_plan
+
+    data = write_synthetic_dataset(tmp_path / "data", 40, seed=1)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[data]\npath = "{data}"\n[parallel]\nworld_size = 2\n[train]\nglobal_batch = 8\n')
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["plan", "--config", str(job), "--top", "1", "--json", str(tmp_path / "plan.json")]) == 0
+    printed = capsys.readouterr().out
+    assert f"data.path={data} (36 usable samples)" in " ".join(printed.split())
+    assert sorted(tmp_path.rglob("*")) == sorted([*before, tmp_path / "plan.json"])
+    config = load_config(job)
+    trained = search_training_plan(config, open_split(config, "train", cache_dir=None).shapes()).best
+    assert Plan.load(tmp_path / "plan.json").layouts == trained.layouts
+    assert main(["plan", "--config", str(job), "--top", "1", "--trace", "text:64"]) == 0
+    assert "profiled batches of text:64" in " ".join(capsys.readouterr().out.split())
