@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     _job_args(p, batch_default=", or the plan's")
     p.add_argument("--trace", default=None,
                    help="CSV path, a shared trace's name (ai2d, chartqa), synthetic[:mix], or text:N (every "
-                   "sample N text tokens); default ai2d")
+                   "sample N text tokens); default: where --config or an override names data.path, that dataset "
+                   "read as `harmonia train` reads it; else ai2d")
     p.add_argument("--plan", default=None, help="score this plan.json (as `harmonia plan` writes it) unsearched")
     p.add_argument("--layout", default=None,
                    help="score these layouts unsearched, one module after another as Layout.describe prints them, "

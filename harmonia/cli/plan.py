@@ -44,9 +44,10 @@ def trace_path(trace: str) -> str:
     return str(path.resolve())
 
 
-def _scenario(args: argparse.Namespace, plan=None):
+def _scenario(args: argparse.Namespace, plan=None) -> tuple:
     """The scenario `simulate` runs: a scenario file, or the job's config fields and flags with a trace
-    (`_job_config`; a given plan supplies its model, batch and training modes where they do not)."""
+    (`_job_config`; a given plan supplies its model, batch and training modes where they do not), and
+    the shapes of the job's own dataset where it is profiled instead of a trace (`_job_data`; else None)."""
     import dataclasses
 
     from harmonia.errors import ConfigError
@@ -56,12 +57,15 @@ def _scenario(args: argparse.Namespace, plan=None):
     if args.scenario and given:
         raise ConfigError(f"--scenario and {', '.join(given)} both given; describe the scenario with a file or "
                           "with a config and flags, not both")
+    shapes = None
     if args.scenario or not (given or plan):
         scenario = Scenario.load(args.scenario or str(PROJECT / DEFAULT_SCENARIO))
     else:
         config = _job_config(args, plan)
+        shapes = _job_data(args, config)
         scenario = Scenario("simulate", config.model.source, config.parallel.cluster,
-                            trace_path(args.trace or DEFAULT_TRACE), config.train.global_batch,
+                            config.data.path if shapes is not None else trace_path(args.trace or DEFAULT_TRACE),
+                            config.train.global_batch,
                             config.model.training_modes, seed=config.train.seed,
                             mixed_precision=config.train.mixed_precision)
     if args.sequence_parallel:
@@ -73,7 +77,7 @@ def _scenario(args: argparse.Namespace, plan=None):
     if plan is not None and plan.global_batch != scenario.global_batch:
         raise ConfigError(f"the plan's global batch is {plan.global_batch} but the scenario's is "
                           f"{scenario.global_batch}; give --global-batch {plan.global_batch} or another plan")
-    return dataclasses.replace(scenario, iterations=args.iterations) if args.iterations else scenario
+    return (dataclasses.replace(scenario, iterations=args.iterations) if args.iterations else scenario), shapes
 
 
 def _given_plan(args: argparse.Namespace, run):
@@ -113,9 +117,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plan and args.layout:
         raise ConfigError("--plan and --layout both given; score one plan at a time")
     loaded = Plan.load(args.plan) if args.plan else None
-    scenario = _scenario(args, loaded)
+    scenario, shapes = _scenario(args, loaded)
     _check_world(scenario, loaded, args.layout)
-    runner = ScenarioRun(scenario)
+    runner = ScenarioRun(scenario, shapes)
     given = loaded or (_given_plan(args, runner) if args.layout else None)
     recipes = tuple(filter(None, (args.recipes or ("harmonia" if given else ",".join(RECIPES))).split(",")))
     results = {}
@@ -142,7 +146,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def _comparison_table(scenario, results: dict, bound: float) -> Table:
-    table = Table(title=f"{scenario.name}: {scenario.iterations} iterations of {scenario.global_batch} samples")
+    table = Table(title=f"{scenario.name}: {scenario.iterations} iterations of {scenario.global_batch} samples "
+                        f"({_profiled(scenario)})")
     for col in ("recipe", "iteration s", "samples/s", "vs megatron", "bubble", "MFU", "plan", "searched"):
         table.add_column(col, justify="left" if col in ("recipe", "plan") else "right")
     base = results.get("megatron")
@@ -169,7 +174,7 @@ def _given_table(scenario, runner, results: dict, bound: float) -> Table:
     recompute = f", recompute {','.join(plan.recompute_text())}" if plan.recompute else ""
     table = Table(title=f"{scenario.name}: {describe_layouts(plan.layouts)} ({plan.placement.value}, {plan.schedule} "
                         f"x{plan.n_microbatches}{recompute}) on {scenario.cluster}, {scenario.iterations} iterations "
-                        f"of {scenario.global_batch} samples")
+                        f"of {scenario.global_batch} samples ({_profiled(scenario)})")
     for col in ("recipe", "iteration s", "samples/s", "tokens/s/GPU", "bubble", "MFU", "peak GiB/rank",
                 "bound / time"):
         table.add_column(col, justify="left" if col == "recipe" else "right")
@@ -181,6 +186,12 @@ def _given_table(scenario, runner, results: dict, bound: float) -> Table:
                       f"{bound / r.iteration_s:.1%}")
     table.add_row("lower bound", f"{bound:.3f}", f"{scenario.global_batch / bound:.1f}", "", "0.0%", "", "", "100%")
     return table
+
+
+def _profiled(scenario) -> str:
+    """What a scenario's batches are drawn from, in a table's title: a trace's file name or spec."""
+    trace = scenario.trace
+    return Path(trace).name if trace.endswith(".csv") else trace
 
 
 def _write_timelines(directory: str, name: str, results: dict) -> None:

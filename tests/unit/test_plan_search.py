@@ -238,7 +238,7 @@ def test_bounding_on_the_heaviest_replicas_and_by_twins_ranks_what_bounding_ever
 def test_a_job_config_naming_its_data_is_planned_on_that_data(tmp_path, monkeypatch, capsys) -> None:
     """`harmonia plan --config job.toml` with the job's ``data.path`` and no ``--trace`` profiles that
     dataset as `harmonia train` does (its plan is the one training would search for) and writes nothing
-    beside what ``--json`` asks for; ``--trace`` still overrides it."""
+    beside what ``--json`` asks for; ``--trace`` still overrides it; `harmonia simulate` reads it alike."""
     from harmonia.config import load_config
     from harmonia.data.synth import write_synthetic_dataset
     from harmonia.train.data import open_split
@@ -258,3 +258,6 @@ def test_a_job_config_naming_its_data_is_planned_on_that_data(tmp_path, monkeypa
     assert Plan.load(tmp_path / "plan.json").layouts == trained.layouts
     assert main(["plan", "--config", str(job), "--top", "1", "--trace", "text:64"]) == 0
     assert "profiled batches of text:64" in " ".join(capsys.readouterr().out.split())
+    assert main(["simulate", "--config", str(job), "--iterations", "1", "--layout", "vision dp2; audio dp2; llm dp2"]) == 0
+    assert f"1 iterations of 8 samples ({data})" in " ".join(capsys.readouterr().out.split())
+    assert sorted(tmp_path.rglob("*")) == sorted([*before, tmp_path / "plan.json"])
