@@ -382,9 +382,9 @@ class Config:
         from harmonia.model.resolve import resolve_mllm
 
         mllm = resolve_mllm(self.model.source)
-        unknown = set(self.model.frozen) | set(self.model.lora)
-        unknown -= set(mllm.module_names)
-        _require(not unknown, "model.frozen", sorted(unknown), f"module names among {mllm.module_names}")
+        for name in ("frozen", "lora"):
+            unknown = set(getattr(self.model, name)) - set(mllm.module_names)
+            _require(not unknown, f"model.{name}", sorted(unknown), f"module names among {mllm.module_names}")
         unknown = set(self.train.modules) - set(mllm.module_names)
         _require(not unknown, "train.modules", sorted(unknown), f"module names among {mllm.module_names}")
         _require(not self.checkpoint.export_every or self.model.from_checkpoint, "checkpoint.export_every",
@@ -404,8 +404,13 @@ def _coerce(section: str, key: str, raw: Any, kind: type) -> Any:
                 if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
                     raise ValueError
                 return text.lower() in ("true", "1", "yes")
-            if kind is list:
-                return [x.strip() for x in text.split(",") if x.strip()]
+            if kind is list:  # a TOML/JSON list of strings, or its items comma-separated
+                if not text.startswith("["):
+                    return [x.strip() for x in text.split(",") if x.strip()]
+                value = json.loads(text)
+                if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                    raise ValueError
+                return value
             if kind is dict:
                 value = json.loads(text)
                 if not isinstance(value, dict):
@@ -413,7 +418,8 @@ def _coerce(section: str, key: str, raw: Any, kind: type) -> Any:
                 return value
             return kind(text)
         except ValueError:
-            hint = " (a JSON object, e.g. '{\"vision\": \"DIR\"}')" if kind is dict else ""
+            hint = {dict: " (a JSON object, e.g. '{\"vision\": \"DIR\"}')",
+                    list: " (names comma-separated, e.g. 'vision,audio', or a list, e.g. '[\"vision\"]')"}.get(kind, "")
             raise ConfigError(f"config {name}={raw!r} is invalid: expected {kind.__name__}{hint}") from None
     if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
         return float(raw)

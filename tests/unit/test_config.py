@@ -13,6 +13,8 @@ def test_defaults_file_and_overrides(tmp_path) -> None:
     assert (cfg.train.steps, cfg.train.lr, cfg.train.global_batch) == (7, 1.0, 16)
     assert cfg.model.frozen == ["audio"] and cfg.model.lora == ["llm"] and cfg.log.tensorboard is False
     assert cfg.to_dict()["train"]["steps"] == 7
+    as_list = load_config(path, ['--model.lora=["llm"]', '--model.frozen= [ "vision" , "audio" ] '])
+    assert as_list.model.lora == ["llm"] and as_list.model.frozen == ["vision", "audio"]  # as TOML writes lists
     assert any(line.startswith("--train.steps=") for line in help_lines())
 
 
@@ -24,7 +26,10 @@ def test_defaults_file_and_overrides(tmp_path) -> None:
         (["--trian.steps=3"], "unknown config section"),
         (["--train.stepz=3"], "unknown config key train.stepz"),
         (["--model.preset=gpt5"], "model.preset='gpt5'"),
-        (["--model.frozen=visoin"], "module names"),
+        (["--model.frozen=visoin"], "model.frozen=.*module names"),
+        (["--model.lora=lm"], r"model.lora=\['lm'\] is invalid: expected module names"),
+        (["--model.lora=[llm"], "model.lora='\\[llm' is invalid: expected list .*comma-separated"),
+        (["--model.frozen=[1]"], "model.frozen='\\[1\\]' is invalid: expected list"),
         (["--data.on_error=ignore"], "data.on_error"),
         (["--parallel.plan=missing.json"], "parallel.plan"),
         (["steps=3"], "expected --section.key=value"),
