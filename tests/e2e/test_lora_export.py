@@ -1,6 +1,7 @@
 """LoRA fine-tuning as a user runs it: `harmonia train` with LoRA settings on the LLM (the tower and
-projector frozen), then `harmonia export --adapter`: peft puts the adapter on the base checkpoint and
-computes what the merged export computes; the run's checkpoint records the settings."""
+projector frozen, or the projector trained fully), then `harmonia export --adapter`: peft puts the
+adapter on the base checkpoint and computes what the merged export computes; the run's checkpoint
+records the settings."""
 
 from __future__ import annotations
 
@@ -65,7 +66,14 @@ def test_the_checkpoint_records_the_lora_settings(job) -> None:
                                            "targets": ["q_proj", "v_proj", "down_proj"]}}
 
 
-def test_an_adapter_of_a_full_module_is_refused(tmp_path) -> None:
+def test_a_fully_trained_projector_goes_in_the_adapter(tmp_path) -> None:
+    """LoRA on the LLM, the projector trained fully, the tower frozen (the usual LLaVA recipe): the
+    adapter saves the projector whole (``modules_to_save``) and peft computes the merged export's
+    logits on an image sample."""
+    from PIL import Image
+
+    from harmonia.train.hf_generate import _messages, load_processor
+
     base = write_tiny_llava(tmp_path / "base")
     write_synthetic_dataset(tmp_path / "data", 16, seed=0, heldout=1 / 4, tile=32, fmt="llava")
     config = load_config(None, [
@@ -73,8 +81,22 @@ def test_an_adapter_of_a_full_module_is_refused(tmp_path) -> None:
         "--train.steps=1", "--train.global_batch=4", "--train.warmup=0", "--parallel.world_size=1",
         "--log.tensorboard=false", f"--log.dir={tmp_path / 'run'}", f"--checkpoint.dir={tmp_path / 'ck'}"])
     run_training(config, Console(file=io.StringIO(), width=200))
-    with pytest.raises(ConfigError, match=r"\['vision_proj'\] train fully"):
-        export_checkpoint(tmp_path / "ck", tmp_path / "adapter", adapter=True)
+    export_checkpoint(tmp_path / "ck", tmp_path / "adapter", dtype="float32", adapter=True)
+    export_checkpoint(tmp_path / "ck", tmp_path / "merged", dtype="float32")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == [
+        "model.multi_modal_projector"]
+    row = next(r for r in json.loads((tmp_path / "data" / "train" / "llava.json").read_text()) if "image" in r)
+    processor = load_processor(base)
+    text = processor.apply_chat_template(_messages(row["conversations"])[0], add_generation_prompt=True)
+    image = Image.open(tmp_path / "data" / "train" / row["image"]).convert("RGB")
+    inputs = processor(images=[image], text=[text], return_tensors="pt")
+    with torch.no_grad():
+        source = transformers.LlavaForConditionalGeneration.from_pretrained(base).eval()
+        before = source(**inputs).logits
+        want = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path / "merged").eval()(**inputs).logits
+        got = peft.PeftModel.from_pretrained(source, tmp_path / "adapter").eval()(**inputs).logits
+    assert not torch.allclose(want, before, atol=1e-4)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
 def test_hf_directories_are_written_while_training(job) -> None:

@@ -7,9 +7,13 @@ map loading and export use, `harmonia.model.hf.names`); ``target_modules`` lists
 else; ``rank_pattern`` / ``alpha_pattern`` hold the modules whose rank or alpha differ from the
 first's. ``peft.PeftModel.from_pretrained(base, DIR)`` then computes harmonia's logits.
 
-An adapter holds only what LoRA trained: a model with a fully trained module (a projector, say),
-one trained without LoRA, or one whose adapted linear is part of a fused checkpoint tensor (a
-Qwen-VL tower's ``qkv``) is refused; export the merged model instead.
+A module trained fully beside the adapters (LLaVA's projector, as LoRA recipes train it) goes in the
+adapter as PEFT's ``modules_to_save``: the transformers module its tensors load into (the one module
+holding exactly them, `_saved_modules`) is listed, and its trained tensors are written under
+``base_model.model.<its parameter path>``, as PEFT saves a ``ModulesToSaveWrapper``. A model trained
+without LoRA, a fully trained module whose tensors fill no module of their own or load through a
+conversion, and an adapted linear that is part of a fused checkpoint tensor (a Qwen-VL tower's
+``qkv``) are refused; export the merged model instead.
 """
 
 from __future__ import annotations
@@ -55,46 +59,102 @@ def _check_trainable(spec: MLLMSpec, source) -> None:
                           "(export the merged model instead)")
     if not any(spec.training_of(m).mode is Trainability.LORA for m in spec.module_names):
         raise ConfigError("the model was trained without LoRA adapters: there is no adapter to export")
-    full = [m for m in spec.module_names if spec.training_of(m).mode is Trainability.FULL]
-    if full:
-        raise ConfigError(f"modules {full} train fully, not through LoRA: an adapter would lose them; freeze them, "
-                          "give them LoRA, or export the merged model instead")
+
+
+class _Loading:
+    """How transformers loads the checkpoint ``root``: its model built on ``meta`` from the config, and
+    each checkpoint tensor's name in that model (older checkpoints name tensors otherwise than today's
+    modules: LLaVA's ``language_model.model.*`` is ``model.language_model.*``; PEFT finds modules by
+    their path in the model)."""
+
+    def __init__(self, root: Path) -> None:
+        import transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+
+        config = transformers.AutoConfig.from_pretrained(str(root))
+        self.arch = (config.architectures or [None])[0]
+        cls = getattr(transformers, self.arch or "", None)
+        if cls is None:
+            raise ConfigError(f"{root}/config.json names no transformers architecture ({self.arch!r}) to put the "
+                              "adapter on")
+        with torch.device("meta"):
+            self.model = cls._from_config(config)
+        transforms = get_model_conversion_mapping(self.model)
+        self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self.converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+        self.meta = self.model.state_dict()
+        self.modules = dict(self.model.named_modules())
+
+    def loaded(self, weight: str) -> str:
+        """The model's name of checkpoint tensor ``weight``."""
+        from transformers.core_model_loading import rename_source_key
+
+        return rename_source_key(weight, self.renamings, self.converters, self.model.base_model_prefix, self.meta)[0]
+
+    def converted(self, weight: str) -> bool:
+        """Whether loading ``weight`` converts it (a fused or split tensor), beyond renaming it."""
+        from transformers.core_model_loading import rename_source_key
+
+        renamed = rename_source_key(weight, self.renamings, [], self.model.base_model_prefix, self.meta)[0]
+        return renamed != self.loaded(weight) or renamed not in self.meta
 
 
 def module_paths(weights: list[str], root: Path) -> dict[str, str]:
     """Checkpoint weight name -> the module path of the linear transformers loads it into, for the model
-    ``root``'s config describes (built on ``meta``): older checkpoints name tensors otherwise than
-    today's modules (LLaVA's ``language_model.model.*`` is ``model.language_model.*``), and PEFT
-    adapts modules by their path.
+    ``root``'s config describes (`_Loading`): PEFT adapts modules by their path.
 
     Raises:
         ConfigError: a weight that loads into no linear.
     """
-    import transformers
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-    config = transformers.AutoConfig.from_pretrained(str(root))
-    arch = (config.architectures or [None])[0]
-    cls = getattr(transformers, arch or "", None)
-    if cls is None:
-        raise ConfigError(f"{root}/config.json names no transformers architecture ({arch!r}) to put the adapter on")
-    with torch.device("meta"):
-        model = cls._from_config(config)
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
-    meta = model.state_dict()
-    modules = dict(model.named_modules())
+    loading = _Loading(root)
     out = {}
     for weight in weights:
-        loaded, _ = rename_source_key(weight, renamings, converters, model.base_model_prefix, meta)
+        loaded = loading.loaded(weight)
         path = loaded.removesuffix(".weight")
-        if not isinstance(modules.get(path), torch.nn.Linear):
+        if not isinstance(loading.modules.get(path), torch.nn.Linear):
             raise ConfigError(f"checkpoint tensor {weight!r} loads into {loaded!r}, which is not the weight of a linear "
-                              f"of {arch}: PEFT cannot adapt it; export the merged model instead")
+                              f"of {loading.arch}: PEFT cannot adapt it; export the merged model instead")
         out[weight] = path
     return out
+
+
+def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
+                   ) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """PEFT's ``modules_to_save`` for the modules trained fully beside the adapters, and their trained
+    tensors under the names PEFT saves them with (``base_model.model.<parameter path>``): per module,
+    the transformers module holding exactly its tensors (the deepest module above them all).
+
+    Raises:
+        ConfigError: a module whose tensors load through a conversion, or share their module with
+            tensors it did not train.
+    """
+    from harmonia.model.hf.export import checkpoint_tensors
+
+    full = [m for m in spec.module_names if spec.training_of(m).mode is Trainability.FULL]
+    if not full:
+        return [], {}
+    src, loading = parse_source(source), _Loading(parse_source(source).root)
+    paths, tensors = [], {}
+    for module in full:
+        named = checkpoint_tensors(state, src, spec, [module])
+        converted = [w for w in named if loading.converted(w)]
+        if converted:
+            raise ConfigError(f"{module} trains fully and its tensor {converted[0]!r} loads through a conversion: an "
+                              "adapter cannot hold it; freeze the module, give it LoRA, or export the merged model")
+        loaded = {w: loading.loaded(w) for w in named}
+        parts = [key.split(".")[:-1] for key in loaded.values()]
+        common = [p[0] for p in zip(*parts) if len(set(p)) == 1]
+        path = ".".join(common)
+        held = {k for k in loading.meta if k.startswith(path + ".")} if path else set(loading.meta)
+        if not path or held != set(loaded.values()):
+            raise ConfigError(f"{module} trains fully but its tensors fill no module of {loading.arch} of their own "
+                              f"({path or 'the whole model'} holds {len(held)} tensors, it trained {len(loaded)}): an "
+                              "adapter cannot save it; freeze it, give it LoRA, or export the merged model instead")
+        paths.append(path)
+        values = named.load(list(named))
+        tensors.update({f"base_model.model.{loaded[w]}": values[w] for w in named})
+    return sorted(paths), tensors
 
 
 def export_peft_adapter(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source, out_dir: str | Path,
@@ -115,21 +175,25 @@ def export_peft_adapter(state: Mapping[str, torch.Tensor], spec: MLLMSpec, sourc
 
     _check_trainable(spec, source)
     adapted = _adapted(state, spec, source)
+    saved, full = _saved_modules(state, spec, source)
     raw = load_many(state, [k for key, _ in adapted.values() for k in (key, key.replace(".lora_a.", ".lora_b."))])
     tensors = {}
     for path, (key, _) in adapted.items():
         for ours, theirs in ((key, "lora_A"), (key.replace(".lora_a.", ".lora_b."), "lora_B")):
-            t = raw[ours].detach().cpu()
-            tensors[f"base_model.model.{path}.{theirs}.weight"] = (t if dtype is None else t.to(dtype)).contiguous()
+            tensors[f"base_model.model.{path}.{theirs}.weight"] = raw[ours]
+    tensors = {k: (t.detach().cpu() if dtype is None else t.detach().cpu().to(dtype)).contiguous()
+               for k, t in {**tensors, **full}.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(_adapter_config(spec, adapted, source), indent=2, sort_keys=True))
+    config = _adapter_config(spec, adapted, source, saved)
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
 
 
-def _adapter_config(spec: MLLMSpec, adapted: dict[str, tuple[str, str]], source) -> dict:
-    """PEFT's ``LoraConfig`` as JSON: the first adapter's rank and alpha, the others' where they differ."""
+def _adapter_config(spec: MLLMSpec, adapted: dict[str, tuple[str, str]], source, saved: list[str]) -> dict:
+    """PEFT's ``LoraConfig`` as JSON: the first adapter's rank and alpha, the others' where they differ,
+    and the fully trained modules' paths (``saved``) as ``modules_to_save``."""
     settings = {path: spec.training_of(module) for path, (_, module) in adapted.items()}
     first = next(iter(settings.values()))
     alpha = lambda t: t.lora_rank if t.lora_alpha is None else t.lora_alpha  # noqa: E731
@@ -138,7 +202,7 @@ def _adapter_config(spec: MLLMSpec, adapted: dict[str, tuple[str, str]], source)
         "r": first.lora_rank, "lora_alpha": alpha(first),
         "lora_dropout": max(t.lora_dropout for t in settings.values()),
         "target_modules": sorted(adapted), "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "modules_to_save": saved or None, "use_rslora": False, "use_dora": False,
         "rank_pattern": {p: t.lora_rank for p, t in settings.items() if t.lora_rank != first.lora_rank},
         "alpha_pattern": {p: alpha(t) for p, t in settings.items() if alpha(t) != alpha(first)},
     }
