@@ -72,8 +72,10 @@ ASSIGNMENTS = ("balanced", "sequential")
 class DataOrder:
     """Which dataset indices each step trains on: epoch-wise permutations of the usable samples.
 
-    Step ``k`` takes positions ``[k B, (k + 1) B)`` of the concatenated epochs, so the data
-    position of a run is its step: resuming at step ``k`` continues the same stream.
+    Step ``k`` takes positions ``[p_k, p_k + B)`` of the concatenated epochs, ``p_k = k B`` from the
+    start; a run resumed at step ``s`` from data position ``p`` (`resume_at`: the checkpoint's) takes
+    ``p_k = p + (k - s) B``, so the same stream continues where it stopped even when the global batch
+    changed between the runs (no sample skipped, none repeated).
     """
 
     def __init__(self, indices: list[int], global_batch: int, seed: int) -> None:
@@ -82,6 +84,16 @@ class DataOrder:
                               f"{global_batch}; add data or lower the batch")
         self.indices, self.global_batch, self.seed = np.asarray(indices), global_batch, seed
         self._perms: dict[int, np.ndarray] = {}
+        self._anchor = (0, 0)  # (step, data position) the positions count from
+
+    def resume_at(self, step: int, position: int) -> None:
+        """Step ``step`` starts at data position ``position`` (later steps follow it)."""
+        self._anchor = (step, position)
+
+    def position(self, step: int) -> int:
+        """The data position step ``step`` starts at (samples of the stream trained before it)."""
+        at, position = self._anchor
+        return position + (step - at) * self.global_batch
 
     def _epoch(self, e: int) -> np.ndarray:
         if e not in self._perms:
@@ -90,11 +102,11 @@ class DataOrder:
 
     def batch(self, step: int) -> list[int]:
         n = len(self.indices)
-        start = step * self.global_batch
+        start = self.position(step)
         return [int(self._epoch(p // n)[p % n]) for p in range(start, start + self.global_batch)]
 
     def epoch_of(self, step: int) -> float:
-        return step * self.global_batch / len(self.indices)
+        return self.position(step) / len(self.indices)
 
 
 @dataclass

@@ -98,6 +98,18 @@ def resolve_plan(config: Config) -> tuple[Plan, PlanReport | None]:
     return report.best, report
 
 
+def _say_data_position(config: Config, step: int, console) -> None:
+    """Where the resumed run's data continues, said where the global batch changed since the checkpoint
+    (step ``k`` no longer starts at ``k x global_batch``: `harmonia.train.iteration.DataOrder`)."""
+    from harmonia.runtime.checkpoint import read_trainer_state
+
+    position = read_trainer_state(config.checkpoint.dir, step).get("data_position")
+    if position is not None and position != step * config.train.global_batch:
+        console.print(f"the data continues at sample {position} of the stream, where step-{step} stopped (global "
+                      f"batch {config.train.global_batch} now, another before): none skipped, none repeated",
+                      markup=False)
+
+
 def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[float, float, int, float]]:
     """Held-out accuracy per task of the initial model and of the checkpoint: (before, after, n, chance)."""
     import torch.distributed.checkpoint as dcp
@@ -209,6 +221,7 @@ def run_training(config: Config, console) -> TrainResult | None:
         if checked.start_step:
             console.print(f"resumed from step-{checked.start_step} in {config.checkpoint.dir} (train.steps="
                           f"{config.train.steps}; the learning-rate schedule runs to that step)", markup=False)
+            _say_data_position(config, checked.start_step, console)
         t0 = time.perf_counter()
         if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "

@@ -255,13 +255,15 @@ class Trainer:
             state = load_training(ck.dir, self.model, omit=self.from_source)
             self.start_step = self.saved_step = int(state["step"])
             self.losses = list(state.get("losses", []))
+            position = int(state.get("data_position", self.start_step * self.config.train.global_batch))
+            self.order.resume_at(self.start_step, position)  # where the stream stopped, whatever the batch was
 
     def _save(self, step: int) -> None:
         ck = self.config.checkpoint
         if self.rank == 0:
             self.exports.wait()  # the export reads a checkpoint this save may delete
         save_training(ck.dir, step, self.model,
-                      {"data_position": step * self.config.train.global_batch, "losses": self.losses,
+                      {"data_position": self.order.position(step), "losses": self.losses,
                        "plan": json.loads(self.plan.to_json()), "fingerprint": self.fingerprint,
                        "from_source": self.source_modules},
                       keep=ck.keep, before_commit=lambda: self.faults.inside_save(step), omit=self.from_source)

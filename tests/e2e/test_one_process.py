@@ -57,6 +57,10 @@ def test_a_stop_signal_stops_at_a_step_boundary_and_saves(tmp) -> None:
     lines = [line for line in out.splitlines() if line.startswith("error") or "stopped" in line]
     assert any("SIGTERM" in line for line in lines), out[-3000:]
     assert sorted(p.name for p in (tmp / "term" / "ck").glob("step-*")) == ["step-2"]
+    code, out = _finish(_start(_args(tmp, "term", "--train.global_batch=4")))  # resumed with half the batch
+    assert code == 0, out[-3000:]
+    assert "the data continues at sample 16 of the stream, where step-2 stopped (global batch 4 now" in out
+    assert json.loads((tmp / "term" / "ck" / "step-4" / "trainer.json").read_text())["data_position"] == 16 + 2 * 4
 
 
 def test_the_time_limit_stops_the_job_with_its_own_exit_code(tmp) -> None:
