@@ -80,6 +80,10 @@ def _row_rich(row: dict, where: str, index: int) -> SampleShape:
         raise TraceError(f"{where}: {err}") from None
 
 
+DATASET_SUFFIXES = (".json", ".jsonl", ".yaml", ".yml", ".tar", ".parquet")
+"""File kinds that hold datasets, not traces (named in the error when one is given as a trace)."""
+
+
 def read_trace(path: str | Path, tokens_per_tile: int = TILE_TOKENS) -> list[SampleShape]:
     """Read a trace CSV into sample shapes.
 
@@ -102,9 +106,13 @@ def read_trace(path: str | Path, tokens_per_tile: int = TILE_TOKENS) -> list[Sam
         elif "text_tokens" in columns and columns <= set(RICH_COLUMNS):
             parse = _row_rich
         else:
+            dataset = path.suffix.lower() in DATASET_SUFFIXES
             raise TraceError(
                 f"trace {path}: header {sorted(columns)} is not a known form; expected "
                 f"'image_tiles,llm_tokens' or a subset of {RICH_COLUMNS} including text_tokens"
+                + ("; it looks like a dataset: `harmonia plan` and `harmonia simulate` profile a dataset's own "
+                   f"samples given as the job's data.path (--data.path={path} with no --trace, or --config JOB.toml)"
+                   if dataset else "")
             )
         samples = []
         for i, row in enumerate(reader):

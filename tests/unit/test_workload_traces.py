@@ -36,6 +36,17 @@ def test_malformed_csv_names_the_row(tmp_path, content, match) -> None:
         read_trace(path)
 
 
+def test_a_dataset_given_as_a_trace_is_told_how_to_be_profiled(tmp_path) -> None:
+    path = tmp_path / "llava.json"
+    path.write_text('[{"image": "a.png", "conversations": []}]')
+    with pytest.raises(TraceError, match=r"not a known form.*it looks like a dataset: .*--data\.path="):
+        read_trace(path)
+    (tmp_path / "other.csv").write_text("tiles,tokens\n1,300\n")
+    with pytest.raises(TraceError, match="not a known form") as err:
+        read_trace(tmp_path / "other.csv")
+    assert "dataset" not in str(err.value)  # a CSV of other columns: no such hint
+
+
 def test_synthesis_is_deterministic_and_follows_the_mix(tmp_path) -> None:
     a = synthesize_trace(2000, {"video": 0.5, "audio": 0.5}, seed=3)
     assert a == synthesize_trace(2000, {"video": 0.5, "audio": 0.5}, seed=3)
