@@ -44,7 +44,7 @@ def test_a_dataset_given_as_a_trace_is_told_how_to_be_profiled(tmp_path) -> None
     (tmp_path / "other.csv").write_text("tiles,tokens\n1,300\n")
     with pytest.raises(TraceError, match="not a known form") as err:
         read_trace(tmp_path / "other.csv")
-    assert "dataset" not in str(err.value)  # a CSV of other columns: no such hint
+    assert "looks like a dataset" not in str(err.value)  # a CSV of other columns: no such hint
 
 
 def test_synthesis_is_deterministic_and_follows_the_mix(tmp_path) -> None:
