@@ -66,10 +66,10 @@ def _refuse_videos(rows: list[dict]) -> None:
 
 
 def _images(row: dict, root: Path) -> list | None:
-    """A record's images (``image``: one path or a list), None without any."""
+    """A record's images (``image`` or ``images``: one path or a list), None without any."""
     from PIL import Image
 
-    paths = row.get("image")
+    paths = row.get("image", row.get("images"))
     if not paths:
         return None
     return [Image.open(root / p).convert("RGB") for p in ([paths] if isinstance(paths, str) else paths)]

@@ -170,7 +170,7 @@ def test_hf_generate_takes_a_qwen_vl_checkpoint_without_video_support(ckpt, tmp_
     answer = tok.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True).strip()
     assert answer  # a random model still says something
     rows = [{"image": "a.png", "task": "colour", "conversations": [turns[0], {"from": "gpt", "value": answer}]},
-            {"image": ["a.png"], "task": "count", "conversations": [turns[0], {"from": "gpt", "value": answer + "x"}]}]
+            {"images": ["a.png"], "task": "count", "conversations": [turns[0], {"from": "gpt", "value": answer + "x"}]}]
     (tmp_path / "held_out.json").write_text(json.dumps(rows))
     assert generate_accuracy(ckpt, tmp_path / "held_out.json") == {"colour": (1.0, 1), "count": (0.0, 1)}
     rows.append({"id": "clip0", "video": "clip0.mp4", "conversations": [
