@@ -16,20 +16,48 @@ from pathlib import Path
 from harmonia.errors import ConfigError
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+"""A turn's role under LLaVA's ``from`` or the messages format's ``role``, as chat templates name it."""
+
+
+def _turn(turn: dict) -> tuple[str, str]:
+    """(chat role, text) of a LLaVA (``from``/``value``) or messages (``role``/``content``) turn."""
+    role, text = turn.get("from", turn.get("role")), turn.get("value", turn.get("content"))
+    if role not in ROLES or not isinstance(text, str):
+        raise ConfigError(f"turn {turn!r}: expected 'from'/'value' or 'role'/'content' with a role among "
+                          f"{sorted(ROLES)} and text")
+    return ROLES[role], text
+
+
 def _messages(conversations: list[dict]) -> tuple[list[dict], str]:
     """Chat messages up to the last assistant turn (``<image>`` as an image part) and its reference."""
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
+    turns = [_turn(t) for t in conversations]
+    if not turns or turns[-1][0] != "assistant":
+        raise ConfigError("a record's last turn must be the assistant's answer, the reference to score")
     msgs = []
-    for turn in conversations[:-1]:
-        text = turn["value"]
+    for role, text in turns[:-1]:
         parts: list[dict] = []
         for i, piece in enumerate(text.split("<image>")):
             if i:
                 parts.append({"type": "image"})
             if piece:
                 parts.append({"type": "text", "text": piece})
-        msgs.append({"role": roles[turn["from"]], "content": parts})
-    return msgs, conversations[-1]["value"]
+        msgs.append({"role": role, "content": parts})
+    return msgs, turns[-1][1]
+
+
+def _records(path: Path) -> list[dict]:
+    """The records of a LLaVA JSON file (a list) or a JSONL file (one record a line)."""
+    try:
+        if path.suffix.lower() == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{path}: {err}; expected a LLaVA JSON file (a list of records) or a JSONL file") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ConfigError(f"{path} holds no list of records; expected a LLaVA JSON file or a JSONL file")
+    return rows
 
 
 def load_processor(checkpoint: str | Path):
@@ -82,7 +110,9 @@ def generate_accuracy(checkpoint: str | Path, records: str | Path, max_new_token
     Args:
         checkpoint: an HF LLaVA, LLaVA-NeXT or Qwen-VL directory (model, tokenizer, chat template,
             processor).
-        records: a LLaVA JSON file; media paths relative to its directory; ``task`` groups the score.
+        records: a LLaVA JSON file, or JSONL of LLaVA or messages records (``messages`` of
+            ``role``/``content`` turns, ``images``); media paths relative to its directory; ``task``
+            groups the score.
         max_new_tokens: generation length.
         limit: score the first ``limit`` records only.
 
@@ -93,7 +123,7 @@ def generate_accuracy(checkpoint: str | Path, records: str | Path, max_new_token
     from transformers import AutoModelForImageTextToText
 
     path = Path(records)
-    rows = json.loads(path.read_text())[:limit]
+    rows = _records(path)[:limit]
     if not rows:
         raise ConfigError(f"{path} holds no records to answer")
     _refuse_videos(rows)
@@ -101,7 +131,7 @@ def generate_accuracy(checkpoint: str | Path, records: str | Path, max_new_token
     model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     right: dict[str, list[bool]] = defaultdict(list)
     for row in rows:
-        msgs, reference = _messages(row["conversations"])
+        msgs, reference = _messages(row.get("conversations", row.get("messages", [])))
         text = processor.apply_chat_template(msgs, add_generation_prompt=True)
         images = _images(row, path.parent)
         batch = processor(images=images, text=[text], return_tensors="pt")
@@ -117,18 +147,19 @@ def main(argv: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from harmonia.data.evaluate import chance_accuracy
+    from harmonia.data.evaluate import TASK_ANSWERS, chance_accuracy
 
     p = argparse.ArgumentParser(prog="harmonia hf generate", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", help="HF LLaVA, LLaVA-NeXT or Qwen-VL directory (e.g. written by harmonia export)")
-    p.add_argument("records", help="LLaVA JSON file of held-out conversations")
+    p.add_argument("records", help="held-out conversations: LLaVA JSON, or JSONL of LLaVA or messages records")
     p.add_argument("--limit", type=int, default=None, help="answer only the first N records")
     a = p.parse_args(argv)
     table = Table(title=f"transformers generate on {a.records}")
     for col in ("task", "n", "accuracy", "chance"):
         table.add_column(col)
     for task, (acc, n) in generate_accuracy(a.checkpoint, a.records, limit=a.limit).items():
-        table.add_row(task, str(n), f"{acc:.0%}", f"{chance_accuracy(task):.0%}")
+        chance = f"{chance_accuracy(task):.0%}" if task in TASK_ANSWERS else "-"  # a task of the synthetic set's
+        table.add_row(task, str(n), f"{acc:.0%}", chance)
     Console().print(table)
 
 

@@ -5,6 +5,7 @@ windows the tower attends within."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -139,7 +140,7 @@ def test_a_sample_decoded_again_takes_its_tokens_from_memory(ckpt, tmp_path, mon
     assert len(calls) == 2
 
 
-def test_hf_generate_takes_a_qwen_vl_checkpoint_without_video_support(ckpt, tmp_path):
+def test_hf_generate_takes_a_qwen_vl_checkpoint_without_video_support(ckpt, tmp_path, capsys):
     """`harmonia hf generate` on a Qwen-VL directory where transformers' video processor cannot load
     (no torchvision): the processor class without it gives what its image processor and tokenizer give
     (each image pad repeated for its grid), the checkpoint's own greedy answer scores 100%, and a video
@@ -173,6 +174,16 @@ def test_hf_generate_takes_a_qwen_vl_checkpoint_without_video_support(ckpt, tmp_
             {"images": ["a.png"], "task": "count", "conversations": [turns[0], {"from": "gpt", "value": answer + "x"}]}]
     (tmp_path / "held_out.json").write_text(json.dumps(rows))
     assert generate_accuracy(ckpt, tmp_path / "held_out.json") == {"colour": (1.0, 1), "count": (0.0, 1)}
+    messages = [{"role": "user", "content": turns[0]["value"]}, {"role": "assistant", "content": answer}]
+    (tmp_path / "held_out.jsonl").write_text(json.dumps({"messages": messages, "images": ["a.png"]}) + "\n")
+    assert generate_accuracy(ckpt, tmp_path / "held_out.jsonl") == {"all": (1.0, 1)}  # messages JSONL, no task
+    from harmonia.train.hf_generate import main
+
+    main([str(ckpt), str(tmp_path / "held_out.jsonl")])  # a task of no known answers: no chance figure
+    assert re.search(r"all\W+1\W+100%\W+-", capsys.readouterr().out)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "bot", "content": "?"}]}) + "\n")
+    with pytest.raises(ConfigError, match="'role'/'content' with a role among"):
+        generate_accuracy(ckpt, tmp_path / "bad.jsonl")
     rows.append({"id": "clip0", "video": "clip0.mp4", "conversations": [
         {"from": "human", "value": "<video>\nWhich way?"}, {"from": "gpt", "value": "left"}]})
     (tmp_path / "held_out.json").write_text(json.dumps(rows))
