@@ -95,9 +95,11 @@ class ProgressReporter:
 
 
 def eval_line(record: dict) -> str:
-    """``eval after step 40: loss 2.1234 over 96 samples (3 batches)``."""
+    """``eval after step 40: loss 2.1234 over 96 samples (3 batches)``, and the usable samples beyond
+    whole batches the evaluation leaves out, where there are any (``; 5 left out beyond whole batches``)."""
+    left = record.get("left_out", 0)
     return (f"eval after step {record['step']}: loss {record['loss']:.4f} over {record['samples']} samples "
-            f"({record['batches']} batches)")
+            f"({record['batches']} batches)" + (f"; {left} left out beyond whole batches" if left else ""))
 
 
 def phase_line(text: str) -> None:

@@ -34,3 +34,11 @@ def test_only_logged_steps_gather_and_simulate(tmp_path) -> None:
     text = io.StringIO()
     Console(file=text, width=200).print(summary_table(result.records))
     assert "bubble measured" in text.getvalue() and "nan" not in text.getvalue()
+
+
+def test_the_eval_line_says_what_whole_batches_leave_out() -> None:
+    from harmonia.train.report import eval_line
+
+    record = {"step": 2, "loss": 5.233, "samples": 4, "batches": 1, "left_out": 0}
+    assert eval_line(record) == "eval after step 2: loss 5.2330 over 4 samples (1 batches)"
+    assert eval_line({**record, "left_out": 2}).endswith("(1 batches); 2 left out beyond whole batches")
