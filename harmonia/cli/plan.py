@@ -265,9 +265,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         report = search_plan(scenario, top=args.top, accept=accept, samples=shapes)
     name = model if isinstance(model, str) else "the composition of " + ", ".join([model["llm"],
                                                                                   *model["encoders"].values()])
+    profiled = f"data.path={trace} ({len(shapes)} usable samples)" if shapes is not None else args.trace or "ai2d"
     table = Table(title=f"best {len(report.ranked)} plans for {name} on {cluster} "
-                        f"(global batch {batch}), simulated on {args.batches} profiled batches of "
-                        + (f"data.path={trace} ({len(shapes)} usable samples)" if shapes is not None else args.trace or "ai2d"))
+                        f"(global batch {batch}), simulated on {args.batches} profiled batches of {profiled}")
     for col in ("#", "iteration s", "samples/s", "peak GiB/rank", "plan"):
         table.add_column(col, justify="left" if col == "plan" else "right")
     capacity = cluster_from_string(cluster).device.mem_bytes
