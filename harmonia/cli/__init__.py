@@ -83,10 +83,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for col in ("tokens", "phase", "ms", "TFLOP/s"):
         table.add_column(col, justify="right")
     for row in calibration.measurements:
+        if row["seconds"] is None:  # a difference of two timings within their noise: not in the fit
+            table.add_row(str(row["tokens"]), row["phase"], "-", "within noise")
+            continue
         table.add_row(str(row["tokens"]), row["phase"], f"{row['seconds'] * 1e3:.2f}",
                       f"{row['flops'] / row['seconds'] / 1e12:.3f}")
     console.print(table)
     console.print(f"efficiency {calibration.flops_efficiency} -> {args.out}")
+    unmeasured = [p for p in ("F", "B", "W") if p not in calibration.flops_efficiency]
+    if unmeasured:
+        device = device_preset(args.device)
+        console.print(f"{'/'.join(unmeasured)}: within the timings' noise at every length, not calibrated: the "
+                      f"{device.name} preset's rate ({device.flops_efficiency:g} of peak) prices it; time longer "
+                      "sequences (--lengths) or more repeats (--repeats) to measure it", markup=False)
     return 0
 
 

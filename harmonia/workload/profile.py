@@ -4,7 +4,11 @@ One transformer block of a module's spec is timed on sequences of several length
 F = forward; B = ``autograd.grad`` w.r.t. the input only; W = the full backward (input and weights)
 minus B, which is the weight-gradient share as Zero Bubble (Qi et al. 2024) defines it. The achieved
 fraction of the device's peak for each phase is ``analytic FLOPs / (seconds * peak)``; the median
-over lengths becomes the calibration that `CostModel` loads.
+over lengths becomes the calibration that `CostModel` loads. B and W are differences of two timings:
+where one is below `NOISE_SHARE` of the timing it is taken from (a tiny block on a busy CPU), it is
+within the timings' noise, recorded as such and left out of the median; a phase with no measurement
+above the noise at any length is left out of the calibration, so the device's own rate prices it
+(`harmonia.workload.cost.CostModel`), and `harmonia profile` says so.
 """
 
 from __future__ import annotations
@@ -94,7 +98,21 @@ def measure_block(spec: TransformerSpec, tokens: int, device: torch.device, dtyp
     f = _timeit(forward, device, repeats)
     fb = _timeit(backward_input, device, repeats)
     fbw = _timeit(backward_all, device, repeats)
-    return {"F": f, "B": max(fb - f, 1e-9), "W": max(fbw - fb, 1e-9)}
+    return phase_seconds(f, fb, fbw)
+
+
+NOISE_SHARE = 0.03
+"""A difference of two timings below this share of the larger is within their noise (the fastest of a
+few runs of the same work differs by a few percent on a busy CPU)."""
+
+
+def phase_seconds(f: float, fb: float, fbw: float) -> dict[str, float | None]:
+    """F, B = ``fb - f`` and W = ``fbw - fb`` from the forward, forward + input-gradient and forward +
+    whole-backward timings; None for a difference within the timings' noise (`NOISE_SHARE`)."""
+    def diff(a: float, b: float) -> float | None:
+        return b - a if b - a > NOISE_SHARE * b else None
+
+    return {"F": f, "B": diff(f, fb), "W": diff(fb, fbw)}
 
 
 def profile_device(device_spec: DeviceSpec, spec: TransformerSpec, lengths: tuple[int, ...] = (256, 512, 1024),
@@ -110,8 +128,9 @@ def profile_device(device_spec: DeviceSpec, spec: TransformerSpec, lengths: tupl
         flops = {"F": layer.f_tok * t + layer.f_pair * pairs, "B": layer.b_tok * t + layer.b_pair * pairs,
                  "W": layer.w_tok * t}
         for phase in eff:
-            eff[phase].append(flops[phase] / (secs[phase] * device_spec.peak_flops))
+            if secs[phase] is not None:
+                eff[phase].append(flops[phase] / (secs[phase] * device_spec.peak_flops))
             rows.append({"layer": "block", "tokens": t, "phase": phase, "seconds": secs[phase],
                          "flops": flops[phase]})
-    fitted = {p: float(min(1.5, max(1e-4, statistics.median(v)))) for p, v in eff.items()}
+    fitted = {p: float(min(1.5, max(1e-4, statistics.median(v)))) for p, v in eff.items() if v}
     return Calibration(device_spec.name, fitted, rows)

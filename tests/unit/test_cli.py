@@ -36,8 +36,9 @@ def test_profile_writes_calibration(tmp_path) -> None:
     out = tmp_path / "cal.json"
     assert main(["profile", "--lengths", "32,64", "--repeats", "1", "--out", str(out)]) == 0
     cal = json.loads(out.read_text())
-    assert set(cal["flops_efficiency"]) == {"F", "B", "W"}
-    assert all(v > 0 for v in cal["flops_efficiency"].values())
+    measured = {r["phase"] for r in cal["measurements"] if r["seconds"] is not None}  # B, W: above the noise
+    assert "F" in measured and set(cal["flops_efficiency"]) == measured
+    assert all(0 < v <= 1.5 for v in cal["flops_efficiency"].values())
 
 
 def test_simulate_writes_the_comparison_json(tmp_path) -> None:
