@@ -88,6 +88,9 @@ def test_a_fully_trained_projector_goes_in_the_adapter_as_a_module_to_save(tmp_p
 
 def test_what_an_adapter_cannot_hold_is_refused(tmp_path):
     make_llava(tmp_path / "hf")
+    spec, model = trained(tmp_path / "hf", {"vision": VISION_LORA, "vision_proj": "frozen"})  # the LLM trains fully
+    with pytest.raises(ConfigError, match="llm trains fully but its tensors fill no module of LlavaForConditional"):
+        export_peft_adapter(model.state_dict(), spec, tmp_path / "hf", tmp_path / "a")  # its head sits beside it
     spec, model = trained(tmp_path / "hf", {"vision": "frozen", "vision_proj": "frozen"})
     with pytest.raises(ConfigError, match="without LoRA"):
         export_peft_adapter(model.state_dict(), spec, tmp_path / "hf", tmp_path / "b")

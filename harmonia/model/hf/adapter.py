@@ -18,6 +18,7 @@ conversion, and an adapted linear that is part of a fused checkpoint tensor (a Q
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -143,9 +144,8 @@ def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
             raise ConfigError(f"{module} trains fully and its tensor {converted[0]!r} loads through a conversion: an "
                               "adapter cannot hold it; freeze the module, give it LoRA, or export the merged model")
         loaded = {w: loading.loaded(w) for w in named}
-        parts = [key.split(".")[:-1] for key in loaded.values()]
-        common = [p[0] for p in zip(*parts) if len(set(p)) == 1]
-        path = ".".join(common)
+        parts = zip(*(key.split(".")[:-1] for key in loaded.values()))  # module path components, aligned
+        path = ".".join(p[0] for p in itertools.takewhile(lambda p: len(set(p)) == 1, parts))  # the leading ones
         held = {k for k in loading.meta if k.startswith(path + ".")} if path else set(loading.meta)
         if not path or held != set(loaded.values()):
             raise ConfigError(f"{module} trains fully but its tensors fill no module of {loading.arch} of their own "
