@@ -86,11 +86,35 @@ def test_a_fully_trained_projector_goes_in_the_adapter_as_a_module_to_save(tmp_p
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_fully_trained_llm_is_saved_as_its_modules_beside_a_lora_tower(tmp_path):
+    """The LLM trained fully, the tower through LoRA: the LLM's tensors fill two transformers modules
+    (the language model and the head beside it), both saved; peft computes harmonia's logits."""
+    hf = make_llava(tmp_path / "hf")
+    spec, model = trained(tmp_path / "hf", {"vision": VISION_LORA, "vision_proj": "frozen"})
+    with torch.no_grad():
+        for p in model.llm.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    out = export_peft_adapter(model.state_dict(), spec, tmp_path / "hf", tmp_path / "adapter")
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == [
+        "lm_head", "model.language_model"]
+    ids, pixels, _ = sample_inputs(spec)
+    with torch.no_grad():
+        want = peft.PeftModel.from_pretrained(hf, out).eval()(input_ids=ids[None], pixel_values=pixels).logits
+        got = model(pack_samples([tokenized_sample(spec, ids, pixels)]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_modules_to_save_cover_exactly_the_trained_tensors():
+    from harmonia.model.hf.adapter import _covering_modules
+
+    meta = dict.fromkeys(["a.b.w", "a.b.bias", "a.c.w", "head.w", "x.y.w"])
+    assert _covering_modules({"a.b.w", "a.b.bias", "a.c.w", "head.w"}, meta) == ["a", "head"]
+    assert _covering_modules({"a.b.w", "a.b.bias"}, meta) == ["a.b"]
+    assert _covering_modules({"a.b.w"}, meta) is None  # its module holds an untrained bias too
+
+
 def test_what_an_adapter_cannot_hold_is_refused(tmp_path):
     make_llava(tmp_path / "hf")
-    spec, model = trained(tmp_path / "hf", {"vision": VISION_LORA, "vision_proj": "frozen"})  # the LLM trains fully
-    with pytest.raises(ConfigError, match="llm trains fully but its tensors fill no module of LlavaForConditional"):
-        export_peft_adapter(model.state_dict(), spec, tmp_path / "hf", tmp_path / "a")  # its head sits beside it
     spec, model = trained(tmp_path / "hf", {"vision": "frozen", "vision_proj": "frozen"})
     with pytest.raises(ConfigError, match="without LoRA"):
         export_peft_adapter(model.state_dict(), spec, tmp_path / "hf", tmp_path / "b")

@@ -8,8 +8,8 @@ else; ``rank_pattern`` / ``alpha_pattern`` hold the modules whose rank or alpha 
 first's. ``peft.PeftModel.from_pretrained(base, DIR)`` then computes harmonia's logits.
 
 A module trained fully beside the adapters (LLaVA's projector, as LoRA recipes train it) goes in the
-adapter as PEFT's ``modules_to_save``: the transformers module its tensors load into (the one module
-holding exactly them, `_saved_modules`) is listed, and its trained tensors are written under
+adapter as PEFT's ``modules_to_save``: the transformers modules its tensors load into (the fewest
+holding exactly them, `_saved_modules`) are listed, and its trained tensors are written under
 ``base_model.model.<its parameter path>``, as PEFT saves a ``ModulesToSaveWrapper``. A model trained
 without LoRA, a fully trained module whose tensors fill no module of their own or load through a
 conversion, and an adapted linear that is part of a fused checkpoint tensor (a Qwen-VL tower's
@@ -18,7 +18,6 @@ conversion, and an adapted linear that is part of a fused checkpoint tensor (a Q
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -124,7 +123,7 @@ def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
                    ) -> tuple[list[str], dict[str, torch.Tensor]]:
     """PEFT's ``modules_to_save`` for the modules trained fully beside the adapters, and their trained
     tensors under the names PEFT saves them with (``base_model.model.<parameter path>``): per module,
-    the transformers module holding exactly its tensors (the deepest module above them all).
+    the transformers modules holding exactly its tensors (`_covering_modules`).
 
     Raises:
         ConfigError: a module whose tensors load through a conversion, or share their module with
@@ -144,14 +143,12 @@ def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
             raise ConfigError(f"{module} trains fully and its tensor {converted[0]!r} loads through a conversion: an "
                               "adapter cannot hold it; freeze the module, give it LoRA, or export the merged model")
         loaded = {w: loading.loaded(w) for w in named}
-        parts = zip(*(key.split(".")[:-1] for key in loaded.values()))  # module path components, aligned
-        path = ".".join(p[0] for p in itertools.takewhile(lambda p: len(set(p)) == 1, parts))  # the leading ones
-        held = {k for k in loading.meta if k.startswith(path + ".")} if path else set(loading.meta)
-        if not path or held != set(loaded.values()):
-            raise ConfigError(f"{module} trains fully but its tensors fill no module of {loading.arch} of their own "
-                              f"({path or 'the whole model'} holds {len(held)} tensors, it trained {len(loaded)}): an "
-                              "adapter cannot save it; freeze it, give it LoRA, or export the merged model instead")
-        paths.append(path)
+        covering = _covering_modules(set(loaded.values()), loading.meta)
+        if covering is None:
+            raise ConfigError(f"{module} trains fully but its tensors fill no modules of {loading.arch} of their own "
+                              "(a module holds some of them beside tensors it did not train): an adapter cannot save "
+                              "it; freeze it, give it LoRA, or export the merged model instead")
+        paths += covering
         values = named.load(list(named))
         tensors.update({f"base_model.model.{loaded[w]}": values[w] for w in named})
     return sorted(paths), tensors
@@ -189,6 +186,25 @@ def export_peft_adapter(state: Mapping[str, torch.Tensor], spec: MLLMSpec, sourc
     config = _adapter_config(spec, adapted, source, saved)
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     return out
+
+
+def _covering_modules(trained: set[str], meta: Mapping[str, torch.Tensor]) -> list[str] | None:
+    """The fewest module paths whose tensors (``meta``'s keys under them) are exactly ``trained``: each
+    trained tensor's highest ancestor module holding nothing else (LLaVA's LLM: ``model.language_model``
+    and ``lm_head``); None where a trained tensor's own module holds an untrained one too."""
+    out = set()
+    for key in trained:
+        parts = key.split(".")[:-1]
+        best = None
+        for depth in range(len(parts), 0, -1):  # from the tensor's own module up
+            path = ".".join(parts[:depth])
+            if not {k for k in meta if k.startswith(path + ".")} <= trained:
+                break
+            best = path
+        if best is None:
+            return None
+        out.add(best)
+    return sorted(out)
 
 
 def _adapter_config(spec: MLLMSpec, adapted: dict[str, tuple[str, str]], source, saved: list[str]) -> dict:
