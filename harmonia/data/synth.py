@@ -222,6 +222,11 @@ def write_synthetic_dataset(out: str | Path, n_samples: int, seed: int = 0, held
         else:
             task = tasks[int(rng.choice(len(tasks), p=weights / weights.sum()))]
         samples.append(make_sample(rng, f"s{i:06d}", task, tile, like=like))
+    others = sorted({rec["task"] for rec, _ in samples} - set(LLAVA_TASKS)) if fmt == "llava" else []
+    if others:  # refused before anything is written
+        raise ConfigError(f"a LLaVA dataset holds the tasks {LLAVA_TASKS} only, but the trace asks for {others} "
+                          "(videos, audio); write it in the harmonia format (--format harmonia), or use a trace of "
+                          "images and text")
     n_held = round(n_samples * heldout)
     out = Path(out)
     _write_split(out / "train", samples[n_held:], shards, fmt)

@@ -43,3 +43,14 @@ def test_tiny_omni_learns_the_synthetic_tasks(tmp_path):
     assert set(acc) == {"colour", "pitch", "direction"}
     assert mean > chance + 0.25
     assert all(a > chance_accuracy(t) for t, (a, _) in acc.items())
+
+
+def test_a_llava_set_of_a_trace_with_videos_is_refused_before_writing(tmp_path):
+    """LLaVA JSON holds the image and text tasks: a trace asking for videos is refused with the way out,
+    and nothing is written (it failed half-way with a KeyError)."""
+    from harmonia.errors import ConfigError
+
+    video = SampleShape(40, [ModalityItem.video(4, 1)])
+    with pytest.raises(ConfigError, match=r"asks for \['direction'\] .*--format harmonia"):
+        write_synthetic_dataset(tmp_path / "out", 8, trace=[video], fmt="llava")
+    assert not (tmp_path / "out").exists()
