@@ -258,6 +258,7 @@ def test_a_job_config_naming_its_data_is_planned_on_that_data(tmp_path, monkeypa
     assert Plan.load(tmp_path / "plan.json").layouts == trained.layouts
     assert main(["plan", "--config", str(job), "--top", "1", "--trace", "text:64"]) == 0
     assert "profiled batches of text:64" in " ".join(capsys.readouterr().out.split())
-    assert main(["simulate", "--config", str(job), "--iterations", "1", "--layout", "vision dp2; audio dp2; llm dp2"]) == 0
+    layout = "vision dp2; audio dp2; llm dp2"
+    assert main(["simulate", "--config", str(job), "--iterations", "1", "--layout", layout]) == 0
     assert f"1 iterations of 8 samples ({data})" in " ".join(capsys.readouterr().out.split())
     assert sorted(tmp_path.rglob("*")) == sorted([*before, tmp_path / "plan.json"])
