@@ -110,6 +110,24 @@ def _say_data_position(config: Config, step: int, console) -> None:
                       markup=False)
 
 
+def _say_replaced_metrics(config: Config, console) -> None:
+    """A run starting at step 0 replaces the records an earlier run left in ``log.dir/metrics.jsonl``
+    (the writer keeps only the steps before the one a run starts at): said, with how to keep them."""
+    path = Path(config.log.dir) / "metrics.jsonl"
+    steps = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            steps.append(record["step"])
+    if steps:
+        console.print(f"{path} holds {len(steps)} records of steps {min(steps)}-"
+                      f"{max(steps)} an earlier run wrote; this run, starting at step 0, replaces them (give it "
+                      "another log.dir to keep them)", markup=False)
+
+
 def evaluate(config: Config, checkpoint_step: int | None) -> dict[str, tuple[float, float, int, float]]:
     """Held-out accuracy per task of the initial model and of the checkpoint: (before, after, n, chance)."""
     import torch.distributed.checkpoint as dcp
@@ -222,6 +240,8 @@ def run_training(config: Config, console) -> TrainResult | None:
             console.print(f"resumed from step-{checked.start_step} in {config.checkpoint.dir} (train.steps="
                           f"{config.train.steps}; the learning-rate schedule runs to that step)", markup=False)
             _say_data_position(config, checked.start_step, console)
+        else:
+            _say_replaced_metrics(config, console)
         t0 = time.perf_counter()
         if prepare_data(config):
             console.print(f"synthesized {config.data.synthesize} training and {config.data.heldout} held-out samples "

@@ -42,6 +42,9 @@ def test_a_one_process_job_trains_in_the_commands_process(tmp) -> None:
     assert "training in this process: one rank (gloo backend)" in out and "starting 1 processes" not in out
     summary = json.loads((tmp / "plain" / "summary.json").read_text())
     assert len(summary["losses"]) == 4 and summary["startup"]["process start"] < 0.5
+    code, out = _finish(_start(_args(tmp, "plain", f"--checkpoint.dir={tmp / 'other-ck'}", "--train.steps=1")))
+    assert code == 0, out[-3000:]  # a fresh run into the same log.dir says whose records it replaces
+    assert "holds 4 records of steps 0-3 an earlier run wrote" in " ".join(out.split())
 
 
 def test_a_failing_rank_is_named_and_its_last_checkpoint_stays(tmp) -> None:
