@@ -26,18 +26,25 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def cut_metrics(path: Path, start_step: int) -> None:
-    """Keep only the records of ``path`` before ``start_step`` (a torn last line goes too); atomic."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(errors="replace").splitlines():
+def step_records(path: Path) -> list[tuple[int, str]]:
+    """``(step, line)`` of every step record of a ``metrics.jsonl`` (none where there is no file; a torn
+    last line and lines of no step are skipped)."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < start_step:
-            kept.append(line + "\n")
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out.append((record["step"], line))
+    return out
+
+
+def cut_metrics(path: Path, start_step: int) -> None:
+    """Keep only the records of ``path`` before ``start_step`` (a torn last line goes too); atomic."""
+    if not path.is_file():
+        return
+    kept = [line + "\n" for step, line in step_records(path) if step < start_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     os.replace(tmp, path)

@@ -113,15 +113,10 @@ def _say_data_position(config: Config, step: int, console) -> None:
 def _say_replaced_metrics(config: Config, console) -> None:
     """A run starting at step 0 replaces the records an earlier run left in ``log.dir/metrics.jsonl``
     (the writer keeps only the steps before the one a run starts at): said, with how to keep them."""
+    from harmonia.metrics import step_records
+
     path = Path(config.log.dir) / "metrics.jsonl"
-    steps = []
-    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
-        try:
-            record = json.loads(line)
-        except ValueError:  # a torn last line
-            continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            steps.append(record["step"])
+    steps = [step for step, _ in step_records(path)]
     if steps:
         console.print(f"{path} holds {len(steps)} records of steps {min(steps)}-"
                       f"{max(steps)} an earlier run wrote; this run, starting at step 0, replaces them (give it "
