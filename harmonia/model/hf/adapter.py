@@ -34,7 +34,8 @@ from harmonia.model.training_mode import Trainability
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
-def _adapted(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source) -> dict[str, tuple[str, str]]:
+def _adapted(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
+             loading: _Loading) -> dict[str, tuple[str, str]]:
     """Module path of the adapted linear in transformers' model -> (our ``lora_a`` key, our module
     name), for every adapter."""
     from harmonia.model.mllm import state_prefix
@@ -49,7 +50,7 @@ def _adapted(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source) -> dict[
                 raise ConfigError(f"{module}.{merged} is a block of rows of {located.names[merged]} in the checkpoint; "
                                   "PEFT cannot adapt part of a fused tensor: export the merged model instead")
             out[located.names[merged]] = (key, module)
-    paths = module_paths(sorted(out), src.root)
+    paths = module_paths(sorted(out), loading)
     return {paths[weight]: adapted for weight, adapted in out.items()}
 
 
@@ -100,14 +101,13 @@ class _Loading:
         return renamed != self.loaded(weight) or renamed not in self.meta
 
 
-def module_paths(weights: list[str], root: Path) -> dict[str, str]:
-    """Checkpoint weight name -> the module path of the linear transformers loads it into, for the model
-    ``root``'s config describes (`_Loading`): PEFT adapts modules by their path.
+def module_paths(weights: list[str], loading: _Loading) -> dict[str, str]:
+    """Checkpoint weight name -> the module path of the linear transformers loads it into, in the model
+    ``loading`` builds: PEFT adapts modules by their path.
 
     Raises:
         ConfigError: a weight that loads into no linear.
     """
-    loading = _Loading(root)
     out = {}
     for weight in weights:
         loaded = loading.loaded(weight)
@@ -120,7 +120,7 @@ def module_paths(weights: list[str], root: Path) -> dict[str, str]:
 
 
 def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
-                   ) -> tuple[list[str], dict[str, torch.Tensor]]:
+                   loading: _Loading) -> tuple[list[str], dict[str, torch.Tensor]]:
     """PEFT's ``modules_to_save`` for the modules trained fully beside the adapters, and their trained
     tensors under the names PEFT saves them with (``base_model.model.<parameter path>``): per module,
     the transformers modules holding exactly its tensors (`_covering_modules`).
@@ -134,7 +134,7 @@ def _saved_modules(state: Mapping[str, torch.Tensor], spec: MLLMSpec, source,
     full = [m for m in spec.module_names if spec.training_of(m).mode is Trainability.FULL]
     if not full:
         return [], {}
-    src, loading = parse_source(source), _Loading(parse_source(source).root)
+    src = parse_source(source)
     paths, tensors = [], {}
     for module in full:
         named = checkpoint_tensors(state, src, spec, [module])
@@ -171,8 +171,9 @@ def export_peft_adapter(state: Mapping[str, torch.Tensor], spec: MLLMSpec, sourc
     from safetensors.torch import save_file
 
     _check_trainable(spec, source)
-    adapted = _adapted(state, spec, source)
-    saved, full = _saved_modules(state, spec, source)
+    loading = _Loading(parse_source(source).root)  # transformers' model on meta: built once
+    adapted = _adapted(state, spec, source, loading)
+    saved, full = _saved_modules(state, spec, source, loading)
     raw = load_many(state, [k for key, _ in adapted.values() for k in (key, key.replace(".lora_a.", ".lora_b."))])
     tensors = {}
     for path, (key, _) in adapted.items():
@@ -192,13 +193,18 @@ def _covering_modules(trained: set[str], meta: Mapping[str, torch.Tensor]) -> li
     """The fewest module paths whose tensors (``meta``'s keys under them) are exactly ``trained``: each
     trained tensor's highest ancestor module holding nothing else (LLaVA's LLM: ``model.language_model``
     and ``lm_head``); None where a trained tensor's own module holds an untrained one too."""
+    held: dict[str, set[str]] = {}  # module path -> the tensors under it
+    for k in meta:
+        parts = k.split(".")[:-1]
+        for depth in range(1, len(parts) + 1):
+            held.setdefault(".".join(parts[:depth]), set()).add(k)
     out = set()
     for key in trained:
         parts = key.split(".")[:-1]
         best = None
         for depth in range(len(parts), 0, -1):  # from the tensor's own module up
             path = ".".join(parts[:depth])
-            if not {k for k in meta if k.startswith(path + ".")} <= trained:
+            if not held.get(path, set()) <= trained:
                 break
             best = path
         if best is None:
