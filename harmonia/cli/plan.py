@@ -47,7 +47,8 @@ def trace_path(trace: str) -> str:
 def _scenario(args: argparse.Namespace, plan=None) -> tuple:
     """The scenario `simulate` runs: a scenario file, or the job's config fields and flags with a trace
     (`_job_config`; a given plan supplies its model, batch and training modes where they do not), and
-    the shapes of the job's own dataset where it is profiled instead of a trace (`_job_data`; else None)."""
+    the shapes of the job's own dataset where it is profiled instead of a trace (`_profiled_data`; else
+    None)."""
     import dataclasses
 
     from harmonia.errors import ConfigError
@@ -62,10 +63,8 @@ def _scenario(args: argparse.Namespace, plan=None) -> tuple:
         scenario = Scenario.load(args.scenario or str(PROJECT / DEFAULT_SCENARIO))
     else:
         config = _job_config(args, plan)
-        shapes = _job_data(args, config)
-        scenario = Scenario("simulate", config.model.source, config.parallel.cluster,
-                            config.data.path if shapes is not None else trace_path(args.trace or DEFAULT_TRACE),
-                            config.train.global_batch,
+        trace, shapes = _profiled_data(args, config)
+        scenario = Scenario("simulate", config.model.source, config.parallel.cluster, trace, config.train.global_batch,
                             config.model.training_modes, seed=config.train.seed,
                             mixed_precision=config.train.mixed_precision)
     if args.sequence_parallel:
@@ -220,20 +219,22 @@ def _job_cluster(config) -> str:
     return spec.describe()
 
 
-def _job_data(args: argparse.Namespace, config) -> list | None:
-    """The shapes of the job's own training set where the job names one (``data.path`` in ``--config``
-    or an override) and no ``--trace`` is given: `harmonia train` profiles them, so the plan is the one
-    it would search for. Read as training reads it (bad records counted and left out), nothing cached.
-    None otherwise (a set ``data.synthesize`` has not written yet: the default trace)."""
+def _profiled_data(args: argparse.Namespace, config) -> tuple[str, list | None]:
+    """What `plan` and `simulate` profile: ``(data.path, its shapes)`` where the job names its own
+    training set (``data.path`` in ``--config`` or an override) and no ``--trace`` is given: `harmonia
+    train` profiles them, so the plan is the one it would search for; read as training reads it (bad
+    records counted and left out), nothing cached. Otherwise ``(the trace, None)`` (also for a set
+    ``data.synthesize`` has not written yet)."""
     from harmonia.config import config_values
 
+    trace = trace_path(args.trace or DEFAULT_TRACE)
     if args.trace is not None or "path" not in config_values(args.config, args.overrides).get("data", {}):
-        return None
+        return trace, None
     if config.data.synthesize and not Path(config.data.path).exists():
-        return None
+        return trace, None
     from harmonia.train.data import open_split
 
-    return open_split(config, "train", cache_dir=None, log_skips=False).shapes()
+    return config.data.path, open_split(config, "train", cache_dir=None, log_skips=False).shapes()
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -250,8 +251,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "or write the plan elsewhere")
     model, cluster, batch = config.model.source, config.parallel.cluster, config.train.global_batch
     planned = _job_cluster(config)
-    shapes = _job_data(args, config)
-    trace = config.data.path if shapes is not None else trace_path(args.trace or DEFAULT_TRACE)
+    trace, shapes = _profiled_data(args, config)
     scenario = Scenario("plan", model, planned, trace, batch, config.model.training_modes,
                         iterations=1, search_batches=args.batches, memory_batches=args.memory_batches,
                         seed=config.train.seed, mixed_precision=config.train.mixed_precision,
