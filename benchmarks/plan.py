@@ -5,10 +5,13 @@ the best homogeneous plan (one layout for all modules: each encoder on the LLM's
 stage with its tp and dp). Both chosen plans then run the scenario's first ``--held-out`` sampled
 iterations (batches the search never scored); the table shows the chosen layouts, their simulated
 throughput on the search batches and on the held-out ones, and the search time (wall clock and
-process CPU time, on one core, each search in a fresh process as `harmonia plan` runs it). A last
-row times the search on 1024 GPUs: scenario (b) on 128 nodes of 8 H100 with a 4x larger global
-batch; three more time `harmonia plan` as a user runs it by default (`COMMAND`) on 64, 1024 and 4096
-GPUs, two more the omni-72b command (`OMNI_COMMAND`) on 1024 and 4096.
+CPU time of the process and its planner workers, each search in a fresh process as `harmonia plan`
+runs it, with its default workers: one per core this process may use, started once the costly
+refinements have run `PARALLEL_AFTER_S` in one process). A last row times the search on 1024 GPUs:
+scenario (b) on 128 nodes of 8 H100 with a 4x larger global batch; three more time `harmonia plan`
+as a user runs it by default (`COMMAND`) on 64, 1024 and 4096 GPUs, two more the omni-72b command
+(`OMNI_COMMAND`) on 1024 and 4096, and the last that 4096-GPU search again in one process
+(``--workers 1``), for the workers' gain.
 
     python benchmarks/plan.py [--held-out N] [scenario.toml ...]
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import resource
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -30,7 +34,9 @@ from saved import save_table
 
 from harmonia.errors import LayoutError
 from harmonia.plan.scenario import Scenario, ScenarioRun
+from harmonia.plan.refiners import PARALLEL_AFTER_S
 from harmonia.plan.search import PlanReport, search_plan
+from harmonia.train.backend import process_cores
 from harmonia.workload.devices import cluster_from_string
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,21 +59,27 @@ def layout_text(report: PlanReport | None) -> str:
     return f"{plan.placement.value} {plan.schedule}x{plan.n_microbatches}: {mods}"
 
 
-def timed_search(scenario: Scenario, homogeneous: bool = False, top: int = 1) -> tuple[PlanReport | None, float, float]:
-    """The search's report (None when no plan fits), its wall-clock seconds and its process CPU seconds,
-    searched in a fresh process, as `harmonia plan` runs (the searches before it leave their caches
-    in this one)."""
+def timed_search(scenario: Scenario, homogeneous: bool = False, top: int = 1,
+                 workers: int | None = None) -> tuple[PlanReport | None, float, float]:
+    """The search's report (None when no plan fits), its wall-clock seconds and the CPU seconds of its
+    process and planner workers, searched in a fresh process, as `harmonia plan` runs (the searches
+    before it leave their caches in this one), with ``workers`` (default: `harmonia plan`'s)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_search_here, scenario, homogeneous, top).result()
+        return pool.submit(_search_here, scenario, homogeneous, top, workers or process_cores()).result()
 
 
-def _search_here(scenario: Scenario, homogeneous: bool, top: int) -> tuple[PlanReport | None, float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _search_here(scenario: Scenario, homogeneous: bool, top: int, workers: int) -> tuple[PlanReport | None, float, float]:
+    wall, cpu, children = time.perf_counter(), time.process_time(), _children_cpu()
     try:
-        report = search_plan(scenario, top=top, homogeneous=homogeneous)
+        report = search_plan(scenario, top=top, homogeneous=homogeneous, workers=workers)
     except LayoutError:
         report = None
-    return report, time.perf_counter() - wall, time.process_time() - cpu
+    return report, time.perf_counter() - wall, time.process_time() - cpu + _children_cpu() - children
 
 
 def rate_text(report: PlanReport | None) -> str:
@@ -121,16 +133,19 @@ def main(argv: list[str]) -> int:
         best, wall, cpu = timed_search(large)
         table.add_row("b x4", "1024", layout_text(best), rate_text(best), "", "", "", "", "",
                       f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
-    for model, training, trace, batch, clusters in (COMMAND, OMNI_COMMAND):
-        for cluster in clusters:
-            scenario = Scenario("plan", model, cluster, trace, batch, training, iterations=1, search_batches=2)
-            best, wall, cpu = timed_search(scenario, top=3)
-            gpus = cluster_from_string(cluster).world_size
-            table.add_row(f"{model} top 3", str(gpus), layout_text(best), rate_text(best), "", "", "", "", "",
-                          f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
-            console.print(f"{model} on {gpus} GPUs: searched in {wall:.1f} s wall, {cpu:.1f} s cpu", highlight=False)
+    rows = [(*COMMAND, cluster, None) for cluster in COMMAND[-1]]
+    rows += [(*OMNI_COMMAND, cluster, None) for cluster in OMNI_COMMAND[-1]] + [(*OMNI_COMMAND, OMNI_COMMAND[-1][-1], 1)]
+    for model, training, trace, batch, _, cluster, workers in rows:
+        scenario = Scenario("plan", model, cluster, trace, batch, training, iterations=1, search_batches=2)
+        best, wall, cpu = timed_search(scenario, top=3, workers=workers)
+        gpus = cluster_from_string(cluster).world_size
+        used = f", {best.workers} workers" if best and best.workers > 1 else ", 1 process"
+        table.add_row(f"{model} top 3{used}", str(gpus), layout_text(best), rate_text(best), "", "", "", "", "",
+                      f"{wall:.1f} ({cpu:.1f})", "", counts_text(best))
+        console.print(f"{model} on {gpus} GPUs{used}: searched in {wall:.1f} s wall, {cpu:.1f} s cpu", highlight=False)
     console.print(table)
-    console.print("targets: search <= 10 s on 64 GPUs, <= 60 s on 1024 GPUs, <= 300 s on 4096 GPUs (one core); "
+    console.print(f"{process_cores()} cores; planner workers start after {PARALLEL_AFTER_S:.0f} s of refinements in one "
+                  "process; targets: search <= 10 s on 64 GPUs, <= 60 s on 1024 GPUs, <= 300 s on 4096 GPUs; "
                   f"'held-out' runs the scenario's first {args.held_out} sampled iterations, which the search never "
                   "scored")
     save_table(console, "plan")

@@ -240,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "about a second each on 64 GPUs)")
     p.add_argument("--json", default=None, help="where the best plan is written (default: not written)")
     p.add_argument("--device-set", default="", help=DEVICE_SET_HELP)
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that refine candidates at once once the search has run "
+                   "harmonia.plan.refiners.PARALLEL_AFTER_S seconds; the ranking is the same for any number "
+                   "(default: the cores this process may use)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="score a given plan (--plan, --layout), or run a scenario under each "

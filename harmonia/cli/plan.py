@@ -237,6 +237,18 @@ def _profiled_data(args: argparse.Namespace, config) -> tuple[str, list | None]:
     return config.data.path, open_split(config, "train", cache_dir=None, log_skips=False).shapes()
 
 
+def _workers(given: int | None) -> int:
+    """``--workers``, checked; by default the cores this process may use."""
+    from harmonia.errors import ConfigError
+    from harmonia.train.backend import process_cores
+
+    if given is None:
+        return process_cores()
+    if given < 1:
+        raise ConfigError(f"--workers {given}: give at least 1 (1 searches in this process alone)")
+    return given
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Search one static layout for a model, cluster and trace; write the best plan where ``--json`` says."""
     from harmonia.plan.search import search_plan
@@ -262,7 +274,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         accept = _constraints(config)
     with console.status("profiling batches and searching layouts"):
-        report = search_plan(scenario, top=args.top, accept=accept, samples=shapes)
+        report = search_plan(scenario, top=args.top, accept=accept, samples=shapes, workers=_workers(args.workers))
     name = model if isinstance(model, str) else "the composition of " + ", ".join([model["llm"],
                                                                                   *model["encoders"].values()])
     profiled = f"data.path={trace} ({len(shapes)} usable samples)" if shapes is not None else args.trace or "ai2d"
@@ -283,7 +295,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rejected = ", ".join(f"{n} {why}" for why, n in report.rejected.most_common()) or "none"
     console.print(f"{report.simulated + report.pruned} candidates: {report.simulated} simulated "
                   f"({report.timelines} single-batch simulations), {report.pruned} pruned by lower bounds; "
-                  f"rejected: {rejected}; {report.seconds:.1f} s")
+                  f"rejected: {rejected}; {report.seconds:.1f} s"
+                  + (f" ({report.workers} worker processes)" if report.workers > 1 else ""))
     if args.json:
         report.best.save(args.json)
         console.print(f"plan written to {args.json}")

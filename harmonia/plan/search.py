@@ -77,6 +77,7 @@ from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.heavy_replicas import HEAVIEST, heaviest_replicas
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.memory import work_peak_floor
+from harmonia.plan.refiners import Outcome, Refiners
 from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.rerank import even_split_first, plainer_first, roomier_first
@@ -108,6 +109,7 @@ class PlanReport:
         pruned: candidates never simulated (their lower bound exceeded the scores ranked).
         timelines: single-batch simulations run (``simulated * batches`` at most).
         seconds: wall-clock time of the search.
+        workers: processes that refined candidates (`harmonia.plan.refiners`; 1: this one alone).
     """
 
     best: Plan
@@ -118,6 +120,7 @@ class PlanReport:
     pruned: int = 0
     timelines: int = 0
     seconds: float = 0.0
+    workers: int = 1
 
 
 @contextlib.contextmanager
@@ -139,7 +142,7 @@ def _few_collections():
 
 def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str | None] | None = None,
                 samples: list[SampleShape] | None = None, homogeneous: bool = False,
-                recipe: str = "harmonia") -> PlanReport:
+                recipe: str = "harmonia", workers: int = 1) -> PlanReport:
     """Search a recipe's candidates (harmonia's by default) for a scenario.
 
     Args:
@@ -152,6 +155,8 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
             first pipeline stage with the LLM's tp and dp), the baseline per-module layouts beat.
         recipe: whose rules the candidates follow (`harmonia.plan.recipes.RECIPES`); the bounds hold
             for every recipe, so each baseline also gets the best layout its rules allow.
+        workers: processes refining candidates at once once the search has run a while
+            (`harmonia.plan.refiners`); the ranking is the same for any number.
 
     Raises:
         LayoutError: when no candidate fits the devices' memory (naming the smallest device count on
@@ -159,11 +164,11 @@ def search_plan(scenario: Scenario, top: int = 1, accept: Callable[[Plan], str |
             global batch (naming the smallest global batch and the largest world size that work).
     """
     with _few_collections():
-        return _search(scenario, top, accept, samples, homogeneous, recipe)
+        return _search(scenario, top, accept, samples, homogeneous, recipe, workers)
 
 
 def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] | None,
-            samples: list[SampleShape] | None, homogeneous: bool, recipe: str) -> PlanReport:
+            samples: list[SampleShape] | None, homogeneous: bool, recipe: str, workers: int) -> PlanReport:
     t0 = time.perf_counter()
     run = ScenarioRun(scenario, samples)
 
@@ -183,7 +188,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
         raise no_layout_error(run, enumerate_, rejected, "homogeneous layout" if homogeneous else "layout")
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
     scorer = _Scorer(run, batches)
-    ranked, simulated = _branch_and_bound(scorer, cands, batches, top, rejected)
+    ranked, simulated, used = _branch_and_bound(scorer, cands, batches, top, rejected, workers)
     twins = 0  # even-split twins of the ranked plans, each simulated: candidates of their own
     if recipe == "harmonia" and ranked:
         ranked, twins = even_split_first(scorer, ranked, top)
@@ -199,7 +204,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
                           f"when simulated; {dict(rejected)}); use more devices or a smaller global batch")
     peaks = [scorer.peak_bytes[simulation_key(c, run.cost)] for _, _, c in ranked]
     return PlanReport(ranked[0][2].plan, ranked, peaks, rejected, simulated, len(cands) + twins - simulated,
-                      scorer.timelines, time.perf_counter() - t0)
+                      scorer.timelines, time.perf_counter() - t0, used)
 
 
 def _distinct(found: Iterator[Candidate], cost: CostModel) -> list[Candidate]:
@@ -213,11 +218,17 @@ def _distinct(found: Iterator[Candidate], cost: CostModel) -> list[Candidate]:
 
 
 def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int], top: int,
-                      rejected: Counter) -> tuple[list[tuple[float, float, Candidate]], int]:
-    """The ``top`` best candidates by mean simulated time over ``batches`` (see the module docstring).
+                      rejected: Counter, workers: int = 1) -> tuple[list[tuple[float, float, Candidate]], int, int]:
+    """The ``top`` best candidates by mean simulated time over ``batches`` (see the module docstring),
+    the costly refinements in up to ``workers`` processes once they have taken
+    `harmonia.plan.refiners.PARALLEL_AFTER_S` here.
+
+    With workers, the candidates with the smallest bounds are refined at once; a candidate whose
+    batches are all simulated is ranked only when no refinement is in flight (one in flight may end
+    below it), so the ranking is the serial search's; the number simulated may differ.
 
     Returns:
-        (ranked candidates, candidates simulated at least once).
+        (ranked candidates, candidates simulated at least once, processes that refined them).
     """
     run = scorer.run
     keys = [simulation_key(c, run.cost) for c in cands]
@@ -231,54 +242,102 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     def bound_of(i: int) -> float:
         return sum(v for _, v in states[keys[i]]) / len(batches)
 
+    def fail(i: int, why: str) -> None:
+        failed[keys[i]] = why
+        rejected[why] += 1
+
+    def refine(i: int, j: int, level: int, value: float) -> Outcome:  # costly: maybe in a worker
+        cand, key = cands[i], keys[i]
+        family, timelines = (family_key(cand, run.cost), j), scorer.timelines
+        found = len(scorer.work_bounds.get(family, ()))
+        try:
+            if level in (ANALYTIC, TWIN):
+                state = [WORK, max(value, scorer.work(cand, key, j))]
+            else:
+                seconds, whole = scorer.simulate_part(cand, key, j)
+                state = [SIMULATED, seconds] if whole else [PARTIAL, max(value, seconds)]
+        except HarmoniaError as err:
+            return Outcome(i, j, error=f"schedule: {err}"[:80])
+        bounds = scorer.work_bounds.get(family, ())
+        return Outcome(i, j, state, peak=scorer.peak_bytes.get(key, 0.0),
+                       work_bound=(family, bounds[-1]) if len(bounds) > found else None,
+                       timelines=scorer.timelines - timelines)
+
+    def settle(done: Outcome) -> None:  # a refinement's outcome into the search
+        i, key = done.i, keys[done.i]
+        if done.error is not None:
+            return fail(i, done.error)
+        states[key][done.j] = done.state
+        scorer._record(key, done.peak)
+        if done.remote:  # the worker's scorer found them; this one's twins' bounds use them
+            scorer.timelines += done.timelines
+            if done.work_bound is not None:
+                scorer.work_bounds.setdefault(done.work_bound[0], []).append(done.work_bound[1])
+        over = scorer.over_memory(key)
+        if over:  # a plan that cannot run on the devices is no plan, whatever its time
+            return fail(i, over)
+        heapq.heappush(heap, (bound_of(i), i))
+
     heap = [(bound_of(i), i) for i in range(len(cands))]
     heapq.heapify(heap)
     ranked: list[tuple[float, float, Candidate]] = []
-    while heap and len(ranked) < top:
-        value, i = heapq.heappop(heap)
-        key = keys[i]
-        if key in failed:
-            rejected[failed[key]] += 1
-            continue
-        current = bound_of(i)
-        if current > value:  # a shared refinement raised it since it was pushed
-            heapq.heappush(heap, (current, i))
-            continue
-        state = states[key]
-        j = min(range(len(batches)), key=lambda j: state[j][0])
-        if state[j][0] == SIMULATED:
-            try:
-                over = scorer.heavier_batches_over(cands[i], key)
-            except HarmoniaError as err:
-                over = f"schedule: {err}"[:80]
-            if over:  # it would run out of memory on a batch heavier than those it was timed on
-                failed[key] = over
-                rejected[over] += 1
-                continue
-            ranked.append((current, run.scenario.global_batch / current, cands[i]))
-            continue
-        try:
-            if state[j][0] == COMPUTE:
-                state[j] = [ANALYTIC, max(state[j][1], scorer.analytic(cands[i], j))]
-            elif state[j][0] == ANALYTIC and (twin := scorer.twin_bound(cands[i], j)) > state[j][1]:
-                state[j] = [TWIN, twin]
-            elif state[j][0] in (ANALYTIC, TWIN):
-                state[j] = [WORK, max(state[j][1], scorer.work(cands[i], key, j))]
-            else:
-                touched.add(i)
-                seconds, whole = scorer.simulate_part(cands[i], key, j)
-                state[j] = [SIMULATED, seconds] if whole else [PARTIAL, max(state[j][1], seconds)]
-        except HarmoniaError as err:
-            failed[key] = f"schedule: {err}"[:80]
-            rejected[failed[key]] += 1
-            continue
-        over = scorer.over_memory(key)
-        if over:  # a plan that cannot run on the devices is no plan, whatever its time
-            failed[key] = over
-            rejected[over] += 1
-            continue
-        heapq.heappush(heap, (bound_of(i), i))
-    return ranked, len(touched)
+    with Refiners(refine, workers) as refiners:
+        while len(ranked) < top and (heap or refiners.in_flight()):
+            waiting = []  # popped, not refinable now: back on the heap once the round ends
+            while heap and refiners.idle() and len(waiting) < LOOK_AHEAD:
+                value, i = heapq.heappop(heap)
+                key = keys[i]
+                if key in failed:
+                    rejected[failed[key]] += 1
+                    continue
+                current = bound_of(i)
+                if current > value:  # a shared refinement raised it since it was pushed
+                    heapq.heappush(heap, (current, i))
+                    continue
+                state = states[key]
+                j = min(range(len(batches)), key=lambda j: state[j][0])
+                level = state[j][0]
+                if level == SIMULATED and refiners.in_flight():  # one in flight may end below it
+                    waiting.append((value, i))
+                    break
+                if level == SIMULATED:
+                    try:
+                        over = scorer.heavier_batches_over(cands[i], key)
+                    except HarmoniaError as err:
+                        over = f"schedule: {err}"[:80]
+                    if over:  # it would run out of memory on a batch heavier than those it was timed on
+                        fail(i, over)
+                    else:
+                        ranked.append((current, run.scenario.global_batch / current, cands[i]))
+                        if len(ranked) == top:
+                            break
+                elif level == COMPUTE:  # cheap levels: here
+                    try:
+                        state[j] = [ANALYTIC, max(state[j][1], scorer.analytic(cands[i], j))]
+                    except HarmoniaError as err:
+                        fail(i, f"schedule: {err}"[:80])
+                        continue
+                    heapq.heappush(heap, (bound_of(i), i))
+                elif level == ANALYTIC and (twin := scorer.twin_bound(cands[i], j)) > state[j][1]:
+                    state[j] = [TWIN, twin]
+                    heapq.heappush(heap, (bound_of(i), i))
+                elif refiners.can_take(i, j):
+                    if level >= WORK:
+                        touched.add(i)
+                    refiners.submit(i, j, level, state[j][1])
+                else:  # its parts are in a busy worker
+                    waiting.append((value, i))
+            for entry in waiting:
+                heapq.heappush(heap, entry)
+            if refiners.in_flight() and len(ranked) < top:
+                settle(refiners.wait())
+        used = refiners.workers if refiners.started else 1
+    return ranked, len(touched), used
+
+
+LOOK_AHEAD = 8
+"""Candidates a round of the parallel search passes over (their parts in a busy worker) for one an idle
+worker can refine, before it waits for a refinement to end."""
 
 
 COMPUTE, ANALYTIC, TWIN, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4, 5

@@ -19,7 +19,7 @@ from harmonia.plan.candidates import check_states_fit
 from harmonia.plan.search import PlanReport, search_plan
 from harmonia.plan.scenario import Scenario
 from harmonia.workload.cost import CostModel
-from harmonia.train.backend import job_cluster, rank_memory_bytes
+from harmonia.train.backend import job_cluster, process_cores, rank_memory_bytes
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.shapes import SampleShape
 
@@ -130,7 +130,7 @@ def search_training_plan(config: Config, shapes: list[SampleShape], top: int = 1
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
                         mixed_precision=PRECISION_MIXED[config.train.precision],
                         device={} if share is None else {"mem_bytes": share})
-    return search_plan(scenario, top=top, accept=_constraints(config), samples=shapes)
+    return search_plan(scenario, top=top, accept=_constraints(config), samples=shapes, workers=process_cores())
 
 
 def load_training_plan(config: Config) -> Plan:

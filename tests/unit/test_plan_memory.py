@@ -101,13 +101,13 @@ def test_search_rejects_plans_whose_simulated_peak_exceeds_the_device(shared_tra
     run = ScenarioRun(scenario)
     cands = list(candidates("harmonia", run.cost, run.cluster, run.profile, 32, scenario.model))
     scorer = _Scorer(run, [1])
-    ranked, _ = _branch_and_bound(scorer, cands, [1], len(cands), Counter())
+    ranked, _, _ = _branch_and_bound(scorer, cands, [1], len(cands), Counter())
     peaks = sorted(scorer.peak_bytes.values())
     # a device just below the median simulated peak: the plans above it must go, counted under one reason
     cap = peaks[len(peaks) // 2] * 0.999
     run.cluster = replace(run.cluster, device=replace(run.cluster.device, mem_bytes=cap))
     scorer, rejected = _Scorer(run, [1]), Counter()
-    kept, _ = _branch_and_bound(scorer, cands, [1], len(cands), rejected)
+    kept, _, _ = _branch_and_bound(scorer, cands, [1], len(cands), rejected)
     over = {why: n for why, n in rejected.items() if why.startswith("memory: peak")}
     assert list(over) == [f"memory: peak above the device's {cap / 2**30:.0f} GiB"]
     assert 0 < len(kept) < len(ranked)
@@ -139,7 +139,7 @@ def test_search_rejects_plans_that_fit_their_scored_batch_but_not_a_heavier_one(
     cap = (scored[key] + heavier[key]) / 2  # the scored batch fits, a heavier one does not
     run.cluster = replace(run.cluster, device=replace(run.cluster.device, mem_bytes=cap))
     rejected = Counter()
-    kept, _ = _branch_and_bound(_Scorer(run, [1]), [cand], [1], 1, rejected)
+    kept, _, _ = _branch_and_bound(_Scorer(run, [1]), [cand], [1], 1, rejected)
     assert kept == [] and rejected == Counter({f"memory: peak above the device's {cap / 2**30:.0f} GiB on a "
                                                "heavier batch": 1})
 

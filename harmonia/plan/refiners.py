@@ -1,0 +1,187 @@
+"""Where the search's costly refinements run: in the searching process, then in worker processes.
+
+Almost all of a large search is spent on two refinements of a candidate's bound on one batch: the
+bound of the batch's actual stage work and the simulations of its parts (`_Scorer.work`,
+`_Scorer.simulate_part` in `harmonia.plan.search`): 87% of the 4,096-GPU omni-72b search, sampled
+with py-spy. Each depends only on the candidate, the batch and what the scorer keeps, so several
+candidates can be refined at once, each in a process of its own, while the searching process keeps
+the heap of bounds and does the cheap refinements itself.
+
+`Refiners` runs them in this process until they have taken ``after_s`` seconds (a small search,
+e.g. a CPU job's, never pays for starting processes), then forks ``workers`` processes that
+inherit the scorer as it stands and take one refinement each at a time. A batch's simulation goes
+on in parts (the busiest column, the busiest part, the others), and what the parts already found
+lives in the process that found it, so every refinement of a (candidate, batch) after a worker's
+first goes to that worker (`can_take`). Workers return what the searching process needs of the
+scorer's state (`Outcome`); the search merges it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+
+from harmonia.errors import HarmoniaError
+
+PARALLEL_AFTER_S = 2.0
+"""Seconds of costly refinements the search runs in its own process before it starts workers."""
+
+
+@dataclass
+class Outcome:
+    """A refinement of candidate ``i`` on batch ``j``.
+
+    Attributes:
+        state: the batch's new ``[level, value]`` (None where ``error`` is set).
+        error: why the candidate cannot run (a schedule error's message), or None.
+        peak: the scorer's peak bytes on one rank of the candidate after the refinement.
+        work_bound: ``((family key, j), (recompute shares, bound))`` where the refinement found a
+            work bound (for twins' bounds), else None.
+        timelines: single-batch simulations it started.
+        remote: whether a worker refined it (its scorer state is then the worker's to merge).
+    """
+
+    i: int
+    j: int
+    state: list | None = None
+    error: str | None = None
+    peak: float = 0.0
+    work_bound: tuple | None = None
+    timelines: int = 0
+    remote: bool = False
+
+
+Refine = Callable[[int, int, int, float], Outcome]
+"""``refine(i, j, level, value)``: candidate ``i``'s batch ``j``, now at ``[level, value]``, one level up."""
+
+
+class Refiners:
+    """Costly refinements, one at a time in this process, then up to ``workers`` at once in forked
+    processes (see the module docstring). Use as a context manager: the workers end with it."""
+
+    def __init__(self, refine: Refine, workers: int = 1, after_s: float | None = None) -> None:
+        """``after_s``: seconds of refinements run here before the workers start (default
+        `PARALLEL_AFTER_S`)."""
+        self.refine, self.workers = refine, max(1, workers)
+        self.after_s = PARALLEL_AFTER_S if after_s is None else after_s
+        self.inline_s = 0.0
+        self._done: deque[Outcome] = deque()  # inline outcomes not yet waited for
+        self._conns: list[Connection] = []
+        self._procs: list = []
+        self._busy: dict[int, tuple[int, int]] = {}  # worker -> (i, j) it refines
+        self._owner: dict[tuple[int, int], int] = {}  # (i, j) -> the worker holding its parts
+
+    def __enter__(self) -> Refiners:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def started(self) -> bool:
+        """Whether worker processes run the refinements."""
+        return bool(self._procs)
+
+    def in_flight(self) -> int:
+        """Refinements submitted and not yet waited for."""
+        return len(self._done) + len(self._busy)
+
+    def idle(self) -> bool:
+        """Whether another refinement can be submitted now."""
+        return len(self._busy) < len(self._procs) if self._procs else not self._done
+
+    def can_take(self, i: int, j: int) -> bool:
+        """Whether candidate ``i``'s batch ``j`` can be refined now: some worker is idle, and the one
+        holding its parts is, where one does."""
+        if not self.idle():
+            return False
+        owner = self._owner.get((i, j))
+        return owner is None or owner not in self._busy
+
+    def submit(self, i: int, j: int, level: int, value: float) -> None:
+        """Refine candidate ``i``'s batch ``j`` from ``[level, value]`` (call only where `can_take`)."""
+        if not self._procs and self.workers > 1 and self.inline_s >= self.after_s:
+            self._start()
+        if not self._procs:
+            t0 = time.perf_counter()
+            self._done.append(self.refine(i, j, level, value))
+            self.inline_s += time.perf_counter() - t0
+            return
+        worker = self._owner.get((i, j))
+        if worker is None:
+            worker = next(w for w in range(len(self._procs)) if w not in self._busy)
+            self._owner[(i, j)] = worker
+        self._conns[worker].send((i, j, level, value))
+        self._busy[worker] = (i, j)
+
+    def wait(self) -> Outcome:
+        """The next finished refinement (blocks until one is)."""
+        if self._done:
+            return self._done.popleft()
+        conns = {self._conns[w]: w for w in self._busy}
+        conn = wait(list(conns))[0]
+        worker = conns[conn]
+        del self._busy[worker]
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            self._procs[worker].join(1)
+            raise HarmoniaError(f"a planner worker (pid {self._procs[worker].pid}) ended without its result "
+                                f"(exit code {self._procs[worker].exitcode}); out of memory? run the search with "
+                                "fewer workers") from None
+        if kind == "crash":
+            raise RuntimeError(f"a planner worker failed:\n{payload}")
+        payload.remote = True
+        return payload
+
+    def _start(self) -> None:
+        """Fork the workers: each inherits the scorer as the search has built it so far."""
+        ctx = multiprocessing.get_context("fork")
+        for _ in range(self.workers):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(self.refine, theirs, mine), daemon=True,
+                               name="harmonia-plan-worker")
+            proc.start()
+            theirs.close()
+            self._conns.append(mine)
+            self._procs.append(proc)
+
+    def close(self) -> None:
+        """End the workers (each finishes what it refines; none is left behind)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            conn.close()
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1)
+        self._conns, self._procs, self._busy = [], [], {}
+
+
+def _serve(refine: Refine, conn: Connection, parents: Connection) -> None:
+    """A worker: refine what the searching process sends until it sends None or goes away. A signal
+    for the search (Ctrl-C) is the searching process's to report; the worker ends when it does."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parents.close()
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            break
+        if job is None:
+            break
+        try:
+            conn.send(("done", refine(*job)))
+        except Exception:  # noqa: BLE001 - reported by the searching process, which stops
+            conn.send(("crash", traceback.format_exc()))
+    conn.close()
