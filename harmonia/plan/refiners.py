@@ -76,6 +76,7 @@ class Refiners:
         self._procs: list = []
         self._busy: dict[int, tuple[int, int]] = {}  # worker -> (i, j) it refines
         self._owner: dict[tuple[int, int], int] = {}  # (i, j) -> the worker holding its parts
+        self._order: dict[tuple[int, int], tuple] = {}  # (i, j) in flight -> its place in the search
 
     def __enter__(self) -> Refiners:
         return self
@@ -104,8 +105,14 @@ class Refiners:
         owner = self._owner.get((i, j))
         return owner is None or owner not in self._busy
 
-    def submit(self, i: int, j: int, level: int, value: float) -> None:
-        """Refine candidate ``i``'s batch ``j`` from ``[level, value]`` (call only where `can_take`)."""
+    def in_flight_before(self, place: tuple) -> bool:
+        """Whether a refinement in flight was submitted at a place in the search before ``place``."""
+        return any(p < place for p in self._order.values())
+
+    def submit(self, i: int, j: int, level: int, value: float, place: tuple = ()) -> None:
+        """Refine candidate ``i``'s batch ``j`` from ``[level, value]`` (call only where `can_take`);
+        ``place``: its order in the search (`in_flight_before`)."""
+        self._order[(i, j)] = place
         if not self._procs and self.workers > 1 and self.inline_s >= self.after_s:
             self._start()
         if not self._procs:
@@ -123,11 +130,13 @@ class Refiners:
     def wait(self) -> Outcome:
         """The next finished refinement (blocks until one is)."""
         if self._done:
-            return self._done.popleft()
+            done = self._done.popleft()
+            del self._order[(done.i, done.j)]
+            return done
         conns = {self._conns[w]: w for w in self._busy}
         conn = wait(list(conns))[0]
         worker = conns[conn]
-        del self._busy[worker]
+        del self._order[self._busy.pop(worker)]
         try:
             kind, payload = conn.recv()
         except (EOFError, OSError):
@@ -153,19 +162,23 @@ class Refiners:
             self._procs.append(proc)
 
     def close(self) -> None:
-        """End the workers (each finishes what it refines; none is left behind)."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
+        """End the workers: an idle one when told, a busy one at once (what it refines is no longer
+        needed: the search has ranked its plans, or stops); none is left behind."""
+        for worker, (conn, proc) in enumerate(zip(self._conns, self._procs)):
+            if worker in self._busy:
+                proc.terminate()
+            else:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
             conn.close()
         for proc in self._procs:
             proc.join(10)
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()
                 proc.join(1)
-        self._conns, self._procs, self._busy = [], [], {}
+        self._conns, self._procs, self._busy, self._order = [], [], {}, {}
 
 
 def _serve(refine: Refine, conn: Connection, parents: Connection) -> None:

@@ -224,8 +224,10 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     `harmonia.plan.refiners.PARALLEL_AFTER_S` here.
 
     With workers, the candidates with the smallest bounds are refined at once; a candidate whose
-    batches are all simulated is ranked only when no refinement is in flight (one in flight may end
-    below it), so the ranking is the serial search's; the number simulated may differ.
+    batches are all simulated is ranked only when no candidate popped before it is waiting or in
+    flight (it may end below it: its bound only rises), so the ranking is the one-process search's;
+    while it waits, the candidates after it are refined where further plans are to be ranked (the
+    search would refine them next). The number simulated may differ.
 
     Returns:
         (ranked candidates, candidates simulated at least once, processes that refined them).
@@ -297,9 +299,11 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
                 state = states[key]
                 j = min(range(len(batches)), key=lambda j: state[j][0])
                 level = state[j][0]
-                if level == SIMULATED and refiners.in_flight():  # one in flight may end below it
-                    waiting.append((value, i))
-                    break
+                if level == SIMULATED and (waiting or refiners.in_flight_before((value, i))):
+                    waiting.append((value, i))  # one popped or in flight before it may end below it
+                    if len(ranked) + 1 >= top:  # nothing after it counts until it is ranked
+                        break
+                    continue  # meanwhile, what ranks after it
                 if level == SIMULATED:
                     try:
                         over = scorer.heavier_batches_over(cands[i], key)
@@ -324,7 +328,7 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
                 elif refiners.can_take(i, j):
                     if level >= WORK:
                         touched.add(i)
-                    refiners.submit(i, j, level, state[j][1])
+                    refiners.submit(i, j, level, state[j][1], (value, i))
                 else:  # its parts are in a busy worker
                     waiting.append((value, i))
             for entry in waiting:
@@ -335,9 +339,9 @@ def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int
     return ranked, len(touched), used
 
 
-LOOK_AHEAD = 8
-"""Candidates a round of the parallel search passes over (their parts in a busy worker) for one an idle
-worker can refine, before it waits for a refinement to end."""
+LOOK_AHEAD = 64
+"""Candidates a round of the parallel search passes over (their parts in a busy worker, or simulated
+and waiting to be ranked) for one an idle worker can refine, before it waits for a refinement to end."""
 
 
 COMPUTE, ANALYTIC, TWIN, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4, 5

@@ -37,17 +37,18 @@ def test_workers_rank_what_one_process_ranks(monkeypatch, shared_traces) -> None
 def _square(i: int, j: int, level: int, value: float) -> Outcome:
     if i < 0:
         raise ValueError("no such candidate")
-    time.sleep(0.05 * j)
+    time.sleep(0.05 * j if j < 10 else j)
     return Outcome(i, j, [level + 1, value * value], peak=float(os.getpid()))
 
 
 def test_refinements_run_here_until_the_time_is_spent_then_in_workers() -> None:
     with Refiners(_square, workers=2, after_s=0.0) as pool:
-        pool.submit(0, 1, 3, 2.0)  # the first starts the workers: none had run here
+        pool.submit(0, 1, 3, 2.0, (2.0, 0))  # the first starts the workers: none had run here
         assert pool.started and pool.idle()  # one of two workers busy
         assert pool.can_take(1, 0) and not pool.can_take(0, 1)  # (0, 1) is in its worker
-        pool.submit(1, 0, 3, 3.0)
+        pool.submit(1, 0, 3, 3.0, (3.0, 1))
         assert not pool.idle() and pool.in_flight() == 2
+        assert pool.in_flight_before((2.0, 1)) and not pool.in_flight_before((2.0, 0))
         outcomes = {o.i: o for o in (pool.wait(), pool.wait())}
         assert outcomes[0].state == [4, 4.0] and outcomes[1].state == [4, 9.0]
         assert all(o.remote for o in outcomes.values())
@@ -55,8 +56,10 @@ def test_refinements_run_here_until_the_time_is_spent_then_in_workers() -> None:
         pool.submit(0, 1, 4, 4.0)  # a later refinement of (0, 1) goes to the worker that did it first
         again = pool.wait()
         assert again.peak == outcomes[0].peak and again.state == [5, 16.0]
-        procs = list(pool._procs)
-    assert not any(p.is_alive() for p in procs)
+        pool.submit(1, 30, 0, 1.0)
+        procs, t0 = list(pool._procs), time.perf_counter()  # one busy for 30 s: ended at once, not needed
+    assert time.perf_counter() - t0 < 15 and not any(p.is_alive() for p in procs)
+    assert sorted(p.exitcode for p in procs) == [-signal.SIGTERM, 0]
 
     with Refiners(_square, workers=2, after_s=60.0) as pool:
         pool.submit(0, 0, 0, 5.0)
