@@ -4,8 +4,9 @@ Candidates are harmonia's own (disjoint rank sets sized by work share and coloca
 every LLM factorisation that fits memory, frozen-aware stage splits, 1F1B or zero-bubble). A
 candidate's score is its simulated iteration time averaged over the ``K`` profiled search batches.
 
-The search is best-first branch and bound over (candidate, batch) simulations, and finds the same
-best plan as simulating every candidate on every batch:
+The search is best-first branch and bound over (candidate, batch) simulations
+(`harmonia.plan.branch_bound`), and finds the same best plan as simulating every candidate on every
+batch:
 
 - every candidate has, per batch ``k``, a lower bound ``b_k`` on its simulated time, computed
   without simulating and raised in steps, each dearer and tighter than the one before: the
@@ -64,20 +65,19 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import heapq
 import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from harmonia.errors import HarmoniaError, LayoutError
+from harmonia.errors import LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound_busy
+from harmonia.plan.branch_bound import branch_and_bound
 from harmonia.plan.candidates import lower_bound_s, state_bytes_per_rank
 from harmonia.plan.heavy_replicas import HEAVIEST, heaviest_replicas
 from harmonia.plan.infeasible import no_layout_error
 from harmonia.plan.memory import work_peak_floor
-from harmonia.plan.refiners import Outcome, Refiners
 from harmonia.plan.recipes import (Candidate, assign, assignment_key, candidate_schedule, candidates,
                                    homogeneous_candidates)
 from harmonia.plan.rerank import even_split_first, plainer_first, roomier_first
@@ -188,7 +188,7 @@ def _search(scenario: Scenario, top: int, accept: Callable[[Plan], str | None] |
         raise no_layout_error(run, enumerate_, rejected, "homogeneous layout" if homogeneous else "layout")
     batches = list(range(scenario.iterations, scenario.iterations + scenario.search_batches))
     scorer = _Scorer(run, batches)
-    ranked, simulated, used = _branch_and_bound(scorer, cands, batches, top, rejected, workers)
+    ranked, simulated, used = branch_and_bound(scorer, cands, batches, top, rejected, workers)
     twins = 0  # even-split twins of the ranked plans, each simulated: candidates of their own
     if recipe == "harmonia" and ranked:
         ranked, twins = even_split_first(scorer, ranked, top)
@@ -215,140 +215,6 @@ def _distinct(found: Iterator[Candidate], cost: CostModel) -> list[Candidate]:
     for cand in found:
         out.setdefault(simulation_key(cand, cost), cand)
     return list(out.values())
-
-
-def _branch_and_bound(scorer: _Scorer, cands: list[Candidate], batches: list[int], top: int,
-                      rejected: Counter, workers: int = 1) -> tuple[list[tuple[float, float, Candidate]], int, int]:
-    """The ``top`` best candidates by mean simulated time over ``batches`` (see the module docstring),
-    the costly refinements in up to ``workers`` processes once they have taken
-    `harmonia.plan.refiners.PARALLEL_AFTER_S` here.
-
-    With workers, the candidates with the smallest bounds are refined at once; a candidate whose
-    batches are all simulated is ranked only when no candidate popped before it is waiting or in
-    flight (it may end below it: its bound only rises), so the ranking is the one-process search's;
-    while it waits, the candidates after it are refined where further plans are to be ranked (the
-    search would refine them next). The number simulated may differ.
-
-    Returns:
-        (ranked candidates, candidates simulated at least once, processes that refined them).
-    """
-    run = scorer.run
-    keys = [simulation_key(c, run.cost) for c in cands]
-    states = {}
-    for cand, key in zip(cands, keys):
-        if key not in states:
-            states[key] = [[COMPUTE, b] for b in scorer.compute_bound(cand)]
-    failed: dict[tuple, str] = {}
-    touched: set[int] = set()
-
-    def bound_of(i: int) -> float:
-        return sum(v for _, v in states[keys[i]]) / len(batches)
-
-    def fail(i: int, why: str) -> None:
-        failed[keys[i]] = why
-        rejected[why] += 1
-
-    def refine(i: int, j: int, level: int, value: float) -> Outcome:  # costly: maybe in a worker
-        cand, key = cands[i], keys[i]
-        family, timelines = (family_key(cand, run.cost), j), scorer.timelines
-        found = len(scorer.work_bounds.get(family, ()))
-        try:
-            if level in (ANALYTIC, TWIN):
-                state = [WORK, max(value, scorer.work(cand, key, j))]
-            else:
-                seconds, whole = scorer.simulate_part(cand, key, j)
-                state = [SIMULATED, seconds] if whole else [PARTIAL, max(value, seconds)]
-        except HarmoniaError as err:
-            return Outcome(i, j, error=f"schedule: {err}"[:80])
-        bounds = scorer.work_bounds.get(family, ())
-        return Outcome(i, j, state, peak=scorer.peak_bytes.get(key, 0.0),
-                       work_bound=(family, bounds[-1]) if len(bounds) > found else None,
-                       timelines=scorer.timelines - timelines)
-
-    def settle(done: Outcome) -> None:  # a refinement's outcome into the search
-        i, key = done.i, keys[done.i]
-        if done.error is not None:
-            return fail(i, done.error)
-        states[key][done.j] = done.state
-        scorer._record(key, done.peak)
-        if done.remote:  # the worker's scorer found them; this one's twins' bounds use them
-            scorer.timelines += done.timelines
-            if done.work_bound is not None:
-                scorer.work_bounds.setdefault(done.work_bound[0], []).append(done.work_bound[1])
-        over = scorer.over_memory(key)
-        if over:  # a plan that cannot run on the devices is no plan, whatever its time
-            return fail(i, over)
-        heapq.heappush(heap, (bound_of(i), i))
-
-    heap = [(bound_of(i), i) for i in range(len(cands))]
-    heapq.heapify(heap)
-    ranked: list[tuple[float, float, Candidate]] = []
-    with Refiners(refine, workers) as refiners:
-        while len(ranked) < top and (heap or refiners.in_flight()):
-            waiting = []  # popped, not refinable now: back on the heap once the round ends
-            while heap and refiners.idle() and len(waiting) < LOOK_AHEAD:
-                value, i = heapq.heappop(heap)
-                key = keys[i]
-                if key in failed:
-                    rejected[failed[key]] += 1
-                    continue
-                current = bound_of(i)
-                if current > value:  # a shared refinement raised it since it was pushed
-                    heapq.heappush(heap, (current, i))
-                    continue
-                state = states[key]
-                j = min(range(len(batches)), key=lambda j: state[j][0])
-                level = state[j][0]
-                if level == SIMULATED and (waiting or refiners.in_flight_before((value, i))):
-                    waiting.append((value, i))  # one popped or in flight before it may end below it
-                    if len(ranked) + 1 >= top:  # nothing after it counts until it is ranked
-                        break
-                    continue  # meanwhile, what ranks after it
-                if level == SIMULATED:
-                    try:
-                        over = scorer.heavier_batches_over(cands[i], key)
-                    except HarmoniaError as err:
-                        over = f"schedule: {err}"[:80]
-                    if over:  # it would run out of memory on a batch heavier than those it was timed on
-                        fail(i, over)
-                    else:
-                        ranked.append((current, run.scenario.global_batch / current, cands[i]))
-                        if len(ranked) == top:
-                            break
-                elif level == COMPUTE:  # cheap levels: here
-                    try:
-                        state[j] = [ANALYTIC, max(state[j][1], scorer.analytic(cands[i], j))]
-                    except HarmoniaError as err:
-                        fail(i, f"schedule: {err}"[:80])
-                        continue
-                    heapq.heappush(heap, (bound_of(i), i))
-                elif level == ANALYTIC and (twin := scorer.twin_bound(cands[i], j)) > state[j][1]:
-                    state[j] = [TWIN, twin]
-                    heapq.heappush(heap, (bound_of(i), i))
-                elif refiners.can_take(i, j):
-                    if level >= WORK:
-                        touched.add(i)
-                    refiners.submit(i, j, level, state[j][1], (value, i))
-                else:  # its parts are in a busy worker
-                    waiting.append((value, i))
-            for entry in waiting:
-                heapq.heappush(heap, entry)
-            if refiners.in_flight() and len(ranked) < top:
-                settle(refiners.wait())
-        used = refiners.workers if refiners.started else 1
-    return ranked, len(touched), used
-
-
-LOOK_AHEAD = 64
-"""Candidates a round of the parallel search passes over (their parts in a busy worker, or simulated
-and waiting to be ranked) for one an idle worker can refine, before it waits for a refinement to end."""
-
-
-COMPUTE, ANALYTIC, TWIN, WORK, PARTIAL, SIMULATED = 0, 1, 2, 3, 4, 5
-"""What a candidate's value on one batch is: the compute-only bound, the analytic bound, the bound of
-the batch's stage work of a twin recomputing less (`_Scorer.twin_bound`), the bound of its own stage
-work, the longest of the independent parts simulated so far (`harmonia.sim.parts`), or the simulated
-time (each at least the one before)."""
 
 
 class _Scorer:

@@ -10,7 +10,8 @@ from harmonia.plan.candidates import state_bytes_per_rank
 from harmonia.plan.memory import plan_peak_bytes
 from harmonia.plan.recipes import candidates
 from harmonia.plan.scenario import Scenario, ScenarioRun
-from harmonia.plan.search import _Scorer, _branch_and_bound
+from harmonia.plan.search import _Scorer
+from harmonia.plan.branch_bound import branch_and_bound as _branch_and_bound
 from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import iteration_schedule, plan_iteration_work
