@@ -6,15 +6,33 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harmonia.errors import HarmoniaError
 from harmonia.plan.recipes import Candidate
 from harmonia.plan.refiners import Outcome, Refiners
 from harmonia.plan.search_keys import family_key, simulation_key
 
-if TYPE_CHECKING:  # the scorer's class lives with the search that builds it
-    from harmonia.plan.search import _Scorer as Scorer
+
+class Scorer(Protocol):
+    """What the branch and bound asks of the search's scorer (`harmonia.plan.search._Scorer`)."""
+
+    run: object
+    peak_bytes: dict
+    work_bounds: dict
+    assignments: dict
+    timelines: int
+
+    def compute_bound(self, cand: Candidate) -> list[float]: ...
+    def analytic(self, cand: Candidate, j: int) -> float: ...
+    def twin_bound(self, cand: Candidate, j: int) -> float: ...
+    def work(self, cand: Candidate, key: tuple, j: int) -> float: ...
+    def simulate_part(self, cand: Candidate, key: tuple, j: int) -> tuple[float, bool]: ...
+    def heavier_batches_over(self, cand: Candidate, key: tuple) -> str | None: ...
+    def over_memory(self, key: tuple) -> str | None: ...
+    def _record(self, key: tuple, nbytes: float) -> None: ...
+    def assignments_since(self, n: int) -> dict: ...
+    def absorb(self, assignments: dict) -> None: ...
 
 
 LOOK_AHEAD = 64
@@ -44,7 +62,7 @@ def branch_and_bound(scorer: Scorer, cands: list[Candidate], batches: list[int],
         (ranked candidates, candidates simulated at least once, processes that refined them).
     """
     search = _BranchAndBound(scorer, cands, len(batches), top, rejected)
-    with Refiners(search.refine, workers) as refiners:
+    with Refiners(search.refine, workers, absorb=scorer.absorb) as refiners:
         while len(search.ranked) < top and (search.heap or refiners.in_flight()):
             search.round(refiners)
             if refiners.in_flight() and len(search.ranked) < top:
@@ -141,7 +159,7 @@ class _BranchAndBound:
         a worker or here, with what the searching process needs of the scorer's state."""
         scorer, cand, key = self.scorer, self.cands[i], self.keys[i]
         family, timelines = (family_key(cand, scorer.run.cost), j), scorer.timelines
-        found = len(scorer.work_bounds.get(family, ()))
+        found, assigned = len(scorer.work_bounds.get(family, ())), len(scorer.assignments)
         try:
             if level in (ANALYTIC, TWIN):
                 state = [WORK, max(value, scorer.work(cand, key, j))]
@@ -153,7 +171,7 @@ class _BranchAndBound:
         bounds = scorer.work_bounds.get(family, ())
         return Outcome(i, j, state, peak=scorer.peak_bytes.get(key, 0.0),
                        work_bound=(family, bounds[-1]) if len(bounds) > found else None,
-                       timelines=scorer.timelines - timelines)
+                       timelines=scorer.timelines - timelines, shared=scorer.assignments_since(assigned))
 
     def settle(self, done: Outcome) -> None:
         """A costly refinement's outcome into the search (from a worker: its scorer's findings too)."""
@@ -166,6 +184,8 @@ class _BranchAndBound:
             scorer.timelines += done.timelines
             if done.work_bound is not None:
                 scorer.work_bounds.setdefault(done.work_bound[0], []).append(done.work_bound[1])
+            if done.shared:
+                scorer.absorb(done.shared)
         over = scorer.over_memory(key)
         if over:  # a plan that cannot run on the devices is no plan, whatever its time
             return self.fail(i, over)

@@ -13,7 +13,10 @@ inherit the scorer as it stands and take one refinement each at a time. A batch'
 on in parts (the busiest column, the busiest part, the others), and what the parts already found
 lives in the process that found it, so every refinement of a (candidate, batch) after a worker's
 first goes to that worker (`can_take`). Workers return what the searching process needs of the
-scorer's state (`Outcome`); the search merges it.
+scorer's state (`Outcome`); the search merges it. What one worker computed that others would compute
+again (the recipe's assignments of a batch, shared by every candidate with the same assignment key:
+a quarter of a 1,024-GPU search) comes back in ``Outcome.shared`` and goes to every other worker with
+its next refinement, which ``absorb`` puts in its scorer.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class Outcome:
         work_bound: ``((family key, j), (recompute shares, bound))`` where the refinement found a
             work bound (for twins' bounds), else None.
         timelines: single-batch simulations it started.
+        shared: what the refinement computed that other processes can use instead of computing it
+            (key -> value, for ``absorb``).
         remote: whether a worker refined it (its scorer state is then the worker's to merge).
     """
 
@@ -54,6 +59,7 @@ class Outcome:
     peak: float = 0.0
     work_bound: tuple | None = None
     timelines: int = 0
+    shared: dict | None = None
     remote: bool = False
 
 
@@ -65,10 +71,14 @@ class Refiners:
     """Costly refinements, one at a time in this process, then up to ``workers`` at once in forked
     processes (see the module docstring). Use as a context manager: the workers end with it."""
 
-    def __init__(self, refine: Refine, workers: int = 1, after_s: float | None = None) -> None:
+    def __init__(self, refine: Refine, workers: int = 1, after_s: float | None = None,
+                 absorb: Callable[[dict], None] | None = None) -> None:
         """``after_s``: seconds of refinements run here before the workers start (default
-        `PARALLEL_AFTER_S`)."""
-        self.refine, self.workers = refine, max(1, workers)
+        `PARALLEL_AFTER_S`); ``absorb``: takes, in a worker, what the others shared
+        (`Outcome.shared`)."""
+        self.refine, self.workers, self.absorb = refine, max(1, workers), absorb
+        self._shared: list[tuple] = []  # (worker, key, value) workers shared, in order
+        self._sent: list[int] = []  # per worker: how many of them it has been sent
         self.after_s = PARALLEL_AFTER_S if after_s is None else after_s
         self.inline_s = 0.0
         self._done: deque[Outcome] = deque()  # inline outcomes not yet waited for
@@ -124,7 +134,9 @@ class Refiners:
         if worker is None:
             worker = next(w for w in range(len(self._procs)) if w not in self._busy)
             self._owner[(i, j)] = worker
-        self._conns[worker].send((i, j, level, value))
+        shared = [(key, value) for w, key, value in self._shared[self._sent[worker]:] if w != worker]
+        self._conns[worker].send(((i, j, level, value), shared))
+        self._sent[worker] = len(self._shared)
         self._busy[worker] = (i, j)
 
     def wait(self) -> Outcome:
@@ -147,6 +159,8 @@ class Refiners:
         if kind == "crash":
             raise RuntimeError(f"a planner worker failed:\n{payload}")
         payload.remote = True
+        if payload.shared:
+            self._shared += [(worker, key, value) for key, value in payload.shared.items()]
         return payload
 
     def _start(self) -> None:
@@ -154,12 +168,13 @@ class Refiners:
         ctx = multiprocessing.get_context("fork")
         for _ in range(self.workers):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(self.refine, theirs, mine), daemon=True,
+            proc = ctx.Process(target=_serve, args=(self.refine, self.absorb, theirs, mine), daemon=True,
                                name="harmonia-plan-worker")
             proc.start()
             theirs.close()
             self._conns.append(mine)
             self._procs.append(proc)
+            self._sent.append(0)
 
     def close(self) -> None:
         """End the workers: an idle one when told, a busy one at once (what it refines is no longer
@@ -178,12 +193,13 @@ class Refiners:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1)
-        self._conns, self._procs, self._busy, self._order = [], [], {}, {}
+        self._conns, self._procs, self._busy, self._order, self._sent = [], [], {}, {}, []
 
 
-def _serve(refine: Refine, conn: Connection, parents: Connection) -> None:
-    """A worker: refine what the searching process sends until it sends None or goes away. A signal
-    for the search (Ctrl-C) is the searching process's to report; the worker ends when it does."""
+def _serve(refine: Refine, absorb: Callable[[dict], None] | None, conn: Connection, parents: Connection) -> None:
+    """A worker: refine what the searching process sends (with what other workers shared since its
+    last refinement) until it sends None or goes away. A signal for the search (Ctrl-C) is the
+    searching process's to report; the worker ends when it does."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parents.close()
     while True:
@@ -193,7 +209,10 @@ def _serve(refine: Refine, conn: Connection, parents: Connection) -> None:
             break
         if job is None:
             break
+        job, shared = job
         try:
+            if shared and absorb is not None:
+                absorb(dict(shared))
             conn.send(("done", refine(*job)))
         except Exception:  # noqa: BLE001 - reported by the searching process, which stops
             conn.send(("crash", traceback.format_exc()))

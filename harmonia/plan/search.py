@@ -69,7 +69,8 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from itertools import islice
 
 from harmonia.errors import LayoutError
 from harmonia.plan.bounds import plan_bound, work_bound_busy
@@ -259,6 +260,19 @@ class _Scorer:
             self.assignments[akey] = assign(cand, run.costs[batch], run.tokens[batch], run.cost,
                                             [run.samples[i] for i in batch], self.kept.setdefault(k, {}))
         return self.assignments[akey]
+
+    def assignments_since(self, n: int) -> dict[tuple, IterationAssignment]:
+        """The assignments computed after the first ``n``, for another process's scorer (`absorb`):
+        without their memo (the stage work this one derived from them)."""
+        return {key: replace(a, memo={}) for key, a in islice(self.assignments.items(), n, None)}
+
+    def absorb(self, assignments: dict[tuple, IterationAssignment]) -> None:
+        """Keep assignments another process's scorer computed (`assignments_since`), as its own
+        `_assignment_of` would have (sharing their batch's loads); those it has stay."""
+        for akey, assignment in assignments.items():
+            if akey not in self.assignments:
+                assignment.memo["batch loads"] = self.kept.setdefault(akey[-1], {}).setdefault("batch loads", {})
+                self.assignments[akey] = assignment
 
     def _assignment_key(self, cand: Candidate) -> tuple:
         """`assignment_key` of a candidate, computed once per candidate (its encoders' feeding lists

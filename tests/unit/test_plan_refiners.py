@@ -78,3 +78,28 @@ def test_a_worker_that_fails_or_dies_ends_the_search_saying_so() -> None:
         os.kill(pool._procs[0].pid, signal.SIGKILL)
         with pytest.raises(HarmoniaError, match=r"ended without its result \(exit code -9\)"):
             pool.wait()
+
+
+_ABSORBED: dict = {}  # in a worker: what the others shared with it
+
+
+def _absorb(entries: dict) -> None:
+    _ABSORBED.update(entries)
+
+
+def _sharing(i: int, j: int, level: int, value: float) -> Outcome:
+    time.sleep(0.2)  # both workers busy at once
+    return Outcome(i, j, [level, sorted(_ABSORBED)], shared={("made by", i): os.getpid()})
+
+
+def test_what_a_worker_shares_reaches_the_others_with_their_next_refinement() -> None:
+    with Refiners(_sharing, workers=2, after_s=0.0, absorb=_absorb) as pool:
+        pool.submit(0, 0, 1, 0.0)
+        pool.submit(1, 0, 1, 0.0)
+        first = {o.i: o for o in (pool.wait(), pool.wait())}
+        assert all(o.state[1] == [] for o in first.values())  # nothing shared yet
+        pool.submit(2, 0, 1, 0.0)  # to the worker that refined 0, with what refined 1 made
+        pool.submit(3, 0, 1, 0.0)
+        second = {o.i: o for o in (pool.wait(), pool.wait())}
+    assert second[2].state[1] == [("made by", 1)] and second[3].state[1] == [("made by", 0)]
+    assert second[2].shared == {("made by", 2): first[0].shared[("made by", 0)]}  # the same worker
