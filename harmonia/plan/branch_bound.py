@@ -121,8 +121,11 @@ class _BranchAndBound:
                 self._rank(i, current)
                 if len(self.ranked) == self.top:
                     break
-            elif level == COMPUTE or (level == ANALYTIC and self.scorer.twin_bound(self.cands[i], j) > state[j][1]):
+            elif level == COMPUTE:
                 self._refine_here(i, j)
+            elif level == ANALYTIC and (twin := self.scorer.twin_bound(self.cands[i], j)) > state[j][1]:
+                state[j] = [TWIN, twin]  # cheap: here
+                heapq.heappush(self.heap, (self.bound_of(i), i))
             elif refiners.can_take(i, j):
                 if level >= WORK:
                     self.touched.add(i)
@@ -145,11 +148,10 @@ class _BranchAndBound:
             self.ranked.append((seconds, self.scorer.run.scenario.global_batch / seconds, self.cands[i]))
 
     def _refine_here(self, i: int, j: int) -> None:
-        """The cheap levels: the analytic bound, or a twin's work bound where it is higher."""
-        state, cand = self.states[self.keys[i]], self.cands[i]
+        """The cheap level after the compute-only bound: the analytic bound, here."""
+        state = self.states[self.keys[i]]
         try:
-            state[j] = ([ANALYTIC, max(state[j][1], self.scorer.analytic(cand, j))] if state[j][0] == COMPUTE
-                        else [TWIN, self.scorer.twin_bound(cand, j)])
+            state[j] = [ANALYTIC, max(state[j][1], self.scorer.analytic(self.cands[i], j))]
         except HarmoniaError as err:
             return self.fail(i, f"schedule: {err}"[:80])
         heapq.heappush(self.heap, (self.bound_of(i), i))

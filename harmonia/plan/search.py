@@ -270,9 +270,9 @@ class _Scorer:
         """Keep assignments another process's scorer computed (`assignments_since`), as its own
         `_assignment_of` would have (sharing their batch's loads); those it has stay."""
         for akey, assignment in assignments.items():
-            if akey not in self.assignments:
-                assignment.memo["batch loads"] = self.kept.setdefault(akey[-1], {}).setdefault("batch loads", {})
-                self.assignments[akey] = assignment
+            if akey not in self.assignments:  # a copy: the one given may go on to other processes as it is
+                loads = self.kept.setdefault(akey[-1], {}).setdefault("batch loads", {})
+                self.assignments[akey] = replace(assignment, memo={"batch loads": loads})
 
     def _assignment_key(self, cand: Candidate) -> tuple:
         """`assignment_key` of a candidate, computed once per candidate (its encoders' feeding lists
