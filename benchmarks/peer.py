@@ -20,8 +20,11 @@ The Trainer runs as ``python benchmarks/peer.py --trainer-worker SETTINGS`` (two
 torchrun, gloo DDP with transformers' defaults): ``from_pretrained``, the vision tower's
 ``requires_grad`` off, every record rendered with the checkpoint's processor and chat template and
 labelled as harmonia labels it (every assistant turn's content and its end-of-turn token;
-`harmonia.data.chat`), padded per batch by a collator; no evaluation, saving or logging in the
-loop, ``dataloader_num_workers=0``, ``use_cpu=True``, ``save_model`` at the end. Its schedule is
+`harmonia.data.chat`), padded per batch by a collator; no evaluation or saving in the loop,
+``dataloader_num_workers=0``, ``use_cpu=True``, ``save_model`` at the end. Both log every
+``--log-every`` steps (default 10, torchtitan's default and LLaMA-Factory's examples'): harmonia's
+``log.every`` (a ``metrics.jsonl`` record, the step line), the Trainer's ``logging_steps`` (its loss,
+gradient norm and lr, printed). Its schedule is
 transformers' ``cosine_with_min_lr`` (``min_lr_rate=0.1``), which starts its warm-up at lr 0 where
 harmonia starts at ``lr / warmup``: the one difference of schedule.
 
@@ -34,7 +37,8 @@ Measured per run, the same way for both (``OMP_NUM_THREADS`` set alike, cores //
 - start-up: from starting the command to the first step's start (harmonia: the first
   ``metrics.jsonl`` record seen less its ``elapsed_s``; Trainer: the callback);
 - CPU-s/step: CPU seconds of the whole process tree, sampled from ``/proc`` every 0.1 s, between
-  the first and the last step's record, per step; CPU-s command: ``RUSAGE_CHILDREN`` (this process
+  the first and the last step record seen (harmonia's logged steps, the Trainer callback's every
+  step), per step; CPU-s command: ``RUSAGE_CHILDREN`` (this process
   adopts and reaps what the command leaves orphaned, e.g. harmonia's fork server) over the
   whole command (start-up and saving included);
 - peak RSS: the largest sum over the process tree of proportional resident memory (``Pss``: a page
@@ -46,7 +50,7 @@ Measured per run, the same way for both (``OMP_NUM_THREADS`` set alike, cores //
 Every configuration runs ``--reps`` times, harmonia and the Trainer alternating (ABBA); the table
 shows medians, and every run is listed below it.
 
-    python benchmarks/peer.py [--quick] [--reps 2] [--steps 40] [--processes 1,2]
+    python benchmarks/peer.py [--quick] [--reps 2] [--steps 40] [--processes 1,2] [--log-every 10]
         [--harmonia-set parallel.llm_pp=1 ...]
 
 The table goes to stdout and (without ``--quick``) to ``benchmarks/results/peer-<date>.txt``.
@@ -264,7 +268,8 @@ def trainer_worker(settings_path: str) -> None:
         learning_rate=s["lr"], warmup_steps=s["warmup"], lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": s["min_lr_ratio"]}, weight_decay=0.0, max_grad_norm=1.0,
         seed=s["seed"], use_cpu=True, ddp_backend="gloo" if world > 1 else None, dataloader_num_workers=0,
-        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        logging_strategy="steps", logging_steps=s["log_every"], save_strategy="no", eval_strategy="no",
+        report_to="none", disable_tqdm=True,
         remove_unused_columns=False)
     pad = processor.tokenizer.pad_token_id
     trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=lambda f: collate(f, pad),
@@ -290,7 +295,7 @@ def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str
         "train": {"steps": s["steps"], "global_batch": s["global_batch"], "lr": s["lr"], "warmup": s["warmup"],
                   "lr_schedule": "cosine", "min_lr_ratio": s["min_lr_ratio"], "max_norm": 1.0, "seed": s["seed"]},
         "checkpoint": {"dir": str(work / "checkpoints")},
-        "log": {"dir": str(work / "run"), "tensorboard": False},
+        "log": {"dir": str(work / "run"), "tensorboard": False, "every": s["log_every"]},
     }
     job = work / "job.toml"
     job.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()) + "\n"
@@ -306,14 +311,13 @@ def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str
                         "--out", str(work / "export")], cwd=ROOT, env=env, check=True, capture_output=True)
     t = summary["throughput"]
     plan = Plan.from_json(json.dumps(summary["plan"]))
-    gaps = [b["elapsed_s"] - a["elapsed_s"] - b["step_s"] for a, b in zip(records, records[1:])]
+    logged = {n + 1: r["step"] + 1 for n, r in enumerate(records)}  # metrics.jsonl lines -> steps done
     return {"samples_per_s": t["samples_per_s"], "tokens_per_s": t["tokens_per_s"], "tokens": t["tokens"],
             "samples": t["samples"], "startup_s": first_step_at - w["started"] if first_step_at else None,
-            "cpu_step_s": window_cpu_per_step(w["marks"]), "cpu_command_s": w["cpu_command_s"],
-            "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"], "model": work / "export",
-            "phases": summary.get("startup") or {},
-            "outside_steps_s": t["elapsed_s"] - sum(r["step_s"] for r in records),
-            "largest_gap": max(((g, b["step"]) for g, b in zip(gaps, records[1:])), default=None),
+            "cpu_step_s": window_cpu_per_step({logged[n]: v for n, v in w["marks"].items() if n in logged}),
+            "cpu_command_s": w["cpu_command_s"], "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"],
+            "model": work / "export", "phases": summary.get("startup") or {},
+            "outside_steps_s": t["elapsed_s"] - t["in_steps_s"],
             "plan": f"{describe_layouts(plan.layouts)}; {plan.schedule}, {plan.n_microbatches} microbatches"}
 
 
@@ -390,11 +394,10 @@ def run_lines(results: dict) -> list[str]:
             extra = (f"; {r['tokens'] / r['samples']:.1f} tokens/sample; {r['outside_steps_s']:.2f} s of the window "
                      "outside the steps")
             if tool == "harmonia":
-                gap, at = r["largest_gap"] or (0.0, None)
                 phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
                 before = r["startup_s"] - sum(r["phases"].values()) if r["startup_s"] is not None else None
-                extra += (f" (the longest {gap:.2f} s, before step {at}'s record); plan {r['plan']}; start-up phases "
-                          f"(s): not in them (interpreter, imports, config) {_cell(before, '{:.2f}')}, {phases}")
+                extra += (f"; plan {r['plan']}; start-up phases (s): not in them (interpreter, imports, config) "
+                          f"{_cell(before, '{:.2f}')}, {phases}")
             else:
                 extra += (f"; padding {r['padding']:.0%} of batch tokens; {r['trainable']:,} trainable parameters; "
                           f"{r['threads']} threads")
@@ -426,7 +429,8 @@ def run_dataset(a: argparse.Namespace, name: str, base: Path, root: Path, work: 
     heldout = [encode_row(processor, row, heldout_path.parent) for row in json.loads(heldout_path.read_text())]
     console.print(f"{name}: answer loss of the initial checkpoint {answer_loss(base, heldout):.3f}", highlight=False)
     s = {"base": str(base), "rows": str(root / "train" / "llava.json"), "steps": a.steps,
-         "global_batch": a.global_batch, "lr": a.lr, "warmup": a.warmup, "min_lr_ratio": 0.1, "seed": 0}
+         "global_batch": a.global_batch, "lr": a.lr, "warmup": a.warmup, "min_lr_ratio": 0.1, "seed": 0,
+         "log_every": a.log_every}
     results: dict[tuple[str, int, str], list[dict]] = {}
     for procs in a.processes:
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads[procs]), "HF_HUB_OFFLINE": "1"}
@@ -456,6 +460,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="runs per configuration and tool (default 2; --quick 1)")
     p.add_argument("--processes", default="1,2", help="process counts, comma-separated")
     p.add_argument("--datasets", default="llava,varied", help="llava and/or varied, comma-separated")
+    p.add_argument("--log-every", type=int, default=10, help="both tools log every N steps (default 10)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (0 = cores // processes)")
     p.add_argument("--harmonia-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a config override for every harmonia run (repeatable), e.g. parallel.llm_pp=1")
@@ -496,7 +501,7 @@ def main() -> int:
                   f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers "
                   f"{transformers.__version__}, fp32, gloo", highlight=False)
     console.print(f"{a.steps} steps, global batch {a.global_batch}, AdamW lr {a.lr:g}, {a.warmup} warm-up steps, "
-                  f"cosine to 0.1 x lr, clip 1.0, seed 0; {a.samples} training and {a.heldout} held-out records per "
+                  f"cosine to 0.1 x lr, clip 1.0, seed 0, both logging every {a.log_every} steps; {a.samples} training and {a.heldout} held-out records per "
                   f"dataset; {a.reps} run(s) per tool and configuration, alternating; OMP_NUM_THREADS "
                   f"{', '.join(f'{t} at {n} process(es)' for n, t in a.threads.items())}, for both tools"
                   + (f"; harmonia overrides: {' '.join(a.harmonia_set)}" if a.harmonia_set else ""), highlight=False)

@@ -298,11 +298,13 @@ def prepare_shared(config: Config):
 
 def _throughput(records: list[dict]) -> dict | None:
     """Real tokens and samples this run trained over the wall-clock seconds from its first step's
-    start to its last step's end (`harmonia.train.step_figures.TrainingWindow`)."""
+    start to its last step's end (`harmonia.train.step_figures.TrainingWindow`), and the seconds of
+    that window inside the steps (forward, backward, optimizer: every step's ``step_s``)."""
     if not records:
         return None
     last = records[-1]
-    return {"steps": len(records), "elapsed_s": last["elapsed_s"], "tokens": sum(r["tokens"] for r in records),
+    return {"steps": len(records), "elapsed_s": last["elapsed_s"], "in_steps_s": sum(r["step_s"] for r in records),
+            "tokens": sum(r["tokens"] for r in records),
             "samples": sum(r["samples"] for r in records), "tokens_per_s": last["tokens_per_s"],
             "samples_per_s": last["samples_per_s"]}
 

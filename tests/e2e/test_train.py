@@ -76,6 +76,7 @@ def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     tokens = sum(r["tokens"] for r in records)
     assert records[-1]["tokens_per_s"] == pytest.approx(tokens / records[-1]["elapsed_s"])
     assert summary["throughput"]["tokens"] == tokens and summary["throughput"]["steps"] == len(records)
+    assert summary["throughput"]["in_steps_s"] == pytest.approx(sum(r["step_s"] for r in records))
     startup = summary["startup"]  # command to first step, phase by phase
     assert list(startup) == ["checks", "preflight", "data", "shape pass and plan", "process start", "process group",
                              "model build and resume", "to the first step"]
