@@ -144,8 +144,10 @@ class MediaInputs:
                            self.grid)
 
 
-def gather_items(items: list[ItemInputs], index: torch.Tensor) -> MediaInputs:
-    """One encoder's inputs for ``items`` encoded together, their LLM tokens at ``index``.
+def gather_items(items: list[ItemInputs], index: torch.Tensor, with_inputs: bool = True) -> MediaInputs:
+    """One encoder's inputs for ``items`` encoded together, their LLM tokens at ``index``; without
+    ``with_inputs``, no rows of inputs (``(0, ...)``: what the LLM's side of a batch holds, the
+    encoders' outputs reaching its positions through the boundary), nothing copied.
 
     Raises:
         SampleError: native-resolution items mixed with tiles (one encoder takes one kind).
@@ -153,7 +155,8 @@ def gather_items(items: list[ItemInputs], index: torch.Tensor) -> MediaInputs:
     native = {item.grid is not None for item in items}
     if len(native) > 1:
         raise SampleError(f"encoder {items[0].module!r} got native-resolution items and tiles together")
-    inputs = torch.cat([item.inputs for item in items])
+    first = items[0].inputs
+    inputs = torch.cat([item.inputs for item in items]) if with_inputs else first.new_empty((0, *first.shape[1:]))
     if native.pop():
         return MediaInputs(inputs, torch.zeros(0, dtype=torch.long), 0, index, grid=torch.cat([i.grid for i in items]))
     groups, n = [], 0
@@ -243,8 +246,9 @@ class PackedBatch:
         )
 
 
-def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
-    """Concatenate samples into one sequence; group item inputs by encoder.
+def pack_samples(samples: list[TokenizedSample], with_inputs: bool = True) -> PackedBatch:
+    """Concatenate samples into one sequence; group item inputs by encoder (without ``with_inputs``,
+    only the items' positions: `gather_items`).
 
     Raises:
         SampleError: when ``samples`` is empty.
@@ -265,7 +269,7 @@ def pack_samples(samples: list[TokenizedSample]) -> PackedBatch:
                 its.append(item)
                 index.append(torch.arange(offset, offset + length))
             offset += length
-    media = {name: gather_items(its, torch.cat(index)) for name, (its, index) in per_module.items()}
+    media = {name: gather_items(its, torch.cat(index), with_inputs) for name, (its, index) in per_module.items()}
     return PackedBatch(
         torch.cat([s.input_ids for s in samples])[None], torch.cat([s.labels for s in samples])[None],
         layout, media, [s.sample_id for s in samples], _packed_rope_positions(samples),

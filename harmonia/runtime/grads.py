@@ -260,13 +260,32 @@ def reduce_loss_and_clip(loss_share: torch.Tensor, shares: torch.Tensor, params:
     """The step's global loss (``loss_share``: this rank's, `MLLMExecutor.loss_share`) and
     `clip_grad_norm`, reduced in one collective on the host instead of two: ``(loss, norm)``, the
     same floats as reducing each alone (a float64 square root of the same sum)."""
-    total = torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
-    if dist.get_world_size(group) > 1:  # a one-rank group has nothing to add
-        dist.all_reduce(total, group=group)
-    loss, squared = total.tolist()
-    norm = math.sqrt(squared)
-    _clip(params, max_norm, norm)
-    return loss, norm
+    return LossAndNorm.start(loss_share, shares, group).clip(params, max_norm)
+
+
+@dataclass
+class LossAndNorm:
+    """`reduce_loss_and_clip` in two halves: `start` launches the collective, `clip` waits for it
+    and clips, so the host can do other work (the next step's preparation) while it is in flight."""
+
+    total: torch.Tensor  # (2,) float64 on the host: [loss, squared norm], summed over the group once done
+    work: dist.Work | None  # the collective in flight; None for a one-rank group
+
+    @staticmethod
+    def start(loss_share: torch.Tensor, shares: torch.Tensor, group: dist.ProcessGroup | None) -> LossAndNorm:
+        total = torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
+        if dist.get_world_size(group) == 1:  # a one-rank group has nothing to add
+            return LossAndNorm(total, None)
+        return LossAndNorm(total, dist.all_reduce(total, group=group, async_op=True))
+
+    def clip(self, params: list[nn.Parameter], max_norm: float | None) -> tuple[float, float]:
+        """``(loss, norm)`` once the collective is done; the gradients scaled to ``max_norm``."""
+        if self.work is not None:
+            self.work.wait()
+        loss, squared = self.total.tolist()
+        norm = math.sqrt(squared)
+        _clip(params, max_norm, norm)
+        return loss, norm
 
 
 def _clip(params: list[nn.Parameter], max_norm: float | None, norm: float) -> None:

@@ -203,7 +203,9 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
         assign = _cp_assignment(llm.cp, replicas, None if llm_cp is None else llm_cp[m], m)
         if llm.holds(rank):
             d = llm.coords(rank)["dp"]
-            out.llm.append(_positions_only(pack_samples(replicas[d])))
+            # the LLM takes the encoders' outputs at each item's positions (through the boundary), never
+            # the pixels or mel frames, which would otherwise go to its device with the batch
+            out.llm.append(pack_samples(replicas[d], with_inputs=False))
             if assign is not None:
                 out.llm_cp.append(torch.from_numpy(assign[d]))
         for e in encoders:
@@ -236,13 +238,6 @@ def build_rank_batch(layouts: Mapping[str, Layout], rank: int,
 def _without_inputs(media: MediaInputs) -> MediaInputs:
     """``media`` with no rows of encoder inputs (its slots, positions and grids kept)."""
     return replace(media, inputs=media.inputs.new_empty((0, *media.inputs.shape[1:])))
-
-
-def _positions_only(batch: PackedBatch) -> PackedBatch:
-    """An LLM microbatch without its items' encoder inputs: the LLM takes the encoders' outputs at
-    each item's positions (``index``) through the boundary, never the pixels or mel frames, which
-    would otherwise go to its device with the batch (every video's patch rows on every LLM rank)."""
-    return replace(batch, media={e: _without_inputs(m) for e, m in batch.media.items()})
 
 
 def _n_targets(sample: TokenizedSample) -> int:

@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import datetime
 import logging
+import math
 import os
 import signal
 import socket
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PR_SET_PDEATHSIG = 1
 HEARTBEAT_PREFIX = "harmonia/heartbeat"
+STEP_WRITE_S = 0.05  # a rank's finished steps go to the store at most this often; the rest with the next beat
 
 
 class StopRequested(HarmoniaError):
@@ -239,6 +241,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._step = 0
         self._step_changed = time.monotonic()
+        self._written, self._written_at = 0, -math.inf  # the step last put in the store, and when
         self._thread = threading.Thread(target=self._run, name="harmonia-heartbeat", daemon=True)
 
     def __enter__(self) -> Heartbeat:
@@ -253,16 +256,27 @@ class Heartbeat:
         self._stop.set()
 
     def progress(self, step: int) -> None:
-        """Record that this rank finished ``step`` steps."""
+        """Record that this rank finished ``step`` steps: in the store at once where it was last
+        written `STEP_WRITE_S` ago or more, else with the next beat (steps of a few milliseconds
+        need not each wait for a store round trip; what reads them waits for a beat interval)."""
         self._step, self._step_changed = step, time.monotonic()
+        if self._step_changed - self._written_at >= STEP_WRITE_S:
+            self._write_step()
+
+    def _write_step(self) -> None:
+        step = self._step
         try:
             self.store.set(_key(self.attempt, "step", self.rank), str(step))
         except Exception as err:  # noqa: BLE001 -- a store that went away must not stop training
             log.debug("heartbeat store unavailable: %s", err)
+            return
+        self._written, self._written_at = step, time.monotonic()
 
     def _run(self) -> None:
         detector = None
         while not self._stop.wait(self.interval):
+            if self._step != self._written:
+                self._write_step()
             try:
                 self.store.add(_key(self.attempt, "beat", self.rank), 1)
                 waiting = time.monotonic() - self._step_changed > 2 * self.interval

@@ -102,3 +102,5 @@ def test_only_an_encoders_first_stage_holds_its_inputs() -> None:
     whole = pack_samples(SAMPLES)
     for e, media in packed.media.items():
         assert media.inputs.shape[0] == 0 and torch.equal(media.index, whole.media[e].index)
+        assert media.inputs.shape[1:] == whole.media[e].inputs.shape[1:] and media.n_groups == whole.media[e].n_groups
+        assert torch.equal(media.groups, whole.media[e].groups)

@@ -7,6 +7,7 @@ import time
 
 import torch.distributed as dist
 
+from harmonia.runtime import watchdog
 from harmonia.runtime.watchdog import HangDetector, Heartbeat, StopSignals, process_state
 
 
@@ -32,6 +33,27 @@ def test_a_rank_whose_heartbeat_stops_is_named() -> None:
     assert hung is not None and hung[0] == 1
     assert hung[1].startswith("rank 1 stopped responding: no heartbeat for 1 s")
     assert "its last finished step was 3" in hung[1]
+
+
+def test_quick_steps_reach_the_store_with_the_next_beat(monkeypatch) -> None:
+    """Steps finished within `STEP_WRITE_S` of the last write wait for the beat, not a round trip each."""
+    monkeypatch.setattr(watchdog, "STEP_WRITE_S", 60.0)  # every step after the first is a quick one
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    beat = Heartbeat(server, 0, 1, hang_timeout=10.0)
+    stored = lambda: int(server.add("harmonia/heartbeat/0/step/0", 0))  # noqa: E731
+    beat.progress(1)  # the first write goes at once
+    assert stored() == 1
+    for step in range(2, 50):
+        beat.progress(step)
+    assert stored() == 1  # the quick ones are held back
+    beat.interval = 0.1
+    beat.__enter__()
+    deadline = time.monotonic() + 5
+    while stored() != 49 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    beat.__exit__()
+    assert stored() == 49  # and the newest reaches the store with a beat
 
 
 def test_stop_signals_are_recorded_not_fatal() -> None:
