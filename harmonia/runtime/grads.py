@@ -272,8 +272,13 @@ class LossAndNorm:
     work: dist.Work | None  # the collective in flight; None for a one-rank group
 
     @staticmethod
+    def local(loss_share: torch.Tensor, shares: torch.Tensor) -> torch.Tensor:
+        """``(2,)`` float64 on the host: this rank's [loss share, squared norm share]."""
+        return torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
+
+    @staticmethod
     def start(loss_share: torch.Tensor, shares: torch.Tensor, group: dist.ProcessGroup | None) -> LossAndNorm:
-        total = torch.stack([loss_share.to("cpu", torch.float64), shares.detach().to("cpu", torch.float64)])
+        total = LossAndNorm.local(loss_share, shares)
         if dist.get_world_size(group) == 1:  # a one-rank group has nothing to add
             return LossAndNorm(total, None)
         return LossAndNorm(total, dist.all_reduce(total, group=group, async_op=True))

@@ -132,6 +132,7 @@ class PreparedIteration:
         settle_s: seconds the training thread spent agreeing on failures (and preparing again).
         stops: rank -> pending stop signal, as every rank agreed in `IterationBuilder.settle`.
         rows: ``(world, R)`` every rank's row gathered by `IterationBuilder.settle` (None: none passed).
+        summed: ``(E,)`` every rank's ``extra`` summed by `IterationBuilder.settle` (None: none passed).
         predicted_peak: this rank's bytes at the step's peak as the planner prices them: its states
             (weights, gradients, optimizer states) plus the activations its action list holds at once
             (computed where a measured peak is recorded beside it; else 0).
@@ -154,6 +155,7 @@ class PreparedIteration:
     predicted_peak: float = 0.0
     stops: dict[int, int] = field(default_factory=dict)
     rows: torch.Tensor | None = None
+    summed: torch.Tensor | None = None
 
 
 class BuilderClosed(HarmoniaError):
@@ -183,8 +185,8 @@ class IterationBuilder:
             and the ones it calibrates and draws).
         shapes: dataset index -> shape of every usable sample (`MultimodalDataset.shapes`).
         decoder: decodes this rank's samples (default: in this process).
-        agree: ``(failures, stop signal, row)`` -> every rank's (`harmonia.train.rank_data.agree_failures`
-            on the data group); default: one process.
+        agree: ``(failures, stop signal, row, extra)`` -> every rank's
+            (`harmonia.train.rank_data.agree_failures` on the data group); default: one process.
         assignment: ``balanced`` (the balancer, the order search and the sub-microbatch search) or
             ``sequential`` (fixed-size microbatches in data order, `assign_sequential`, as the
             Megatron-LM recipe: the balancer's order is not searched and no encoder is split).
@@ -195,7 +197,8 @@ class IterationBuilder:
                  simulate: bool = False, *, shapes: Mapping[int, SampleShape],
                  simulate_steps: Callable[[int], bool] | None = None,
                  decoder: SampleDecoder | None = None,
-                 agree: Callable[[list[Failed], int, torch.Tensor | None], StepAgreement] | None = None,
+                 agree: Callable[[list[Failed], int, torch.Tensor | None, torch.Tensor | None],
+                                 StepAgreement] | None = None,
                  assignment: str = "balanced", predict_peaks: bool = False) -> None:
         if assignment not in ASSIGNMENTS:
             raise ConfigError(f"train.assignment={assignment!r} is invalid: expected one of {ASSIGNMENTS}")
@@ -206,7 +209,7 @@ class IterationBuilder:
         self.predict_peaks = predict_peaks  # this rank's predicted step peak, for a measured one beside it
         self.shapes = shapes
         self.decoder = decoder or SampleDecoder(dataset, 0)
-        self.agree = agree or (lambda failed, stop, row: agree_failures(failed, None, stop, row))
+        self.agree = agree or (lambda failed, stop, row, extra: agree_failures(failed, None, stop, row, extra))
         self.sim_cost = cost  # what the simulated step is priced with (`calibrate` refits it)
         self.feeds = {e: feeding_replicas(plan, e) for e in plan.encoders}
         self.states = state_bytes_per_rank(cost, plan)  # weights, gradients, optimizer states per rank
@@ -233,16 +236,22 @@ class IterationBuilder:
             bad = set(self.bad)
         return self._prepare(step, bad, {})
 
-    def settle(self, it: PreparedIteration, stop: int = 0, row: torch.Tensor | None = None) -> PreparedIteration:
+    def settle(self, it: PreparedIteration, stop: int = 0, row: torch.Tensor | None = None,
+               extra: torch.Tensor | None = None) -> PreparedIteration:
         """Agree with every rank on the step's failures and pending stop signals (``stop``: this
         rank's; one collective on the data group, which also gathers every rank's ``row`` into
-        ``it.rows``): each failure is counted once by the data policy (``on_error=fail`` raises here,
-        on every rank), and the step is prepared again without them until no rank fails. Returns the
-        step every rank trains, with the agreed stop signals."""
+        ``it.rows`` and sums every rank's ``extra`` into ``it.summed``): each failure is counted once
+        by the data policy (``on_error=fail`` raises here, on every rank), and the step is prepared
+        again without them until no rank fails. Returns the step every rank trains, with the agreed
+        stop signals. ``it.settle_s`` counts from the first agreement on where it carries ``extra``
+        (that collective is the step before's own)."""
         t0 = time.perf_counter()
         first = None
         while True:
-            agreed = self.agree(it.failed, stop if first is None else 0, row if first is None else None)
+            agreed = self.agree(it.failed, stop if first is None else 0, row if first is None else None,
+                                extra if first is None else None)
+            if first is None and extra is not None:
+                t0 = time.perf_counter()
             first = agreed if first is None else first
             failed = agreed.failed
             if not failed:
@@ -254,7 +263,7 @@ class IterationBuilder:
             it = self._prepare(it.step, set(self.bad), it.decoded)
         self.dataset.stats.loaded += len(it.sample_ids)
         it.decoded = {}
-        it.stops, it.rows = first.stops, first.rows
+        it.stops, it.rows, it.summed = first.stops, first.rows, first.summed
         it.settle_s = time.perf_counter() - t0
         with self._cond:
             self._settled = it.step

@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,6 +43,7 @@ from harmonia.runtime.watchdog import StopRequested, StopSignals, exit_with_pare
 from harmonia.schedule.graph import LLM
 from harmonia.train.faults import FAULT_ENV, Faults
 from harmonia.train.iteration import DataOrder, IterationBuilder, PreparedIteration
+from harmonia.train.next_step import NextStep
 from harmonia.train.lr_schedule import LRSchedule
 from harmonia.train.backend import backend_of, job_cluster, schedule_search
 from harmonia.train.calibrate import MeasuredAction, fit_calibration
@@ -101,21 +101,6 @@ def build_optimizer(config: Config, param_groups: list[dict]) -> torch.optim.Opt
     return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, **fused)
 
 
-def _prepare_early(prefetch, step: int) -> Callable[[], PreparedIteration]:
-    """``prefetch.get(step)`` now; returns what hands it over at ``step``'s start, raising there the
-    error its preparation raised (as `SchedulePrefetcher.get` would have raised it then)."""
-    try:
-        it = prefetch.get(step)
-    except Exception as err:  # noqa: BLE001 -- raised at its own step, where every rank meets it
-        error = err
-
-        def again() -> PreparedIteration:
-            raise error
-
-        return again
-    return lambda: it
-
-
 def set_learning_rates(optimizers: dict[str, torch.optim.Optimizer], config: Config, step: int) -> None:
     """Give every param group its module's lr of ``step`` (a group without a ``module`` the global one)."""
     for opt in optimizers.values():
@@ -130,7 +115,7 @@ class StepOutcome:
     loss: float
     grad_norm: float
     skipped: bool = False
-    ahead_s: float = 0.0  # wall seconds of it spent preparing the next step (`Trainer._step`'s ``ahead``)
+    ahead_s: float = 0.0  # wall seconds of it spent preparing the next step (`harmonia.train.next_step`)
     ahead_cpu_s: float = 0.0  # and this process's CPU seconds
 
 
@@ -330,16 +315,17 @@ class Trainer:
         self.first_step_at = time.time()
         window = TrainingWindow(time.perf_counter())
         done: LoggedStep | None = None  # the step before, its figures not gathered yet
-        early: dict[int, Callable[[], PreparedIteration]] = {}  # a step prepared during the one before
-        overlap = self._overlaps(prefetch)
+        ahead: NextStep | None = None  # this step, prepared during the one before
+        overlap, merges = self._overlaps(prefetch), dist.get_backend() == "gloo"
         try:
             for step in range(self.start_step, tc.steps):
                 self.faults.before_step(step, self.model)
                 # collective, the step's barrier: failed samples dropped alike, stop signals heard by
                 # every rank, every rank's figures of the step before gathered
-                prepared = early.pop(step)() if step in early else prefetch.get(step)
-                it = self.builder.settle(prepared, stops.signum if stops is not None else 0,
-                                         done.row if done is not None else None)
+                it = ahead.take() if ahead is not None else prefetch.get(step)
+                if ahead is None or not ahead.settled:
+                    it = self.builder.settle(it, stops.signum if stops is not None else 0,
+                                             done.row if done is not None else None)
                 if done is not None:
                     self._report(report, done, it.rows)
                     done = None
@@ -348,10 +334,9 @@ class Trainer:
                 self.model.executor.action_times = []
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
-                ahead = (lambda n=step + 1: early.__setitem__(n, _prepare_early(prefetch, n))) if (
-                    overlap and step + 1 < tc.steps) else None
-                with self._peak_count(batch) as measured:
-                    result = self._step(step, it, batch, ahead)
+                ahead = NextStep(prefetch.get, step + 1) if overlap and step + 1 < tc.steps else None
+                with self._peak_count(batch) as measured:  # a step not logged carries the next one's agreement
+                    result = self._step(step, it, batch, ahead, stops, merges and not is_logged(self.config, step))
                 # the next step's preparation counts as its own (its data wait), not as this step's time
                 step_s = time.perf_counter() - t0 - result.ahead_s
                 step_cpu = time.process_time() - cpu0 - result.ahead_cpu_s
@@ -386,16 +371,16 @@ class Trainer:
                 report(done.record)
 
     def _overlaps(self, prefetch) -> bool:
-        """Whether each step prepares the next while its loss and norm collective is in flight: where
-        the preparation runs in the training's thread (`SchedulePrefetcher`'s ``background=False``)
-        and the collective has other ranks to wait for (measured on 2 CPU processes with gloo: the
-        collective 1.6-2 ms, the preparation 3-4 ms per step); not while ``log.memory`` counts the
-        step's tensors (the next batch would count in them)."""
+        """Whether each step prepares the next between its backward and its optimizer step
+        (`harmonia.train.next_step`): where the preparation runs in the training's thread
+        (`SchedulePrefetcher`'s ``background=False``) and there are other ranks to agree with; not
+        while ``log.memory`` counts the step's tensors (the next batch would count in them)."""
         return not prefetch.background and dist.get_world_size() > 1 and not self.config.log.memory
 
-    def _agree(self, failed: list, stop: int, row: torch.Tensor | None) -> StepAgreement:
+    def _agree(self, failed: list, stop: int, row: torch.Tensor | None,
+               extra: torch.Tensor | None = None) -> StepAgreement:
         """`harmonia.train.rank_data.agree_failures` on the data group (collective)."""
-        return agree_failures(failed, self.data_group, stop, row)
+        return agree_failures(failed, self.data_group, stop, row, extra)
 
     def _gathered(self, row: torch.Tensor | None) -> torch.Tensor | None:
         """Every rank's ``row`` (collective on the data group where one is passed; every rank passes
@@ -442,18 +427,24 @@ class Trainer:
                     if isinstance(v, torch.Tensor)]
         return tensors
 
-    def _step(self, step: int, it: PreparedIteration, batch, ahead: Callable[[], None] | None = None) -> StepOutcome:
+    def _step(self, step: int, it: PreparedIteration, batch, ahead: NextStep | None = None,
+              stops: StopSignals | None = None, merged: bool = False) -> StepOutcome:
         """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite.
-        ``ahead`` (the next step's preparation) runs while the loss and norm collective is in flight."""
+        ``ahead`` (the next step) is prepared between them (`harmonia.train.next_step`): while the
+        loss and norm collective is in flight, or, ``merged``, before one collective that also agrees
+        on it."""
         ex = self.model.executor
         share = ex.loss_share(it.schedule, batch)
         self.faults.after_backward(step, self.model)
-        reduction = LossAndNorm.start(share, ex.norm_share(), ex.norm_group)
-        spent = {}
-        if ahead is not None:
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            ahead()
-            spent = {"ahead_s": time.perf_counter() - t0, "ahead_cpu_s": time.process_time() - cpu0}
+        if ahead is not None and merged:
+            ahead.prepare()
+            local = LossAndNorm.local(share, ex.norm_share())
+            reduction = LossAndNorm(ahead.agree(self.builder, self._agree, stops.signum if stops else 0, local), None)
+        else:
+            reduction = LossAndNorm.start(share, ex.norm_share(), ex.norm_group)
+            if ahead is not None:
+                ahead.prepare()
+        spent = {} if ahead is None else {"ahead_s": ahead.prepare_s, "ahead_cpu_s": ahead.prepare_cpu_s}
         loss, norm = reduction.clip(ex.trainable, ex.max_norm)
         if math.isfinite(loss) and math.isfinite(norm):
             ex.optimizer_step()

@@ -93,10 +93,12 @@ class StepAgreement(NamedTuple):
     """Rank -> the stop signal it has pending, for ranks that have one."""
     rows: torch.Tensor | None = None
     """``(world, R)`` float64: every rank's ``row``, in rank order (None where none was passed)."""
+    summed: torch.Tensor | None = None
+    """``(E,)`` float64: every rank's ``extra`` summed (None where none was passed)."""
 
 
 def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, stop: int = 0,
-                   row: torch.Tensor | None = None) -> StepAgreement:
+                   row: torch.Tensor | None = None, extra: torch.Tensor | None = None) -> StepAgreement:
     """Every rank's decoding failures of a step and pending stop signals, the same on every rank.
 
     Args:
@@ -105,27 +107,36 @@ def agree_failures(failed: Sequence[Failed], group: dist.ProcessGroup | None, st
         stop: this rank's pending stop signal (0 = none).
         row: this rank's ``(R,)`` figures to gather into `StepAgreement.rows` in the same collective
             (every rank passes one of the same length, or none does).
+        extra: this rank's ``(E,)`` values to sum over the ranks into `StepAgreement.summed` in the
+            same collective (e.g. the loss and squared norm shares of the step before; every rank
+            passes one of the same length, or none does).
     """
+    extra = None if extra is None else extra.to(torch.float64).reshape(-1)
     if group is None or dist.get_world_size(group) == 1:  # nothing to agree with
         rank = 0 if group is None else dist.get_global_rank(group, 0)
         rows = None if row is None else row.to(torch.float64).reshape(1, -1)
-        return StepAgreement(_merged([list(failed)]), {rank: stop} if stop else {}, rows)
+        return StepAgreement(_merged([list(failed)]), {rank: stop} if stop else {}, rows, extra)
     world, me = dist.get_world_size(group), dist.get_rank(group)
     width = 0 if row is None else row.numel()
-    # [failures over all ranks, each rank's stop signal, each rank's row]: every rank fills its own
-    # slots and the sum gathers them, exactly (a value plus zeros; counts are exact in float64)
-    summed = torch.zeros(1 + world + world * width, dtype=torch.float64)
+    end = 1 + world + world * width
+    # [failures over all ranks, each rank's stop signal, each rank's row, the extra sums]: every rank
+    # fills its own slots and the sum gathers them, exactly (a value plus zeros; counts are exact in
+    # float64), and adds its extra values to everyone's
+    summed = torch.zeros(end + (0 if extra is None else extra.numel()), dtype=torch.float64)
     summed[0], summed[1 + me] = len(failed), stop
     if row is not None:
         summed[1 + world + me * width:1 + world + (me + 1) * width] = row.reshape(-1)
+    if extra is not None:
+        summed[end:] = extra
     dist.all_reduce(summed, group=group)  # one small collective in the common case: nothing failed
     stops = {dist.get_global_rank(group, r): int(v) for r, v in enumerate(summed[1:1 + world].tolist()) if v}
-    rows = None if row is None else summed[1 + world:].view(world, width)
+    rows = None if row is None else summed[1 + world:end].view(world, width)
+    total = None if extra is None else summed[end:]
     if not int(summed[0]):
-        return StepAgreement([], stops, rows)
+        return StepAgreement([], stops, rows, total)
     everyone = [None] * world
     dist.all_gather_object(everyone, list(failed), group=group)
-    return StepAgreement(_merged(everyone), stops, rows)
+    return StepAgreement(_merged(everyone), stops, rows, total)
 
 
 def _merged(everyone: list[list[Failed]]) -> list[Failed]:

@@ -47,7 +47,7 @@ def _builder(rank: int, root, on_error: str, group):
     return IterationBuilder(SPEC, PLAN, ds, DataOrder(list(shapes), PLAN.global_batch, SEED),
                             CostModel(SPEC, cluster.device), cluster, schedule_graph(SPEC, PLAN), rank,
                             search_evaluations=4, shapes=shapes,
-                            agree=lambda failed, stop, row: agree_failures(failed, group, stop, row))
+                            agree=lambda failed, stop, row, extra: agree_failures(failed, group, stop, row, extra))
 
 
 def _steps(rank: int, world: int, root, on_error: str, steps: int):
@@ -66,11 +66,13 @@ def _steps(rank: int, world: int, root, on_error: str, steps: int):
     with check_timeout(LAYOUT_TIMEOUT_S, f"rank {rank}'s steps"):
         for step in range(steps):
             row = torch.tensor([rank + 0.25, 2.0**52 + rank, step], dtype=torch.float64)  # the trainer's figures
+            extra = torch.tensor([rank + 1.0, 10.0 * step], dtype=torch.float64)  # e.g. loss and norm shares
             try:
-                it = builder.settle(builder(step), 0, row)
+                it = builder.settle(builder(step), 0, row, extra)
             except DataError as e:
                 return {"error": str(e), "kind": e.kind}
-            out.append((it.sample_ids, it.skipped, [f.index for f in it.failed], it.rows.tolist()))
+            out.append((it.sample_ids, it.skipped, [f.index for f in it.failed], it.rows.tolist(),
+                        it.summed.tolist()))
     return {"steps": out, "stats": builder.dataset.stats.metrics(), "warned": warned, "bad": sorted(builder.bad)}
 
 
@@ -97,12 +99,14 @@ def test_both_ranks_drop_the_same_corrupt_sample(planted):
     assert a["steps"] == b["steps"], "the ranks trained different samples"
     assert a["stats"] == b["stats"] and a["stats"]["data/skipped/corrupt_media"] == 1
     assert a["bad"] == b["bad"] == [index]
-    step0_ids, skipped, failed, _ = a["steps"][0]
+    step0_ids, skipped, failed, *_ = a["steps"][0]
     assert index not in step0_ids and skipped == 1 and failed == []
     assert all(index not in ids for ids, *_ in a["steps"])
     assert sum(len(ids) for ids, *_ in a["steps"]) == 4 * PLAN.global_batch - sum(s for _, s, *_ in a["steps"])
-    # every rank's row gathered exactly in the same agreement, the step that failed (agreed twice) too
-    assert [rows for *_, rows in a["steps"]] == [[[0.25, 2.0**52, k], [1.25, 2.0**52 + 1, k]] for k in range(4)]
+    # every rank's row gathered exactly in the same agreement, the step that failed (agreed twice) too,
+    # and every rank's extra values summed in it
+    assert [rows for *_, rows, _ in a["steps"]] == [[[0.25, 2.0**52, k], [1.25, 2.0**52 + 1, k]] for k in range(4)]
+    assert [summed for *_, summed in a["steps"]] == [[3.0, 20.0 * k] for k in range(4)]
     assert [w for w in a["warned"] if name in w] and not b["warned"], "logged once, by rank 0"
 
 

@@ -293,6 +293,29 @@ def test_nonfinite_steps_never_reach_the_weights(tmp) -> None:
     assert _steps(ck) == ["step-3", "step-4", "step-5"] and all(_all_finite(ck / s) for s in _steps(ck))
 
 
+def test_steps_not_logged_agree_in_their_loss_collective_alike(tmp) -> None:
+    """A step that is not logged agrees on the next one in its own loss and norm collective
+    (`harmonia.train.next_step`): the same losses, the same skipped non-finite step, as a job that
+    logs (and so agrees at) every step; a stop signal is heard at the next agreement."""
+    runs = {}
+    for every in (1, 3):
+        run = f"every-{every}"
+        code, out = _train(_args(tmp, run, "--train.steps=6", f"--log.every={every}", "--checkpoint.every=0",
+                                 "--train.on_nonfinite=skip"), fault="nangrad:1:1")
+        assert code == 0, out[-3000:]
+        assert "step 1: gradient norm is nan" in out and "its update was skipped" in out
+        runs[every] = json.loads((tmp / run / "summary.json").read_text())["losses"]
+    assert len(runs[1]) == 6 and runs[3] == runs[1]
+
+    ck = tmp / "every-term" / "ck"
+    code, out = _train(_args(tmp, "every-term", "--train.steps=6", "--log.every=3"), fault="term:1:2")
+    assert code == 128 + signal.SIGTERM, out[-3000:]
+    # step 2 was agreed on in step 1's collective; the signal sent at step 2's start is heard in step 2's
+    assert (f"rank 1 received SIGTERM: every rank stopped at step 3/6; saved checkpoint step-3 in {ck}"
+            in out.splitlines()[-1])
+    assert _steps(ck) == ["step-3"] and _all_finite(ck / "step-3")
+
+
 def _plan(tmp: Path, **llm) -> str:
     layout = {"tp": 1, "cp": 1, "dp": 2, "pp": 1, "fsdp": False}
     plan = {"model": "tiny-vlm", "layouts": {"vision": dict(layout), "llm": {**layout, **llm}},
