@@ -349,7 +349,8 @@ class LogConfig:
     dir: str = _f("runs/demo", "metrics.jsonl, TensorBoard events, timelines and the summary go here")
     every: int = _f(1, "log every N steps (and the last): only those steps' records go to metrics.jsonl, "
                        "TensorBoard and trackers, gather every rank's module times and memory (a collective) "
-                       "and are simulated beside the measured step")
+                       "and are simulated beside the measured step; on CPU jobs of several ranks the other steps "
+                       "agree on the next one in their own loss collective, one collective a step fewer")
     tensorboard: bool = _f(True, "also write TensorBoard events")
     wandb: bool = _f(False, "also log to Weights & Biases (the wandb package; WANDB_MODE=offline keeps the run in "
                             "<dir>/wandb, WANDB_* variables apply)")
