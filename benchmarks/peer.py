@@ -1,11 +1,15 @@
-"""harmonia against transformers' `Trainer` on the same tiny LLaVA, the same data and the same schedule.
+"""harmonia against transformers' `Trainer` on the same tiny VLMs, the same data and the same schedule.
 
 transformers' ``Trainer`` is the engine under LLaMA-Factory, ms-swift and most fine-tuning scripts, so
-it is what a user of harmonia would otherwise run. Both sides here train the same checkpoint
-(`harmonia.train.tiny_llava.write_tiny_llava`: a ``LlavaForConditionalGeneration`` with a CLIP tower,
-a Llama text model, a ChatML template and a processor), vision tower frozen, projector and LLM
-trained, with AdamW at the same peak lr, warm-up steps, cosine decay to 0.1 x lr, gradient clipping
-at 1.0, global batch and number of steps, in fp32 on the CPU, on two datasets:
+it is what a user of harmonia would otherwise run. Both sides here train the same checkpoint, each
+of ``--models``: ``llava`` (`harmonia.train.tiny_llava.write_tiny_llava`: a
+``LlavaForConditionalGeneration`` with a CLIP tower, a Llama text model, a ChatML template and a
+processor) and ``qwen2_5_vl`` (`harmonia.train.tiny_qwen_vl.write_tiny_qwen_vl`: a
+``Qwen2_5_VLForConditionalGeneration``, its native-resolution tower with windows, merger and
+multimodal RoPE, and its processor), vision tower frozen (Qwen-VL's merger trains, as harmonia's
+projector), projector and LLM trained, with AdamW at the same peak lr, warm-up steps, cosine decay
+to 0.1 x lr, gradient clipping at 1.0, global batch and number of steps, in fp32 on the CPU, on two
+datasets:
 
 - ``llava``: `harmonia.data.synth.write_synthetic_dataset` in LLaVA JSON (one image or none, one
   question, a one-word answer: every sample about the same size);
@@ -51,6 +55,7 @@ Every configuration runs ``--reps`` times, harmonia and the Trainer alternating 
 shows medians, and every run is listed below it.
 
     python benchmarks/peer.py [--quick] [--reps 2] [--steps 40] [--processes 1,2] [--log-every 10]
+        [--datasets llava,varied] [--models llava,qwen2_5_vl]
         [--harmonia-set parallel.llm_pp=1 ...]
 
 The table goes to stdout and (without ``--quick``) to ``benchmarks/results/peer-<date>.txt``.
@@ -162,14 +167,15 @@ def encode_row(processor, row: dict, root: Path) -> dict:
     batch = processor(images=images or None, text=[text], return_tensors="pt")
     want = batch["input_ids"][0].tolist()
     tok = processor.tokenizer
-    image_id = tok.convert_tokens_to_ids(IMAGE)
-    per_image = want.count(image_id) // max(1, len(images))
+    image_id = tok.convert_tokens_to_ids(getattr(processor, "image_token", IMAGE))
+    counts = iter(_image_runs(want, image_id, len(images)))
     enc = tok(text, return_offsets_mapping=True)
     ids, labels = [], []
     for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]):
         if t == image_id:
-            ids += [t] * per_image
-            labels += [-100] * per_image
+            n = next(counts)
+            ids += [t] * n
+            labels += [-100] * n
         else:
             ids.append(t)
             labels.append(t if any(a < e and b > s for s, e in spans) else -100)
@@ -177,8 +183,26 @@ def encode_row(processor, row: dict, root: Path) -> dict:
         raise ValueError(f"record {row.get('id')}: tokenising the rendered text does not give the processor's tokens")
     out = {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels)}
     if images:
-        out["pixel_values"] = batch["pixel_values"]  # (n_images, 3, H, W)
+        out["pixel_values"] = batch["pixel_values"]  # (n_images, 3, H, W); Qwen-VL: (patches, C T P P)
+        if "image_grid_thw" in batch:
+            out["image_grid_thw"] = batch["image_grid_thw"]  # (n_images, 3)
+    if "mm_token_type_ids" in batch:
+        out["mm_token_type_ids"] = (out["input_ids"] == image_id).long()  # (T,) 1 on image tokens
     return out
+
+
+def _image_runs(ids: list[int], image_id: int, n_images: int) -> list[int]:
+    """Each image's number of tokens in the processor's ``ids``: its run of ``image_id`` (images of
+    different sizes, Qwen-VL's native resolution), or an even share where runs touch."""
+    runs, previous = [], None
+    for t in ids:
+        if t == image_id:
+            if previous == image_id:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = t
+    return runs if len(runs) == n_images else [sum(runs) // max(1, n_images)] * n_images
 
 
 def collate(features: list[dict], pad_id: int) -> dict:
@@ -193,22 +217,84 @@ def collate(features: list[dict], pad_id: int) -> dict:
         n = len(f["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = f["input_ids"], f["labels"], 1
     batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    pixels = [f["pixel_values"] for f in features if "pixel_values" in f]
-    if pixels:
-        batch["pixel_values"] = torch.cat(pixels)
+    if "mm_token_type_ids" in features[0]:
+        types = torch.zeros((len(features), longest), dtype=torch.long)
+        for i, f in enumerate(features):
+            types[i, :len(f["input_ids"])] = f["mm_token_type_ids"]
+        batch["mm_token_type_ids"] = types
+    for key in ("pixel_values", "image_grid_thw"):
+        found = [f[key] for f in features if key in f]
+        if found:
+            batch[key] = torch.cat(found)
     return batch
+
+
+class QwenImageProcessor:
+    """Qwen2.5-VL's processor for images alone (transformers' whole one builds a video processor that
+    needs torchvision): the checkpoint's tokenizer and chat template and its image processor, each
+    image pad repeated for its grid (``t h w / merge_size**2`` tokens), as ``Qwen2_5_VLProcessor``
+    does; ``mm_token_type_ids`` 1 on image tokens."""
+
+    image_token = "<|image_pad|>"
+
+    def __init__(self, path: Path | str) -> None:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.image_processor = AutoImageProcessor.from_pretrained(path)
+
+    def apply_chat_template(self, msgs: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def __call__(self, images, text: list[str], return_tensors: str = "pt") -> dict:
+        media = dict(self.image_processor(images=images, return_tensors=return_tensors)) if images else {}
+        (rendered,) = text
+        merge = self.image_processor.merge_size ** 2
+        for grid in media.get("image_grid_thw", []):
+            rendered = rendered.replace(self.image_token, "\0" * (int(grid.prod()) // merge), 1)
+        enc = self.tokenizer([rendered.replace("\0", self.image_token)], return_tensors=return_tensors)
+        image_id = self.tokenizer.convert_tokens_to_ids(self.image_token)
+        return {**enc, **media, "mm_token_type_ids": (enc["input_ids"] == image_id).long()}
+
+
+def load_processor(model_dir: Path | str):
+    """The checkpoint's processor (`QwenImageProcessor` for Qwen-VL)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if AutoConfig.from_pretrained(model_dir).model_type.startswith("qwen"):
+        return QwenImageProcessor(model_dir)
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def load_model(model_dir: Path | str):
+    """transformers' image-text-to-text model of a checkpoint (LLaVA, Qwen2.5-VL), in fp32."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def freeze_vision(model) -> None:
+    """``requires_grad`` off for what harmonia's ``model.frozen = ["vision"]`` freezes: LLaVA's vision
+    tower; Qwen-VL's tower without its merger (harmonia's trained projector ``vision_proj``)."""
+    inner = model.model
+    if hasattr(inner, "vision_tower"):
+        inner.vision_tower.requires_grad_(False)
+        return
+    for name, param in inner.visual.named_parameters():
+        param.requires_grad_(name.startswith("merger."))
 
 
 def answer_loss(model_dir: Path, encoded: list[dict]) -> float:
     """Cross-entropy per learned token over ``encoded`` records, by transformers' model from ``model_dir``."""
     import torch
-    from transformers import LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_model(model_dir).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for r in encoded:
-            inputs = {k: v.unsqueeze(0) if k != "pixel_values" else v for k, v in r.items() if k != "labels"}
+            inputs = {k: v.unsqueeze(0) if k in ("input_ids", "mm_token_type_ids") else v for k, v in r.items()
+                      if k != "labels"}
             logits = model(**inputs).logits[0, :-1]  # (T-1, vocab)
             target = r["labels"][1:]
             total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum"))
@@ -221,15 +307,14 @@ def trainer_worker(settings_path: str) -> None:
     """Train with transformers' ``Trainer`` as ``settings`` say; rank 0 saves the model and every
     rank writes its window, samples and tokens to ``out/rank-<r>.json``."""
     import torch
-    from transformers import (AutoProcessor, LlavaForConditionalGeneration, Trainer, TrainerCallback,
-                              TrainingArguments)
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     s = json.loads(Path(settings_path).read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     out = Path(s["out"])
-    model = LlavaForConditionalGeneration.from_pretrained(s["base"], dtype=torch.float32)
-    model.model.vision_tower.requires_grad_(False)
-    processor = AutoProcessor.from_pretrained(s["base"])
+    model = load_model(s["base"])
+    freeze_vision(model)
+    processor = load_processor(s["base"])
     rows_path = Path(s["rows"])
     dataset = [encode_row(processor, row, rows_path.parent) for row in json.loads(rows_path.read_text())]
     seen = {"samples": 0, "tokens": 0, "padded": 0}
@@ -406,25 +491,35 @@ def run_lines(results: dict) -> list[str]:
 
 
 # -- main ------------------------------------------------------------------------------------------
-def prepare(tmp: Path, n_train: int, n_heldout: int) -> tuple[Path, dict[str, Path]]:
-    """The checkpoint and each dataset's directory (``train/llava.json``, ``heldout/llava.json``)."""
+MODELS = ("llava", "qwen2_5_vl")
+
+
+def prepare(tmp: Path, n_train: int, n_heldout: int, models: list[str]) -> tuple[dict[str, Path], dict[str, Path]]:
+    """Each model's checkpoint and each dataset's directory (``train/llava.json``, ``heldout/llava.json``)."""
     from harmonia.data.synth import write_synthetic_dataset
     from harmonia.train.tiny_llava import write_tiny_llava
+    from harmonia.train.tiny_qwen_vl import write_tiny_qwen_vl
 
-    base = write_tiny_llava(tmp / "base")
+    writers = {"llava": lambda out: write_tiny_llava(out), "qwen2_5_vl": lambda out: write_tiny_qwen_vl(out)}
+    bases = {m: writers[m](tmp / ("base" if m == "llava" else m)) for m in models}
     n = n_train + n_heldout
     llava = write_synthetic_dataset(tmp / "llava", n, seed=0, heldout=n_heldout / n, tile=32, fmt="llava")
     varied = write_varied_dataset(tmp / "varied", n_train, n_heldout, seed=0, tile=32)
-    return base, {"llava": llava, "varied": varied}
+    return bases, {"llava": llava, "varied": varied}
 
 
-def run_dataset(a: argparse.Namespace, name: str, base: Path, root: Path, work: Path, console) -> dict:
+def row_name(dataset: str, model: str) -> str:
+    """A table row's name: the dataset, and the model where it is not the tiny LLaVA."""
+    return dataset if model == "llava" else f"{dataset} ({model})"
+
+
+def run_dataset(a: argparse.Namespace, dataset: str, model: str, base: Path, root: Path, work: Path,
+                console) -> dict:
     """Every process count's runs on one dataset, the tools alternating (ABBA); the first run of each
     tool scored by transformers on the held-out records (both tools train deterministically from the
     same seed). Returns (dataset, processes, tool) -> runs."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(base)
+    name = row_name(dataset, model)
+    processor = load_processor(base)
     heldout_path = root / "heldout" / "llava.json"
     heldout = [encode_row(processor, row, heldout_path.parent) for row in json.loads(heldout_path.read_text())]
     console.print(f"{name}: answer loss of the initial checkpoint {answer_loss(base, heldout):.3f}", highlight=False)
@@ -436,7 +531,7 @@ def run_dataset(a: argparse.Namespace, name: str, base: Path, root: Path, work: 
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads[procs]), "HF_HUB_OFFLINE": "1"}
         for rep in range(a.reps):
             for tool in (("harmonia", "Trainer") if rep % 2 == 0 else ("Trainer", "harmonia")):
-                run_dir = work / f"{name}-{procs}p-{tool}-{rep}"
+                run_dir = work / f"{dataset}-{model}-{procs}p-{tool}-{rep}"
                 run_dir.mkdir(parents=True)
                 r = (run_harmonia(s, procs, run_dir, env, a.harmonia_set, export=rep == 0) if tool == "harmonia"
                      else run_trainer(s, procs, run_dir, env))
@@ -460,6 +555,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="runs per configuration and tool (default 2; --quick 1)")
     p.add_argument("--processes", default="1,2", help="process counts, comma-separated")
     p.add_argument("--datasets", default="llava,varied", help="llava and/or varied, comma-separated")
+    p.add_argument("--models", default=",".join(MODELS),
+                   help="tiny checkpoints: llava (CLIP + Llama) and/or qwen2_5_vl (Qwen2.5-VL), comma-separated")
     p.add_argument("--log-every", type=int, default=10, help="both tools log every N steps (default 10)")
     p.add_argument("--threads", type=int, default=0, help="OMP_NUM_THREADS per process (0 = cores // processes)")
     p.add_argument("--harmonia-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -476,6 +573,10 @@ def parse_args() -> argparse.Namespace:
     unknown = set(a.datasets) - {"llava", "varied"}
     if unknown:
         p.error(f"unknown datasets {sorted(unknown)}: expected llava and/or varied")
+    a.models = a.models.split(",")
+    unknown = set(a.models) - set(MODELS)
+    if unknown:
+        p.error(f"unknown models {sorted(unknown)}: expected {' and/or '.join(MODELS)}")
     a.threads = {n: a.threads or max(1, (os.cpu_count() or 1) // n) for n in a.processes}
     return a
 
@@ -497,22 +598,25 @@ def main() -> int:
     transformers.utils.logging.disable_progress_bar()
     console = Console(record=True, width=170)
     console.print(f"$ {shlex.join(['python', 'benchmarks/peer.py', *sys.argv[1:]])}", highlight=False)
-    console.print(f"harmonia vs transformers' Trainer on a tiny LLaVA (CLIP 3x32 + Llama 4x64, vision frozen), "
+    console.print(f"harmonia vs transformers' Trainer on tiny VLMs ({', '.join(a.models)}; vision frozen), "
                   f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__}, transformers "
                   f"{transformers.__version__}, fp32, gloo", highlight=False)
     console.print(f"{a.steps} steps, global batch {a.global_batch}, AdamW lr {a.lr:g}, {a.warmup} warm-up steps, "
-                  f"cosine to 0.1 x lr, clip 1.0, seed 0, both logging every {a.log_every} steps; {a.samples} training and {a.heldout} held-out records per "
-                  f"dataset; {a.reps} run(s) per tool and configuration, alternating; OMP_NUM_THREADS "
+                  f"cosine to 0.1 x lr, clip 1.0, seed 0, both logging every {a.log_every} steps; {a.samples} training "
+                  f"and {a.heldout} held-out records per dataset; {a.reps} run(s) per tool and configuration, "
+                  f"alternating; OMP_NUM_THREADS "
                   f"{', '.join(f'{t} at {n} process(es)' for n, t in a.threads.items())}, for both tools"
                   + (f"; harmonia overrides: {' '.join(a.harmonia_set)}" if a.harmonia_set else ""), highlight=False)
     with tempfile.TemporaryDirectory(prefix="harmonia-peer-") as scratch:
         tmp = Path(a.keep or scratch)
         tmp.mkdir(parents=True, exist_ok=True)
-        base, dirs = prepare(tmp, a.samples, a.heldout)
+        bases, dirs = prepare(tmp, a.samples, a.heldout, a.models)
         results = {}
-        for name in a.datasets:
-            results.update(run_dataset(a, name, base, dirs[name], tmp / "runs", console))
-    console.print(build_table(results, a.datasets, a.processes, a.threads))
+        for model in a.models:
+            for dataset in a.datasets:
+                results.update(run_dataset(a, dataset, model, bases[model], dirs[dataset], tmp / "runs", console))
+    rows = [row_name(d, m) for m in a.models for d in a.datasets]
+    console.print(build_table(results, rows, a.processes, a.threads))
     for line in run_lines(results):
         console.print(line, highlight=False, soft_wrap=True)
     console.print(LEGEND, highlight=False)
