@@ -439,7 +439,8 @@ class Trainer:
         if ahead is not None and merged:
             ahead.prepare()
             local = LossAndNorm.local(share, ex.norm_share())
-            reduction = LossAndNorm(ahead.agree(self.builder, self._agree, stops.signum if stops else 0, local), None)
+            signum = stops.signum if stops is not None else 0
+            reduction = LossAndNorm(ahead.agree(self.builder, self._agree, signum, local), None)
         else:
             reduction = LossAndNorm.start(share, ex.norm_share(), ex.norm_group)
             if ahead is not None:
