@@ -335,6 +335,8 @@ class Trainer:
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 batch = it.batch if self.device.type == "cpu" else to_device(it.batch, self.device)
                 ahead = NextStep(prefetch.get, step + 1) if overlap and step + 1 < tc.steps else None
+                # the dataset's counts through this step, before the next one is agreed inside it
+                data = self.dataset.stats.metrics() if self.rank == 0 else {}
                 with self._peak_count(batch) as measured:  # a step not logged carries the next one's agreement
                     result = self._step(step, it, batch, ahead, stops, merges and not is_logged(self.config, step))
                 # the next step's preparation counts as its own (its data wait), not as this step's time
@@ -347,7 +349,7 @@ class Trainer:
                                  peaks) if is_logged(self.config, step) else None)
                 done = LoggedStep(step, step_s, None, row, measured)
                 if self.rank == 0:
-                    done.record = {**self._record(step, it, result, step_s, prefetch.stats),
+                    done.record = {**self._record(step, it, result, step_s, prefetch.stats, data),
                                    **window.add(it.n_tokens, len(it.sample_ids), time.perf_counter())}
                 if step in (calibration_step, timeline_step):
                     actions, process_cpu = self._gather_actions(t0, step_cpu)
@@ -496,7 +498,9 @@ class Trainer:
         why = "" if ck.on_signal or step == self.saved_step else " (checkpoint.on_signal=false)"
         raise StopRequested(f"{where}; {kept}{why}", signum)
 
-    def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float, stats) -> dict:
+    def _record(self, step: int, it: PreparedIteration, result: StepOutcome, step_s: float, stats,
+                data: dict) -> dict:
+        """Rank 0's record of ``step``; ``data``: the dataset's counts through it (`DataStats.metrics`)."""
         loads = it.assignment.loads
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else peak_rss_bytes()
         return {
@@ -516,7 +520,7 @@ class Trainer:
             "sub_microbatches": it.n_sub,
             "microbatches": it.assignment.n_microbatches,  # per LLM replica: the plan's, or more for a heavy step
             "data_wait_s": next((w for k, _, w in reversed(stats.per_step) if k == step), 0.0) + it.settle_s,
-            "peak_memory_bytes": peak, "skipped": it.skipped, **self.dataset.stats.metrics(),
+            "peak_memory_bytes": peak, "skipped": it.skipped, **data,
             "epoch": self.order.epoch_of(step + 1),
         }
 
