@@ -8,10 +8,11 @@ The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
 - ``segments`` (any device; the CPU's): where every sample is causal text (no window, no CP shard),
   the samples as padded batches (`PaddedGroups`: samples of similar length padded to the longest of
   their group, each group one causal FlashAttention call with no mask at all, as a padded batch of
-  HF runs it); otherwise the queries in blocks of at most `QUERY_BLOCK` tokens that
-  never straddle a packed sample or an item's start (short samples share a block), each block against
-  the one key range its queries may reach (from its sample's start, or the window's, to its last query
-  or the end of the last item it attends). The rule keeps an interval of keys per query
+  HF runs it); packed encoder sequences (`PackedAttention.sequences`) likewise, those of equal
+  length as one unpadded batch, unmasked and not causal; otherwise the queries in
+  blocks of at most `QUERY_BLOCK` tokens that never straddle a packed sample or an item's start (short
+  samples share a block), each block against the one key range its queries may reach (from its
+  sample's start, or the window's, to its last query or the end of the last item it attends). The rule keeps an interval of keys per query
   (`PackedAttention.bounds`), so a block's ``(bq, lk)`` mask is two comparisons: on CPU through FlashAttention's CPU
   kernel forward and backward (`_SegmentAttention`), elsewhere through SDPA. Work is the kept pairs
   plus at most a block's width per query; memory is linear in the tokens plus one block's mask.
@@ -137,19 +138,24 @@ class PackedAttention:
         """(query, key) pairs the ``segments`` kernel computes, masked ones included."""
         padded = self.padded_groups(window)
         if padded is not None:
+            if self.kind == SEQUENCES:
+                return sum(n * L * L for n, L in padded.shapes)
             return sum(n * L * (L + 1) // 2 for n, L in padded.shapes)
         return sum((b.q1 - b.q0) * (b.k1 - b.k0) for b in self.blocks(window))
 
     def padded_groups(self, window: int | None = None) -> PaddedGroups | None:
-        """The ``segments`` kernel's padded batches where every query attends causally within its
-        sample with no window and every key is local (no CP shard); None otherwise (blocks)."""
-        if self.kind != CAUSAL or window is not None or self.query_index is not None:
+        """The ``segments`` kernel's batches of samples, where no window and no CP shard apply: causal
+        samples padded to their group's longest (`PADDING_WASTE`); packed encoder sequences of equal
+        length as one batch each, unpadded (each query attends its whole sequence, so it would
+        attend padding). None otherwise (blocks)."""
+        if self.kind not in (CAUSAL, SEQUENCES) or window is not None or self.query_index is not None:
             return None
         if "padded" not in self._cache:
-            starts = self._starts.tolist()
-            heads = [i for i, s in enumerate(starts) if s == i]  # each sample's first token
-            lengths = [b - a for a, b in zip(heads, heads[1:] + [len(starts)])]
-            self._cache["padded"] = PaddedGroups.plan(heads, lengths, PADDING_WASTE, self._starts.device)
+            T = len(self.keys)
+            heads = torch.nonzero(self._starts == torch.arange(T, device=self._starts.device)).flatten().tolist()
+            lengths = [b - a for a, b in zip(heads, heads[1:] + [T])]  # each sample's tokens, from its first
+            waste = PADDING_WASTE if self.kind == CAUSAL else 1.0  # 1.0: equally long samples only
+            self._cache["padded"] = PaddedGroups.plan(heads, lengths, waste, self._starts.device)
         return self._cache["padded"]
 
     def _first_key(self, window: int | None) -> torch.Tensor:
@@ -274,7 +280,9 @@ class PackedAttention:
 @dataclass(eq=False)
 class PaddedGroups:
     """Causal samples as padded batches: group ``g`` holds ``n_g`` samples of at most ``L_g`` tokens,
-    each padded at its end to ``L_g`` (a causal query never reaches the padding after it).
+    each padded at its end to ``L_g`` (a causal query never reaches the padding after it). Planned
+    with a waste of 1.0, a group's samples are equally long: no padding (what packed encoder
+    sequences, whose queries attend their whole sequence, need).
 
     Attributes:
         shapes: ``(n_g, L_g)`` of each group, in slot order.
@@ -323,16 +331,17 @@ class PaddedGroups:
             else:
                 groups.append([i])
                 own = pairs[i]
-        index, valid, shapes = [], [], []
-        for g in groups:
-            L = lengths[g[0]]
-            shapes.append((len(g), L))
-            for i in g:
-                index += list(range(heads[i], heads[i] + lengths[i])) + [0] * (L - lengths[i])
-                valid += [True] * lengths[i] + [False] * (L - lengths[i])
-        index_t = torch.tensor(index, dtype=torch.long, device=device)
-        valid_t = torch.tensor(valid, dtype=torch.bool, device=device)
-        return cls(shapes, index_t, valid_t)
+        shapes = [(len(g), lengths[g[0]]) for g in groups]
+        order = [i for g in groups for i in g]  # samples in slot order
+        width = torch.tensor([L for n, L in shapes for _ in range(n)])  # (S,) each sample's padded length
+        own = torch.tensor([lengths[i] for i in order])  # (S,)
+        first = torch.tensor([heads[i] for i in order])  # (S,)
+        P = sum(n * L for n, L in shapes)
+        of_slot = torch.repeat_interleave(torch.arange(len(order)), width, output_size=P)  # (P,) its sample
+        offset = torch.arange(P) - (width.cumsum(0) - width)[of_slot]  # (P,) slot within its sample
+        valid = offset < own[of_slot]
+        index = torch.where(valid, first[of_slot] + offset, 0)  # padding slots: token 0
+        return cls(shapes, index.to(device), valid.to(device))
 
     def pad(self, x: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group`` of ``(B, h, T, *F)`` in token order: ``(B n_g, h, L_g, *F)``, padding rows
@@ -410,10 +419,11 @@ class _SegmentAttention(torch.autograd.Function):
         B, nh, t, hd = q.shape
         ctx.packed, ctx.window = packed, window
         padded = packed.padded_groups(window)
-        if padded is not None:  # causal samples: one unmasked causal call per group of padded samples
+        if padded is not None:  # one call with no mask per group of samples (causal for text)
+            causal = packed.kind == CAUSAL
             out, lse = q.new_empty(B, t, nh, hd), q.new_empty(B, t, nh, dtype=torch.float32)  # token-major
             for g in range(len(padded.shapes)):
-                o, l = _flash_cpu(padded.pad(q, g), padded.pad(k, g), padded.pad(v, g), None, causal=True)
+                o, l = _flash_cpu(padded.pad(q, g), padded.pad(k, g), padded.pad(v, g), None, causal=causal)
                 padded.put(out, g, o)
                 padded.put(lse, g, l.float())
             out, lse = out.transpose(1, 2), lse.transpose(1, 2)  # (B, nh, t, hd), (B, nh, t)
@@ -440,7 +450,7 @@ class _SegmentAttention(torch.autograd.Function):
                 # a padding row's output gradient is 0, so its query adds nothing to any key's gradient
                 parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     padded.zero_padding(padded.pad(grad, g), g), *(padded.pad(x, g) for x in (q, k, v, out, lse)),
-                    0.0, True)
+                    0.0, packed.kind == CAUSAL)
                 for dst, part in zip(grads, parts):
                     padded.put(dst, g, part)
             return (*(x.transpose(1, 2) for x in grads), None, None)  # (B, h, t, hd) each

@@ -57,25 +57,28 @@ class TokenLayout:
         This is the same segment description as `harmonia.workload.work.llm_segments` returns. With
         ``causal_items`` (LLaVA), items' tokens attend causally like text (``is_item`` stays False).
         """
-        sample, segment, is_item, position = [], [], [], []
-        seg = 0
+        seg_sample, seg_item, seg_length, seg_first = [], [], [], []  # per non-empty segment
+        at = 0
         for s, segments in enumerate(samples):
-            pos = 0
+            first = at  # the sample's first token
             for kind, n in segments:
                 if kind not in ("text", "item"):
                     raise SampleError(f"segment kind {kind!r} of sample {s} is invalid: expected 'text' or 'item'")
                 if n <= 0:
                     continue
-                sample += [s] * n
-                segment += [seg] * n
-                is_item += [kind == "item" and not causal_items] * n
-                position += range(pos, pos + n)
-                pos += n
-                seg += 1
-        return TokenLayout(
-            torch.tensor(sample, dtype=torch.long), torch.tensor(segment, dtype=torch.long),
-            torch.tensor(is_item, dtype=torch.bool), torch.tensor(position, dtype=torch.long),
-        )
+                seg_sample.append(s)
+                seg_item.append(kind == "item" and not causal_items)
+                seg_length.append(n)
+                seg_first.append(first)
+                at += n
+        lengths = torch.tensor(seg_length, dtype=torch.long)  # (S,)
+
+        def per_token(values: list, dtype: torch.dtype) -> torch.Tensor:  # (S,) -> (T,)
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), lengths, output_size=at)
+
+        position = torch.arange(at) - per_token(seg_first, torch.long)  # index minus its sample's first
+        segment = per_token(list(range(len(seg_length))), torch.long)
+        return TokenLayout(per_token(seg_sample, torch.long), segment, per_token(seg_item, torch.bool), position)
 
     def select(self, index: torch.Tensor | slice) -> TokenLayout:
         """The layout of a subset of tokens (a CP shard, a block)."""

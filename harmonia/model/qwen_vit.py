@@ -38,7 +38,10 @@ tests compare against.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -163,7 +166,13 @@ def read_grid(grid_thw: torch.Tensor, n_patches: int, spec: QwenVisionSpec) -> l
 # -- the modules ----------------------------------------------------------------------------------------------
 
 
-# -- the modules ----------------------------------------------------------------------------------------------
+PLAN_CACHE_PATCHES = 1 << 17
+"""Patches over the items' plans a tower keeps (each item's window order and rotary tables, by its
+grid), the least recently used dropped first: a batch's plan is put together from its items' rather
+than built patch by patch, so images of one size (resized to it, or one camera's) and videos of one
+shape plan once. An item larger than this alone is not kept. The rotary tables are the bulk, ``2 * 4
+* head_dim`` bytes per patch (84 MiB at the bound with ``head_dim`` 80); a batch's own plan (its
+attention sequences) is built again each time, as the batch's tensors are."""
 
 
 class StagePlan(NamedTuple):
@@ -172,7 +181,43 @@ class StagePlan(NamedTuple):
     frames: PackedAttention  # whole frames
     windows: PackedAttention | None  # Qwen2.5-VL's windows, in window order
     order: torch.Tensor | None  # (N,) the processor-order patch at each window-order position
+    back: torch.Tensor | None  # (N,) the window-order position of each processor-order patch
     rope: tuple[torch.Tensor, torch.Tensor]  # (N, hd) cos and sin, in the blocks' order
+
+
+class ItemPlan(NamedTuple):
+    """One item's share of a `StagePlan` (its grid alone decides it)."""
+
+    order: torch.Tensor | None  # (n,) the item's processor-order patch at each window-order position
+    windows: list[int]  # patches of each of its windows, in window order (none without windows)
+    rope: tuple[torch.Tensor, torch.Tensor]  # (n, hd) cos and sin, in the blocks' order
+
+
+class PatchCache:
+    """Values by key, each counted as some patches; past ``budget`` patches in all, the least
+    recently used are dropped (the newest too, when it alone exceeds the budget)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._values: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+        self._patches = 0
+
+    def get(self, key: tuple, patches: int, build: Callable[[], object]):
+        """The value of ``key``, built by ``build()`` when not kept."""
+        kept = self._values.get(key)
+        if kept is not None:
+            self._values.move_to_end(key)
+            return kept[0]
+        value = build()
+        self._values[key] = (value, patches)
+        self._patches += patches
+        while self._patches > self.budget:
+            _, (_, n) = self._values.popitem(last=False)
+            self._patches -= n
+        return value
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 class QwenVisionEncoder(nn.Module):
@@ -204,6 +249,7 @@ class QwenVisionEncoder(nn.Module):
             if spec.num_position_embeddings is not None:
                 self.pos_embed = nn.Embedding(spec.num_position_embeddings, body.hidden)
         self.layers = build_blocks(body, self.indices)
+        self._item_plans = PatchCache(PLAN_CACHE_PATCHES)  # (item's grid, device) -> ItemPlan
         init_weights(self)
 
     def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
@@ -253,23 +299,35 @@ class QwenVisionEncoder(nn.Module):
     def _leave(self, x: torch.Tensor, plan: StagePlan) -> torch.Tensor:
         if not self.is_last:
             return x
-        if plan.order is not None:
-            x = x[torch.argsort(plan.order)]  # processor order
+        if plan.back is not None:
+            x = x[plan.back]  # processor order
         return x.reshape(-1, self.spec.merge_size ** 2 * x.shape[-1])  # (N/m^2, m^2 h)
 
     def plan(self, grid: list[tuple[int, int, int]], device: torch.device) -> StagePlan:
-        """Attention sequences and rotary tables of the grids (the same on every stage)."""
-        spec = self.spec
-        positions = plan_positions(grid, spec.merge_size).to(device)  # (N, 2)
-        head_dim = spec.body.dim_head
+        """Attention sequences and rotary tables of the grids (the same on every stage), from the
+        items' plans (each the same whatever the batch; kept: `PLAN_CACHE_PATCHES`)."""
+        spec, head_dim = self.spec, self.spec.body.dim_head
+        items = [self._item_plans.get((g, str(device)), g[0] * g[1] * g[2], lambda g=g: self._item_plan(g, device))
+                 for g in grid]
+        rope = tuple(torch.cat(tables) for tables in zip(*(p.rope for p in items)))  # (N, hd) each
         frames = PackedAttention.sequences(frame_lengths(grid), self.attention, device, head_dim).for_window(None)
-        windows = order = None
+        if spec.window_size is None:
+            return StagePlan(frames, None, None, None, rope)
+        offsets = itertools.accumulate((t * h * w for t, h, w in grid[:-1]), initial=0)
+        order = torch.cat([p.order + at for p, at in zip(items, offsets)])  # (N,)
+        lengths = [n for p in items for n in p.windows]
+        windows = PackedAttention.sequences(lengths, self.attention, device, head_dim).for_window(None)
+        return StagePlan(frames, windows, order, torch.argsort(order), rope)
+
+    def _item_plan(self, item: tuple[int, int, int], device: torch.device) -> ItemPlan:
+        spec = self.spec
+        positions = plan_positions([item], spec.merge_size).to(device)  # (n, 2)
+        order, lengths = None, []
         if spec.window_size is not None:
-            order, lengths = plan_windows(grid, spec.merge_size, spec.window_tokens)
+            order, lengths = plan_windows([item], spec.merge_size, spec.window_tokens)
             order = order.to(device)
-            windows = PackedAttention.sequences(lengths, self.attention, device, head_dim).for_window(None)
             positions = positions[order]
-        return StagePlan(frames, windows, order, rope_tables(positions, spec.body.dim_head, spec.rope_theta))
+        return ItemPlan(order, lengths, rope_tables(positions, spec.body.dim_head, spec.rope_theta))
 
     def embed(self, pixels: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
         """``(N, C * tp * p * p)`` patches -> ``(N, h)``, Qwen3-VL's learned positions added."""

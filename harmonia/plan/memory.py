@@ -127,8 +127,7 @@ def transient_bytes(cost: CostModel, plan: Plan, profile: BatchProfile, module: 
     start, stop = stage_layer_range(cost, plan, module, chunk)
     share = _microbatch_share(plan, module)
     load = profile.sample_load(module)
-    return (cost.transient_bytes(module, load.tokens * share, start, stop, layout.tp, layout.cp, recompute)
-            + cost.cpu_mask_bytes(module, load.tokens * share, load.pairs * share, start, stop))
+    return cost.transient_bytes(module, load.tokens * share, start, stop, layout.tp, layout.cp, recompute)
 
 
 def _module_activations(cost: CostModel, plan: Plan, profile: BatchProfile, graph: StageGraph, module: str,

@@ -277,8 +277,6 @@ class CostModel(MemoryCosts):
             act = self.activation_bytes(module, load.tokens, start, stop, tp, cp, recompute)
             transient = self.backward_transient_bytes(module, load.tokens, start, stop, tp, cp, recompute)
         f_transient = self.forward_transient_bytes(module, load.tokens, start, stop, tp, cp)
-        mask = self.cpu_mask_bytes(module, load.tokens, load.pairs, start, stop)  # 0 off the CPU
-        transient, f_transient = transient + mask, f_transient + mask
         if proj_load is not None:
             proj = f"{module}_proj"
             times = times + self.stage_times(proj, proj_load, cp=cp)  # whole on every TP rank
@@ -322,9 +320,6 @@ class CostModel(MemoryCosts):
         f, b, w, flops, act, transient = self._unit_terms(_phase_arrays, module, tokens, pairs, win, start, stop, tp,
                                                           cp, recompute)
         f_transient = self.forward_transient_bytes(module, 1, start, stop, tp, cp) * tokens
-        if self.device.kernels_on_host:  # an encoder's attention masks (`cpu_mask_bytes`: 0 elsewhere)
-            mask = np.array([self.cpu_mask_bytes(module, load.tokens, load.pairs, start, stop) for load in loads])
-            transient, f_transient = transient + mask, f_transient + mask
         if self.device.dispatch_s:
             f, b, w = self._dispatched_arrays((f, b, w), module, start, stop)
         return f, b, w, flops, act, transient, f_transient

@@ -49,9 +49,6 @@ GRAD_BYTES = 4
 """An fp32 gradient: all-reduced without FSDP, accumulated whole and reduce-scattered with it
 (FSDP2's reduce dtype)."""
 ADAM_BYTES = 8
-CPU_QUERY_BLOCK = 256
-"""Queries per block of the CPU ``segments`` attention kernel (`harmonia.model.attention.QUERY_BLOCK`;
-`tests/unit/test_split_backward_memory.py` keeps them equal)."""
 
 
 class MemoryCosts:
@@ -206,8 +203,9 @@ class MemoryCosts:
         activations (`recompute_transient_bytes`), whichever is larger: autograd frees each kept
         (or recomputed) tensor once the gradient through it is made, so the two together stay about
         one block's activations; under TP also one reduction's result (`_tp_reduced_bytes`); where
-        the range ends with the LLM head, the loss's gradients if larger (`_loss_gradient_bytes`).
-        0 without a backward."""
+        the range ends with the LLM head, the loss's gradients if larger (`_loss_gradient_bytes`);
+        on the host, an encoder's attention call beside them (`cpu_attention_bytes`). 0 without a
+        backward."""
         lo, hi, n, _ = self._backward_blocks(module, start, stop)
         if not n:
             return 0.0
@@ -218,7 +216,7 @@ class MemoryCosts:
                          if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
             self._largest[key] = max(blocks, loss)
         again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
-        return max(self._largest[key] * tokens, again)
+        return max(self._largest[key] * tokens, again) + self.cpu_attention_bytes(module, start, stop, tp) * tokens
 
     def _loss_gradient_bytes(self, module: str, stop: int | None, tp: int, cp: int) -> float:
         """Bytes per token the loss's backward holds beside the head's kept logits, where a range of
@@ -245,15 +243,17 @@ class MemoryCosts:
                                 tp: int = 1, cp: int = 1) -> float:
         """Bytes one microbatch's forward through layers [start, stop) holds beyond what it keeps
         while a block that keeps nothing runs (`LayerCost.work_elems_tok`: the largest such block;
-        its input ``h`` replicated over TP, the rest split). 0 when every block keeps its
-        activations (its intermediates are what it keeps)."""
+        its input ``h`` replicated over TP, the rest split; 0 when every block keeps its
+        activations: its intermediates are what it keeps), and on the host an encoder's attention
+        call (`cpu_attention_bytes`)."""
         stop = len(self.layers[module]) if stop is None else stop
         key = ("work", module, start, stop, tp, cp)
         if key not in self._largest:
             h = self.hidden(module)
             per = [(x.work_elems_tok - h) / tp + h for x in self.layers[module][start:stop]
                    if x.kind == "block" and x.act_elems_tok == 0 and x.work_elems_tok]
-            self._largest[key] = max(per, default=0.0) * self.act_bytes / cp
+            self._largest[key] = (max(per, default=0.0) * self.act_bytes / cp
+                                  + self.cpu_attention_bytes(module, start, stop, tp, backward=False))
         return self._largest[key] * tokens
 
     def wgrad_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
@@ -280,23 +280,26 @@ class MemoryCosts:
             self._largest[key] = sum(top) * GRAD_BYTES / tp
         return self._largest[key]
 
-    def cpu_mask_bytes(self, module: str, tokens: float, pairs: float, start: int = 0, stop: int | None = None) -> float:
-        """Bytes the CPU ``segments`` attention kernel holds while one block of an encoder's layers
-        [start, stop) attends (`harmonia.model.attention.PackedAttention.block_bias`, built in the
-        forward and again in the backward): one query block's additive mask and the boolean it is
-        made from, ``act_bytes + 1`` per (query, key) pair, for ``min(tokens, 256)`` queries against
-        the keys of the sequences they belong to, at most ``256 + 2 (L - 1)`` with ``L = pairs /
-        tokens`` (the length of equal sequences). Only where the host runs the kernels (the CPU:
-        FlashAttention's varlen kernel on an accelerator holds no mask) and the range has a block;
-        the LLM's causal samples run without a mask (padded groups)."""
-        if not self.device.kernels_on_host or module not in self.mllm.encoders or tokens <= 0:
+    def cpu_attention_bytes(self, module: str, start: int = 0, stop: int | None = None, tp: int = 1,
+                            backward: bool = True) -> float:
+        """Bytes per token the host's attention kernel holds while an encoder's block of layers
+        [start, stop) attends (`harmonia.model.attention._SegmentAttention`: its packed sequences of
+        one length as one batch, at most every token of the microbatch in one call). The forward
+        gathers the call's queries, keys and values and gets its output, ``2 nh + 2 nkv`` heads of
+        ``hd`` activations, and its log-sum-exp, ``nh`` fp32; the backward gathers the output
+        gradient, queries, keys, values and output and gets three gradients before writing them back,
+        ``3 nh + 4 nkv`` heads and the log-sum-exp (heads over ``tp``). Only where the host runs the
+        kernels (an accelerator's varlen kernel takes the sequences where they lie) and the range has
+        a block; the LLM's causal samples are priced with its blocks."""
+        if not self.device.kernels_on_host or module not in self.mllm.encoders:
             return 0.0
         stop = len(self.layers[module]) if stop is None else stop
         if not any(x.kind == "block" for x in self.layers[module][start:stop]):
             return 0.0
-        queries = min(tokens, CPU_QUERY_BLOCK)
-        keys = min(tokens, CPU_QUERY_BLOCK + 2 * (pairs / tokens - 1))
-        return queries * keys * (self.act_bytes + 1)
+        body = self.mllm.encoders[module].body
+        nh, nkv = body.n_heads / tp, body.kv_heads / tp
+        heads = 3 * nh + 4 * nkv if backward else 2 * nh + 2 * nkv
+        return heads * body.dim_head * self.act_bytes + nh * GRAD_BYTES
 
     def transient_bytes(self, module: str, tokens: int, start: int = 0, stop: int | None = None,
                         tp: int = 1, cp: int = 1, recompute: float = 0.0) -> float:

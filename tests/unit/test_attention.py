@@ -223,6 +223,30 @@ def test_packed_encoder_sequences_equal_each_sequence_attended_alone(seed, monke
     assert pairs <= packed.computed_pairs() <= pairs + attention.QUERY_BLOCK * sum(lengths)
 
 
+@pytest.mark.parametrize("lengths", [[16, 16, 8, 16, 16, 8, 4, 4], [64, 64, 64], [7], [5, 9, 5, 9, 1]])
+def test_packed_sequences_of_equal_length_run_as_unpadded_batches(lengths) -> None:
+    """Windows of a tower (most of one size, the edges smaller, interleaved): each length one
+    unmasked call over its sequences, no padding, exactly their pairs computed, the outputs and
+    gradients those of each sequence alone."""
+    packed = PackedAttention.sequences(lengths)
+    groups = packed.padded_groups()
+    assert sorted(groups.shapes) == sorted((lengths.count(n), n) for n in set(lengths))
+    assert bool(groups.valid.all()) and sorted(groups.index.tolist()) == list(range(sum(lengths)))
+    assert packed.computed_pairs() == sum(n * n for n in lengths)
+    assert packed.padded_groups(4) is None  # a window: blocks
+    torch.manual_seed(len(lengths))
+    q = torch.randn(2, sum(lengths), 4, 8).transpose(1, 2).requires_grad_()  # token-major rows
+    k, v = (torch.randn(2, 2, sum(lengths), 8, requires_grad=True) for _ in range(2))
+    got = packed.attend(q, k, v)
+    at = _offsets(lengths)
+    want = torch.cat([F.scaled_dot_product_attention(*(t[:, :, a:b] for t in (q, k, v)), enable_gqa=True)
+                      for a, b in zip(at, at[1:])], dim=2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(want)
+    for a, b in zip(_grads(got, (q, k, v), g), _grads(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_varlen_runs_of_packed_sequences_are_the_sequences_unmasked() -> None:
     packed = PackedAttention.sequences([5, 300, 17])
     (k_index, cu_q, cu_k, max_q, max_k), window = packed.varlen_runs()

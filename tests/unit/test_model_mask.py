@@ -51,6 +51,35 @@ def test_mask_matches_brute_force_on_random_packs():
         assert torch.equal(multimodal_mask(layout), brute_force(samples))
 
 
+def test_layout_fields_are_those_of_each_token_read_one_by_one():
+    """Empty samples and empty segments included: a skipped sample keeps its index, an empty
+    segment takes none."""
+    rng = random.Random(5)
+    for _ in range(200):
+        samples = [[(rng.choice(["text", "item"]), rng.randint(-1, 6)) for _ in range(rng.randint(0, 4))]
+                   for _ in range(rng.randint(0, 5))]
+        causal_items = rng.random() < 0.5
+        sample, segment, is_item, position = [], [], [], []
+        seg = 0
+        for s, segs in enumerate(samples):
+            pos = 0
+            for kind, n in segs:
+                if n <= 0:
+                    continue
+                for _ in range(n):
+                    sample.append(s)
+                    segment.append(seg)
+                    is_item.append(kind == "item" and not causal_items)
+                    position.append(pos)
+                    pos += 1
+                seg += 1
+        layout = TokenLayout.from_segments(samples, causal_items)
+        assert layout.sample.tolist() == sample and layout.segment.tolist() == segment
+        assert layout.is_item.tolist() == is_item and layout.position.tolist() == position
+        assert [t.dtype for t in (layout.sample, layout.segment, layout.is_item, layout.position)] == [
+            torch.long, torch.long, torch.bool, torch.long]
+
+
 def test_examples_text_item_and_packing():
     # sample 0: text(2) item(2) text(1); sample 1: item(2)
     layout = TokenLayout.from_segments([[("text", 2), ("item", 2), ("text", 1)], [("item", 2)]])

@@ -18,12 +18,15 @@ from transformers.vision_utils import (
 from harmonia.errors import ConfigError, SampleError
 from harmonia.model.hf.qwen_vision import hf_key, state_from_hf, state_to_hf
 from harmonia.model.qwen_spec import spec_from_hf
+from harmonia.model.attention import PackedAttention
 from harmonia.model.qwen_vit import (
+    PatchCache,
     build_qwen_vision_tower,
     frame_lengths,
     plan_pos_interpolation,
     plan_positions,
     plan_windows,
+    rope_tables,
 )
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -148,6 +151,42 @@ def test_plans_match_transformers():
         grid_thw, 6, mode="bilinear", align_corners=True, spatial_merge_size=MERGE)
     assert torch.equal(rows, hf_rows)
     torch.testing.assert_close(weights, hf_weights, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_batch_plan_from_its_items_equals_the_batch_planned_whole(family):
+    """Items' plans, kept and reused in other batches, give the plan of the whole batch's grids."""
+    _, ours, spec = _pair(family)
+    ours.plan(GRIDS[2:4], torch.device("cpu"))  # items planned in another batch first
+    grids = GRIDS + GRIDS[:2]
+    plan = ours.plan(grids, torch.device("cpu"))
+    positions = plan_positions(grids, MERGE)
+    if family == "qwen2_5_vl":
+        order, lengths = plan_windows(grids, MERGE, spec.window_tokens)
+        assert torch.equal(plan.order, order) and torch.equal(plan.back, torch.argsort(order))
+        assert torch.equal(plan.windows.packed.keys.sample, PackedAttention.sequences(lengths).keys.sample)
+        positions = positions[order]
+    else:
+        assert plan.order is plan.back is plan.windows is None
+    want = rope_tables(positions, spec.body.dim_head, spec.rope_theta)
+    assert all(torch.equal(a, b) for a, b in zip(plan.rope, want))
+    assert torch.equal(plan.frames.packed.keys.sample, PackedAttention.sequences(frame_lengths(grids)).keys.sample)
+    assert len(ours._item_plans) == len(set(grids))
+
+
+def test_kept_plans_stay_within_their_patch_budget():
+    cache, built = PatchCache(100), []
+
+    def get(key, patches):
+        return cache.get(key, patches, lambda: built.append(key) or key)
+
+    assert get("a", 40) == "a" and get("b", 40) == "b" and get("a", 40) == "a"  # a used last
+    get("c", 40)  # 120 > 100: b, the least recently used, goes
+    assert len(cache) == 2 and get("a", 40) == "a" and built == ["a", "b", "c"]
+    get("b", 40)
+    assert built == ["a", "b", "c", "b"]
+    get("huge", 101)  # alone over the budget: everything goes, itself included
+    assert len(cache) == 0
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

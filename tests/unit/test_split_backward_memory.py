@@ -43,16 +43,3 @@ def test_w_holds_the_two_largest_weight_gradients_it_makes() -> None:
     assert cost.w_transient_bytes("llm", 0, 2) == (v * h + h * f) * 4  # the embedding and a gate
     work = MicrobatchWork(PhaseTimes(1.0, 1.0, 1.0), act_bytes=100.0, w_held=30.0, w_transient=9.0)
     assert unit_memory(work, "W", False, True) == (-130.0, 9.0)
-
-
-def test_the_cpu_kernels_query_block_is_the_one_priced() -> None:
-    from harmonia.model.attention import QUERY_BLOCK
-    from harmonia.workload.memory_cost import CPU_QUERY_BLOCK
-
-    assert QUERY_BLOCK == CPU_QUERY_BLOCK
-    cpu = CostModel(mllm_preset("tiny-vlm"), device_preset("cpu"))
-    # 40 sequences of 24 patches: a 256-query block against at most 256 + 2 * 23 keys, mask and boolean
-    assert cpu.cpu_mask_bytes("vision", 960, 40 * 24 * 24, 1, 2) == 256 * (256 + 46) * (cpu.act_bytes + 1)
-    assert cpu.cpu_mask_bytes("llm", 960, 960 * 24, 1, 2) == 0.0  # causal samples: padded groups, no mask
-    gpu = CostModel(mllm_preset("tiny-vlm"), device_preset("h100"))
-    assert gpu.cpu_mask_bytes("vision", 960, 40 * 24 * 24, 1, 2) == 0.0
