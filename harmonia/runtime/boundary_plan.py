@@ -211,8 +211,16 @@ def _spans(side: str, layout: Layout, samples: Sequence[Sequence[int]], rows: li
     if assign is not None and len(assign) != layout.dp:
         raise LayoutError(f"{side}: cp assignment has {len(assign)} entries for dp={layout.dp}; give one "
                           "per DP replica")
-    rows_np, starts_np = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
     spans: list[_Span] = []
+    if layout.cp == 1 and assign is None:  # one piece per sample with rows, in replica order (no numpy: a
+        for d, replica in enumerate(samples):  # step's few samples cost less in plain Python)
+            at = 0
+            for s in replica:
+                if rows[s]:
+                    spans.append(_Span(starts[s], rows[s], d, 0, at))
+                    at += rows[s]
+        return sorted(spans, key=lambda s: s.start)
+    rows_np, starts_np = np.asarray(rows, dtype=np.int64), np.asarray(starts, dtype=np.int64)
     for d, replica in enumerate(samples):
         rep = np.asarray(replica, dtype=np.int64)
         seg_n = rows_np[rep]  # (n_samples,) rows of each sample, in replica order

@@ -28,6 +28,7 @@ from harmonia.schedule.microbatching import (
     normalise,
     order_microbatches,
 )
+from harmonia.schedule.microbatching import bin_loads as loads_per_bin
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,14 @@ def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
         costs = costs[:, None]
     n_bins = dp * (n_microbatches or 1)
     unit = "microbatches (dp x n_microbatches)" if n_microbatches else "DP replicas"
-    costs, tok, _ = check_inputs(costs, n_bins, tokens, token_cap, unit)
+    costs, tok, cap = check_inputs(costs, n_bins, tokens, token_cap, unit)
     if n_microbatches is None:
         shards, loads = balance_bins(costs, dp, seed=seed, unit="DP replicas")
         mbs: list[list[list[int]]] = [[] for _ in range(dp)]
+    elif n_microbatches == 1 and dp == 1 and (tok is None or tok.sum() <= cap):
+        every = list(range(costs.shape[0]))  # one replica of one microbatch holds every sample: no balance
+        mbs, shards = [[every]], [list(every)]
+        loads = loads_per_bin(np.zeros(len(every), dtype=np.int64), costs, 1)  # (1, modules)
     else:
         if n_microbatches < 1:
             raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")

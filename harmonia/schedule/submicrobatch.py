@@ -44,6 +44,8 @@ class SubMicrobatches:
 
 def _contiguous(costs: np.ndarray, n_sub: int) -> list[list[int]]:
     """Contiguous runs minimising the largest run (binary search on the largest run's cost)."""
+    if n_sub == 1:  # one run of every item (what the search ends with)
+        return [list(range(costs.size))]
     lo, hi = float(costs.max(initial=0.0)), float(costs.sum()) * (1 + 1e-9) + 1e-12  # hi: one run
 
     def runs(limit: float) -> list[list[int]]:

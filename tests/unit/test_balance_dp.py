@@ -78,3 +78,20 @@ def test_kept_microbatches_serve_every_split_of_the_same_count() -> None:
         assert shared.microbatches == alone.microbatches and shared.shards == alone.shards
         np.testing.assert_array_equal(shared.loads, alone.loads)
     assert len(kept) == 1  # one balance of 8 microbatches
+
+
+def test_one_replica_of_one_microbatch_holds_every_sample_as_the_balancer_would() -> None:
+    """Nothing to balance: every sample in the one microbatch, the loads the balancer's one bin has;
+    an encoder with more replicas is still balanced; a sample over the cap is still refused."""
+    from harmonia.schedule.microbatching import balance_bins
+
+    costs = _costs(13, 2)
+    a = balance_dp(costs, 1, n_microbatches=1, encoder_dp={"vision": 3}, modules=["vision", "audio", "vision_proj",
+                                                                                     "llm"])
+    bins, loads = balance_bins(costs, 1)
+    assert a.microbatches == [bins] and a.shards == bins == [list(range(13))]
+    np.testing.assert_array_equal(a.loads, loads)
+    assert sorted(i for s in a.encoder_shards["vision"] for i in s) == list(range(13))
+    assert len(a.encoder_shards["vision"]) == 3 and all(a.encoder_shards["vision"])
+    with pytest.raises(ScheduleError, match="sample 1 has 90 tokens"):
+        balance_dp(np.ones((3, 1)), 1, n_microbatches=1, tokens=np.array([1, 90, 1]), token_cap=50)

@@ -84,3 +84,11 @@ def test_item_runs_cut_by_cost_in_order() -> None:
     assert max(np.arange(1.0, 11.0)[a:b].sum() for a, b in runs) <= 21  # the best 3-way cut of 1..10
     with pytest.raises(ScheduleError):
         item_runs([1.0], 0)
+
+
+def test_one_sub_microbatch_is_every_item_in_order() -> None:
+    from harmonia.schedule.submicrobatch import item_runs
+
+    assert item_runs([3.0, 0.0, 2.0], 1) == [(0, 3)]
+    assert item_runs([], 1) == [(0, 0)]
+    assert plan_submicrobatches(np.array([3.0, 1.0, 0.0]), n_sub=1, contiguous=True).groups == [[0, 1, 2]]

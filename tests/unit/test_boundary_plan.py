@@ -274,3 +274,22 @@ def test_user_errors() -> None:
         plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]], gpus_per_node=0)
     with pytest.raises(LayoutError, match="ranks per node"):
         plan_boundary(Layout(), Layout(), [[1]], [[0]], [[0]]).node_bytes(2)
+
+
+def test_spans_without_cp_equal_the_general_path_of_an_explicit_cp_assignment() -> None:
+    """The plain path (no CP, no assignment) gives the spans the vectorised path gives when told
+    every row sits on CP rank 0: empty samples and replicas included."""
+    from harmonia.runtime.boundary_plan import _spans
+
+    rng = random.Random(4)
+    for _ in range(200):
+        dp = rng.randint(1, 4)
+        rows = [rng.choice([0, rng.randint(1, 9)]) for _ in range(rng.randint(dp, 12))]
+        starts = [sum(rows[:s]) for s in range(len(rows))]
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        samples = [order[d::dp] for d in range(dp)]
+        layout = Layout(dp=dp)
+        zeros = [np.zeros(sum(rows[s] for s in rep), dtype=np.int64) for rep in samples]
+        assert _spans("source", layout, samples, rows, starts, None) == _spans("source", layout, samples, rows,
+                                                                               starts, zeros)
