@@ -35,6 +35,8 @@ with loads and memberships updated in place between sweeps.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from harmonia.errors import ScheduleError
@@ -317,6 +319,10 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
     n = costs.shape[0]
     if n_bins == 1 and (tok is None or tok.sum() <= cap):  # one bin holds every sample: nothing to balance
         return [list(range(n))], bin_loads(np.zeros(n, dtype=int), costs, 1)
+    if n_bins == 2 and n <= EXACT_TWO_BINS:
+        where = _two_bins_exact(costs, tok, cap)
+        if where is not None:
+            return [np.flatnonzero(where == b).tolist() for b in range(2)], bin_loads(where, costs, 2)
     work, target = normalise(costs, n_bins)
     rng = np.random.default_rng(seed)
     order = np.lexsort((rng.random(n), -work.sum(axis=1)))  # largest first; seed orders equal ones
@@ -330,6 +336,42 @@ def balance_bins(costs: np.ndarray, n_bins: int, *, tokens: np.ndarray | None = 
     for i in np.argsort(where, kind="stable"):
         bins[where[i]].append(int(i))
     return bins, bin_loads(where, costs, n_bins)
+
+
+EXACT_TWO_BINS = 12
+"""Up to this many samples, two bins are balanced exactly: every split is tried (``2^(n-1) - 1``
+of them, one matrix product), where the heuristics' many small array operations would cost more."""
+
+
+@functools.lru_cache(maxsize=EXACT_TWO_BINS)
+def _second_bins(n: int) -> np.ndarray:
+    """``(2^(n-1) - 1, n)`` float 0/1: every second bin of a split of ``n`` samples into two non-empty
+    bins, sample 0 always in the first (a split and its mirror are the same split)."""
+    codes = np.arange(1, 2 ** (n - 1), dtype=np.int64)[:, None]  # bit k - 1: sample k in the second bin
+    return np.concatenate([np.zeros((codes.shape[0], 1)), (codes >> np.arange(n - 1)) & 1], axis=1).astype(float)
+
+
+def _two_bins_exact(costs: np.ndarray, tok: np.ndarray | None, cap: float) -> np.ndarray | None:
+    """The bin of every sample in the split of two non-empty bins with the smallest worst normalised
+    (bin, module) load (`normalise`) under the token cap; ties to the smaller sum of squared loads,
+    then the first split. None when no split fits the cap or there are fewer than two samples."""
+    n = costs.shape[0]
+    if n < 2:
+        return None
+    work, _ = normalise(costs, 2)
+    second = _second_bins(n)  # (S, n)
+    b = second @ work  # (S, d) the second bin's loads
+    a = work.sum(axis=0) - b
+    peak = np.maximum(a, b).max(axis=1)  # (S,)
+    ok = np.ones(len(second), dtype=bool)
+    if tok is not None and np.isfinite(cap):
+        t = second @ tok.astype(float)
+        ok = (t <= cap) & (tok.sum() - t <= cap)
+    if not ok.any():
+        return None
+    squares = (a * a + b * b).sum(axis=1)
+    best = np.flatnonzero(ok)[np.lexsort((squares[ok], peak[ok]))[0]]
+    return second[best].astype(np.int64)
 
 
 def light_ends(weights: np.ndarray) -> list[int]:

@@ -112,3 +112,36 @@ def test_light_ends_order() -> None:
     assert light_ends(np.array([5.0, 1.0, 3.0, 2.0, 4.0])) == [1, 2, 0, 4, 3]
     order = order_microbatches(np.array([[3.0, 1.0], [1.0, 1.0], [2.0, 2.0], [5.0, 4.0]]))
     assert sorted(order) == [0, 1, 2, 3] and order[0] == 1 and order[len(order) // 2] == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 12), m=st.integers(1, 3), seed=st.integers(0, 1000), capped=st.booleans())
+def test_two_bins_of_few_samples_are_the_best_split(n, m, seed, capped) -> None:
+    """Against every split enumerated one by one: the smallest worst normalised (bin, module) load
+    under the token cap, both bins non-empty, every sample once."""
+    import itertools
+
+    from harmonia.schedule.microbatching import normalise
+
+    rng = np.random.default_rng(seed)
+    costs = rng.lognormal(size=(n, m)) * (rng.random((n, m)) < 0.8)
+    tokens = rng.integers(1, 60, size=n)
+    cap = float(max(tokens.max(), int(np.ceil(tokens.sum() * 0.6)))) if capped else None
+    work, _ = normalise(costs, 2)
+    best = np.inf
+    for split in itertools.product([0, 1], repeat=n):
+        side = np.array(split)
+        if side.all() or not side.any() or (cap is not None and max(tokens[side == 0].sum(),
+                                                                    tokens[side == 1].sum()) > cap):
+            continue
+        best = min(best, max(work[side == 0].sum(0).max(), work[side == 1].sum(0).max()))
+    if best == np.inf:  # no split fits the cap: said so
+        with pytest.raises(ScheduleError, match="raise token_cap"):
+            balance_bins(costs, 2, tokens=tokens, token_cap=cap)
+        return
+    bins, loads = balance_bins(costs, 2, tokens=tokens, token_cap=cap)
+    assert sorted(bins[0] + bins[1]) == list(range(n)) and bins[0] and bins[1]
+    np.testing.assert_allclose(loads, [costs[b].sum(0) for b in bins])
+    got = max(work[bins[0]].sum(0).max(), work[bins[1]].sum(0).max())
+    assert got <= best + 1e-12
+    assert cap is None or all(tokens[b].sum() <= cap for b in bins)
