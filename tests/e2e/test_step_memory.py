@@ -53,8 +53,8 @@ def test_the_step_peak_is_the_planned_one(tmp_path, layouts, schedule) -> None:
 def test_a_qwen3_vl_step_on_videos_peaks_where_planned(tmp_path) -> None:
     """Video-heavy batches of a tiny Qwen3-VL (each video one item per temporal group, DeepStack
     features carried to the LLM) with the tower on its own two pipeline stages beside an LLM pp2
-    under zero bubble: every rank within 15% of the prediction (the CPU attention kernel's masks
-    priced on the tower's ranks, the split backward's kept graph on the LLM's)."""
+    under zero bubble: every rank within 15% of the prediction (the CPU attention kernel's batched
+    sequences priced on the tower's ranks, the split backward's kept graph on the LLM's)."""
     import json
 
     pytest.importorskip("av")
