@@ -9,13 +9,14 @@ The rule is `harmonia.model.attention_mask`'s; the kernels that run it:
   the samples as padded batches (`PaddedGroups`: samples of similar length padded to the longest of
   their group, each group one causal FlashAttention call with no mask at all, as a padded batch of
   HF runs it); packed encoder sequences (`PackedAttention.sequences`) likewise, those of equal
-  length as one unpadded batch, unmasked and not causal; otherwise the queries in
-  blocks of at most `QUERY_BLOCK` tokens that never straddle a packed sample or an item's start (short
-  samples share a block), each block against the one key range its queries may reach (from its
-  sample's start, or the window's, to its last query or the end of the last item it attends). The rule keeps an interval of keys per query
-  (`PackedAttention.bounds`), so a block's ``(bq, lk)`` mask is two comparisons: on CPU through FlashAttention's CPU
-  kernel forward and backward (`_SegmentAttention`), elsewhere through SDPA. Work is the kept pairs
-  plus at most a block's width per query; memory is linear in the tokens plus one block's mask.
+  length as one unpadded batch, unmasked and not causal; otherwise the queries in blocks of at most
+  `QUERY_BLOCK` tokens that never straddle a packed sample or an item's start (short samples share a
+  block), each block against the one key range its queries may reach (from its sample's start, or
+  the window's, to its last query or the end of the last item it attends). The rule keeps an
+  interval of keys per query (`PackedAttention.bounds`), so a block's ``(bq, lk)`` mask is two
+  comparisons: on CPU through FlashAttention's CPU kernel forward and backward
+  (`_SegmentAttention`), elsewhere through SDPA. Work is the kept pairs plus at most a block's width
+  per query; memory is linear in the tokens plus one block's mask.
 - ``varlen`` (CUDA): FlashAttention over ``cu_seqlens`` (`torch.nn.attention.varlen.varlen_attn`)
   where every token attends causally within its sample (text, and items of models whose items attend
   causally, as HF's LLaVA does), sliding windows and GQA included: each contiguous run of queries of

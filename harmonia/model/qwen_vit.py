@@ -171,7 +171,7 @@ PLAN_CACHE_PATCHES = 1 << 17
 grid), the least recently used dropped first: a batch's plan is put together from its items' rather
 than built patch by patch, so images of one size (resized to it, or one camera's) and videos of one
 shape plan once. An item larger than this alone is not kept. The rotary tables are the bulk, ``2 * 4
-* head_dim`` bytes per patch (84 MiB at the bound with ``head_dim`` 80); a batch's own plan (its
+* head_dim`` bytes per patch (80 MiB at the bound with ``head_dim`` 80); a batch's own plan (its
 attention sequences) is built again each time, as the batch's tensors are."""
 
 
