@@ -28,7 +28,6 @@ from harmonia.schedule.microbatching import (
     normalise,
     order_microbatches,
 )
-from harmonia.schedule.microbatching import bin_loads as loads_per_bin
 
 
 @dataclass(frozen=True)
@@ -141,14 +140,10 @@ def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
         costs = costs[:, None]
     n_bins = dp * (n_microbatches or 1)
     unit = "microbatches (dp x n_microbatches)" if n_microbatches else "DP replicas"
-    costs, tok, cap = check_inputs(costs, n_bins, tokens, token_cap, unit)
+    costs, tok, _ = check_inputs(costs, n_bins, tokens, token_cap, unit)
     if n_microbatches is None:
         shards, loads = balance_bins(costs, dp, seed=seed, unit="DP replicas")
         mbs: list[list[list[int]]] = [[] for _ in range(dp)]
-    elif n_microbatches == 1 and dp == 1 and (tok is None or tok.sum() <= cap):
-        every = list(range(costs.shape[0]))  # one replica of one microbatch holds every sample: no balance
-        mbs, shards = [[every]], [list(every)]
-        loads = loads_per_bin(np.zeros(len(every), dtype=np.int64), costs, 1)  # (1, modules)
     else:
         if n_microbatches < 1:
             raise ScheduleError(f"n_microbatches must be >= 1, got {n_microbatches}")
@@ -159,11 +154,14 @@ def balance_dp(costs: np.ndarray, dp: int, *, tokens: np.ndarray | None = None,
             if kept is not None:
                 kept[key] = found
         bins, bin_loads = [list(b) for b in found[0]], found[1]
-        work, _ = normalise(bin_loads, 1)
-        dealt = _deal(work, dp, n_microbatches)
-        mbs = [[bins[b] for b in np.array(group)[order_microbatches(bin_loads[group])]] for group in dealt]
-        shards = [sorted(i for mb in rep for i in mb) for rep in mbs]
-        loads = np.stack([bin_loads[group].sum(axis=0) for group in dealt])
+        if n_bins == 1:  # one replica's one microbatch: nothing to deal or order
+            mbs, shards, loads = [[bins[0]]], [list(bins[0])], bin_loads
+        else:
+            work, _ = normalise(bin_loads, 1)
+            dealt = _deal(work, dp, n_microbatches)
+            mbs = [[bins[b] for b in np.array(group)[order_microbatches(bin_loads[group])]] for group in dealt]
+            shards = [sorted(i for mb in rep for i in mb) for rep in mbs]
+            loads = np.stack([bin_loads[group].sum(axis=0) for group in dealt])
     encoder_shards: dict[int | str, list[list[int]]] = {}
     for key, degree in (encoder_dp or {}).items():
         j = _column(key, modules, costs.shape[1])

@@ -215,8 +215,11 @@ class MemoryCosts:
             blocks = max(self._kept_bytes(module, 1, i, i + 1, tp, cp) for i in range(lo, hi)
                          if self.layers[module][i].kind == "block") + self._tp_reduced_bytes(module, tp, cp)
             self._largest[key] = max(blocks, loss)
+        attend = ("attention", module, start, stop, tp)  # kept per range: the planner asks per unit
+        if attend not in self._largest:
+            self._largest[attend] = self.cpu_attention_bytes(module, start, stop, tp)
         again = self.recompute_transient_bytes(module, tokens, start, stop, tp, cp, recompute) if recompute else 0.0
-        return max(self._largest[key] * tokens, again) + self.cpu_attention_bytes(module, start, stop, tp) * tokens
+        return max(self._largest[key] * tokens, again) + self._largest[attend] * tokens
 
     def _loss_gradient_bytes(self, module: str, stop: int | None, tp: int, cp: int) -> float:
         """Bytes per token the loss's backward holds beside the head's kept logits, where a range of
