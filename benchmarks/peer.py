@@ -46,13 +46,15 @@ Measured per run, the same way for both (``OMP_NUM_THREADS`` set alike, cores //
   adopts and reaps what the command leaves orphaned, e.g. harmonia's fork server) over the
   whole command (start-up and saving included);
 - peak RSS: the largest sum over the process tree of proportional resident memory (``Pss``: a page
-  shared by processes counted once), sampled every 0.1 s;
+  shared by processes counted once), sampled every 0.1 s in one more run of each tool and
+  configuration, whose other figures are not counted: reading ``Pss`` slows the process read
+  (`proctree`), by 12-20% of a 2-process job's samples/s here, so the timed runs do not sample it;
 - answer loss: mean cross-entropy per learned token on held-out records, computed by transformers
   itself from the trained weights (harmonia's export, the Trainer's saved model) of the first run
   of each tool and configuration (both train deterministically from the same seed).
 
-Every configuration runs ``--reps`` times, harmonia and the Trainer alternating (ABBA); the table
-shows medians, and every run is listed below it.
+Every configuration runs ``--reps`` times, harmonia and the Trainer alternating (ABBA), then once
+more each for its memory; the table shows medians, and every run is listed below it.
 
     python benchmarks/peer.py [--quick] [--reps 2] [--steps 40] [--processes 1,2] [--log-every 10]
         [--datasets llava,varied] [--models llava,qwen2_5_vl]
@@ -121,8 +123,10 @@ def write_varied_dataset(out: Path, n_train: int, n_heldout: int, seed: int = 0,
 
 
 # -- one run of each tool --------------------------------------------------------------------------
-def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str], export: bool) -> dict:
-    """``harmonia train`` (then, with ``export``, ``harmonia export``); its numbers from ``summary.json``."""
+def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str], export: bool,
+                 memory: bool = False) -> dict:
+    """``harmonia train`` (then, with ``export``, ``harmonia export``); its numbers from ``summary.json``;
+    its memory sampled with ``memory`` (`proctree.watch`)."""
     from harmonia.plan.layout_text import describe_layouts
     from harmonia.schedule.plan import Plan
 
@@ -139,7 +143,7 @@ def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str
     job.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in keys.items()) + "\n"
                            for name, keys in sections.items()))
     cmd = [sys.executable, "-m", "harmonia", "train", "--config", str(job), *(f"--{o}" for o in overrides)]
-    w = watch(cmd, env, work / "train.log", work / "run" / "metrics.jsonl")
+    w = watch(cmd, env, work / "train.log", work / "run" / "metrics.jsonl", memory=memory)
     summary = json.loads((work / "run" / "summary.json").read_text())
     records = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     n_first = min(w["marks"]) if w["marks"] else None
@@ -153,29 +157,34 @@ def run_harmonia(s: dict, procs: int, work: Path, env: dict, overrides: list[str
     return {"samples_per_s": t["samples_per_s"], "tokens_per_s": t["tokens_per_s"], "tokens": t["tokens"],
             "samples": t["samples"], "startup_s": first_step_at - w["started"] if first_step_at else None,
             "cpu_step_s": window_cpu_per_step({logged[n]: v for n, v in w["marks"].items() if n in logged}),
-            "cpu_command_s": w["cpu_command_s"], "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"],
+            "cpu_command_s": w["cpu_command_s"], "peak_mib": _mib(w["peak_bytes"]), "command_s": w["wall_s"],
             "model": work / "export", "phases": summary.get("startup") or {},
             "outside_steps_s": t["elapsed_s"] - t["in_steps_s"],
             "plan": f"{describe_layouts(plan.layouts)}; {plan.schedule}, {plan.n_microbatches} microbatches"}
 
 
-def run_trainer(s: dict, procs: int, work: Path, env: dict) -> dict:
-    """The Trainer worker on one process, or on ``procs`` under torchrun."""
+def run_trainer(s: dict, procs: int, work: Path, env: dict, memory: bool = False) -> dict:
+    """The Trainer worker on one process, or on ``procs`` under torchrun; its memory sampled with
+    ``memory`` (`proctree.watch`)."""
     settings = work / "settings.json"
     settings.write_text(json.dumps({**s, "out": str(work)}))
     script = [str(Path(__file__).resolve()), "--trainer-worker", str(settings)]
     cmd = ([sys.executable, *script] if procs == 1 else
            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", *script])
-    w = watch(cmd, env, work / "train.log", work / "steps.jsonl")
+    w = watch(cmd, env, work / "train.log", work / "steps.jsonl", memory=memory)
     ranks = [json.loads((work / f"rank-{r}.json").read_text()) for r in range(procs)]
     window = ranks[0]["end_at"] - ranks[0]["first_step_at"]
     samples, tokens = sum(r["samples"] for r in ranks), sum(r["tokens"] for r in ranks)
     return {"samples_per_s": samples / window, "tokens_per_s": tokens / window, "tokens": tokens, "samples": samples,
             "startup_s": ranks[0]["first_step_at"] - w["started"], "cpu_step_s": window_cpu_per_step(w["marks"]),
-            "cpu_command_s": w["cpu_command_s"], "peak_mib": w["peak_bytes"] / 2**20, "command_s": w["wall_s"],
+            "cpu_command_s": w["cpu_command_s"], "peak_mib": _mib(w["peak_bytes"]), "command_s": w["wall_s"],
             "model": work / "model", "outside_steps_s": window - ranks[0]["in_steps_s"],
             "padding": 1 - tokens / max(1, sum(r["padded"] for r in ranks)),
             "trainable": ranks[0]["trainable"], "threads": ranks[0]["threads"]}
+
+
+def _mib(n_bytes: int | None) -> float | None:
+    return None if n_bytes is None else n_bytes / 2**20
 
 
 # -- the table -------------------------------------------------------------------------------------
@@ -190,7 +199,8 @@ COLUMNS = {  # key -> (header, format)
 LEGEND = ("samples/s, tokens/s: rank 0's wall-clock window from the first step's start to the last step's end; "
           "tokens: real LLM tokens (image tokens included, no padding). start-up: command start to the first step. "
           "CPU-s/step: the process tree's CPU between the first and the last step record, per step; CPU-s command: "
-          "the whole command. peak RSS: the process tree's summed Pss. answer loss: transformers' cross-entropy per "
+          "the whole command. peak RSS: the process tree's summed Pss, in a run of its own (sampling it slows the "
+          "run). answer loss: transformers' cross-entropy per "
           "learned token on the held-out records (first run of each). command s: the training command end to end "
           "(harmonia's export not included).")
 
@@ -228,6 +238,9 @@ def run_lines(results: dict) -> list[str]:
     lines = []
     for (name, p, tool), runs in results.items():
         for i, r in enumerate(runs):
+            if r.get("memory_run"):
+                lines.append(f"{name} {p}p {tool} memory run: peak RSS MiB {_cell(r['peak_mib'], '{:.0f}')}")
+                continue
             vals = ", ".join(f"{COLUMNS[k][0]} {_cell(r.get(k), COLUMNS[k][1])}" for k in COLUMNS)
             extra = (f"; {r['tokens'] / r['samples']:.1f} tokens/sample; {r['outside_steps_s']:.2f} s of the window "
                      "outside the steps")
@@ -268,9 +281,10 @@ def row_name(dataset: str, model: str) -> str:
 
 def run_dataset(a: argparse.Namespace, dataset: str, model: str, base: Path, root: Path, work: Path,
                 console) -> dict:
-    """Every process count's runs on one dataset, the tools alternating (ABBA); the first run of each
-    tool scored by transformers on the held-out records (both tools train deterministically from the
-    same seed). Returns (dataset, processes, tool) -> runs."""
+    """Every process count's runs on one dataset, the tools alternating (ABBA), then each tool's memory
+    run; the first run of each tool scored by transformers on the held-out records (both tools train
+    deterministically from the same seed). Returns (dataset, processes, tool) -> runs (a memory run:
+    ``memory_run`` and ``peak_mib`` only)."""
     name = row_name(dataset, model)
     processor = load_processor(base)
     heldout_path = root / "heldout" / "llava.json"
@@ -293,6 +307,13 @@ def run_dataset(a: argparse.Namespace, dataset: str, model: str, base: Path, roo
                 console.print(f"{name} {procs}p {tool} run {rep + 1}: {r['samples_per_s']:.1f} samples/s, start-up "
                               f"{_cell(r['startup_s'], '{:.1f}')} s, answer loss {_cell(r['loss'], '{:.3f}')}",
                               highlight=False)
+        for tool in ("harmonia", "Trainer"):  # memory alone: sampling it slows the run (`proctree`)
+            run_dir = work / f"{dataset}-{model}-{procs}p-{tool}-memory"
+            run_dir.mkdir(parents=True)
+            r = (run_harmonia(s, procs, run_dir, env, a.harmonia_set, export=False, memory=True)
+                 if tool == "harmonia" else run_trainer(s, procs, run_dir, env, memory=True))
+            results[name, procs, tool].append({"memory_run": True, "peak_mib": r["peak_mib"]})
+            console.print(f"{name} {procs}p {tool} memory run: peak RSS {r['peak_mib']:.0f} MiB", highlight=False)
     return results
 
 

@@ -1,8 +1,14 @@
 """Run a command and measure its whole process tree: wall time, CPU seconds, proportional memory.
 
 `watch` runs the command, samples its tree from ``/proc`` every `POLL_S` seconds (its summed
-``Pss``, and its CPU seconds whenever a steps file grows), and counts its CPU with
+``Pss`` where asked, and its CPU seconds whenever a steps file grows), and counts its CPU with
 ``RUSAGE_CHILDREN``, orphans included (`_adopt_orphans`).
+
+Reading ``Pss`` (``/proc/PID/smaps_rollup``) walks the process's page tables under its memory-map
+lock, which the process's own allocations then wait for: sampled every 0.1 s beside a 2-process
+training job on 2 cores, it cost that job 12-20% of its samples/s (measured alternating, the same
+job with and without the sampling). A run whose speed is measured should not sample it
+(``memory=False``); its memory is measured by another run.
 """
 
 from __future__ import annotations
@@ -95,13 +101,15 @@ def _reap_orphans(grace_s: float = 30.0) -> None:
             time.sleep(0.05)
 
 
-def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float = 900.0) -> dict:
+def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float = 900.0,
+          memory: bool = True) -> dict:
     """Run ``cmd`` and sample its process tree until it exits.
 
     Returns:
         ``started`` (time.time()), ``wall_s``, ``cpu_command_s`` (RUSAGE_CHILDREN: the command and
-        every process below it, orphans included, `_adopt_orphans`), ``peak_bytes`` and ``marks``:
-        lines of ``steps_file`` -> (time first seen, the tree's CPU seconds then).
+        every process below it, orphans included, `_adopt_orphans`), ``peak_bytes`` (the largest
+        summed ``Pss`` sampled; None without ``memory``) and ``marks``: lines of ``steps_file`` ->
+        (time first seen, the tree's CPU seconds then).
 
     Raises:
         RuntimeError: the command failed or ran past ``timeout`` (its log's tail in the message).
@@ -114,7 +122,8 @@ def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             pids = process_tree(proc.pid)
-            peak = max(peak, tree_pss_bytes(pids))
+            if memory:
+                peak = max(peak, tree_pss_bytes(pids))
             n = _lines(steps_file)
             if n != seen:
                 marks[n], seen = (time.time(), tree_cpu_s(pids)), n
@@ -130,7 +139,8 @@ def watch(cmd: list[str], env: dict, log: Path, steps_file: Path, timeout: float
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"{shlex.join(cmd)}: exit {proc.returncode} after {wall:.0f} s\n{tail}")
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"started": started, "wall_s": wall, "cpu_command_s": cpu, "peak_bytes": peak, "marks": marks}
+    return {"started": started, "wall_s": wall, "cpu_command_s": cpu, "peak_bytes": peak if memory else None,
+            "marks": marks}
 
 
 def window_cpu_per_step(marks: dict[int, tuple[float, float]]) -> float | None:
