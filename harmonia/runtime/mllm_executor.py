@@ -201,10 +201,13 @@ class MLLMExecutor:
         dist.all_reduce(total, group=self.norm_group)
         return float(total)
 
-    def loss_share(self, schedule: IterationSchedule, batch: RankBatch) -> torch.Tensor:
+    def loss_share(self, schedule: IterationSchedule, batch: RankBatch,
+                   beside_reduction: Callable[[], None] | None = None) -> torch.Tensor:
         """The actions and the gradient reduction; returns this rank's share of the global loss
         (float64 on the host; summed over ``norm_group`` it is the loss): a training step reduces it
-        with the gradient norm in one collective (`harmonia.runtime.grads.reduce_loss_and_clip`)."""
+        with the gradient norm in one collective (`harmonia.runtime.grads.reduce_loss_and_clip`).
+        ``beside_reduction`` runs on the host once every action has run, while the last gradient
+        reductions are in flight (e.g. the next step's preparation), before they are waited for."""
         graph = schedule.graph
         if sorted(graph.module_names) != sorted(self.meshes.layouts):
             raise ScheduleError(f"schedule modules {graph.module_names} differ from the plan's "
@@ -231,6 +234,8 @@ class MLLMExecutor:
         run = _MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
         with self._vocabulary_parallel():
             run.execute(actions)
+        if beside_reduction is not None:
+            beside_reduction()
         for r in self.runners.values():
             r.p2p.wait_sends()
             r.finish_reduction()

@@ -432,21 +432,18 @@ class Trainer:
     def _step(self, step: int, it: PreparedIteration, batch, ahead: NextStep | None = None,
               stops: StopSignals | None = None, merged: bool = False) -> StepOutcome:
         """Forward, backward and gradient norm; the optimizer step only when loss and norm are finite.
-        ``ahead`` (the next step) is prepared between them (`harmonia.train.next_step`): while the
-        loss and norm collective is in flight, or, ``merged``, before one collective that also agrees
-        on it."""
+        ``ahead`` (the next step) is prepared between them (`harmonia.train.next_step`), while the
+        step's last gradient reductions are in flight; ``merged``, it is agreed on in one collective
+        with the loss and norm."""
         ex = self.model.executor
-        share = ex.loss_share(it.schedule, batch)
+        share = ex.loss_share(it.schedule, batch, ahead.prepare if ahead is not None else None)
         self.faults.after_backward(step, self.model)
         if ahead is not None and merged:
-            ahead.prepare()
             local = LossAndNorm.local(share, ex.norm_share())
             signum = stops.signum if stops is not None else 0
             reduction = LossAndNorm(ahead.agree(self.builder, self._agree, signum, local), None)
         else:
             reduction = LossAndNorm.start(share, ex.norm_share(), ex.norm_group)
-            if ahead is not None:
-                ahead.prepare()
         spent = {} if ahead is None else {"ahead_s": ahead.prepare_s, "ahead_cpu_s": ahead.prepare_cpu_s}
         loss, norm = reduction.clip(ex.trainable, ex.max_norm)
         if math.isfinite(loss) and math.isfinite(norm):

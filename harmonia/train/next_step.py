@@ -2,10 +2,12 @@
 
 Where a step's preparation runs in the training thread (on the CPU, `SchedulePrefetcher` with
 ``background=False``) and the job has more than one rank, a step prepares the next one between its
-backward and its optimizer step instead of after it:
+backward and its optimizer step instead of after it, once its actions have run and while its last
+gradient reductions are in flight (`MLLMExecutor.loss_share`'s ``beside_reduction``: the host
+works while gloo's threads reduce, where it waited for them):
 
-- on a step whose figures are gathered (a logged one), while its loss and norm collective is in
-  flight (`Trainer._step`): the next step's agreement stays at its own start;
+- on a step whose figures are gathered (a logged one), the next step's agreement stays at its own
+  start;
 - on any other step, and where the loss and norm collective is the data group's (gloo), the next
   step's agreement (`IterationBuilder.settle`: failures, stop signals) carries this step's loss and
   norm shares as its ``extra``: one collective per step instead of two. Measured on 2 CPU processes
