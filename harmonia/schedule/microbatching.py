@@ -99,9 +99,14 @@ def normalise(costs: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
     bound = np.maximum(total[keep] / n_bins, c.max(axis=0))
     work = c / bound
     shares = c / total[keep]  # proportional columns have identical shares
-    first = [j for j in range(c.shape[1])
-             if not any(np.allclose(shares[:, j], shares[:, k], rtol=1e-9, atol=0) for k in range(j))]
+    first = [j for j in range(c.shape[1]) if not any(_proportional(shares[:, j], shares[:, k]) for k in range(j))]
     return np.ascontiguousarray(work[:, first]), (total[keep] / n_bins / bound)[first]
+
+
+def _proportional(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two columns' shares are equal to a relative 1e-9 (``np.allclose(a, b, rtol=1e-9,
+    atol=0)`` on finite shares, without its general checks: 10x faster on a step's few samples)."""
+    return bool((np.abs(a - b) <= 1e-9 * np.abs(b)).all())
 
 
 def _greedy(work: np.ndarray, n_bins: int, order: np.ndarray, tok: np.ndarray | None,

@@ -10,6 +10,10 @@ finds what `harmonia.sim.tasks.simulate_schedule` reports as ``Timeline.peak_mem
 ordering the actions, without building tasks, messages or collectives or replaying them (the plan
 search rejects a candidate that cannot fit before it is timed).
 
+`activation_bound` bounds the peak of any order from the units alone (all kept bytes at once plus
+the largest one action holds while it runs): a training step's memory check orders the actions
+only where that bound does not fit (`harmonia.train.iteration.IterationBuilder`).
+
 Beside the activations, a rank holds its encoders' inputs for the whole step (`input_bytes`: the
 runtime moves a step's batch to the device before its first action).
 """
@@ -75,6 +79,29 @@ def activation_peaks(plan: Plan, iw: IterationWork, schedule: IterationSchedule,
             peaks[same] = running_peak(_events(iw, specs[id(actions)], dict(replicas)))
         out[rank] = peaks[same]
     return out
+
+
+def activation_bound(iw: IterationWork) -> dict[int, float]:
+    """Per rank that runs a unit of ``iw``, an upper bound of its `activation_peaks` under any order
+    of its actions, found without ordering them: every unit's kept bytes held at once (each F's
+    activations, each split B's output gradients: the only phases that allocate for later) plus the
+    most one of its actions holds only while it runs (an F's activations and intermediates, a
+    backward's gradients and recomputed activations, a W's weight gradients). `running_peak` of
+    any order of `unit_memory`'s events is at most that: its level never exceeds the kept bytes
+    summed, and each event's transient adds to one level."""
+    kept: dict[StageKey, float] = {}
+    running: dict[StageKey, float] = {}
+    for (key, _, _), w in iw.work.items():
+        kept[key] = kept.get(key, 0.0) + w.act_bytes + w.w_held
+        held = max(w.act_bytes + w.f_transient, w.transient, w.w_transient)
+        running[key] = max(running.get(key, 0.0), held)
+    rank_kept: dict[int, float] = {}
+    rank_running: dict[int, float] = {}
+    for key, nbytes in kept.items():
+        for rank in iw.stage_ranks[key]:
+            rank_kept[rank] = rank_kept.get(rank, 0.0) + nbytes
+            rank_running[rank] = max(rank_running.get(rank, 0.0), running[key])
+    return {rank: rank_kept[rank] + rank_running[rank] for rank in rank_kept}
 
 
 def _spec(phases: dict, graph: StageGraph, a: Action) -> tuple:

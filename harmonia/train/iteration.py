@@ -56,7 +56,7 @@ from harmonia.schedule.order_search import search_order, search_submicrobatches
 from harmonia.schedule.plan import Plan
 from harmonia.schedule.stagework import IterationWork, cost_table, plan_iteration_work
 from harmonia.sim.engine import Timeline
-from harmonia.sim.memory import activation_peaks, input_bytes
+from harmonia.sim.memory import activation_bound, activation_peaks, input_bytes
 from harmonia.sim.tasks import SimulatedOrders, simulate_schedule, simulated_step
 from harmonia.train.rank_data import StepAgreement, agree_failures, check_decoded, rank_positions, rank_samples
 from harmonia.workload.calibration import Calibration
@@ -374,13 +374,16 @@ class IterationBuilder:
         twice as many, again while it does: smaller microbatches hold fewer activations at once.
         Every rank computes the same, so all agree on the count. Where no count fits, the position of
         the step's heaviest sample (the largest share of the batch's work, summed over modules) and
-        why, for the data policy to drop it before any rank runs out of memory."""
+        why, for the data policy to drop it before any rank runs out of memory. The peak under the
+        schedule is found only where a bound of any order's does not fit (`_fits_any_order`)."""
         plan, llm = self.plan, self.plan.layouts[LLM]
         encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
         n = plan.n_microbatches
         while True:
             assignment = cut_encoder_items(assign_iteration(costs, columns, llm.dp, encoder_dp, n, tokens=tokens,
                                                             seed=step, feeds=self.feeds), plan, self.cost, shapes)
+            if self._fits_any_order(shapes, assignment):
+                return assignment
             rank, peak = self._peak(shapes, assignment)
             if peak <= self.cluster.device.mem_bytes:
                 return assignment
@@ -393,6 +396,15 @@ class IterationBuilder:
                     f"its heaviest sample ({int(tokens[heaviest])} LLM tokens) is left out; recompute more "
                     "activations or choose a plan with more memory to spare to keep such samples")
             n *= 2
+
+    def _fits_any_order(self, shapes: list[SampleShape], assignment: IterationAssignment) -> bool:
+        """Whether every rank fits the device under any order of the step's actions (`activation_bound`
+        beside its states and encoder inputs): then its peak under the schedule need not be found."""
+        iw = self._work(shapes, assignment)
+        bound, inputs = activation_bound(iw), input_bytes(self.spec, iw)
+        ranks = {*self.states, *bound}
+        return all(self.states.get(r, 0.0) + bound.get(r, 0.0) + inputs.get(r, 0.0) <= self.cluster.device.mem_bytes
+                   for r in ranks)
 
     def _peak(self, shapes: list[SampleShape], assignment: IterationAssignment,
               iw: IterationWork | None = None, schedule: IterationSchedule | None = None) -> tuple[int, float]:

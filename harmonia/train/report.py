@@ -81,8 +81,9 @@ class ProgressReporter:
             done = record["step"] + 1
             console.print(progress_line(done, self.config.train.steps, record, time.perf_counter() - self.started,
                                         done - self.start_step), markup=False, highlight=False)
-        self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
-                             tps=record["tokens_per_s"])
+        if not self.progress.disable:  # (rank 0's bar on a terminal)
+            self.progress.update(self.task, completed=record["step"] + 1, loss=record["loss"],
+                                 tps=record["tokens_per_s"])
 
     def evaluation(self, record: dict) -> None:
         """One evaluation's record (`harmonia.train.eval_loss`): ``step`` (steps trained), ``loss``,

@@ -4,7 +4,8 @@ The planner checks its plan's memory on the batches it profiled; a batch drawn l
 The iteration builder predicts every step's peak per rank (states plus the activations its action
 list holds at once) and, where it exceeds the device, doubles the microbatches per LLM replica until
 it fits: every rank computes the same count. Where no count fits, the step's heaviest sample is a bad
-record the data policy skips (or stops on).
+record the data policy skips (or stops on). A step whose bound under any order of its actions fits
+(`harmonia.sim.memory.activation_bound`) is not ordered for the check.
 """
 
 from __future__ import annotations
@@ -83,3 +84,19 @@ def test_the_plans_microbatches_stay_where_the_step_fits(data) -> None:
         it = builder.build(step)
         assert it.assignment.n_microbatches == PLAN.n_microbatches
         assert builder._peak([builder.shapes[i] for i in it.sample_ids], it.assignment)[1] <= CLUSTER.device.mem_bytes
+
+
+def test_a_step_whose_any_order_bound_fits_skips_its_ordered_peak(data, monkeypatch) -> None:
+    root, tok = data
+    ds = _open(root, tok)
+    roomy = _builder(ds, CLUSTER)
+    monkeypatch.setattr(roomy, "_peak", lambda *a, **k: pytest.fail("the ordered peak was found"))
+    assert roomy.build(0).assignment.n_microbatches == PLAN.n_microbatches
+    # a device under the bound: the ordered peak decides, as without the bound
+    peaks = _peaks(_builder(ds, CLUSTER), 0)
+    tight = _builder(ds, CLUSTER.with_device(mem_bytes=(peaks[1] + peaks[2]) / 2))
+    found = []
+    ordered = tight._peak
+    monkeypatch.setattr(tight, "_peak", lambda *a, **k: found.append(ordered(*a, **k)) or found[-1])
+    assert tight.build(0).assignment.n_microbatches == 2
+    assert found and found[0][1] > tight.cluster.device.mem_bytes >= found[-1][1]

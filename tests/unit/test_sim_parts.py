@@ -6,7 +6,8 @@ do in the whole simulation: checked on every recipe's placements (colocated, dis
 encoder replica feeding several LLM replicas, encoders fused into the LLM's first stage), pp 1/2/4,
 1F1B, zero-bubble and interleaved schedules, with and without recomputation. On the same plans,
 each rank's activation peak found from its action order alone (`harmonia.sim.memory`, what the
-search rejects plans by before timing them) is exactly the simulation's. A part's busiest column,
+search rejects plans by before timing them) is exactly the simulation's, and the bound of any
+order (`activation_bound`, what a training step's memory check tries first) is never below it. A part's busiest column,
 simulated with its messages from other ranks free, starts every task no later than the whole
 simulation does (the bound the search drops candidates by before simulating their busiest part);
 parts that the lockstep of a resharded chunk joins replay exactly too.
@@ -16,7 +17,7 @@ from harmonia.plan.bounds import work_bound_busy
 from harmonia.plan.recipes import candidate_schedule, simulate_work
 from harmonia.plan.scenario import ScenarioRun
 from harmonia.schedule.graph import LLM
-from harmonia.sim.memory import activation_peaks
+from harmonia.sim.memory import activation_bound, activation_peaks
 from harmonia.sim.parts import busiest_column, independent_parts, simulate_part
 from tests.unit.test_plan_bounds import _describe, _scenario, _spread
 
@@ -43,6 +44,8 @@ def test_parts_replay_exactly_as_the_whole_iteration(shared_traces) -> None:
         assert {r: v for t in timelines for r, v in t.peak_mem.items()} == whole.peak_mem, _describe(cand)
         assert _ends(timelines) == _ends([whole]), _describe(cand)
         assert activation_peaks(plan, iw, schedule) == whole.peak_mem, _describe(cand)
+        bound = activation_bound(iw)  # any order's bound: never under the schedule's own peak
+        assert all(bound.get(r, 0.0) >= peak * (1 - 1e-12) for r, peak in whole.peak_mem.items()), _describe(cand)
         assert activation_peaks(plan, iw, schedule, parts[0]) == timelines[0].peak_mem, _describe(cand)
         columns += _column_starts_no_later(cand, iw, schedule, parts[0], run, whole)
         locked += any(t.name.startswith("dp sync") for t in whole.tasks)

@@ -14,6 +14,7 @@ from harmonia.schedule.rank_actions import plan_rank_actions
 from harmonia.schedule.stagework import StageKey, iteration_schedule, plan_iteration_work, stage_layer_range
 from harmonia.sim.engine import replay
 from harmonia.sim.tasks import build_tasks
+from harmonia.sim.memory import activation_bound
 from harmonia.workload.devices import cluster_from_string
 from harmonia.workload.work import ModuleLoad, sample_loads
 from tests.unit.iteration_helpers import assignment
@@ -115,6 +116,8 @@ def test_recompute_lowers_the_simulated_peak_and_the_estimate_bounds_it(setup, r
         plan = _plan(modules, llm=Layout(pp=2, dp=2, rank_offset=2))
         iw = _work(cost, samples, plan)
         acts = replay(*_tasks(cost, plan, iw, cluster)).peak_mem
+        bound = activation_bound(iw)  # recomputed blocks' transients included
+        assert all(bound.get(r, 0.0) >= v * (1 - 1e-12) for r, v in acts.items())
         states = state_bytes_per_rank(cost, plan)
         simulated = {r: states[r] + acts.get(r, 0.0) for r in states}
         estimate = plan_peak_bytes(cost, plan, profile)
@@ -177,6 +180,7 @@ def test_a_share_recomputes_the_first_blocks_of_each_stage(setup, share) -> None
         plan = replace(plan, layouts={"vision": Layout(dp=2), "llm": Layout(pp=2, dp=2, rank_offset=2)})
         iw = _work(cost, samples, plan)
         acts = replay(*_tasks(cost, plan, iw, cluster)).peak_mem
+        assert all(activation_bound(iw).get(r, 0.0) >= v * (1 - 1e-12) for r, v in acts.items())
         states = state_bytes_per_rank(cost, plan)
         peaks[plan.recompute_key] = {r: states[r] + acts.get(r, 0.0) for r in states}
         estimate = plan_peak_bytes(cost, plan, profile)
