@@ -234,11 +234,13 @@ class MLLMExecutor:
         run = _MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
         with self._vocabulary_parallel():
             run.execute(actions)
-        if beside_reduction is not None:
-            beside_reduction()
-        for r in self.runners.values():
-            r.p2p.wait_sends()
-            r.finish_reduction()
+        try:
+            if beside_reduction is not None:
+                beside_reduction()
+        finally:  # its error raised once nothing is in flight
+            for r in self.runners.values():
+                r.p2p.wait_sends()
+                r.finish_reduction()
         for link in run.links.values():
             link.finish()
         for r in self.runners.values():

@@ -84,11 +84,12 @@ def activation_peaks(plan: Plan, iw: IterationWork, schedule: IterationSchedule,
 def activation_bound(iw: IterationWork) -> dict[int, float]:
     """Per rank that runs a unit of ``iw``, an upper bound of its `activation_peaks` under any order
     of its actions, found without ordering them: every unit's kept bytes held at once (each F's
-    activations, each split B's output gradients: the only phases that allocate for later) plus the
-    most one of its actions holds only while it runs (an F's activations and intermediates, a
-    backward's gradients and recomputed activations, a W's weight gradients). `running_peak` of
-    any order of `unit_memory`'s events is at most that: its level never exceeds the kept bytes
-    summed, and each event's transient adds to one level."""
+    activations and each unit's ``w_held``, which only a split B keeps, the only phases that
+    allocate for later; counted for a fused backward too, a looser bound there) plus the most one
+    of its actions holds only while it runs (an F's activations and intermediates, a backward's
+    gradients and recomputed activations, a W's weight gradients). `running_peak` of any order of
+    `unit_memory`'s events is at most that: its level never exceeds the kept bytes summed, and each
+    event's transient adds to one level."""
     kept: dict[StageKey, float] = {}
     running: dict[StageKey, float] = {}
     for (key, _, _), w in iw.work.items():

@@ -340,6 +340,7 @@ class Trainer:
                 with self._peak_count(batch) as measured:  # a step not logged carries the next one's agreement
                     result = self._step(step, it, batch, ahead, stops, merges and not is_logged(self.config, step))
                 # the next step's preparation counts as its own (its data wait), not as this step's time
+                # (a wait for the gradient reductions it ran beside is not counted in either)
                 step_s = time.perf_counter() - t0 - result.ahead_s
                 step_cpu = time.process_time() - cpu0 - result.ahead_cpu_s
                 self.losses.append(result.loss)

@@ -46,13 +46,14 @@ class NextStep:
         self.prepare_s = self.prepare_cpu_s = 0.0  # wall and CPU seconds `prepare` took
 
     def prepare(self) -> None:
-        """Prepare the step now (an error is kept for `take`)."""
-        t0, cpu0 = time.perf_counter(), time.process_time()
+        """Prepare the step now (an error is kept for `take`). Its CPU seconds are this thread's: the
+        gradient reductions' threads working beside it stay in the step's."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self.it = self.get(self.step)
         except Exception as err:  # noqa: BLE001 -- raised at its own step, where every rank meets it
             self.error = err
-        self.prepare_s, self.prepare_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+        self.prepare_s, self.prepare_cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
 
     def agree(self, builder: IterationBuilder, agree: Callable[..., StepAgreement], stop: int,
               extra: torch.Tensor) -> torch.Tensor:
