@@ -215,6 +215,7 @@ class IterationBuilder:
         self.states = state_bytes_per_rank(cost, plan)  # weights, gradients, optimizer states per rank
         self.bad: set[int] = set()  # samples every rank agreed failed, dropped before balancing
         self._cost_rows: tuple[np.ndarray, np.ndarray] | None = None  # `_balancer_costs`: rows by sample index
+        self._balanced_ahead: tuple[tuple, IterationAssignment] | None = None  # `_decode_ahead`'s, by its inputs
         self._settled: int | None = None  # the newest step agreed on
         self._closed = False
         self._cond = threading.Condition()
@@ -295,6 +296,7 @@ class IterationBuilder:
         todo = [p for p in mine if ids[p] not in decoded]
         for p, r in zip(todo, self.decoder.decode([ids[p] for p in todo])):
             decoded[ids[p]] = check_decoded(r, shapes[p], self.dataset)
+        self._decode_ahead(step + 1, bad)
         failed = [decoded[ids[p]] for p in mine if isinstance(decoded[ids[p]], Failed)]
         if failed:
             return PreparedIteration(step, ids, len(wanted) - len(ids), assignment, None, None, 0, None,
@@ -339,7 +341,7 @@ class IterationBuilder:
                 encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
                 return ids, shapes, tokens, assemble_iteration([per_replica[d] for d in range(llm.dp)], costs,
                                                                columns, encoder_dp, feeds=self.feeds)
-            found = self._assign_within_memory(step, shapes, costs, columns, tokens)
+            found = self._assign_within_memory(step, ids, shapes, costs, columns, tokens)
             if isinstance(found, IterationAssignment):
                 return ids, shapes, tokens, found
             heaviest, message = found
@@ -366,8 +368,8 @@ class IterationBuilder:
             rows[index[todo]], llm_tokens[index[todo]] = costs, tokens
         return rows[index], columns, llm_tokens[index]
 
-    def _assign_within_memory(self, step: int, shapes: list[SampleShape], costs: np.ndarray, columns: list[str],
-                              tokens: np.ndarray) -> IterationAssignment | tuple[int, str]:
+    def _assign_within_memory(self, step: int, ids: list[int], shapes: list[SampleShape], costs: np.ndarray,
+                              columns: list[str], tokens: np.ndarray) -> IterationAssignment | tuple[int, str]:
         """The balancer's assignment with the plan's microbatches per LLM replica, or, where the step's
         predicted peak on some rank (its states plus the activations its action list holds at once:
         what the planner checked its plan with, on the batches it profiled) exceeds the device, with
@@ -377,11 +379,9 @@ class IterationBuilder:
         why, for the data policy to drop it before any rank runs out of memory. The peak under the
         schedule is found only where a bound of any order's does not fit (`_fits_any_order`)."""
         plan, llm = self.plan, self.plan.layouts[LLM]
-        encoder_dp = {e: plan.layouts[e].dp for e in plan.encoders}
         n = plan.n_microbatches
         while True:
-            assignment = cut_encoder_items(assign_iteration(costs, columns, llm.dp, encoder_dp, n, tokens=tokens,
-                                                            seed=step, feeds=self.feeds), plan, self.cost, shapes)
+            assignment = self._balanced(step, ids, shapes, costs, columns, tokens, n)
             if self._fits_any_order(shapes, assignment):
                 return assignment
             rank, peak = self._peak(shapes, assignment)
@@ -396,6 +396,39 @@ class IterationBuilder:
                     f"its heaviest sample ({int(tokens[heaviest])} LLM tokens) is left out; recompute more "
                     "activations or choose a plan with more memory to spare to keep such samples")
             n *= 2
+
+    def _balanced(self, step: int, ids: list[int], shapes: list[SampleShape], costs: np.ndarray,
+                  columns: list[str], tokens: np.ndarray, n: int) -> IterationAssignment:
+        """The balancer's assignment of the step's samples ``ids`` to ``n`` microbatches per LLM
+        replica, its encoders' items cut; the one `_decode_ahead` made for the same samples and count
+        taken as it is (the balancer is deterministic in them)."""
+        key = (step, n, tuple(ids))
+        if self._balanced_ahead is not None and self._balanced_ahead[0] == key:
+            return self._balanced_ahead[1]
+        encoder_dp = {e: self.plan.layouts[e].dp for e in self.plan.encoders}
+        return cut_encoder_items(assign_iteration(costs, columns, self.plan.layouts[LLM].dp, encoder_dp, n,
+                                                  tokens=tokens, seed=step, feeds=self.feeds),
+                                 self.plan, self.cost, shapes)
+
+    def _decode_ahead(self, step: int, bad: set[int]) -> None:
+        """With decoding workers, start decoding the samples this rank will train at ``step`` as the
+        balancer assigns them now (without a sample found bad or over the device before then: a
+        guess; a wrong one only decodes a sample the rank does not train yet); the assignment is
+        kept for that step's own preparation (`_balanced`)."""
+        plan, n = self.plan, self.plan.n_microbatches
+        if not self.decoder.has_workers or self.assignment != "balanced":
+            return
+        ids = [i for i in self.order.batch(step) if i not in bad]
+        if len(ids) < plan.layouts[LLM].dp * n:
+            return
+        shapes = [self.shapes[i] for i in ids]
+        try:
+            costs, columns, tokens = self._balancer_costs(ids, shapes)
+            assignment = self._balanced(step, ids, shapes, costs, columns, tokens, n)
+        except HarmoniaError:  # raised again by that step's own preparation, where it belongs
+            return
+        self._balanced_ahead = ((step, n, tuple(ids)), assignment)
+        self.decoder.prefetch([ids[p] for p in rank_positions(plan.layouts, self.rank, assignment, shapes, self.spec)])
 
     def _fits_any_order(self, shapes: list[SampleShape], assignment: IterationAssignment) -> bool:
         """Whether every rank fits the device under any order of the step's actions (`activation_bound`

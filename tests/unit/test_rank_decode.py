@@ -29,6 +29,7 @@ from harmonia.schedule.layout import Layout
 from harmonia.schedule.plan import Plan
 from harmonia.train.iteration import DataOrder, IterationBuilder
 from harmonia.train.rank import schedule_graph
+from harmonia.train.rank_data import rank_positions
 from harmonia.workload.cost import CostModel
 from harmonia.workload.devices import cluster_from_string
 from tests.unit._hf_tokenizer import write_chat_tokenizer
@@ -248,7 +249,8 @@ def test_kept_samples_are_not_decoded_again_and_the_cache_holds_its_byte_limit(d
 
 def test_a_job_trains_the_same_with_its_decoded_samples_kept(tmp_path):
     """Two epochs on one process: the second takes every sample from the cache; the losses are equal
-    bit for bit to a job that decodes every time (nothing on the training path writes into a sample)."""
+    bit for bit to a job that decodes every time (nothing on the training path writes into a sample),
+    and to one whose worker decodes each step's samples a step ahead."""
     import os
     import subprocess
     import sys
@@ -256,15 +258,42 @@ def test_a_job_trains_the_same_with_its_decoded_samples_kept(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     losses = {}
-    for cache in (0, 64):
-        run = tmp_path / f"cache-{cache}"
+    for cache, workers in ((0, 0), (64, 0), (64, 1)):  # workers: each step's samples decoded a step ahead
+        run = tmp_path / f"cache-{cache}-workers-{workers}"
         flags = ["--model.preset=tiny-vlm", "--parallel.world_size=1", "--train.epochs=2", "--train.global_batch=8",
                  "--data.synthesize=24", "--data.heldout=0", f"--data.path={tmp_path / 'data'}",
-                 f"--data.cache_mb={cache}", f"--log.dir={run / 'log'}", f"--checkpoint.dir={run / 'ck'}",
+                 f"--data.cache_mb={cache}", f"--data.num_workers={workers}", f"--log.dir={run / 'log'}",
+                 f"--checkpoint.dir={run / 'ck'}",
                  "--log.tensorboard=false"]
         done = subprocess.run([sys.executable, "-m", "harmonia", "train", *flags], capture_output=True, text=True,
                               timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         records = [json.loads(line) for line in (run / "log" / "metrics.jsonl").read_text().splitlines()]
-        losses[cache] = [r["loss"] for r in records if "loss" in r]
-    assert len(losses[0]) == 6 and losses[0] == losses[64]
+        losses[cache, workers] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses[0, 0]) == 6 and losses[0, 0] == losses[64, 0] == losses[64, 1]
+
+
+def test_workers_decode_the_next_steps_samples_while_the_rank_trains(data):
+    """With workers, preparing a step starts decoding the next one's samples of this rank (as the
+    balancer assigns them); the next step takes them without decoding and trains what a rank without
+    workers trains."""
+    root, tok = data
+    plan = PLANS["disjoint-pp"]
+    ds = _open(root, tok)
+    with SampleDecoder(_open(root, tok), num_workers=2) as workers:
+        builder = _builder(workers.dataset, plan, 0, decoder=workers)
+        first = builder.build(0)
+        ahead = set(workers._ahead)
+        waited = []
+        decode = workers._decode
+        workers._decode = lambda indices: waited.extend(indices) or decode(indices)
+        second = builder.build(1)
+    plain = _builder(ds, plan, 0)
+    plain.build(0)
+    reference = plain.build(1)
+    shapes = [plain.shapes[i] for i in reference.sample_ids]
+    mine = set(rank_positions(plan.layouts, 0, reference.assignment, shapes, SPEC))
+    assert ahead and ahead == {reference.sample_ids[p] for p in mine} and waited == []
+    assert_identical(second.assignment, reference.assignment, "assignment")
+    assert_identical(second.batch, reference.batch, "batch from the workers' decoding ahead")
+    assert_identical(first.batch, plain.build(0).batch, "the first step's batch")
