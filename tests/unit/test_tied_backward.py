@@ -63,10 +63,10 @@ def test_the_planner_prices_the_graph_the_runtime_runs() -> None:
 
 
 def test_the_executor_refuses_to_split_a_tied_chunk_holding_both_uses() -> None:
-    from harmonia.runtime.mllm_executor import _check_splittable
+    from harmonia.runtime.mllm_iteration import check_splittable
 
     spec = _tied().llm
     whole = DecoderLM(spec, (0, spec.body.n_layers))
     with pytest.raises(ScheduleError, match="cannot be split into B and W; build the stage graph with fused_backward"):
-        _check_splittable(whole, Action(LLM, 0, Kind.B, 0))
-    _check_splittable(DecoderLM(spec, (0, 1)), Action(LLM, 0, Kind.B, 0))  # the first stage of two: fine
+        check_splittable(whole, Action(LLM, 0, Kind.B, 0))
+    check_splittable(DecoderLM(spec, (0, 1)), Action(LLM, 0, Kind.B, 0))  # the first stage of two: fine
