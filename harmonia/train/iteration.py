@@ -398,17 +398,21 @@ class IterationBuilder:
             n *= 2
 
     def _balanced(self, step: int, ids: list[int], shapes: list[SampleShape], costs: np.ndarray,
-                  columns: list[str], tokens: np.ndarray, n: int) -> IterationAssignment:
+                  columns: list[str], tokens: np.ndarray, n: int, keep: bool = False) -> IterationAssignment:
         """The balancer's assignment of the step's samples ``ids`` to ``n`` microbatches per LLM
-        replica, its encoders' items cut; the one `_decode_ahead` made for the same samples and count
-        taken as it is (the balancer is deterministic in them)."""
-        key = (step, n, tuple(ids))
-        if self._balanced_ahead is not None and self._balanced_ahead[0] == key:
-            return self._balanced_ahead[1]
+        replica, its encoders' items cut; the one kept (``keep``: `_decode_ahead`'s) for the same
+        samples and count taken as it is (the balancer is deterministic in them)."""
+        if self._balanced_ahead is not None:
+            kept_key, kept = self._balanced_ahead
+            if kept_key == (step, n, tuple(ids)):
+                return kept
         encoder_dp = {e: self.plan.layouts[e].dp for e in self.plan.encoders}
-        return cut_encoder_items(assign_iteration(costs, columns, self.plan.layouts[LLM].dp, encoder_dp, n,
-                                                  tokens=tokens, seed=step, feeds=self.feeds),
-                                 self.plan, self.cost, shapes)
+        assignment = cut_encoder_items(assign_iteration(costs, columns, self.plan.layouts[LLM].dp, encoder_dp, n,
+                                                        tokens=tokens, seed=step, feeds=self.feeds),
+                                       self.plan, self.cost, shapes)
+        if keep:
+            self._balanced_ahead = ((step, n, tuple(ids)), assignment)
+        return assignment
 
     def _decode_ahead(self, step: int, bad: set[int]) -> None:
         """With decoding workers, start decoding the samples this rank will train at ``step`` as the
@@ -424,10 +428,9 @@ class IterationBuilder:
         shapes = [self.shapes[i] for i in ids]
         try:
             costs, columns, tokens = self._balancer_costs(ids, shapes)
-            assignment = self._balanced(step, ids, shapes, costs, columns, tokens, n)
+            assignment = self._balanced(step, ids, shapes, costs, columns, tokens, n, keep=True)
         except HarmoniaError:  # raised again by that step's own preparation, where it belongs
             return
-        self._balanced_ahead = ((step, n, tuple(ids)), assignment)
         self.decoder.prefetch([ids[p] for p in rank_positions(plan.layouts, self.rank, assignment, shapes, self.spec)])
 
     def _fits_any_order(self, shapes: list[SampleShape], assignment: IterationAssignment) -> bool:
