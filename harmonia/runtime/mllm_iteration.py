@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,19 +22,17 @@ from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
 
-if TYPE_CHECKING:
-    from harmonia.runtime.mllm_executor import MLLMExecutor
-
 Key = tuple[str, int, int, int]  # (module, chunk, microbatch, sub)
 
 
 class MLLMIteration:
     """Tensors in flight during one iteration on one rank, keyed by (module, chunk, microbatch, sub)."""
 
-    def __init__(self, ex: MLLMExecutor, schedule: IterationSchedule, batch: RankBatch,
+    def __init__(self, ex, schedule: IterationSchedule, batch: RankBatch,
                  reducing: frozenset[Action] = frozenset()) -> None:
-        """``reducing``: the backwards that reduce-scatter their chunk's gradients
-        (`harmonia.runtime.mllm_executor`'s ``_reducing_backwards``)."""
+        """``ex``: the `harmonia.runtime.mllm_executor.MLLMExecutor` running it (not imported here: it
+        imports this module); ``reducing``: the backwards that reduce-scatter their chunk's gradients
+        (its ``_reducing_backwards``)."""
         self.ex, self.schedule, self.batch, self.reducing = ex, schedule, batch, reducing
         self.graph: StageGraph = schedule.graph
         self.normalizer = max(batch.n_targets, 1.0)
