@@ -397,9 +397,8 @@ def _run_leader(lp: LeaderPlan, rank: int, x: torch.Tensor | None, groups: dict)
 
 
 def _run_link(plan, rank: int, x: torch.Tensor | None, group) -> torch.Tensor:
-    """One forward transfer through the executor's `BoundaryLink` (post, send, take, wait)."""
-    link = BoundaryLink([plan], rank, group, HIDDEN, backward=False)
-    link.post_receives()
+    """One forward transfer through the executor's `BoundaryLink` (send, take, finish)."""
+    link = BoundaryLink.lone([plan], rank, group, HIDDEN, backward=False)
     if x is not None:
         link.send(0, x)
     out = link.take(0)

@@ -16,6 +16,7 @@ from torch import nn
 
 from harmonia.errors import ConfigError
 from harmonia.model.layers import build_blocks, build_norm, init_weights, layer_range
+from harmonia.model.batch import MediaInputs
 from harmonia.model.spec import EncoderSpec
 
 
@@ -67,6 +68,12 @@ class AudioEncoder(nn.Module):
         init_weights(self)
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed, std=0.02)
+
+    def hidden_shape(self, media: MediaInputs, block: int) -> tuple[int, int, int]:
+        """``(N, T, h)``: what crosses between stages (before any block) for a (sub-)microbatch's ``N``
+        mel chunks of ``F`` frames, ``T = ceil(F / conv_stride)`` (the strided conv's output, padding
+        1, kernel 3); from its shape alone (a later stage's media hold no mel rows)."""
+        return media.groups.numel(), -(-media.inputs.shape[-1] // self.spec.conv_stride), self.spec.body.hidden
 
     def embed(self, mel: torch.Tensor) -> torch.Tensor:
         """``(N, n_mels, F)`` log-mel chunks -> ``(N, ceil(F / conv_stride), h)`` tokens."""

@@ -49,6 +49,7 @@ from torch import nn
 
 from harmonia.errors import SampleError
 from harmonia.model.attention import PackedAttention
+from harmonia.model.batch import MediaInputs
 from harmonia.model.layers import build_blocks, init_weights, layer_range, rope_inv_freq
 from harmonia.model.projector import Projector
 from harmonia.model.qwen_spec import QwenVisionSpec, merger_spec
@@ -251,6 +252,13 @@ class QwenVisionEncoder(nn.Module):
         self.layers = build_blocks(body, self.indices)
         self._item_plans = PatchCache(PLAN_CACHE_PATCHES)  # (item's grid, device) -> ItemPlan
         init_weights(self)
+
+    def hidden_shape(self, media: MediaInputs, block: int) -> tuple[int, int]:
+        """``(N, h (1 + k))``: what crosses between stages before global block ``block`` for the
+        ``N`` patches of a (sub-)microbatch's item grids (the hidden state and the ``k`` deepstack
+        outputs tapped before it); from the grids alone (a later stage's media hold no pixels)."""
+        n = int(media.grid.prod(-1).sum())
+        return n, self.spec.body.hidden * (1 + len(self.spec.carried_taps(block)))
 
     def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Pixels ``(N, C * tp * p * p)`` on the first stage, ``(N, h)`` otherwise; ``grid_thw``

@@ -21,6 +21,7 @@ from torch import nn
 
 from harmonia.errors import ConfigError
 from harmonia.model.layers import build_blocks, build_norm, init_weights, layer_range
+from harmonia.model.batch import MediaInputs
 from harmonia.model.spec import EncoderSpec
 
 
@@ -91,6 +92,14 @@ class VisionEncoder(nn.Module):
         for p in (self.cls_token, self.pos_embed):
             if p is not None:
                 nn.init.normal_(p, std=0.02)
+
+    def hidden_shape(self, media: MediaInputs, block: int) -> tuple[int, int, int]:
+        """``(N, P', h (1 + m))``: what crosses between stages before global block ``block`` for a
+        (sub-)microbatch's ``N`` tiles (the hidden state and the ``m`` selected outputs before it);
+        from its shape alone (a later stage's media hold no pixels)."""
+        carried = sum(1 for k in self.spec.feature_layers if k < block)
+        n_pos = self.spec.patches_per_tile() + int(self.spec.cls_token)
+        return media.groups.numel(), n_pos, self.spec.body.hidden * (1 + carried)
 
     def embed(self, pixels: torch.Tensor) -> torch.Tensor:
         """``(N, C, H, W)`` tiles of ``image_size`` pixels -> ``(N, P (+1), h)`` tokens."""

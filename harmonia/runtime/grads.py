@@ -100,10 +100,11 @@ class TiedGradSync:
         grads = [local_grad(p) for p in self.weights]
         total = grads[0] + grads[1] if len(grads) == 2 else grads[0].clone()
         if self.peer is not None:
-            other = torch.empty_like(total)
-            send = dist.isend(total.contiguous(), self.peer, group=self.group)
-            dist.recv(other, self.peer, group=self.group)
-            send.wait()
+            other = torch.empty_like(total)  # both ends send and receive: one batch, so neither waits first
+            ops = [dist.P2POp(dist.isend, total.contiguous(), self.peer, self.group),
+                   dist.P2POp(dist.irecv, other, self.peer, self.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
             total = total + other  # the same sum on both ranks (addition commutes exactly)
         for g in grads:
             g.copy_(total)

@@ -22,9 +22,11 @@ of it, `harmonia.schedule.rank_actions.plan_rank_actions`: the compute of its st
 schedule's timeline order, and every send, receive, boundary transfer and gradient reduction in its
 place. The executor derives nothing: it interprets the list, the same list the simulator times
 (each iteration's tensors in flight and actions: `harmonia.runtime.mllm_iteration`).
-Communication is asynchronous: every receive is posted when the iteration starts, stage messages
-travel through `P2P` (one per module, on its group), boundary rows through `BoundaryLink` (one
-plan per microbatch and encoder); a receive action waits for its data, a send never blocks. After
+Communication is asynchronous and in one order both ends of every pair derive from the action lists
+(`harmonia.runtime.message_program`, `harmonia.schedule.message_order`: NCCL matches messages by
+order, not by tag): the iteration's `Messenger` posts each receive where that order puts it and
+issues each send at once; stage messages travel on their module's group, boundary rows through
+`BoundaryLink` (one plan per microbatch and encoder); a receive action waits for its data. After
 the actions: the reductions finish, one global-norm clip over all modules, one optimizer step per
 module.
 
@@ -51,7 +53,6 @@ from harmonia.runtime.grads import reduce_loss_and_clip, squared_norm_share, sta
 from harmonia.runtime.meshes import ModuleMeshes
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.runtime.mllm_iteration import MLLMIteration
-from harmonia.runtime.p2p import P2P
 from harmonia.runtime.runner import ModuleRunner
 from harmonia.schedule.actions import Action, Kind
 from harmonia.schedule.graph import LLM, IterationSchedule
@@ -138,8 +139,7 @@ class MLLMExecutor:
                 raise LayoutError(f"encoder {name!r}: fsdp reshard is for the LLM only (an encoder replica "
                                   "with no items skips units its peers gather weights for); use fsdp without reshard")
             device = next(p for m in mods.values() for p in m.parameters()).device
-            self.runners[name] = ModuleRunner(mesh, dict(sorted(mods.items())), projectors.get(name),
-                                              P2P(group=mesh.group, dtype=dtype, device=device))
+            self.runners[name] = ModuleRunner(mesh, dict(sorted(mods.items())), projectors.get(name))
         missing = [m for m in meshes.modules() if m not in self.runners]
         if missing:
             raise LayoutError(f"rank {self.rank} runs {missing} in the plan but got no chunks for them")
@@ -233,8 +233,8 @@ class MLLMExecutor:
                 beside_reduction()
         finally:  # its error raised once nothing is in flight
             for r in self.runners.values():
-                r.p2p.wait_sends()
                 r.finish_reduction()
+            run.messenger.finish()
         for link in run.links.values():
             link.finish()
         for r in self.runners.values():

@@ -18,6 +18,8 @@ from harmonia.model.mllm import project_items, run_encoder
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.grads import reduce_in_last_backward
+from harmonia.runtime.message_program import plan_iteration_messages, stage_key
+from harmonia.runtime.messenger import Messenger
 from harmonia.runtime.mllm_inputs import RankBatch
 from harmonia.schedule.actions import Action, Kind, StageRef
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
@@ -50,6 +52,8 @@ class MLLMIteration:
         self.pending_g: dict[Key, torch.Tensor | None] = {}
         self.masks: dict[int, tuple[torch.Tensor, PackedAttention, CPShard | None]] = {}
         self.links: dict[str, BoundaryLink] = {}
+        order = plan_iteration_messages(ex.meshes.layouts, schedule, batch.plans, ex.rank)
+        self.messenger = Messenger(order, ex.rank)
         for e in self.graph.encoders:
             plans = batch.plans.get(e, [])
             if len(plans) != schedule.n_microbatches:
@@ -60,24 +64,20 @@ class MLLMIteration:
                     (LLM in ex.runners and 0 in ex.runners[LLM].chunks):
                 back = self.graph.needs_backward(StageRef(e, self.graph.module(e).n_stages - 1))
                 self.links[e] = BoundaryLink(plans, ex.rank, ex.meshes.boundary_group(e), ex.row_width(e),
-                                             back, ex.dtype, ex.device)
+                                             back, self.messenger, e, ex.dtype, ex.device)
 
 
     # -- driving the actions ------------------------------------------------------------------------
     def execute(self, actions: list[Action]) -> None:
-        """Run this rank's action list, in order (every receive posted first, so data flows early)."""
-        for link in self.links.values():
-            link.post_receives()
-        for a in actions:
-            if a.kind.is_recv and a.peer is None and not self._empty(a):
-                self.ex.runners[a.module].p2p.expect(a, self._message_shape(a.module, a.microbatch))
+        """Run this rank's action list, in order; each receive is posted where the iteration's message
+        order puts it (`harmonia.runtime.messenger`), so data flows early and both ends agree."""
+        self._expect_stage_messages(actions)
         handlers = {Kind.F: self.forward, Kind.B: self.backward_input, Kind.W: self.backward_weight,
                     Kind.BW: self.backward, Kind.SEND_F: self.send, Kind.SEND_B: self.send,
                     Kind.RECV_F: self.receive, Kind.RECV_B: self.receive, Kind.REDUCE: self.reduce}
         self.ex.executed = []
         for a in actions:
-            for r in self.ex.runners.values():
-                r.p2p.poll()
+            self.messenger.post_ready()
             self.ex.executed.append(a)
             if self.ex.action_times is None or not a.kind.is_compute:
                 handlers[a.kind](a)
@@ -122,16 +122,34 @@ class MLLMIteration:
         else:
             self.outbox[("F" if forward else "B", (name, c, m, s))] = t
 
-    def _message_shape(self, name: str, m: int) -> tuple[int, int, int] | None:
-        """The ``(1, t, hidden)`` of the LLM's stage messages of microbatch ``m`` (activations and their
-        gradients): both ends know this rank's token count, so no shape header travels. None for
-        encoders, whose message shapes follow their media."""
-        if name != LLM:
-            return None
-        mesh = self.ex.runners[LLM].mesh
-        if mesh.layout.cp == 1:
-            return 1, self.batch.llm[m].input_ids.shape[-1], self.ex.hidden
-        return 1, int((self.batch.llm_cp[m] == mesh.coords["cp"]).sum()), self.ex.hidden
+    def _expect_stage_messages(self, actions: list[Action]) -> None:
+        """Tell the messenger how each stage message this rank receives lands, and which messages
+        neither end issues (units without data on this replica)."""
+        for a in actions:
+            if a.peer is not None or not (a.kind.is_send or a.kind.is_recv):
+                continue
+            key = stage_key(a, self.ex.rank)
+            if self._empty(a):
+                self.messenger.skip(key)
+            elif a.kind.is_recv:
+                shape, dtype, device = self._message_shape(a), self.ex.dtype, self.ex.device
+                self.messenger.expect(key, self.ex.runners[a.module].mesh.group,
+                                      lambda shape=shape: torch.empty(shape, dtype=dtype, device=device))
+
+    def _message_shape(self, a: Action) -> tuple[int, ...]:
+        """The shape of a stage message this rank receives, from the iteration's data (no header): the
+        LLM's ``(1, t, hidden)`` from this rank's token count of the microbatch (activations and their
+        gradients alike); an encoder's hidden state between its stages from the sub-microbatch's media
+        (the same on both ends: they are one replica)."""
+        name, c, m, _ = self._key(a)
+        if name == LLM:
+            mesh = self.ex.runners[LLM].mesh
+            if mesh.layout.cp == 1:
+                return 1, self.batch.llm[m].input_ids.shape[-1], self.ex.hidden
+            return 1, int((self.batch.llm_cp[m] == mesh.coords["cp"]).sum()), self.ex.hidden
+        chunk = self.ex.runners[name].chunks[c]
+        block = chunk.indices.start if a.kind is Kind.RECV_F else chunk.indices.stop
+        return tuple(chunk.hidden_shape(self._media(a), block))
 
     # -- communication ------------------------------------------------------------------------------
     def send(self, a: Action) -> None:
@@ -140,7 +158,8 @@ class MLLMIteration:
         if a.peer is None:
             if not self._empty(a):
                 t = self.outbox.pop(("F" if a.kind is Kind.SEND_F else "B", (name, c, m, s)))
-                self.ex.runners[name].p2p.send(a, t, announce=self._message_shape(name, m) is None)
+                self.messenger.send(stage_key(a, self.ex.rank), t.detach().to(self.ex.dtype),
+                                    self.ex.runners[name].mesh.group)
         elif a.kind is Kind.SEND_F:  # the encoder's rows of the microbatch, every sub-microbatch's
             parts = self.enc_rows.pop((name, m))
             self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
@@ -157,7 +176,7 @@ class MLLMIteration:
         name, c, m, s = self._key(a)
         if a.peer is None:
             if not self._empty(a):
-                self.inbox[(name, c, m, s)] = self.ex.runners[name].p2p.take(a)
+                self.inbox[(name, c, m, s)] = self.messenger.recv(stage_key(a, self.ex.rank))
         elif a.kind is Kind.RECV_F:  # (dst_rows, D) rows of encoder a.peer, in media.index order
             self.rows_in[(a.peer.module, m)] = self.links[a.peer.module].take(m)
         else:  # (src_rows, D) gradients of this encoder's rows, cut back into its sub-microbatches

@@ -1,4 +1,4 @@
-"""One module's stage chunks on one rank: their communication and their gradient reduction."""
+"""One module's stage chunks on one rank and their gradient reduction."""
 
 from __future__ import annotations
 
@@ -9,25 +9,23 @@ from torch import nn
 
 from harmonia.runtime.grads import DPGradSync, finish_fsdp_backward, plan_tied_sync, wait_fsdp_gathers
 from harmonia.runtime.meshes import ModuleMesh
-from harmonia.runtime.p2p import P2P
 from harmonia.schedule.graph import LLM
 
 
 @dataclass
 class ModuleRunner:
-    """One module's stage chunks on this rank, with their communication and gradient reduction.
+    """One module's stage chunks on this rank, with their gradient reduction (its stage messages go
+    through the iteration's `harmonia.runtime.messenger.Messenger`, on ``mesh.group``).
 
     Attributes:
         mesh: the module's mesh on this rank.
         chunks: chunk index -> stage module.
         projector: the encoder's projector (on the rank holding the encoder's last chunk), else None.
-        p2p: stage-to-stage messages on the module's own group.
     """
 
     mesh: ModuleMesh
     chunks: dict[int, nn.Module]
     projector: nn.Module | None
-    p2p: P2P
 
     def __post_init__(self) -> None:
         layout = self.mesh.layout

@@ -22,12 +22,17 @@ import pickle
 import queue
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from harmonia.runtime.comm_record import ENV as RECORD_ENV
+from harmonia.runtime.comm_record import install_recorder, uninstall_recorder, write_record
+from harmonia.sim.nccl_replay import replay_dir
 
 PRELOAD = ["harmonia.train.gc_paused", "torch", "torch.distributed", "harmonia.runtime.mllm_executor",
            "harmonia.train.rank", "harmonia.train.worker", "harmonia.train.frozen_imports"]
@@ -78,26 +83,52 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, results,
     os.environ.update(environ)
 
     torch.set_num_threads(1)  # N processes share the machine's cores
+    record = os.environ.get(RECORD_ENV)
+    recorder = install_recorder() if record else None
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         value = fn(rank, world, *args)
+        if recorder is not None:
+            write_record(os.path.join(record, f"rank{rank}.jsonl"), recorder)
         # Plain pickle copies tensors into bytes: torch's shared-memory handles would die with this process.
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 -- report everything, timeouts included, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
+        if recorder is not None:
+            uninstall_recorder()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 300.0,
-                pg_timeout: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and return each rank's value."""
+                pg_timeout: float = 60.0, replay: bool = True) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes and return each rank's value.
+
+    With ``replay`` (and more than one rank), every rank records the point-to-point operations and
+    collectives it issues (`harmonia.runtime.comm_record`), and once all have finished the records
+    are replayed under NCCL's rules (`harmonia.sim.nccl_replay`: tags ignored, one in-order stream per
+    pair and, stricter, per communicator); a deadlock, a size or dtype mismatch or collectives in
+    different orders fail the caller."""
+    with contextlib.ExitStack() as stack:
+        record = stack.enter_context(tempfile.TemporaryDirectory(prefix="comms-")) if replay and world > 1 else None
+        values = _run(fn, world, args, timeout, pg_timeout, record)
+        if record is not None:
+            for streams in ("pair", "group"):
+                replay_dir(record, streams=streams)
+    return values
+
+
+def _run(fn: Callable[..., Any], world: int, args: tuple, timeout: float, pg_timeout: float,
+         record: str | None) -> list[Any]:
     ctx = mp.get_context(preloaded_forkserver())
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
+    environ.pop(RECORD_ENV, None)
+    if record is not None:
+        environ[RECORD_ENV] = record
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, results, pg_timeout, environ), daemon=True)
              for r in range(world)]
     for p in procs:

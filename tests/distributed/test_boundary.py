@@ -138,8 +138,7 @@ def _run_case(rank: int, case: Case, seed: int, meshes) -> None:
         full = torch.cat([torch.tanh(inputs[s] @ w) for s in replica] or [torch.zeros(0, D_IN) @ w])
         position = {g: i for i, g in enumerate(r for s in replica for r in range(starts[s], starts[s] + rows[s]))}
         x = full[[position[g] for g in src_ref[rank]]]  # (src_rows, D)
-    link = BoundaryLink([plan], rank, meshes.boundary_group("enc"), D, backward=True)
-    link.post_receives()
+    link = BoundaryLink.lone([plan], rank, meshes.boundary_group("enc"), D, backward=True)
     if x is not None:
         link.send(0, x)
     if rank in dst_ref:
