@@ -338,3 +338,20 @@ def maybe_record_from_env() -> CommRecorder | None:
         recorder._writes_at_exit = True
         atexit.register(_write_at_exit, recorder, Path(directory))
     return recorder
+
+
+@contextlib.contextmanager
+def recording_from_env(rank: int) -> Iterator[CommRecorder | None]:
+    """Record this rank's communication where ``HARMONIA_COMM_RECORD`` names a directory, and write
+    ``<dir>/rank<rank>.jsonl`` when the block ends without an error (a failed attempt's partial record
+    would not replay); the recorder, or None when the variable is unset."""
+    directory = os.environ.get(ENV)
+    if not directory:
+        yield None
+        return
+    recorder = install_recorder()
+    try:
+        yield recorder
+        write_record(Path(directory) / f"rank{rank}.jsonl", recorder)
+    finally:
+        uninstall_recorder()

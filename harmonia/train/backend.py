@@ -32,6 +32,18 @@ def process_group_backend(backend: str) -> str:
     return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
+def process_group_device(backend: str):
+    """The device `torch.distributed.init_process_group` binds the process group to (``device_id``):
+    on GPUs this rank's ``cuda:LOCAL_RANK``, so NCCL creates each group's communicator when the group
+    is made (every rank makes them in one order, from the plan) instead of at its first collective,
+    where a rank busy elsewhere would keep the others waiting; None on CPUs (gloo binds nothing)."""
+    import torch
+
+    if backend != "nccl":
+        return None
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def job_cluster(config: Config) -> ClusterSpec:
     """The cluster the job's simulated steps run on: ``parallel.cluster``; for a CPU job (gloo on CPU
     devices) whose ranks outnumber the cores this machine gives the process, and that names no

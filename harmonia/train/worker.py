@@ -21,7 +21,7 @@ from harmonia.config import Config
 from harmonia.errors import HarmoniaError
 from harmonia.schedule.plan import Plan
 from harmonia.runtime.watchdog import StopSignals
-from harmonia.train.backend import backend_of, cpu_threads, hang_timeout, process_group_backend
+from harmonia.train.backend import backend_of, cpu_threads, hang_timeout, process_group_backend, process_group_device
 from harmonia.train.loop import Trainer
 
 
@@ -92,6 +92,15 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
     Raises:
         StopRequested: a stop signal ended the job at a step boundary.
     """
+    from harmonia.runtime.comm_record import recording_from_env
+
+    with recording_from_env(int(os.environ["RANK"])):  # HARMONIA_COMM_RECORD: what the suite replays
+        return _train_rank(config, plan_json, prepare, launched_at)
+
+
+def _train_rank(config: Config, plan_json: str | None, prepare: Callable | None,
+                launched_at: float | None) -> dict | None:
+    """`train_worker` inside its communication record (if any)."""
     from harmonia.train.report import ProgressReporter, phase_line
 
     entered = time.time()
@@ -105,7 +114,11 @@ def train_worker(config: Config, plan_json: str | None, prepare: Callable | None
         logging.getLogger(__name__).warning(oversubscribed)
     timeout = datetime.timedelta(seconds=config.parallel.collective_timeout_s)
     store, attempt = _attempt_store(rank, world, timeout)
-    dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world, timeout=timeout)
+    device = process_group_device(backend)
+    if device is not None:
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(backend), store=store, rank=rank, world_size=world, timeout=timeout,
+                            device_id=device)
     phases = {"process start": entered - launched_at} if launched_at is not None else {}
     phases["process group"] = time.time() - entered
     checked = None

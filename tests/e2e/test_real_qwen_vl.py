@@ -19,6 +19,7 @@ from harmonia.config import load_config
 from harmonia.data.synth import write_synthetic_dataset
 from harmonia.train import run_training
 from harmonia.train.tiny_qwen_vl import IMAGE_PAD, write_tiny_qwen_vl
+from tests.e2e._replay import nccl_replayed
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,7 +37,9 @@ def job(tmp_path_factory):
         "--train.steps=10", "--train.global_batch=16", "--train.warmup=1", "--train.lr=5e-3",
         "--parallel.llm_pp=2", "--parallel.timeout_s=400", "--log.tensorboard=false",
         f"--log.dir={tmp / 'run'}", f"--checkpoint.dir={tmp / 'run' / 'ck'}"])
-    result = run_training(config, Console(file=io.StringIO(), width=200))
+    with nccl_replayed(tmp / "comms") as replays:  # a pipelined tower -> LLM job as NCCL would run it
+        result = run_training(config, Console(file=io.StringIO(), width=200))
+    assert replays[0].p2p_ops > 0
     from harmonia.train.export import export_checkpoint
 
     export_checkpoint(tmp / "run" / "ck", tmp / "export")

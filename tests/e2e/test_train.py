@@ -28,6 +28,7 @@ from harmonia.launch import LaunchError
 from harmonia.train import run_training
 from harmonia.train.job import prepare_data
 from harmonia.train.loop import FAULT_ENV
+from tests.e2e._replay import nccl_replayed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -55,7 +56,9 @@ def tmp(tmp_path_factory):
 
 def test_reduced_demo_faults_and_resume(tmp, monkeypatch) -> None:
     # reference: 4 steps uninterrupted, the demo's 4-process layout search
-    ref, printed = _run(_config(tmp, "ref"))
+    with nccl_replayed(tmp / "ref-comms") as replays:  # its messages as NCCL would run them
+        ref, printed = _run(_config(tmp, "ref"))
+    assert replays[0].p2p_ops > 0
     assert [r["step"] for r in ref.records] == [0, 1, 2, 3] and ref.start_step == 0
     assert ref.losses[-1] < ref.losses[0]
     llm = ref.plan.layouts["llm"]

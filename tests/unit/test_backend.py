@@ -39,3 +39,14 @@ def test_an_nccl_job_without_a_gpu_stops_before_any_process_starts(monkeypatch) 
                                 "--parallel.world_size=1"])
     with pytest.raises(ConfigError, match="parallel.backend=nccl but this machine has no CUDA device with NCCL"):
         check_cluster(config)
+
+
+def test_process_group_binds_this_ranks_gpu_under_nccl(monkeypatch) -> None:
+    """NCCL groups are bound to the rank's GPU (eager communicators); gloo binds none."""
+    import torch
+
+    from harmonia.train.backend import process_group_device
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert process_group_device("nccl") == torch.device("cuda", 3)
+    assert process_group_device("gloo") is None
