@@ -109,14 +109,13 @@ def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: f
     With ``replay`` (and more than one rank), every rank records the point-to-point operations and
     collectives it issues (`harmonia.runtime.comm_record`), and once all have finished the records
     are replayed under NCCL's rules (`harmonia.sim.nccl_replay`: tags ignored, one in-order stream per
-    pair and, stricter, per communicator); a deadlock, a size or dtype mismatch or collectives in
-    different orders fail the caller."""
+    pair of ranks, as PyTorch issues NCCL's unbatched sends and receives); a deadlock, a size or dtype
+    mismatch or collectives in different orders fail the caller."""
     with contextlib.ExitStack() as stack:
         record = stack.enter_context(tempfile.TemporaryDirectory(prefix="comms-")) if replay and world > 1 else None
         values = _run(fn, world, args, timeout, pg_timeout, record)
         if record is not None:
-            for streams in ("pair", "group"):
-                replay_dir(record, streams=streams)
+            replay_dir(record, streams="pair")
     return values
 
 
