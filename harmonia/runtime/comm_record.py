@@ -119,6 +119,10 @@ class CommRecorder:
     def _recording(self) -> bool:
         return getattr(self._local, "depth", 0) == 0
 
+    def group_name(self, group: Any) -> str:
+        """The process group's name (each group is its own communicator, whatever its ranks)."""
+        return str(getattr(group if group is not None else dist.group.WORLD, "group_name", ""))
+
     def group_ranks(self, group: Any) -> tuple[int, ...] | None:
         """The sorted global ranks of ``group`` (None: the default group), or None where this rank
         is not in it."""
@@ -189,7 +193,8 @@ class CommRecorder:
             pg = group if group is not None else dist.group.WORLD
             peer = dist.get_global_rank(pg, bound[group_peer_arg])
         tensor = bound["tensor"]
-        return P2POp(ranks, -1 if peer is None else int(peer), sends, tensor.numel(), _dtype(tensor))
+        return P2POp(ranks, -1 if peer is None else int(peer), sends, tensor.numel(), _dtype(tensor),
+                     self.group_name(group))
 
     def _batch(self, original: Callable) -> Callable:
         @functools.wraps(original)
@@ -213,8 +218,9 @@ class CommRecorder:
             ranks = self.group_ranks(p2p_op_list[0].group)
             if ranks is None:
                 return None
+            name = self.group_name(p2p_op_list[0].group)
             return tuple(P2POp(ranks, int(op.peer), getattr(op.op, "__name__", "") == "isend",
-                               op.tensor.numel(), _dtype(op.tensor)) for op in p2p_op_list)
+                               op.tensor.numel(), _dtype(op.tensor), name) for op in p2p_op_list)
         except (AttributeError, IndexError, TypeError):
             return None  # not a list of P2POp: the original raises the error
 
@@ -246,7 +252,7 @@ class CommRecorder:
         if isinstance(tensor, torch.Tensor):
             numel, dtype = tensor.numel(), _dtype(tensor)
         blocking = not bound.get("async_op", False)
-        self.add_collective(Collective(ranks, name, numel, dtype, blocking))
+        self.add_collective(Collective(ranks, name, numel, dtype, blocking, self.group_name(bound.get("group"))))
 
     # -- patching --
 

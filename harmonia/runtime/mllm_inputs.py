@@ -37,6 +37,7 @@ from harmonia.schedule.graph import LLM
 from harmonia.schedule.item_cuts import kept_parts
 from harmonia.schedule.submicrobatch import item_runs
 from harmonia.schedule.layout import Layout
+from harmonia.schedule.message_order import MessageOrder
 
 Split = Sequence[Sequence[int]]
 """Per DP replica, positions of its samples in the global microbatch (in packing order)."""
@@ -54,6 +55,9 @@ class RankBatch:
         n_targets: target tokens of the whole iteration (the loss normalizer).
         llm_cp: with LLM ``cp > 1``, per microbatch the ``(T,)`` CP rank of every token of this
             replica's packed sequence (empty when ``cp == 1``).
+        messages: this rank's message order of the iteration
+            (`harmonia.runtime.message_program.plan_iteration_messages`), where its preparation built
+            it a step ahead; None: the executor builds it when the step starts.
     """
 
     llm: list[PackedBatch] = field(default_factory=list)
@@ -61,6 +65,7 @@ class RankBatch:
     plans: dict[str, list[BoundaryPlan]] = field(default_factory=dict)
     n_targets: float = 0.0
     llm_cp: list[torch.Tensor] = field(default_factory=list)
+    messages: MessageOrder | None = None
 
 
 def encoder_items(sample: TokenizedSample, encoder: str) -> list[tuple[ItemInputs, int]]:

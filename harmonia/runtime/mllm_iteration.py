@@ -52,7 +52,7 @@ class MLLMIteration:
         self.pending_g: dict[Key, torch.Tensor | None] = {}
         self.masks: dict[int, tuple[torch.Tensor, PackedAttention, CPShard | None]] = {}
         self.links: dict[str, BoundaryLink] = {}
-        order = plan_iteration_messages(ex.meshes.layouts, schedule, batch.plans, ex.rank)
+        order = batch.messages or plan_iteration_messages(ex.meshes.layouts, schedule, batch.plans, ex.rank)
         self.messenger = Messenger(order, ex.rank)
         for e in self.graph.encoders:
             plans = batch.plans.get(e, [])

@@ -56,6 +56,8 @@ class P2POp:
         send: True for a send, False for a receive.
         numel: elements of the buffer.
         dtype: the buffer's dtype, e.g. ``"bfloat16"``.
+        comm: the process group's name (two groups over the same ranks are two communicators);
+            "" where only the ranks identify it.
     """
 
     group: tuple[int, ...]
@@ -63,6 +65,7 @@ class P2POp:
     send: bool
     numel: int
     dtype: str
+    comm: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class Wait:
 class Collective:
     """One collective call on ``group`` (sorted global ranks).
 
-    ``blocking`` is False for ``async_op=True`` calls: those order nothing after them.
+    ``blocking`` is False for ``async_op=True`` calls: those order nothing after them. ``comm`` is
+    the process group's name, as `P2POp.comm`.
     """
 
     group: tuple[int, ...]
@@ -95,9 +99,16 @@ class Collective:
     numel: int
     dtype: str
     blocking: bool = True
+    comm: str = ""
 
 
 Event = Issue | Wait | Collective
+
+
+def _comm_text(comm: tuple[str, tuple[int, ...]]) -> str:
+    """``(name, ranks)`` as a message names it: the ranks, and the group's name where it has one."""
+    name, group = comm
+    return f"{group}" if not name else f"{group} (group {name!r})"
 
 
 # ---- JSON lines -------------------------------------------------------------------------------
@@ -106,12 +117,12 @@ Event = Issue | Wait | Collective
 def event_to_dict(event: Event) -> dict[str, Any]:
     """A JSON-friendly dict of ``event`` with a ``"kind"`` field."""
     if isinstance(event, Issue):
-        ops = [{"group": list(o.group), "peer": o.peer, "send": o.send, "numel": o.numel,
+        ops = [{"group": list(o.group), "comm": o.comm, "peer": o.peer, "send": o.send, "numel": o.numel,
                 "dtype": o.dtype} for o in event.ops]
         return {"kind": "issue", "batched": event.batched, "ops": ops}
     if isinstance(event, Wait):
         return {"kind": "wait", "op": event.op}
-    return {"kind": "collective", "group": list(event.group), "name": event.name,
+    return {"kind": "collective", "group": list(event.group), "comm": event.comm, "name": event.name,
             "numel": event.numel, "dtype": event.dtype, "blocking": event.blocking}
 
 
@@ -125,13 +136,13 @@ def event_from_dict(data: Mapping[str, Any]) -> Event:
         kind = data["kind"]
         if kind == "issue":
             ops = tuple(P2POp(tuple(o["group"]), int(o["peer"]), bool(o["send"]), int(o["numel"]),
-                              str(o["dtype"])) for o in data["ops"])
+                              str(o["dtype"]), str(o.get("comm", ""))) for o in data["ops"])
             return Issue(ops, bool(data["batched"]))
         if kind == "wait":
             return Wait(int(data["op"]))
         if kind == "collective":
             return Collective(tuple(data["group"]), str(data["name"]), int(data["numel"]),
-                              str(data["dtype"]), bool(data.get("blocking", True)))
+                              str(data["dtype"]), bool(data.get("blocking", True)), str(data.get("comm", "")))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"malformed comm event {dict(data)!r}: {e!r}") from e
     raise TraceError(f"comm event of unknown kind {kind!r}: expected issue, wait or collective")
@@ -248,7 +259,7 @@ class _Replay:
         self.gates: dict[int, list[int]] = {}
         self.sends: dict[tuple, list[int]] = {}
         self.recvs: dict[tuple, list[int]] = {}
-        self.calls: dict[tuple[int, ...], dict[int, list[int]]] = {}
+        self.calls: dict[tuple, dict[int, list[int]]] = {}  # (comm, group) -> rank -> its calls
         self.batches = self.batched_ops = 0
         for rank in sorted(events):
             self._parse_rank(rank, events[rank])
@@ -273,10 +284,11 @@ class _Replay:
         return unit
 
     def _p2p_stream(self, rank: int, op: P2POp) -> tuple:
-        return (rank, op.group, op.peer) if self.mode == "pair" else (rank, op.group)
+        comm = (op.comm, op.group)
+        return (rank, comm, op.peer) if self.mode == "pair" else (rank, comm)
 
-    def _call_stream(self, rank: int, group: tuple[int, ...]) -> tuple:
-        return (rank, group, "collectives") if self.mode == "pair" else (rank, group)
+    def _call_stream(self, rank: int, comm: tuple) -> tuple:
+        return (rank, comm, "collectives") if self.mode == "pair" else (rank, comm)
 
     def _parse_rank(self, rank: int, events: list[Event]) -> None:
         self.gates[rank] = []
@@ -310,7 +322,7 @@ class _Replay:
             self.batched_ops += len(issue.ops)
         unit = self._new_unit(rank, [self._p2p_stream(rank, op) for op in issue.ops])
         for op in issue.ops:
-            key = (op.group, rank, op.peer) if op.send else (op.group, op.peer, rank)
+            key = ((op.comm, op.group), rank, op.peer) if op.send else ((op.comm, op.group), op.peer, rank)
             pair = (self.sends if op.send else self.recvs).setdefault(key, [])
             node = len(self.nodes)
             self.nodes.append(_Node(rank, unit, len(pair), op=op, local_id=len(local)))
@@ -322,8 +334,9 @@ class _Replay:
         if rank not in call.group:
             raise ScheduleError(f"rank {rank} calls {call.name} on group {call.group}, which it is "
                                 "not in")
-        unit = self._new_unit(rank, [self._call_stream(rank, call.group)])
-        mine = self.calls.setdefault(call.group, {}).setdefault(rank, [])
+        comm = (call.comm, call.group)
+        unit = self._new_unit(rank, [self._call_stream(rank, comm)])
+        mine = self.calls.setdefault(comm, {}).setdefault(rank, [])
         node = len(self.nodes)
         self.nodes.append(_Node(rank, unit, len(mine), call=call))
         mine.append(node)
@@ -337,7 +350,8 @@ class _Replay:
         """Each node's partner (-1 for collectives), after checking counts, sizes and dtypes."""
         partner = [-1] * len(self.nodes)
         for key in sorted(set(self.sends) | set(self.recvs)):
-            group, src, dst = key
+            comm, src, dst = key
+            group = _comm_text(comm)
             sends, recvs = self.sends.get(key, []), self.recvs.get(key, [])
             for have, missing in ((dst, src), (src, dst)):
                 if missing not in self.recorded:
@@ -362,9 +376,11 @@ class _Replay:
 
     def check_collectives(self) -> None:
         """Every recorded member of a group calls the same collectives in the same order."""
-        for group in sorted(self.calls):
+        for comm in sorted(self.calls):
+            group = comm[1]
+            text = _comm_text(comm)
             seqs = {rank: [self._signature(n) for n in nodes]
-                    for rank, nodes in sorted(self.calls[group].items())}
+                    for rank, nodes in sorted(self.calls[comm].items())}
             for rank in self.recorded & set(group):
                 seqs.setdefault(rank, [])
             reference = seqs[min(seqs)]
@@ -377,7 +393,7 @@ class _Replay:
             shown = lines[:MAX_DEADLOCK_LINES] + (
                 [f"  ... and {len(lines) - MAX_DEADLOCK_LINES} more ranks"]
                 if len(lines) > MAX_DEADLOCK_LINES else [])
-            raise ScheduleError(f"collective mismatch on group {group} at call #{first}:\n"
+            raise ScheduleError(f"collective mismatch on group {text} at call #{first}:\n"
                                 + "\n".join(shown))
 
     def _signature(self, node: int) -> str:
@@ -440,9 +456,10 @@ class _Replay:
                 self._complete(node)
                 self._complete(other)
             return
-        key = (info.call.group, info.index)
+        comm = (info.call.comm, info.call.group)
+        key = (comm, info.index)
         self.call_active[key] += 1
-        members = self.calls[info.call.group]
+        members = self.calls[comm]
         if self.call_active[key] == len(members):
             for nodes in members.values():
                 self._complete(nodes[info.index])
@@ -476,10 +493,10 @@ class _Replay:
     def _describe(self, node: int) -> str:
         info = self.nodes[node]
         if info.op is None:
-            return f"{info.call.name} #{info.index} on group {info.call.group}"
+            return f"{info.call.name} #{info.index} on group {_comm_text((info.call.comm, info.call.group))}"
         op = info.op
         kind, where = ("send", "to") if op.send else ("recv", "from")
-        return (f"{kind} #{info.index} {where} rank {op.peer} (op {info.local_id}, group {op.group},"
+        return (f"{kind} #{info.index} {where} rank {op.peer} (op {info.local_id}, group {_comm_text((op.comm, op.group))},"
                 f" {op.numel} x {op.dtype})")
 
     def _unit_state(self, unit: int, depth: int = 0) -> str:
@@ -501,7 +518,7 @@ class _Replay:
     def _peer_state(self, node: int) -> str:
         info = self.nodes[node]
         if info.op is None:
-            group_nodes = self.calls[info.call.group]
+            group_nodes = self.calls[(info.call.comm, info.call.group)]
             late = [r for r, nodes in sorted(group_nodes.items()) if not self.active[nodes[info.index]]]
             return f"not yet reached by ranks {late}"
         other = self.partner[node]

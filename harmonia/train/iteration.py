@@ -45,6 +45,7 @@ from harmonia.data.samples import LoadedSample
 from harmonia.errors import ConfigError, HarmoniaError, SampleError
 from harmonia.model.spec import MLLMSpec
 from harmonia.plan.candidates import state_bytes_per_rank
+from harmonia.runtime.message_program import plan_iteration_messages
 from harmonia.runtime.mllm_inputs import RankBatch, build_rank_batch, cp_token_ranks
 from harmonia.schedule.families import build_schedule
 from harmonia.schedule.graph import LLM, IterationSchedule, StageGraph
@@ -311,6 +312,7 @@ class IterationBuilder:
                        for replica in split] for mb, split in zip(micro, assignment.llm_split)]
         batch = build_rank_batch(plan.layouts, self.rank, micro, assignment.llm_split, assignment.encoder_split,
                                  iw.n_sub, iw.sub_runs, llm_cp=llm_cp, encoder_cuts=assignment.encoder_cuts)
+        batch.messages = plan_iteration_messages(plan.layouts, schedule, batch.plans, self.rank)  # a step ahead
         peak = 0.0
         if self.predict_peaks:
             mine = [self.rank]

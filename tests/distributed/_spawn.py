@@ -108,14 +108,17 @@ def run_workers(fn: Callable[..., Any], world: int, args: tuple = (), timeout: f
 
     With ``replay`` (and more than one rank), every rank records the point-to-point operations and
     collectives it issues (`harmonia.runtime.comm_record`), and once all have finished the records
-    are replayed under NCCL's rules (`harmonia.sim.nccl_replay`: tags ignored, one in-order stream per
-    pair of ranks, as PyTorch issues NCCL's unbatched sends and receives); a deadlock, a size or dtype
-    mismatch or collectives in different orders fail the caller."""
+    are replayed under NCCL's rules (`harmonia.sim.nccl_replay`: tags ignored; one in-order stream per
+    pair of ranks, as PyTorch issues unbatched sends and receives on lazily created communicators, and
+    one per process group, collectives included, as it issues everything once communicators are
+    created eagerly); a deadlock, a size or dtype mismatch or collectives in different orders fail
+    the caller."""
     with contextlib.ExitStack() as stack:
         record = stack.enter_context(tempfile.TemporaryDirectory(prefix="comms-")) if replay and world > 1 else None
         values = _run(fn, world, args, timeout, pg_timeout, record)
         if record is not None:
-            replay_dir(record, streams="pair")
+            for streams in ("pair", "group"):
+                replay_dir(record, streams=streams)
     return values
 
 

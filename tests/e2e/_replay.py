@@ -2,8 +2,10 @@
 
 ``with nccl_replayed(directory): run_training(...)`` makes every rank of the job record the
 point-to-point operations and collectives it issues (``HARMONIA_COMM_RECORD``,
-`harmonia.runtime.comm_record`), then replays the records (`harmonia.sim.nccl_replay`, one stream
-per pair of ranks, as PyTorch issues NCCL's unbatched sends and receives): a deadlock, a size or dtype mismatch, or collectives in different orders
+`harmonia.runtime.comm_record`), then replays the records (`harmonia.sim.nccl_replay`: one stream per
+pair of ranks, as PyTorch issues unbatched sends and receives on lazily created communicators, and
+one per process group, collectives included, as it issues everything once communicators are created
+eagerly, `device_id`): a deadlock, a size or dtype mismatch, or collectives in different orders
 fail the test.
 """
 
@@ -34,4 +36,4 @@ def nccl_replayed(directory: Path) -> Iterator[list[ReplayReport]]:
         else:
             os.environ[ENV] = before
     assert any(directory.glob("rank*.jsonl")), f"no rank wrote its record into {directory}"
-    reports.append(replay_dir(directory, streams="pair"))
+    reports += [replay_dir(directory, streams=streams) for streams in ("pair", "group")]

@@ -32,10 +32,11 @@ def test_collectives_are_recorded_once_and_patches_undone(one_process_group, tmp
         path = write_record(tmp_path / "rank0.jsonl")
     assert {name: getattr(dist, name) for name in ORIGINALS} == ORIGINALS
     assert dist.distributed_c10d.isend is ORIGINALS["isend"]
-    assert rec.events == [Collective((0,), "all_reduce", 6, "bfloat16"),
-                          Collective((0,), "all_reduce", 2, "float32", blocking=False),
-                          Collective((0,), "barrier", 0, ""),
-                          Collective((0,), "all_gather_object", 0, "")]
+    world = dist.group.WORLD.group_name  # each event names its communicator
+    assert rec.events == [Collective((0,), "all_reduce", 6, "bfloat16", comm=world),
+                          Collective((0,), "all_reduce", 2, "float32", blocking=False, comm=world),
+                          Collective((0,), "barrier", 0, "", comm=world),
+                          Collective((0,), "all_gather_object", 0, "", comm=world)]
     assert read_record(path) == rec.events
     assert str(replay_dir(tmp_path)) == "1 ranks, 0 p2p ops (0 batched), 4 collectives: no deadlock, sizes match"
 
@@ -91,11 +92,12 @@ def test_two_ranks_record_a_batch_once_and_replay_clean(tmp_path: Path) -> None:
             if process.is_alive():
                 process.terminate()
     events = read_record_dir(tmp_path)
-    g = (0, 1)
-    assert events[0] == [Issue((P2POp(g, 1, True, 3, "float32"), P2POp(g, 1, False, 3, "float32")), True),
-                         Wait(0), Wait(1), Collective(g, "all_reduce", 3, "float32"),
-                         Issue((P2POp(g, 1, True, 2, "int64"),), False), Wait(2)]
-    assert events[1][-2:] == [Issue((P2POp(g, 0, False, 2, "int64"),), False), Wait(2)]
+    g, w = (0, 1), events[0][3].comm  # the default group's name
+    assert w
+    assert events[0] == [Issue((P2POp(g, 1, True, 3, "float32", w), P2POp(g, 1, False, 3, "float32", w)), True),
+                         Wait(0), Wait(1), Collective(g, "all_reduce", 3, "float32", comm=w),
+                         Issue((P2POp(g, 1, True, 2, "int64", w),), False), Wait(2)]
+    assert events[1][-2:] == [Issue((P2POp(g, 0, False, 2, "int64", w),), False), Wait(2)]
     report = replay_dir(tmp_path)
     assert (report.ranks, report.p2p_ops, report.batched_ops, report.batches, report.collectives) == (2, 6, 4, 2, 2)
 
