@@ -20,8 +20,25 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from harmonia.errors import ScheduleError
+from harmonia.errors import HarmoniaError, ScheduleError
 from harmonia.schedule.message_order import MessageOrder, Step
+
+
+class MessageWaitError(HarmoniaError):
+    """A rank's wait for a message ended without it (the process group timed out or the peer is gone)."""
+
+
+def describe_key(key: Hashable) -> str:
+    """A message key as a person reads it: ``llm.s1 -> llm.s2 F microbatch 3`` or ``vision rows of
+    microbatch 2 (backward, hop 0)``."""
+    if isinstance(key, tuple) and key and key[0] == "stage":
+        _, direction, module, src, dst, m, sub, *_ = key
+        at = f"{m}" if sub < 0 else f"{m}.{sub}"
+        return f"{module}.s{src} -> {module}.s{dst} {'activation' if direction == 'F' else 'gradient'} of microbatch {at}"
+    if isinstance(key, tuple) and key and key[0] == "boundary":
+        _, encoder, m, backward, hop, *_ = key
+        return f"{encoder} rows{' gradient' if backward else ''} of microbatch {m} (hop {hop})"
+    return str(key)
 
 
 @dataclass
@@ -107,9 +124,19 @@ class Messenger:
         if exp.work is None:
             raise ScheduleError(f"rank {self.rank}: message {key} was never posted; its plan has no post for it")
         self.waiting = step
-        exp.work.wait()
+        try:
+            exp.work.wait()
+        except RuntimeError as err:  # the process group's timeout, or a peer gone: say which message
+            raise MessageWaitError(f"rank {self.rank} gave up waiting to receive {describe_key(key)} from rank "
+                                   f"{step.peer} (message {self._next} of its {len(self.order.steps)} this step): "
+                                   f"{err}") from err
         self.waiting = None
         return exp.buffer
+
+    def waiting_on(self) -> str | None:
+        """What this rank waits for now, for a hang's report (None: it is not waiting on a message)."""
+        step = self.waiting
+        return None if step is None else f"receive {describe_key(step.key)} from rank {step.peer}"
 
     def finish(self) -> None:
         """Wait for every send; check the whole program ran."""

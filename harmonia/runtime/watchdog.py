@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from harmonia.errors import HarmoniaError
@@ -206,8 +207,17 @@ class HangDetector:
         if not self.warned_stall:
             self.warned_stall = True
             at = {r: s.value for r, s in self.steps.items()}
+            waits = "".join(f"\n  rank {r} waits to {w}" for r in range(self.world) if (w := self._wait_of(r)))
             log.warning("no rank finished a step for %.0f s although every rank is alive (finished steps by rank: "
-                        "%s); waiting; a collective gives up after parallel.collective_timeout_s", stalled, at)
+                        "%s); waiting; a collective gives up after parallel.collective_timeout_s%s", stalled, at, waits)
+
+    def _wait_of(self, rank: int) -> str:
+        """What ``rank`` last said it waits for (`Heartbeat.status`), or ""."""
+        key = _key(self.attempt, "wait", rank)
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else ""
+        except Exception:  # noqa: BLE001 -- a report without it
+            return ""
 
 
 def process_state(pid: int | None) -> str | None:
@@ -242,6 +252,10 @@ class Heartbeat:
         self._step = 0
         self._step_changed = time.monotonic()
         self._written, self._written_at = 0, -math.inf  # the step last put in the store, and when
+        self.status: Callable[[], str | None] | None = None
+        """What this rank waits for now (e.g. `MLLMExecutor.waiting_on`), published with each beat so a
+        stall's warning names every rank's wait."""
+        self._status_written: str | None = ""
         self._thread = threading.Thread(target=self._run, name="harmonia-heartbeat", daemon=True)
 
     def __enter__(self) -> Heartbeat:
@@ -272,6 +286,12 @@ class Heartbeat:
             return
         self._written, self._written_at = step, time.monotonic()
 
+    def _write_status(self) -> None:
+        status = (self.status() if self.status is not None else None) or ""
+        if status != self._status_written:
+            self.store.set(_key(self.attempt, "wait", self.rank), status)
+            self._status_written = status
+
     def _run(self) -> None:
         detector = None
         while not self._stop.wait(self.interval):
@@ -279,6 +299,7 @@ class Heartbeat:
                 self._write_step()
             try:
                 self.store.add(_key(self.attempt, "beat", self.rank), 1)
+                self._write_status()
                 waiting = time.monotonic() - self._step_changed > 2 * self.interval
                 if not (self.detect and waiting):
                     detector = None

@@ -56,6 +56,29 @@ def test_quick_steps_reach_the_store_with_the_next_beat(monkeypatch) -> None:
     assert stored() == 49  # and the newest reaches the store with a beat
 
 
+def test_a_stall_names_what_each_rank_waits_for(caplog) -> None:
+    """Every rank beats but no step ends: the warning says which message each rank waits on."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    waits = {0: "receive llm.s0 -> llm.s1 activation of microbatch 3 from rank 1",
+             1: "receive llm.s1 -> llm.s0 gradient of microbatch 2 from rank 0"}
+    beats = [Heartbeat(server, r, 2, hang_timeout=0.5) for r in range(2)]
+    for r, beat in enumerate(beats):
+        beat.interval, beat.status = 0.05, (lambda r=r: waits[r])
+        beat.progress(1)
+        beat.__enter__()
+    detector = HangDetector(server, 2, hang_timeout=0.5, startup_s=0.0)
+    deadline = time.monotonic() + 5
+    with caplog.at_level("WARNING", logger=watchdog.__name__):
+        while not detector.warned_stall and time.monotonic() < deadline:
+            assert detector.poll() is None  # alive: beats go on
+            time.sleep(0.05)
+    for beat in beats:
+        beat.__exit__()
+    assert detector.warned_stall
+    assert f"rank 0 waits to {waits[0]}" in caplog.text and f"rank 1 waits to {waits[1]}" in caplog.text
+
+
 def test_stop_signals_are_recorded_not_fatal() -> None:
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
