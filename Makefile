@@ -37,8 +37,8 @@ test-random: install
 	HYPOTHESIS_PROFILE=random $(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 # On a machine with a GPU (and its own torch: it may have no network): attention kernels' parity, one
-# training step of a 2B LLaVA beside transformers', and harmonia train on the device (a tiny job, and an
-# 8B LLaVA with LoRA), saved under benchmarks/results/ (9 minutes at most). `benchmarks/gpu_check.py --tiny` is the CPU smoke run the test suite makes.
+# training step of a 2B LLaVA beside transformers', no host sync in a step's actions (gpu_sync_audit.py), and
+# harmonia train on the device (a tiny job, and an 8B LLaVA with LoRA), saved under benchmarks/results/ (9 minutes at most). `benchmarks/gpu_check.py --tiny` is the CPU smoke run the test suite makes.
 GPU_PY = $(if $(wildcard $(PY)),$(abspath $(PY)),python3)
 gpu-check:
 	cd benchmarks && timeout 540 $(GPU_PY) gpu_check.py

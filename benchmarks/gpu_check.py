@@ -18,13 +18,17 @@
    (NCCL, bf16, attention and compilation ``auto``, then compilation off), read back from its
    metrics: wall-clock tokens/s, the last step beside the simulator's, the allocator's peak beside
    the planner's estimate, start-up.
+4. Syncs (`gpu_sync_audit`): executor steps of tiny models (a tiled ViT, Qwen2.5-VL's native
+   tower) with ``torch.cuda.set_sync_debug_mode("error")`` while their actions run, after a warm-up
+   step: a host sync in the hot path fails the part with its stack. Runs before part 3, which takes
+   what is left of the budget.
 
 ``--tiny`` runs every part on CPU with tiny widths (CI runs it, so the script never rots); on a GPU
 the tables are saved under ``benchmarks/results/gpu-check-DATE.txt`` (after part 2, then again at
 the end). A kernel out of tolerance, a step or a run that fails exits 1 after the tables; each part
 stops where ``--budget`` seconds are spent.
 
-    python benchmarks/gpu_check.py [--tiny] [--budget SECONDS]
+    python benchmarks/gpu_check.py [--tiny] [--budget SECONDS] [--parts kernels,step,syncs,runtime]
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from harmonia.model.attention_backend import choose_backend, mask_kind  # noqa: 
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask  # noqa: E402
 
 IMAGE_TOKEN = 151646
+PARTS = ("kernels", "step", "syncs", "runtime")
 
 
 def kernel_cases(n_tokens: int, seed: int = 0) -> list[tuple[str, TokenLayout, int | None]]:
@@ -96,6 +101,7 @@ def kernel_parity(device: torch.device, dtype: torch.dtype, n_tokens: int, tol: 
         table.add_column(col, justify="left" if col in ("mask", "kernel", "verdict") else "right")
     ok = True
     for name, layout, window in kernel_cases(n_tokens):
+        host = layout  # the kernels plan from the host's layout, as a training step's do
         layout = TokenLayout(*(t.to(device) for t in (layout.sample, layout.segment, layout.is_item, layout.position)))
         torch.manual_seed(0)
         q = torch.randn(1, 8, len(layout), 64, device=device)
@@ -112,7 +118,8 @@ def kernel_parity(device: torch.device, dtype: torch.dtype, n_tokens: int, tol: 
                 table.add_row(name, kernel, "", "", "", f"not run: {e}".split(";")[0])
                 continue
             try:
-                y, grads, ms = _timed_kernel(PackedAttention(layout, backend=kernel), (q, k, v), g, window, dtype)
+                y, grads, ms = _timed_kernel(PackedAttention(host, backend=kernel, device=device), (q, k, v), g,
+                                             window, dtype)
             except Exception as e:  # noqa: BLE001 - the table says which kernel failed and why
                 ok = False
                 traceback.print_exc()
@@ -343,6 +350,32 @@ def _peak(device_name: str) -> float:
     return device_preset(device_name).peak_flops
 
 
+def sync_table(device: torch.device) -> tuple[Table, bool]:
+    """Part 4: `gpu_sync_audit`'s steps of every model, on a GPU with sync debug mode ``error`` while
+    their actions run; on CPU (``--tiny``) the same steps, unaudited (no CUDA to watch)."""
+    import contextlib
+
+    import gpu_sync_audit as audit
+
+    table = Table(title="host syncs in the actions of a training step (torch.cuda.set_sync_debug_mode)")
+    for col in ("model", "verdict"):
+        table.add_column(col)
+    with audit.one_process_group(device.type):
+        if device.type == "cuda":
+            verdicts = audit.audit(list(audit.MODELS), 2, "error")
+        else:
+            verdicts = []
+            for name in audit.MODELS:
+                got = _guarded(lambda: audit.run_steps(audit.build_job(name, device), 2, lambda b: b,
+                                                       contextlib.nullcontext))
+                verdicts.append((name, got if isinstance(got, str) else
+                                 f"ran {got['steps']} steps, {got['actions']} compute actions timed "
+                                 "(no CUDA: syncs not audited)"))
+    for name, verdict in verdicts:
+        table.add_row(name, verdict)
+    return table, not any(v.startswith("FAIL") for _, v in verdicts)
+
+
 def runtime_runs(tiny: bool, device_name: str) -> list[tuple[str, list[str], float]]:
     """(row, `harmonia train` flags, seconds allowed) of the runs through the whole runtime on this device:
     a tiny job with its blocks compiled (``auto`` on a GPU), and on a GPU the same eager and a real-size
@@ -410,8 +443,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny widths on CPU (CI)")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check (default 480)")
-    parser.add_argument("--parts", default="kernels,step,runtime",
-                        help="comma-separated parts to run (default all); a subset saves gpu-check-PARTS-DATE.txt")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {PARTS} (default all); a subset saves "
+                             "gpu-check-PARTS-DATE.txt")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget
     console = Console(record=True, width=170)
@@ -423,13 +457,19 @@ def main() -> int:
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     console.print(f"torch {torch.__version__}, {label}")
     parts = args.parts.split(",")
-    name = "gpu-check" if set(parts) == {"kernels", "step", "runtime"} else "gpu-check-" + "-".join(parts)
-    ok = stepped = ran = True
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts {unknown} are not parts; pick from {PARTS}")
+    name = "gpu-check" if set(parts) == set(PARTS) else "gpu-check-" + "-".join(parts)
+    ok = stepped = synced = ran = True
     if "kernels" in parts:
         parity, ok = kernel_parity(device, dtype, 512 if args.tiny else 8192, tol)
         console.print(parity)
     if "step" in parts:
         table, stepped = training_table(args.tiny, device)
+        console.print(table)
+    if "syncs" in parts:
+        table, synced = sync_table(device)
         console.print(table)
     if device.type == "cuda":
         save_table(console, name)  # what is measured so far is kept, whatever the runs below do
@@ -440,7 +480,7 @@ def main() -> int:
         console.print(runtime)
         if device.type == "cuda":
             save_table(console, name)
-    return 0 if ok and stepped and ran else 1
+    return 0 if ok and stepped and synced and ran else 1
 
 
 if __name__ == "__main__":

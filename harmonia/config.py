@@ -191,6 +191,8 @@ class ParallelConfig:
     hang_timeout_s: float = _f(0.0, "a rank without a heartbeat for this long is named and the job stopped "
                                "(0 = auto: 300 s on GPUs, 60 s on CPU)")
     collective_timeout_s: float = _f(600.0, "process-group timeout: a collective waiting longer fails")
+    prepare_timeout_s: float = _f(1800.0, "under torchrun, how long the other ranks wait for rank 0 to prepare the "
+                                  "data and the plan (the shape pass over the data, the plan search) before they fail")
     schedule_search: int = _f(-1, "schedules the per-batch microbatch-order search replays each step, in the "
                               "background (0 = keep the balancer's order; -1 = auto: 16 on GPUs, 0 on CPU, "
                               "where every rank's search takes its time from the ranks' own compute)")
@@ -207,8 +209,9 @@ class ParallelConfig:
         for name in ("timeout_s", "hang_timeout_s"):
             value = getattr(self, name)
             _require(_finite(value) and value >= 0, f"parallel.{name}", value, "a finite number >= 0")
-        _require(_finite(self.collective_timeout_s) and self.collective_timeout_s > 0, "parallel.collective_timeout_s",
-                 self.collective_timeout_s, "a finite number > 0")
+        for name in ("collective_timeout_s", "prepare_timeout_s"):
+            value = getattr(self, name)
+            _require(_finite(value) and value > 0, f"parallel.{name}", value, "a finite number > 0")
         _require(self.schedule_search >= -1, "parallel.schedule_search", self.schedule_search, ">= 0, or -1 (auto)")
         if self.plan != "auto":
             _require(Path(self.plan).is_file(), "parallel.plan", self.plan, "an existing plan JSON or 'auto'")

@@ -66,13 +66,19 @@ class QueryBlock:
 class PackedAttention:
     """One microbatch's attention, shared by every layer of the LLM (or of an encoder).
 
+    The plan (query blocks, padded groups, varlen runs) is made on the host from the layout on the
+    CPU, where the batch was built: on a GPU, what the kernels take is copied to the device
+    (``non_blocking``) and nothing is read back, so building and running it syncs nothing. A layout,
+    query index or key order given on a device is read back once, here.
+
     Attributes:
-        keys: layout of every key token, in sequence order ``(T,)``.
+        keys: layout of every key token, in sequence order ``(T,)`` (best on the CPU).
         query_index: ``(t,)`` ascending sequence index of each local query; None = every token.
         backend: a kernel of `BACKENDS` other than ``auto`` (`choose_backend`).
         gather: under context parallelism, ``(t, *F) -> (T, *F)`` every CP rank's rows in
             gathered order (differentiable); None without.
         key_order: ``(T,)`` sequence index of each gathered row; None without CP.
+        device: where the queries, keys and values are; None = where ``keys`` are.
     """
 
     keys: TokenLayout
@@ -80,23 +86,28 @@ class PackedAttention:
     backend: str = "segments"
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
     key_order: torch.Tensor | None = None
+    device: torch.device | str | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        T = len(self.keys)
-        starts = _run_starts(self.keys.sample)  # (T,) first token of each token's sample
-        expected = torch.arange(T, device=starts.device) - starts
-        if not torch.equal(self.keys.position.to(expected.device), expected):
+        self.device = torch.device(self.keys.sample.device if self.device is None else self.device)
+        host = TokenLayout(*(on_host(t) for t in (self.keys.sample, self.keys.segment, self.keys.is_item,
+                                                   self.keys.position)))
+        self._host = host  # the keys' layout on the CPU: every plan reads this
+        self._host_query = None if self.query_index is None else on_host(self.query_index)
+        T = len(host)
+        starts = _run_starts(host.sample)  # (T,) first token of each token's sample
+        if not torch.equal(host.position, torch.arange(T) - starts):
             raise ConfigError("packed attention needs each sample's tokens in order with positions 0, 1, ... "
                               "(as TokenLayout.from_segments packs them)")
         self._starts = starts
-        self._item_end = _item_ends(self.keys)  # (T,) last key + 1 each token may attend
+        self._item_end = _item_ends(host)  # (T,) last key + 1 each token may attend
         # (T,) the group a token's query blocks start from: its sample for text, its item for an item's
         # tokens (a block never holds text queries before an item and that item's own tokens)
-        self._groups = torch.where(self.keys.is_item, _run_starts(self.keys.segment), starts)
-        if self.key_order is not None:
-            self._to_sequence = torch.argsort(self.key_order)  # gathered row of each sequence index
-        self.kind = mask_kind(self.keys)
+        self._groups = torch.where(host.is_item, _run_starts(host.segment), starts)
+        if self.key_order is not None:  # (T,) gathered row of each sequence index, on the device
+            self._to_sequence = _to_device(torch.argsort(on_host(self.key_order)), self.device)
+        self.kind = mask_kind(host)
 
     @classmethod
     def sequences(cls, lengths: list[int], requested: str = "auto", device: torch.device | str = "cpu",
@@ -112,9 +123,8 @@ class PackedAttention:
         """
         if not lengths or min(lengths) <= 0:
             raise ConfigError(f"packed sequences need positive lengths, got {list(lengths)}")
-        layout = TokenLayout.from_segments([[("item", n)] for n in lengths])
-        layout = TokenLayout(*(t.to(device) for t in (layout.sample, layout.segment, layout.is_item, layout.position)))
-        return cls(layout, backend=choose_backend(requested, device, SEQUENCES, head_dim))
+        layout = TokenLayout.from_segments([[("item", n)] for n in lengths])  # on the CPU, where it plans
+        return cls(layout, backend=choose_backend(requested, device, SEQUENCES, head_dim), device=device)
 
     def for_window(self, window: int | None) -> LayerAttention:
         """What a layer with sliding window ``window`` (None = none) attends with."""
@@ -122,8 +132,21 @@ class PackedAttention:
 
     @property
     def queries(self) -> TokenLayout:
-        """Layout of the local queries."""
-        return self.keys if self.query_index is None else self.keys.select(self.query_index)
+        """Layout of the local queries, on the device."""
+        keys = self._device_keys()
+        if self._host_query is None:
+            return keys
+        if "query index" not in self._cache:
+            self._cache["query index"] = _to_device(self._host_query, self.device)
+        return keys.select(self._cache["query index"])
+
+    def _device_keys(self) -> TokenLayout:
+        """``keys`` on the device (the ``dense`` and ``flex`` kernels read the layout there)."""
+        if "device keys" not in self._cache:
+            on = self.keys if self.keys.sample.device == self.device else self._host
+            self._cache["device keys"] = TokenLayout(*(_to_device(t, self.device) for t in (
+                on.sample, on.segment, on.is_item, on.position)))
+        return self._cache["device keys"]
 
     # -- the plan, once per microbatch and window -----------------------------------------------------
     def blocks(self, window: int | None = None) -> list[QueryBlock]:
@@ -152,20 +175,21 @@ class PackedAttention:
         if self.kind not in (CAUSAL, SEQUENCES) or window is not None or self.query_index is not None:
             return None
         if "padded" not in self._cache:
-            T = len(self.keys)
-            heads = torch.nonzero(self._starts == torch.arange(T, device=self._starts.device)).flatten().tolist()
+            T = len(self._host)
+            heads = torch.nonzero(self._starts == torch.arange(T)).flatten().tolist()
             lengths = [b - a for a, b in zip(heads, heads[1:] + [T])]  # each sample's tokens, from its first
             waste = PADDING_WASTE if self.kind == CAUSAL else 1.0  # 1.0: equally long samples only
-            self._cache["padded"] = PaddedGroups.plan(heads, lengths, waste, self._starts.device)
+            self._cache["padded"] = PaddedGroups.plan(heads, lengths, waste, self.device)
         return self._cache["padded"]
 
     def _first_key(self, window: int | None) -> torch.Tensor:
         if window is None:
             return self._starts
-        return torch.maximum(self._starts, torch.arange(len(self.keys), device=self._starts.device) - window + 1)
+        return torch.maximum(self._starts, torch.arange(len(self._host)) - window + 1)
 
     def _local(self, per_token: torch.Tensor) -> list[int]:
-        chosen = per_token if self.query_index is None else per_token[self.query_index]
+        """A host ``(T,)`` value of each local query, as a list."""
+        chosen = per_token if self._host_query is None else per_token[self._host_query]
         return chosen.tolist()
 
     # -- running it ---------------------------------------------------------------------------------
@@ -190,7 +214,7 @@ class PackedAttention:
             return self._varlen(q, k, v, window, gqa)
         if self.backend == "flex":
             return self._flex(q, k, v, window, gqa)
-        mask = multimodal_mask(self.queries, self.keys, window)  # (t, T): the reference only
+        mask = multimodal_mask(self.queries, self._device_keys(), window)  # (t, T): the reference only
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=gqa)
 
     def _gathered(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +234,8 @@ class PackedAttention:
         return torch.cat(out, dim=2)  # (B, nh, t, hd)
 
     def bounds(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(t,)`` first key and ``(t,)`` one past the last key of each local query (sequence order).
+        """``(t,)`` first key and ``(t,)`` one past the last key of each local query (sequence order),
+        on the CPU.
 
         The multimodal rule keeps exactly this interval of keys for every query: a text token
         attends its sample's earlier tokens (items' included) up to itself, an item's token also its
@@ -219,14 +244,17 @@ class PackedAttention:
         key = ("bounds", window)
         if key not in self._cache:
             first, ends = self._first_key(window), self._item_end
-            if self.query_index is not None:
-                first, ends = first[self.query_index], ends[self.query_index]
+            if self._host_query is not None:
+                first, ends = first[self._host_query], ends[self._host_query]
             self._cache[key] = (first, ends)
         return self._cache[key]
 
     def block_bias(self, b: QueryBlock, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """``(1, 1, bq, lk)`` additive mask of one block: 0 where kept, -inf elsewhere."""
-        first, ends = self.bounds(window)
+        """``(1, 1, bq, lk)`` additive mask of one block, on the device: 0 where kept, -inf elsewhere."""
+        key = ("device bounds", window)
+        if key not in self._cache:
+            self._cache[key] = tuple(_to_device(t, self.device) for t in self.bounds(window))
+        first, ends = self._cache[key]
         keys = torch.arange(b.k0, b.k1, device=first.device)  # (lk,)
         dropped = (keys < first[b.q0:b.q1, None]) | (keys >= ends[b.q0:b.q1, None])  # (bq, lk)
         bias = torch.zeros(dropped.shape, dtype=dtype, device=dropped.device)
@@ -241,13 +269,13 @@ class PackedAttention:
                 if window is not None or self.query_index is not None:
                     raise ConfigError("packed encoder sequences attend their whole sequence: no sliding window "
                                       "and no context-parallel shard under the 'varlen' kernel")
-                lengths = torch.bincount(self.keys.sample)  # (n,) tokens per sequence
-                cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+                lengths = torch.bincount(self._host.sample)  # (n,) tokens per sequence
+                cu = _to_device(torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32), self.device)
                 longest = int(lengths.max())
                 self._cache[key] = ((None, cu, cu, longest, longest), (-1, -1))
             else:
                 first, ends = self.bounds(window)
-                runs = causal_runs(self._local(self._starts), first.tolist(), ends.tolist(), first.device)
+                runs = causal_runs(self._local(self._starts), first.tolist(), ends.tolist(), self.device)
                 self._cache[key] = (runs, (-1 if window is None else window - 1, 0))
         return self._cache[key]
 
@@ -274,7 +302,7 @@ class PackedAttention:
     def _flex(self, q, k, v, window, gqa) -> torch.Tensor:
         mask = self._cache.get(("flex", window))
         if mask is None:
-            mask = self._cache[("flex", window)] = flex_mask(self.queries, self.keys, window)
+            mask = self._cache[("flex", window)] = flex_mask(self.queries, self._device_keys(), window)
         return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
@@ -342,7 +370,7 @@ class PaddedGroups:
         offset = torch.arange(P) - (width.cumsum(0) - width)[of_slot]  # (P,) slot within its sample
         valid = offset < own[of_slot]
         index = torch.where(valid, first[of_slot] + offset, 0)  # padding slots: token 0
-        return cls(shapes, index.to(device), valid.to(device))
+        return cls(shapes, _to_device(index, device), _to_device(valid, device))
 
     def pad(self, x: torch.Tensor, group: int) -> torch.Tensor:
         """Group ``group`` of ``(B, h, T, *F)`` in token order: ``(B n_g, h, L_g, *F)``, padding rows
@@ -476,6 +504,18 @@ def _flash_cpu(q, k, v, bias, causal: bool = False) -> tuple[torch.Tensor, torch
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias)
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU: itself there (plans are made from the batch's host tensors); from a device,
+    a read that waits for it (callers in the step pass host tensors)."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor copied to ``device`` without waiting for it (``non_blocking``: from pageable
+    memory the copy is staged before this returns, so the host tensor may go)."""
+    return t.to(device, non_blocking=True)
+
+
 def _run_starts(ids: torch.Tensor) -> torch.Tensor:
     """``(T,)`` index of the first token of each token's run of equal ``ids`` (runs contiguous)."""
     T = ids.numel()
@@ -557,9 +597,9 @@ def causal_runs(starts: list[int], first: list[int], ends: list[int], device) ->
         k_parts.append(torch.arange(k0, k1))
         cu_q.append(cu_q[-1] + b - a)
         cu_k.append(cu_k[-1] + k1 - k0)
-    as_int = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    return (torch.cat(k_parts).to(device), as_int(cu_q), as_int(cu_k), max(b - a for a, b in runs),
-            max(cu_k[i + 1] - cu_k[i] for i in range(len(runs))))
+    as_int = functools.partial(torch.tensor, dtype=torch.int32)  # made on the host, then copied
+    return (_to_device(torch.cat(k_parts), device), _to_device(as_int(cu_q), device), _to_device(as_int(cu_k), device),
+            max(b - a for a, b in runs), max(cu_k[i + 1] - cu_k[i] for i in range(len(runs))))
 
 
 def flex_mask(queries: TokenLayout, keys: TokenLayout, window: int | None, block: int = 128):

@@ -18,6 +18,19 @@ from harmonia.model.attention import PackedAttention
 from harmonia.model.attention_backend import choose_backend, mask_kind
 from harmonia.model.attention_mask import TokenLayout, multimodal_mask
 
+HOST = {"host": True}
+"""Metadata of a dataclass field that stays on the CPU when its object moves to a device (`PackedBatch.to`,
+`harmonia.train.rank.to_device`): what a step plans from on the host (item grids, token layouts, the CP
+assignment), so that its actions read no value back from the device."""
+
+
+def _host_copy(given: object, value: torch.Tensor | TokenLayout) -> object:
+    """A host field's value: ``given``, else ``value`` where it is on the CPU (None where it is not)."""
+    if given is not None:
+        return given
+    tensor = value.sample if isinstance(value, TokenLayout) else value
+    return value if tensor.device.type == "cpu" else None
+
 
 @dataclass
 class ItemInputs:
@@ -130,6 +143,8 @@ class MediaInputs:
         grid: ``(n_items, 3)`` a native-resolution encoder's item grids (`ItemInputs.grid`), kept on
             the CPU (the encoder plans its attention from them); ``inputs`` are then all items' patch
             rows and ``groups`` is empty.
+        host_index: ``index`` on the CPU, kept there when the rest moves to a device (a CP rank picks
+            its item rows from it); set from ``index`` when that is on the CPU.
     """
 
     inputs: torch.Tensor
@@ -137,12 +152,21 @@ class MediaInputs:
     n_groups: int
     index: torch.Tensor
     order: torch.Tensor | None = None
-    grid: torch.Tensor | None = None
+    grid: torch.Tensor | None = field(default=None, metadata=HOST)
+    host_index: torch.Tensor | None = field(default=None, metadata=HOST, repr=False)
+
+    def __post_init__(self) -> None:
+        self.host_index = _host_copy(self.host_index, self.index)
+
+    @property
+    def plan_index(self) -> torch.Tensor:
+        """The item positions plans read: on the CPU where the inputs have them there (`host_index`)."""
+        return self.index if self.host_index is None else self.host_index
 
     def to(self, device: torch.device | str) -> MediaInputs:
         order = None if self.order is None else self.order.to(device)
         return MediaInputs(self.inputs.to(device), self.groups.to(device), self.n_groups, self.index.to(device), order,
-                           self.grid)
+                           self.grid, self.host_index)
 
 
 def gather_items(items: list[ItemInputs], index: torch.Tensor, with_inputs: bool = True) -> MediaInputs:
@@ -200,6 +224,8 @@ class PackedBatch:
         sample_ids: dataset identifiers of the packed samples, in order.
         rope_positions: ``(3, 1, T)`` the samples' multimodal rotary positions, each sample's from
             its own start (None: the model's rotary positions are ``layout.position``).
+        host_layout: ``layout`` on the CPU, kept there when the rest moves to a device: the attention
+            plans from it (`attention`); set from ``layout`` when that is on the CPU.
     """
 
     input_ids: torch.Tensor
@@ -208,6 +234,15 @@ class PackedBatch:
     media: dict[str, MediaInputs]
     sample_ids: list = field(default_factory=list)
     rope_positions: torch.Tensor | None = None
+    host_layout: TokenLayout | None = field(default=None, metadata=HOST, repr=False)
+
+    def __post_init__(self) -> None:
+        self.host_layout = _host_copy(self.host_layout, self.layout)
+
+    @property
+    def plan_layout(self) -> TokenLayout:
+        """The layout plans read: on the CPU where the batch has it there (`host_layout`)."""
+        return self.layout if self.host_layout is None else self.host_layout
 
     @property
     def n_tokens(self) -> int:
@@ -226,8 +261,8 @@ class PackedBatch:
                 and mask kind (`choose_backend`).
             head_dim: the LLM's channels per head (`choose_backend`).
         """
-        kernel = choose_backend(backend, self.input_ids.device, mask_kind(self.layout), head_dim)
-        return PackedAttention(self.layout, backend=kernel)
+        kernel = choose_backend(backend, self.input_ids.device, mask_kind(self.plan_layout), head_dim)
+        return PackedAttention(self.plan_layout, backend=kernel, device=self.input_ids.device)
 
     def mask(self) -> torch.Tensor:
         """Boolean ``(T, T)`` multimodal attention mask: the dense reference tests compare against."""
@@ -244,6 +279,7 @@ class PackedBatch:
             self.input_ids.to(device), self.labels.to(device),
             TokenLayout(lay.sample.to(device), lay.segment.to(device), lay.is_item.to(device), lay.position.to(device)),
             media, self.sample_ids, None if self.rope_positions is None else self.rope_positions.to(device),
+            self.host_layout,
         )
 
 

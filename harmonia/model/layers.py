@@ -75,7 +75,7 @@ def rope_cos_sin(
     Returns:
         ``(cos, sin)``, each ``(..., T, head_dim)`` in float32.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device, non_blocking=True)
     freqs = positions.float()[..., None] * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)
     return emb.cos(), emb.sin()

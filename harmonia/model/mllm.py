@@ -59,7 +59,9 @@ def group_mean(x: torch.Tensor, groups: torch.Tensor, n_groups: int) -> torch.Te
     if n_groups == x.shape[0]:
         return x
     out = torch.zeros(n_groups, *x.shape[1:], dtype=x.dtype, device=x.device).index_add(0, groups, x)
-    counts = torch.bincount(groups, minlength=n_groups).clamp(min=1).to(x.dtype)
+    # (n_groups,) sequences per slot; bincount's, without its read of the largest slot on a GPU
+    counts = torch.zeros(n_groups, dtype=torch.long, device=x.device).index_add_(0, groups, torch.ones_like(groups))
+    counts = counts.clamp(min=1).to(x.dtype)
     return out / counts[:, None, None]
 
 
@@ -94,7 +96,7 @@ def encode_media(encoder: nn.Module, projector: nn.Module, media: MediaInputs) -
 def check_item_attention(spec: MLLMSpec, batch: PackedBatch) -> None:
     """Raise `SampleError` when the batch's mask rule for items is not the model's (`MLLMSpec.item_attention`)."""
     n_items = sum(m.index.numel() for m in batch.media.values())
-    bidirectional = int(batch.layout.is_item.sum())
+    bidirectional = int(batch.plan_layout.is_item.sum())
     causal = spec.item_attention == "causal"
     if (causal and bidirectional) or (not causal and bidirectional != n_items):
         want = "causal_items=True" if causal else "causal_items=False"

@@ -208,8 +208,8 @@ def mrope_cos_sin(
     if position_ids.dim() not in (2, 3) or position_ids.shape[0] != 3:
         raise ConfigError(f"mrope_cos_sin: position_ids of shape {tuple(position_ids.shape)} must be (3, T) or "
                           f"(3, B, T), rows t, h, w (from rope_index)")
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(position_ids.device)  # (hd/2,)
-    axes = mrope_axes(head_dim, mrope_section, interleaved).to(position_ids.device)  # (hd/2,)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(position_ids.device, non_blocking=True)  # (hd/2,)
+    axes = mrope_axes(head_dim, mrope_section, interleaved).to(position_ids.device, non_blocking=True)  # (hd/2,)
     positions = position_ids[axes].movedim(0, -1)  # (..., T, hd/2): each frequency's own row
     freqs = positions.float() * inv_freq  # (..., T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., T, hd)

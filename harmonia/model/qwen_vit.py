@@ -111,7 +111,7 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[t
     frequencies ``theta ** (-4k / head_dim)``; the second half repeats them (transformers'
     ``VisionRotaryEmbedding`` with ``apply_rotary_pos_emb_vision``, i.e. `apply_rope`).
     """
-    inv_freq = rope_inv_freq(head_dim // 2, theta).to(positions.device)  # (hd/4,)
+    inv_freq = rope_inv_freq(head_dim // 2, theta).to(positions.device, non_blocking=True)  # (hd/4,)
     freqs = (positions.float()[..., None] * inv_freq).flatten(1)  # (N, hd/2): rows' angles, then columns'
     emb = torch.cat((freqs, freqs), dim=-1)  # (N, hd)
     return emb.cos(), emb.sin()
@@ -147,6 +147,9 @@ def plan_pos_interpolation(grid: list[tuple[int, int, int]], merge_size: int,
 
 def read_grid(grid_thw: torch.Tensor, n_patches: int, spec: QwenVisionSpec) -> list[tuple[int, int, int]]:
     """``grid_thw`` as a list of ``(t, h, w)``, checked against the patches and the merge size.
+
+    Read on the host: the grids are kept on the CPU (`harmonia.model.batch.MediaInputs.grid`), so
+    the step reads nothing back from the device (a grid given on a device is read back here, a wait).
 
     Raises:
         SampleError: the grids do not hold ``n_patches`` patches, or a side is not a multiple of ``m``.
@@ -329,11 +332,11 @@ class QwenVisionEncoder(nn.Module):
 
     def _item_plan(self, item: tuple[int, int, int], device: torch.device) -> ItemPlan:
         spec = self.spec
-        positions = plan_positions([item], spec.merge_size).to(device)  # (n, 2)
+        positions = plan_positions([item], spec.merge_size).to(device, non_blocking=True)  # (n, 2)
         order, lengths = None, []
         if spec.window_size is not None:
             order, lengths = plan_windows([item], spec.merge_size, spec.window_tokens)
-            order = order.to(device)
+            order = order.to(device, non_blocking=True)
             positions = positions[order]
         return ItemPlan(order, lengths, rope_tables(positions, spec.body.dim_head, spec.rope_theta))
 
@@ -345,7 +348,8 @@ class QwenVisionEncoder(nn.Module):
         x = self.patch_embed(x).view(-1, spec.body.hidden)  # (N, h)
         if self.pos_embed is not None:
             rows, weights = plan_pos_interpolation(grid, spec.merge_size, math.isqrt(self.pos_embed.num_embeddings))
-            table = self.pos_embed(rows.to(x.device)) * weights.to(x.device)[..., None]  # (N, 4, h)
+            rows, weights = rows.to(x.device, non_blocking=True), weights.to(x.device, non_blocking=True)
+            table = self.pos_embed(rows) * weights[..., None]  # (N, 4, h)
             x = x + table.sum(1).to(x.dtype)
         return x
 

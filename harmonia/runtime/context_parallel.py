@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from harmonia.errors import SampleError
-from harmonia.model.attention import PackedAttention
+from harmonia.model.attention import PackedAttention, on_host
 from harmonia.model.attention_backend import choose_backend, mask_kind
 from harmonia.model.batch import PackedBatch
 
@@ -78,13 +78,16 @@ def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup, counts: tuple[int, 
 class CPShard:
     """One CP rank's part of a packed microbatch.
 
+    Planned on the host from the CPU's assignment and layout (`harmonia.model.batch.HOST`); what the
+    kernels take is copied to the device without waiting, so building a shard reads nothing back.
+
     Attributes:
-        tokens: ``(t,)`` positions in the packed sequence this rank holds, ascending.
+        tokens: ``(t,)`` positions in the packed sequence this rank holds, ascending (on the device).
         positions: ``(1, t)`` rotary positions of those tokens (``(3, 1, t)`` under multimodal RoPE:
             all three rows sliced with the tokens).
         attention: the local queries' attention against every key, with the key/value gather.
-        local_of: ``(T,)`` index of each token among this rank's tokens (-1: another rank's).
-        token_ranks: ``(T,)`` CP rank of each token.
+        local_of: ``(T,)`` index of each token among this rank's tokens (-1: another rank's), on the CPU.
+        token_ranks: ``(T,)`` CP rank of each token, on the CPU.
     """
 
     tokens: torch.Tensor
@@ -94,14 +97,17 @@ class CPShard:
     token_ranks: torch.Tensor
 
     def item_rows(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Which of an encoder's item rows (sequence positions ``index``) are local, and where they go.
+        """Which of an encoder's item rows (sequence positions ``index``, best on the CPU:
+        `harmonia.model.batch.MediaInputs.host_index`) are local, and where they go.
 
         Returns:
-            ``(mine, local_index)``: ``(n,)`` boolean over the rows, and the local sequence index of
-            each local row, in row order (the boundary delivers exactly those rows, in that order).
+            ``(mine, local_index)``: ``(n,)`` boolean over the rows (on the CPU), and the local
+            sequence index of each local row, in row order, on the device of ``tokens`` (the boundary
+            delivers exactly those rows, in that order).
         """
-        mine = self.local_of[index] >= 0
-        return mine, self.local_of[index[mine]]
+        local = self.local_of[on_host(index)]  # (n,)
+        mine = local >= 0
+        return mine, local[mine].to(self.tokens.device, non_blocking=True)
 
 
 def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group: dist.ProcessGroup,
@@ -110,7 +116,7 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
 
     Args:
         mb: this DP replica's packed microbatch (whole sequence).
-        token_ranks: ``(T,)`` CP rank of every token.
+        token_ranks: ``(T,)`` CP rank of every token (best on the CPU: `RankBatch.llm_cp` is kept there).
         rank: this rank's ``cp`` coordinate.
         group: the ``cp`` group.
         cp: CP ranks.
@@ -120,7 +126,8 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
     Raises:
         SampleError: the assignment does not cover the sequence or leaves a CP rank without tokens.
     """
-    token_ranks = token_ranks.to(device=mb.input_ids.device, dtype=torch.long)
+    device = mb.input_ids.device
+    token_ranks = on_host(token_ranks).long()
     if token_ranks.shape != (mb.n_tokens,) or token_ranks.min() < 0 or token_ranks.max() >= cp:
         raise SampleError(f"CP assignment of shape {tuple(token_ranks.shape)} must give each of the "
                           f"microbatch's {mb.n_tokens} tokens a CP rank in 0..{cp - 1}")
@@ -130,9 +137,12 @@ def build_cp_shard(mb: PackedBatch, token_ranks: torch.Tensor, rank: int, group:
                           "tokens; give every CP rank at least one token of each microbatch")
     tokens = (token_ranks == rank).nonzero().flatten()  # (t,)
     order = torch.argsort(token_ranks, stable=True)  # (T,) gathered key order: rank by rank, ascending
-    local_of = torch.full((mb.n_tokens,), -1, dtype=torch.long, device=tokens.device)
-    local_of[tokens] = torch.arange(tokens.numel(), device=tokens.device)
+    local_of = torch.full((mb.n_tokens,), -1, dtype=torch.long)
+    local_of[tokens] = torch.arange(tokens.numel())
     gather = partial(gather_tokens, group=group, counts=tuple(counts.tolist()))
-    kernel = choose_backend(backend, tokens.device, mask_kind(mb.layout), head_dim)
-    attention = PackedAttention(mb.layout, query_index=tokens, backend=kernel, gather=gather, key_order=order)
-    return CPShard(tokens, mb.positions()[..., tokens], attention, local_of, token_ranks)
+    layout = mb.plan_layout
+    kernel = choose_backend(backend, device, mask_kind(layout), head_dim)
+    attention = PackedAttention(layout, query_index=tokens, backend=kernel, gather=gather, key_order=order,
+                                device=device)
+    on_device = tokens.to(device, non_blocking=True)
+    return CPShard(on_device, mb.positions()[..., on_device], attention, local_of, token_ranks)

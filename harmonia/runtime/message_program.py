@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from harmonia.runtime.boundary_plan import BoundaryPlan, Message
+from harmonia.errors import LayoutError, ScheduleError
+from harmonia.runtime.boundary_plan import BoundaryPlan, Message, plan_boundary
 from harmonia.schedule.actions import Action, Kind
 from harmonia.schedule.graph import LLM, IterationSchedule
 from harmonia.schedule.layout import Layout
@@ -111,3 +112,34 @@ def lone_transfer_programs(plans: Sequence[BoundaryPlan], encoder: str, backward
             for kind in kinds:
                 steps += boundary_steps(plan, encoder, m, rank, kind)
     return out
+
+
+def nominal_boundary_plan(src: Layout, dst: Layout, tokens: int = 2) -> BoundaryPlan:
+    """A boundary plan in which every source replica sends rows to every destination rank (one sample
+    per pair of DP replicas, its rows dealt over the destination's CP ranks): every pair of ranks that
+    some batch's plan could join, for checking a layout's messages before any batch exists."""
+    pairs = [(i, j) for i in range(src.dp) for j in range(dst.dp)]
+    per_sample = tokens * dst.cp * src.tp  # rows reach every CP rank, from every source TP replica
+    item_tokens = [[per_sample] for _ in pairs]
+    src_samples = [[s for s, (i, _) in enumerate(pairs) if i == d] for d in range(src.dp)]
+    dst_samples = [[s for s, (_, j) in enumerate(pairs) if j == d] for d in range(dst.dp)]
+    dst_cp = [[r % dst.cp for r in range(per_sample * len(held))] for held in dst_samples]  # rows dealt over cp
+    return plan_boundary(src, dst, item_tokens, src_samples, dst_samples, dst_cp_assign=dst_cp)
+
+
+def check_layout_messages(layouts: Mapping[str, Layout], schedule: IterationSchedule) -> None:
+    """Refuse layouts whose messages cannot be put in one order under ``schedule`` (its action lists
+    cannot run), naming the modules and ranks, before any step: every rank's program with nominal
+    boundary plans (`nominal_boundary_plan`) goes through `plan_message_order`.
+
+    Raises:
+        LayoutError: the layouts' messages cannot be ordered.
+    """
+    plans = {e: [nominal_boundary_plan(layouts[e], layouts[LLM])] * schedule.n_microbatches
+             for e in schedule.graph.encoders}
+    try:
+        plan_message_order(rank_programs(layouts, schedule, plans))
+    except ScheduleError as err:
+        where = ", ".join(f"{m} on ranks {list(lay.rank_list())}" for m, lay in sorted(layouts.items()))
+        raise LayoutError(f"the plan's messages cannot be put in one order both ends share ({where}): {err}; "
+                          "choose another schedule or layout") from err

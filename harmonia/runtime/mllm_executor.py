@@ -144,11 +144,16 @@ class MLLMExecutor:
         if missing:
             raise LayoutError(f"rank {self.rank} runs {missing} in the plan but got no chunks for them")
         self.dtype, self.device = dtype, device
+        self.wire_dtype = autocast or dtype
+        """The dtype stage messages and boundary rows travel in: the compute dtype under mixed
+        precision (bf16, as the cost model prices a send: ``act_bytes``), converted back to ``dtype``
+        on arrival; ``dtype`` itself otherwise (fp32 jobs send exactly what they compute)."""
         self.optimizers = {n: (optimizer or default_optimizer)(r.param_groups())
                            for n, r in self.runners.items() if r.trainable}
         self.action_times: list[tuple[Action, float, float, float]] | None = None
         """When a list: every compute action run is appended with its start and end
-        (``time.perf_counter``) and the CPU seconds this thread spent in it (``time.thread_time``)."""
+        (``time.perf_counter``; on a GPU from CUDA events, `harmonia.runtime.action_timer`) and the CPU
+        seconds this thread spent in it (``time.thread_time``)."""
         self.executed: list[Action] = []
         """Every action of the last iteration, in the order it ran."""
 
@@ -225,7 +230,7 @@ class MLLMExecutor:
                         start_fsdp_resharding(module)
                     else:
                         r.gathers[c] = start_fsdp_backward(module)
-        run = MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
+        run = self._running = MLLMIteration(self, schedule, batch, _reducing_backwards(self.runners, actions))
         with self._vocabulary_parallel():
             run.execute(actions)
         try:
@@ -240,11 +245,17 @@ class MLLMExecutor:
         for r in self.runners.values():
             if r.tied is not None:
                 r.tied.run()
+        run.timer.resolve()  # on a GPU: one wait for the last action's event, none per action
         # TP ranks repeat the loss; CP ranks each hold the loss of their own tokens.
         counts = LLM in self.runners and self.runners[LLM].mesh.coords["tp"] == 0
         # on the host, as the caller reads it (a process group on GPUs has gloo beside NCCL for this)
         return (run.loss_sum.detach().to("cpu", torch.float64, copy=True) if counts
                 else torch.zeros((), dtype=torch.float64))
+
+    def waiting_on(self) -> str | None:
+        """The message this rank waits for now, as a hang's report names it (None: none)."""
+        run = getattr(self, "_running", None)
+        return None if run is None else run.messenger.waiting_on()
 
     def norm_share(self) -> torch.Tensor:
         """This rank's share of the squared global gradient norm, over all its modules."""

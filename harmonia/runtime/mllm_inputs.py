@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from harmonia.errors import SampleError
-from harmonia.model.batch import ItemInputs, MediaInputs, PackedBatch, TokenizedSample, gather_items, pack_samples
+from harmonia.model.batch import HOST, ItemInputs, MediaInputs, PackedBatch, TokenizedSample, gather_items, pack_samples
 from harmonia.model.spec import TransformerSpec
 from harmonia.runtime.boundary_plan import BoundaryPlan, plan_boundary
 from harmonia.schedule.cp_shards import attention_unit_costs, plan_cp_shards
@@ -54,7 +54,8 @@ class RankBatch:
         plans: encoder -> microbatch -> boundary plan (every encoder; the same on every rank).
         n_targets: target tokens of the whole iteration (the loss normalizer).
         llm_cp: with LLM ``cp > 1``, per microbatch the ``(T,)`` CP rank of every token of this
-            replica's packed sequence (empty when ``cp == 1``).
+            replica's packed sequence (empty when ``cp == 1``); kept on the CPU, where the CP shard
+            is planned (`harmonia.model.batch.HOST`).
         messages: this rank's message order of the iteration
             (`harmonia.runtime.message_program.plan_iteration_messages`), where its preparation built
             it a step ahead; None: the executor builds it when the step starts.
@@ -64,8 +65,8 @@ class RankBatch:
     media: dict[str, list[list[MediaInputs | None]]] = field(default_factory=dict)
     plans: dict[str, list[BoundaryPlan]] = field(default_factory=dict)
     n_targets: float = 0.0
-    llm_cp: list[torch.Tensor] = field(default_factory=list)
-    messages: MessageOrder | None = None
+    llm_cp: list[torch.Tensor] = field(default_factory=list, metadata=HOST)
+    messages: MessageOrder | None = field(default=None, compare=False)  # derived from the rest, a step ahead
 
 
 def encoder_items(sample: TokenizedSample, encoder: str) -> list[tuple[ItemInputs, int]]:

@@ -6,7 +6,6 @@ item rows in and their gradients back, stage messages, the loss."""
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from harmonia.errors import LayoutError, ScheduleError
 from harmonia.model.attention import PackedAttention
 from harmonia.model.llm import lm_loss
 from harmonia.model.mllm import project_items, run_encoder
+from harmonia.runtime.action_timer import ActionTimer
 from harmonia.runtime.boundary_link import BoundaryLink
 from harmonia.runtime.context_parallel import CPShard, build_cp_shard
 from harmonia.runtime.grads import reduce_in_last_backward
@@ -52,6 +52,7 @@ class MLLMIteration:
         self.pending_g: dict[Key, torch.Tensor | None] = {}
         self.masks: dict[int, tuple[torch.Tensor, PackedAttention, CPShard | None]] = {}
         self.links: dict[str, BoundaryLink] = {}
+        self.timer = ActionTimer.for_device(ex.action_times, ex.device)  # compute actions into ex.action_times
         order = batch.messages or plan_iteration_messages(ex.meshes.layouts, schedule, batch.plans, ex.rank)
         self.messenger = Messenger(order, ex.rank)
         for e in self.graph.encoders:
@@ -64,7 +65,7 @@ class MLLMIteration:
                     (LLM in ex.runners and 0 in ex.runners[LLM].chunks):
                 back = self.graph.needs_backward(StageRef(e, self.graph.module(e).n_stages - 1))
                 self.links[e] = BoundaryLink(plans, ex.rank, ex.meshes.boundary_group(e), ex.row_width(e),
-                                             back, self.messenger, e, ex.dtype, ex.device)
+                                             back, self.messenger, e, ex.wire_dtype, ex.device)
 
 
     # -- driving the actions ------------------------------------------------------------------------
@@ -82,9 +83,9 @@ class MLLMIteration:
             if self.ex.action_times is None or not a.kind.is_compute:
                 handlers[a.kind](a)
             else:
-                start, cpu = time.perf_counter(), time.thread_time()
+                mark = self.timer.start()
                 handlers[a.kind](a)
-                self.ex.action_times.append((a, start, time.perf_counter(), time.thread_time() - cpu))
+                self.timer.stop(a, mark)
         if self.saved or self.w_groups or self.pending_g or self.outbox:
             raise ScheduleError(f"iteration ended with unfinished work: backward pending for "
                                 f"{sorted(self.saved)}, W for {sorted(self.w_groups)}, unsent {sorted(self.outbox)}")
@@ -132,8 +133,8 @@ class MLLMIteration:
             if self._empty(a):
                 self.messenger.skip(key)
             elif a.kind.is_recv:
-                shape, dtype, device = self._message_shape(a), self.ex.dtype, self.ex.device
-                self.messenger.expect(key, self.ex.runners[a.module].mesh.group,
+                shape, dtype, device = self._message_shape(a), self.ex.wire_dtype, self.ex.device
+                self.messenger.expect(key, self.ex.runners[a.module].mesh.group_of("pp"),
                                       lambda shape=shape: torch.empty(shape, dtype=dtype, device=device))
 
     def _message_shape(self, a: Action) -> tuple[int, ...]:
@@ -158,8 +159,8 @@ class MLLMIteration:
         if a.peer is None:
             if not self._empty(a):
                 t = self.outbox.pop(("F" if a.kind is Kind.SEND_F else "B", (name, c, m, s)))
-                self.messenger.send(stage_key(a, self.ex.rank), t.detach().to(self.ex.dtype),
-                                    self.ex.runners[name].mesh.group)
+                self.messenger.send(stage_key(a, self.ex.rank), t.detach().to(self.ex.wire_dtype),
+                                    self.ex.runners[name].mesh.group_of("pp"))
         elif a.kind is Kind.SEND_F:  # the encoder's rows of the microbatch, every sub-microbatch's
             parts = self.enc_rows.pop((name, m))
             self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]
@@ -176,11 +177,12 @@ class MLLMIteration:
         name, c, m, s = self._key(a)
         if a.peer is None:
             if not self._empty(a):
-                self.inbox[(name, c, m, s)] = self.messenger.recv(stage_key(a, self.ex.rank))
+                # in the wire dtype (bf16 under mixed precision), computed on in the executor's
+                self.inbox[(name, c, m, s)] = self.messenger.recv(stage_key(a, self.ex.rank)).to(self.ex.dtype)
         elif a.kind is Kind.RECV_F:  # (dst_rows, D) rows of encoder a.peer, in media.index order
-            self.rows_in[(a.peer.module, m)] = self.links[a.peer.module].take(m)
+            self.rows_in[(a.peer.module, m)] = self.links[a.peer.module].take(m).to(self.ex.dtype)
         else:  # (src_rows, D) gradients of this encoder's rows, cut back into its sub-microbatches
-            dx = self.links[name].take(m, backward=True)
+            dx = self.links[name].take(m, backward=True).to(self.ex.dtype)
             self.enc_grads[(name, m)] = list(dx.split(self.enc_sizes.pop((name, m))))
 
     def reduce(self, a: Action) -> None:
@@ -254,8 +256,8 @@ class MLLMIteration:
             for e in self.graph.encoders:
                 rows = self.rows_in.pop((e, m))  # (dst_rows, D) in media.index order (this CP rank's)
                 at = mb.media[e].index if e in mb.media else torch.zeros(0, dtype=torch.long)
-                if shard is not None:
-                    at = shard.item_rows(at)[1]
+                if shard is not None:  # this CP rank's rows, picked on the host
+                    at = shard.item_rows(mb.media[e].plan_index if e in mb.media else at)[1]
                 if rows.shape[0] != at.numel():
                     raise LayoutError(f"microbatch {m}: {rows.shape[0]} {e} rows arrived for {at.numel()} item "
                                       "positions; build the boundary plans from the same sample split")

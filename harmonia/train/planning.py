@@ -55,6 +55,22 @@ def executor_limits(plan: Plan) -> str | None:
     return None
 
 
+def check_plan_messages(spec: MLLMSpec, plan: Plan) -> None:
+    """Refuse a plan whose point-to-point messages cannot be put in one order both ends of each pair
+    derive (`harmonia.runtime.message_program.check_layout_messages`, under the plan's own schedule
+    family and microbatch count), before any process starts: NCCL would hang on its first step.
+
+    Raises:
+        LayoutError: naming the modules, their ranks and the messages that wait on each other.
+    """
+    from harmonia.runtime.message_program import check_layout_messages
+    from harmonia.schedule.families import build_schedule
+    from harmonia.train.rank import schedule_graph
+
+    schedule = build_schedule(schedule_graph(spec, plan), plan.n_microbatches, plan.schedule)
+    check_layout_messages(plan.layouts, schedule)
+
+
 def _constraints(config: Config):
     def accept(plan: Plan) -> str | None:
         pp = config.parallel.llm_pp
@@ -130,7 +146,9 @@ def search_training_plan(config: Config, shapes: list[SampleShape], top: int = 1
                         training=training_modes(config), iterations=2, search_batches=2, seed=config.train.seed,
                         mixed_precision=PRECISION_MIXED[config.train.precision],
                         device={} if share is None else {"mem_bytes": share})
-    return search_plan(scenario, top=top, accept=_constraints(config), samples=shapes, workers=process_cores())
+    report = search_plan(scenario, top=top, accept=_constraints(config), samples=shapes, workers=process_cores())
+    check_plan_messages(model_spec(config), report.best)
+    return report
 
 
 def load_training_plan(config: Config) -> Plan:
@@ -144,6 +162,7 @@ def load_training_plan(config: Config) -> Plan:
     reason = executor_limits(plan)
     if reason:
         raise ConfigError(f"plan {config.parallel.plan}: {reason}; plan again with `harmonia train` (plan=auto)")
+    check_plan_messages(spec, plan)
     plan = replace(plan, global_batch=config.train.global_batch)
     device = cluster_from_string(config.parallel.cluster).device
     device = replace(device, mixed_precision=PRECISION_MIXED[config.train.precision]) \

@@ -80,11 +80,14 @@ def rank_device(backend: str) -> torch.device:
 
 
 def to_device(obj, device: torch.device):
-    """``obj`` with every tensor inside (dataclasses, lists, tuples, dicts) moved to ``device``."""
+    """``obj`` with every tensor inside (dataclasses, lists, tuples, dicts) moved to ``device``, but
+    for dataclass fields marked to stay on the host (`harmonia.model.batch.HOST`: what the step plans
+    from there, so that it reads nothing back from the device)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+        return dataclasses.replace(obj, **{f.name: getattr(obj, f.name) if f.metadata.get("host") else
+                                           to_device(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(x, device) for x in obj)

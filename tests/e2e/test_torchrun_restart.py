@@ -1,8 +1,11 @@
 """Two torchrun agents on one machine (`--nnodes=2 --nproc-per-node=2`, c10d rendezvous): what a
 user sees when a worker or a whole agent is killed mid-run.
 
-Every run trains the demo job (configs/demo.toml: tiny-omni, 4 ranks, the LLM over 2 pipeline
-stages) for a few steps with a checkpoint after each. An uninterrupted run is the reference:
+Every run trains the demo job (configs/demo.toml: tiny-omni, 4 ranks) for a few steps with a
+checkpoint after each, on a plan whose LLM pipeline spans the two agents (`SPANNING_PLAN`: its stage 0
+on rank 1 of the first agent, its stage 1 on rank 2 of the second), as a pipeline over two nodes
+runs. An uninterrupted run is the reference; its communication is recorded and replayed under
+NCCL's rules (`tests.e2e._replay`), and its ranks say what they wait for while rank 0 prepares:
 
 - a worker killed by SIGKILL: both agents restart the worker group (`--max-restarts=1`), the new
   attempt resumes from the last finished checkpoint (its rank 0 takes over the dead one's
@@ -30,6 +33,7 @@ import pytest
 from harmonia.config import load_config
 from harmonia.metrics import read_metrics
 from harmonia.train.job import prepare_data
+from tests.e2e._replay import nccl_replayed
 
 pytestmark = [pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +46,19 @@ RESTART_JOIN_TIMEOUT_S = 60
 worker stuck in a collective, which one agent may spend stopping its workers while the other waits."""
 
 
+SPANNING_PLAN = {"model": "tiny-omni", "placement": "disjoint", "schedule": "1f1b", "n_microbatches": 2,
+                 "global_batch": 8, "training": {"vision": "frozen"},
+                 "layouts": {"vision": {"ranks": [0]}, "llm": {"pp": 2, "ranks": [1, 2]}, "audio": {"ranks": [3]}}}
+"""The first agent runs ranks 0 and 1, the second 2 and 3: the LLM's stage 0 (rank 1) sends its
+activations to stage 1 (rank 2) across the agents, and the audio encoder (rank 3) to stage 0 back."""
+
+
 def _args(tmp: Path, run: str) -> list[str]:
-    """The demo's config, a few steps on a small synthesized set, a checkpoint after every step."""
+    """The demo's config on `SPANNING_PLAN`, a few steps on a small synthesized set, a checkpoint after
+    every step."""
     return [f"--data.path={tmp / 'data'}", "--data.synthesize=32", "--data.heldout=8", f"--train.steps={STEPS}",
             "--train.global_batch=8", "--train.warmup=1", "--checkpoint.every=1", "--log.tensorboard=false",
-            f"--log.dir={tmp / run}", f"--checkpoint.dir={tmp / run / 'ck'}"]
+            f"--parallel.plan={tmp / 'plan.json'}", f"--log.dir={tmp / run}", f"--checkpoint.dir={tmp / run / 'ck'}"]
 
 
 def _free_port() -> int:
@@ -161,18 +173,26 @@ def _checkpoints(ck: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("torchrun")
+    (tmp / "plan.json").write_text(json.dumps(SPANNING_PLAN))
     prepare_data(load_config(DEMO, _args(tmp, "prep")))
     return tmp
 
 
 @pytest.fixture(scope="module")
 def reference(tmp) -> list[tuple[int, float]]:
-    """The uninterrupted run's per-step losses."""
-    job = TwoAgents(tmp, "reference").start()
-    try:
-        assert job.wait(timeout=240) == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
-    finally:
-        job.kill_all()
+    """The uninterrupted run's per-step losses; its messages replayed as NCCL would run them."""
+    with nccl_replayed(tmp / "reference-comms") as replays:  # the agents' workers inherit HARMONIA_COMM_RECORD
+        job = TwoAgents(tmp, "reference").start()
+        try:
+            assert job.wait(timeout=240) == [0, 0], job.output(0)[-3000:] + job.output(1)[-3000:]
+        finally:
+            job.kill_all()
+    assert replays[0].ranks == 4 and replays[0].p2p_ops > 0
+    assert json.loads((tmp / "reference" / "plan.json").read_text())["layouts"]["llm"]["ranks"] == [1, 2]
+    assert ("rank 0 prepares the data and the plan; the other 3 ranks wait for it (up to 1800 s: "
+            "parallel.prepare_timeout_s)") in job.output(0)
+    assert ("rank 2 waits for rank 0 to prepare the data and the plan (up to 1800 s: parallel.prepare_timeout_s); "
+            f"so does the other rank on host {socket.gethostname()}") in job.output(1)
     losses = _losses(tmp, "reference")
     assert [s for s, _ in losses] == list(range(STEPS))
     return losses

@@ -67,6 +67,7 @@ def _two_ranks(rank: int, port: int, directory: str) -> None:
             dist.send(torch.ones(2, dtype=torch.int64), 1)
         else:
             dist.recv(torch.empty(2, dtype=torch.int64), 0)
+        dist.barrier()  # neither rank tears its pair down while the other still reads from it
     finally:
         dist.destroy_process_group()
 
@@ -96,10 +97,12 @@ def test_two_ranks_record_a_batch_once_and_replay_clean(tmp_path: Path) -> None:
     assert w
     assert events[0] == [Issue((P2POp(g, 1, True, 3, "float32", w), P2POp(g, 1, False, 3, "float32", w)), True),
                          Wait(0), Wait(1), Collective(g, "all_reduce", 3, "float32", comm=w),
-                         Issue((P2POp(g, 1, True, 2, "int64", w),), False), Wait(2)]
-    assert events[1][-2:] == [Issue((P2POp(g, 0, False, 2, "int64", w),), False), Wait(2)]
+                         Issue((P2POp(g, 1, True, 2, "int64", w),), False), Wait(2),
+                         Collective(g, "barrier", 0, "", comm=w)]
+    assert events[1][-3:] == [Issue((P2POp(g, 0, False, 2, "int64", w),), False), Wait(2),
+                              Collective(g, "barrier", 0, "", comm=w)]
     report = replay_dir(tmp_path)
-    assert (report.ranks, report.p2p_ops, report.batched_ops, report.batches, report.collectives) == (2, 6, 4, 2, 2)
+    assert (report.ranks, report.p2p_ops, report.batched_ops, report.batches, report.collectives) == (2, 6, 4, 2, 4)
 
 
 def teardown_module() -> None:

@@ -34,11 +34,20 @@ def test_defaults_file_and_overrides(tmp_path) -> None:
         (["--parallel.plan=missing.json"], "parallel.plan"),
         (["steps=3"], "expected --section.key=value"),
         (["--parallel.schedule_search=-2"], "parallel.schedule_search=-2"),
+        (["--parallel.prepare_timeout_s=0"], r"prepare_timeout_s=0.0 is invalid: expected a finite number > 0"),
+        (["--parallel.prepare_timeout_s=inf"], "parallel.prepare_timeout_s=inf"),
+        (["--parallel.collective_timeout_s=-1"], "parallel.collective_timeout_s=-1.0"),
     ],
 )
 def test_bad_values_name_the_field(overrides, match) -> None:
     with pytest.raises(ConfigError, match=match):
         load_config(None, overrides)
+
+
+def test_the_wait_for_rank_0s_preparation_is_a_field() -> None:
+    assert load_config(None, []).parallel.prepare_timeout_s == 1800.0
+    assert load_config(None, ["--parallel.prepare_timeout_s=90"]).parallel.prepare_timeout_s == 90.0
+    assert any(line.startswith("--parallel.prepare_timeout_s=1800.0: under torchrun") for line in help_lines())
 
 
 def test_bad_files(tmp_path) -> None:
