@@ -33,10 +33,12 @@ class ModuleMesh:
         name: module name (``llm``, ``vision``, ...).
         layout: the module's layout.
         mesh: ``(pp, dp, cp, tp)`` mesh over the layout's ranks.
-        group: every rank of the layout. Stage messages and the tied-embedding exchange travel on
-            the ``pp`` group (`group_of`), which carries nothing else: with NCCL's communicators
-            created eagerly every operation on a group shares its one stream, so no collective may
-            sit among the messages' order there.
+        group: every rank of the layout, a group of its own (never the default group, even where
+            the layout spans the world) that carries the module's point-to-point traffic only (stage
+            messages, the tied-embedding exchange): with NCCL's communicators created eagerly every
+            operation on a group shares its one stream, so no collective may sit among the
+            messages' order there (a mesh axis spanning the world is the default group, which
+            carries collectives).
         rank: this process's global rank.
         dp_cp_group: the ranks of this rank's ``(pp, tp)`` position over ``dp`` and ``cp`` together,
             where both exceed 1 (`grad_group`).

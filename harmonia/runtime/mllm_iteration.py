@@ -134,7 +134,7 @@ class MLLMIteration:
                 self.messenger.skip(key)
             elif a.kind.is_recv:
                 shape, dtype, device = self._message_shape(a), self.ex.wire_dtype, self.ex.device
-                self.messenger.expect(key, self.ex.runners[a.module].mesh.group_of("pp"),
+                self.messenger.expect(key, self.ex.runners[a.module].mesh.group,
                                       lambda shape=shape: torch.empty(shape, dtype=dtype, device=device))
 
     def _message_shape(self, a: Action) -> tuple[int, ...]:
@@ -160,7 +160,7 @@ class MLLMIteration:
             if not self._empty(a):
                 t = self.outbox.pop(("F" if a.kind is Kind.SEND_F else "B", (name, c, m, s)))
                 self.messenger.send(stage_key(a, self.ex.rank), t.detach().to(self.ex.wire_dtype),
-                                    self.ex.runners[name].mesh.group_of("pp"))
+                                    self.ex.runners[name].mesh.group)
         elif a.kind is Kind.SEND_F:  # the encoder's rows of the microbatch, every sub-microbatch's
             parts = self.enc_rows.pop((name, m))
             self.enc_sizes[(name, m)] = [parts[j].shape[0] for j in sorted(parts)]

@@ -15,8 +15,8 @@ from harmonia.schedule.graph import LLM
 @dataclass
 class ModuleRunner:
     """One module's stage chunks on this rank, with their gradient reduction (its stage messages go
-    through the iteration's `harmonia.runtime.messenger.Messenger`, on the module's ``pp`` group through
-    this rank: one communicator per pipeline, created with the mesh).
+    through the iteration's `harmonia.runtime.messenger.Messenger`, on ``mesh.group``, which carries
+    nothing else).
 
     Attributes:
         mesh: the module's mesh on this rank.
@@ -44,8 +44,7 @@ class ModuleRunner:
         self.dp_sync = DPGradSync(self.mesh.grad_group()) if needs_sync else None
         self.cp_sync = DPGradSync(self.mesh.group_of("cp")) if self.fsdp and layout.cp > 1 else None
         self.replication = layout.dp * layout.cp * layout.tp
-        self.tied = (plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group_of("pp")) if self.name == LLM
-                     else None)
+        self.tied = plan_tied_sync(self.chunks, layout, self.mesh.rank, self.mesh.group) if self.name == LLM else None
         self.gathers: dict[int, list] = {}  # chunk -> its FSDP gathers in flight (`start_fsdp_backward`)
         self.reduced: set[int] = set()  # chunks whose last backward reduce-scattered their gradients
 
