@@ -15,6 +15,7 @@ from harmonia.errors import ConfigError
 from harmonia.runtime.comm_record import (ENV, maybe_record_from_env, read_record, record_comms,
                                           uninstall_recorder, write_record)
 from harmonia.sim.nccl_replay import Collective, Issue, P2POp, Wait, read_record_dir, replay_dir
+from tests.distributed._spawn import free_port
 
 ORIGINALS = {name: getattr(dist, name) for name in ("isend", "batch_isend_irecv", "all_reduce")}
 
@@ -72,17 +73,9 @@ def _two_ranks(rank: int, port: int, directory: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_ranks_record_a_batch_once_and_replay_clean(tmp_path: Path) -> None:
-    context = mp.start_processes(_two_ranks, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+    context = mp.start_processes(_two_ranks, args=(free_port(), str(tmp_path)), nprocs=2, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + 60
     try:
